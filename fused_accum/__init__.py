@@ -1,0 +1,1 @@
+"""fused_accum: exact, fused gradient accumulation for PyTorch."""
