@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Every check that runs without a GPU, in order; the first failure stops the run.
+# Called by `./run test` after set-up (so .venv exists and the package is installed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+
+echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
+"$PY" -m pytest -q tests
+
+# Its own process: TRITON_INTERPRET must be set before triton is first imported.
+echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
+TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py -k triton

@@ -1,0 +1,248 @@
+"""Every kernel backend against the reference backend, on fresh random data.
+
+Which backends run depends on the process:
+- a plain run checks the C++ CPU extension (``cpu``) when it is built;
+- a run with ``TRITON_INTERPRET=1`` (set before triton is imported; ``./run test`` starts one)
+  checks ``triton`` on CPU tensors;
+- ``-m gpu`` on a CUDA machine checks ``cuda`` and ``triton`` on CUDA tensors.
+The reference is never compared with itself: that test could not fail.
+
+Outputs are poisoned (NaN, or random values where the op reads them) before each call, so a
+kernel that skips an element or a tensor fails. Sizes cover 1, 2, primes, powers of two and one
+past them (one block and one more than a block for any block size up to 4096), and more than 110
+tensors in one call (the point where a kernel-argument metadata table typically fills).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fused_accum import backends
+from fused_accum.backends import reference
+
+CPU_BACKENDS = [n for n in ("cpu", "triton") if backends.availability(n, "cpu") == ""]
+GPU_BACKENDS = (
+    [n for n in ("cuda", "triton") if backends.availability(n, "cuda") == ""]
+    if torch.cuda.is_available()
+    else []
+)
+CASES = [pytest.param(n, "cpu", id=f"{n}-cpu") for n in CPU_BACKENDS] + [
+    pytest.param(n, "cuda", id=f"{n}-cuda", marks=pytest.mark.gpu) for n in GPU_BACKENDS
+]
+if not CASES:  # an explicit, visible reason rather than pytest's silent empty parametrisation
+    pytestmark = pytest.mark.skip(reason="no kernel backend available in this process")
+
+SIZES = [1, 2, 3, 31, 257, 1023, 1024, 1025, 4096, 4097]
+LOW = [torch.bfloat16, torch.float16]
+PAD = 64  # the optimizer's slice alignment, in elements
+
+
+def _flat_views(sizes, device, fill=float("nan")):
+    """A flat fp32 buffer with one padded slice per size; padding holds a sentinel."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + PAD - 1) // PAD * PAD
+    flat = torch.full((total,), -7.0, device=device)  # sentinel: kernels must not write padding
+    views = [flat[o : o + n] for o, n in zip(offsets, sizes)]
+    for v in views:
+        v.fill_(fill)
+    return flat, views
+
+
+def _padding_untouched(flat, views):
+    mask = torch.ones_like(flat, dtype=torch.bool)
+    for v in views:
+        start = v.storage_offset() - flat.storage_offset()
+        mask[start : start + v.numel()] = False
+    return bool((flat[mask] == -7.0).all())
+
+
+def _grads(sizes, dtype, device, gen):
+    return [torch.randn(n, generator=gen).to(device=device, dtype=dtype) for n in sizes]
+
+
+# --- accumulate ----------------------------------------------------------------------------
+
+# fp32 results of alpha*g + acc on O(1) values: a kernel may contract to an FMA (one rounding
+# where the reference rounds twice), so results may differ by about 1 ulp (6e-8 relative).
+ACC_TOL = dict(rtol=1e-6, atol=1e-6)
+# The sum of squares is a reduction over up to ~1e5 values in a different order: relative
+# error grows like n * eps ~ 1e-5 in the worst case, far less in practice.
+NORM_TOL = dict(rtol=2e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("dtype", LOW + [torch.float32])
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_accumulate_matches_reference(backend, device, dtype, overwrite):
+    gen = torch.Generator().manual_seed(hash((str(dtype), overwrite)) % 2**31)
+    grads = _grads(SIZES, dtype, device, gen)
+    start = [torch.randn(n, generator=gen).to(device) for n in SIZES]
+    flat, accs = _flat_views(SIZES, device)
+    _, expect = _flat_views(SIZES, device)
+    for a, e, s in zip(accs, expect, start):
+        if not overwrite:  # overwrite must not read acc: leave NaN there as poison
+            a.copy_(s)
+            e.copy_(s)
+    alpha = 0.37
+    found_inf, sumsq = torch.zeros((), device=device), torch.full((), 1.5, device=device)
+    backends.get(backend).accumulate(accs, grads, alpha, overwrite, found_inf, sumsq)
+    ref_inf, ref_sumsq = torch.zeros((), device=device), torch.full((), 1.5, device=device)
+    reference.accumulate(expect, grads, alpha, overwrite, ref_inf, ref_sumsq)
+    for got, want in zip(accs, expect):
+        torch.testing.assert_close(got, want, **ACC_TOL)
+    assert _padding_untouched(flat, accs)
+    assert found_inf.item() == 0.0
+    # sumsq is added to (1.5 was there) and equals the squared norm of the values written
+    norm2 = torch.linalg.vector_norm(torch.cat(expect)) ** 2
+    torch.testing.assert_close(sumsq, 1.5 + norm2, **NORM_TOL)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+def test_accumulate_many_mixed_tensors_and_views(backend, device):
+    """150 tensors, mixed dtypes, non-contiguous and storage-offset grads, in one call."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = torch.randint(1, 300, (150,), generator=gen).tolist()
+    grads = []
+    for i, n in enumerate(sizes):
+        dtype = (torch.bfloat16, torch.float16, torch.float32)[i % 3]
+        base = torch.randn(2 * n + 5, generator=gen).to(device=device, dtype=dtype)
+        kind = i % 4
+        if kind == 0:
+            grads.append(base[5 : 5 + n])  # storage offset, contiguous
+        elif kind == 1:
+            grads.append(base[: 2 * n : 2])  # strided
+        elif kind == 2 and n > 1:
+            grads.append(base[: (n // 2) * 2].view(n // 2, 2).t())  # transposed
+            sizes[i] = (n // 2) * 2
+        else:
+            grads.append(base[:n])
+    start = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    flat, accs = _flat_views(sizes, device)
+    _, expect = _flat_views(sizes, device)
+    for a, e, s in zip(accs, expect, start):
+        a.copy_(s)
+        e.copy_(s)
+    backends.get(backend).accumulate(accs, grads, 2.0, False, None, None)
+    reference.accumulate(expect, grads, 2.0, False, None, None)
+    for got, want in zip(accs, expect):
+        torch.testing.assert_close(got, want, **ACC_TOL)
+    assert _padding_untouched(flat, accs)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_accumulate_flags_nonfinite(backend, device, bad):
+    gen = torch.Generator().manual_seed(2)
+    grads = _grads([5, 1025, 3], torch.bfloat16, device, gen)
+    grads[1][777] = bad
+    _, accs = _flat_views([5, 1025, 3], device, fill=0.5)
+    found_inf = torch.zeros((), device=device)
+    backends.get(backend).accumulate(accs, grads, 1.0, False, found_inf, None)
+    assert found_inf.item() == 1.0
+    # A later finite call must not clear the flag: flags OR together over a window.
+    backends.get(backend).accumulate(accs[:1], grads[:1], 1.0, False, found_inf, None)
+    assert found_inf.item() == 1.0
+
+
+# --- optimizer steps -----------------------------------------------------------------------
+
+# fp32 state after one step: the kernels evaluate the same formulas in a different order and
+# may use FMA and hardware sqrt/division; 1e-5 relative covers that (Adam's m/(sqrt(v)+eps)
+# amplifies a 1-ulp difference in v by at most ~2x).
+STEP_TOL = dict(rtol=1e-5, atol=1e-6)
+
+ALGOS = {
+    "sgd": dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True, maximize=False),
+    "sgd_plain": dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=True),
+    "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False),
+    "adamw": dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True, maximize=True),
+    "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
+}
+
+
+def _step_inputs(algo, sizes, param_kind, device, gen):
+    """Inputs of one step op. param_kind: 'master' (fp32 master + bf16/fp16 params to write),
+    'fp32' (fp32 params are their own master) or 'bf16' (bf16 params, no master)."""
+    n_state = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "lion": 1}[algo]
+    param_dtype = torch.bfloat16 if param_kind == "bf16" else torch.float32
+    params = [torch.randn(n, generator=gen).to(device=device, dtype=param_dtype) for n in sizes]
+    states = [
+        [torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(n_state)
+    ]
+    lp = []
+    if param_kind == "master":
+        lp = [torch.full((n,), float("nan"), device=device, dtype=LOW[i % 2]) for i, n in enumerate(sizes)]
+    _, accs = _flat_views(sizes, device)
+    for a in accs:
+        a.copy_(torch.randn(a.numel(), generator=gen))
+    # per-tensor step counts, including first steps (SGD's momentum initialisation)
+    steps = torch.tensor([1.0 + (i % 3) * 4 for i in range(len(sizes))], device=device)
+    return params, states, lp, accs, steps
+
+
+def _call(module, algo, params, states, lp, accs, steps, lr, coef, grads=(), overwrite=False, found_inf=None):
+    hyper = dict(ALGOS[algo])
+    common = dict(lp_params=lp, grads=list(grads), grad_alpha=0.5, grads_overwrite=overwrite, found_inf=found_inf)
+    if algo.startswith("sgd"):
+        module.sgd_step(params, states[0] if states else [], accs, steps, lr, coef, **hyper, **common)
+    elif algo.startswith("adam"):
+        module.adam_step(params, states[0], states[1], accs, steps, lr, coef, **hyper, **common)
+    else:
+        module.lion_step(params, states[0], accs, steps, lr, coef, **hyper, **common)
+
+
+def _clone(xs):
+    return [x.clone() for x in xs]
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("algo", list(ALGOS))
+@pytest.mark.parametrize("param_kind", ["master", "fp32", "bf16"])
+@pytest.mark.parametrize("fused", [None, "overwrite", "add"])
+def test_step_matches_reference(backend, device, algo, param_kind, fused):
+    gen = torch.Generator().manual_seed(hash((algo, param_kind, fused)) % 2**31)
+    sizes = [1, 3, 257, 1025, 4097]
+    params, states, lp, accs, steps = _step_inputs(algo, sizes, param_kind, device, gen)
+    grads = _grads(sizes, torch.bfloat16, device, gen) if fused else []
+    lr = torch.tensor(0.01, device=device)
+    coef = torch.tensor(0.25, device=device)
+    ref = [_clone(params), [_clone(s) for s in states], _clone(lp), _clone(accs)]
+    accs_before = _clone(accs)
+    _call(backends.get(backend), algo, params, states, lp, accs, steps, lr, coef, grads, fused == "overwrite")
+    _call(reference, algo, ref[0], ref[1], ref[2], ref[3], steps, lr, coef, grads, fused == "overwrite")
+    tol = STEP_TOL if param_kind != "bf16" else dict(rtol=1.6e-2, atol=1e-5)  # 1 bf16 ulp: 2^-7
+    for got, want in zip(params, ref[0]):
+        torch.testing.assert_close(got, want, **tol)
+    for got_list, want_list in zip(states, ref[1]):
+        for got, want in zip(got_list, want_list):
+            torch.testing.assert_close(got, want, **STEP_TOL)
+    for p, low in zip(params, lp):  # the low-precision copy is the master rounded to nearest
+        assert torch.equal(low, p.to(low.dtype))
+    for a, before in zip(accs, accs_before):  # the accumulator is read, never written
+        assert torch.equal(a, before)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_step_skips_everything_when_found_inf(backend, device, algo):
+    gen = torch.Generator().manual_seed(3)
+    params, states, lp, accs, steps = _step_inputs(algo, [7, 1025], "master", device, gen)
+    for low, p in zip(lp, params):
+        low.copy_(p)
+    before = [_clone(params), [_clone(s) for s in states], _clone(lp)]
+    found_inf = torch.ones((), device=device)
+    lr, coef = torch.tensor(0.1, device=device), torch.tensor(1.0, device=device)
+    _call(backends.get(backend), algo, params, states, lp, accs, steps, lr, coef, found_inf=found_inf)
+    assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
+    assert all(torch.equal(a, b) for s, t in zip(states, before[1]) for a, b in zip(s, t))
+    assert all(torch.equal(a, b) for a, b in zip(lp, before[2]))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter process only")
+def test_interpreter_process_really_checks_triton():
+    """Guards the CI wiring: the Triton matrix must really run in the interpreter process."""
+    assert "triton" in CPU_BACKENDS, backends.availability("triton", "cpu")
