@@ -1,1 +1,14 @@
-"""fused_accum: exact, fused gradient accumulation for PyTorch."""
+"""fused_accum: exact, fused gradient accumulation for PyTorch.
+
+Micro-batch gradients (bf16/fp16/fp32) are folded into persistent fp32 buffers by multi-tensor
+kernels as backward produces them, and the optimizer step reads those buffers once, updating
+the fp32 master weights and writing the low-precision parameters in the same pass.
+
+    opt = fused_accum.AdamW(model.parameters(), lr=3e-4, accum_steps=8)
+
+See README.md for the two accumulation loops and the learning-rate question.
+"""
+from .optimizer import SGD, Adam, AdamW, FusedAccumOptimizer, Lion
+
+__all__ = ["FusedAccumOptimizer", "SGD", "Adam", "AdamW", "Lion"]
+__version__ = "0.1.0"

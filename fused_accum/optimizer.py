@@ -1,0 +1,704 @@
+"""FusedAccumOptimizer: gradient accumulation into persistent fp32 buffers, then a fused step.
+
+This class is bookkeeping only (param groups, hooks, micro-batch counting, state_dict); the math
+lives in the ops (:mod:`fused_accum.ops`) and their backends.
+
+Life of a window (k micro-batches, one optimizer step):
+
+1. Each parameter owns an aligned slice of a flat fp32 accumulator, one buffer per
+   (param group, device, param dtype): a :class:`_FlatGroup`.
+2. During ``backward()``, a tensor hook hides any ``.grad`` we exposed earlier (else autograd
+   would add into it natively, bypassing the kernels); then autograd produces ``p.grad`` in its
+   own dtype (``p.grad_dtype = None`` for bf16/fp16 params stops autograd casting it) and a
+   post-accumulate-grad hook hands it to the parameter's bucket and frees ``p.grad``. A full
+   bucket is folded into the accumulator by one ``accumulate_`` call; the window's first
+   gradient of a slice overwrites it, so no zeroing pass is ever needed.
+3. A callback queued on the autograd engine flushes partial buckets and counts the micro-batch
+   when the backward ends. After the ``accum_steps``-th backward (after every backward when
+   ``accum_steps`` is None), each ``p.grad`` is set to the fp32 accumulated gradient, a view of
+   the buffer, so ``clip_grad_norm_``, ``GradScaler.unscale_`` and loggers see (and edit) it.
+4. ``step()`` reads the buffers once per flat group: one fused-step op call updates the state,
+   the fp32 master and the low-precision parameter. The accumulator is left as it is, to be
+   overwritten by the next window.
+
+Gradients are summed over micro-batches, exactly as plain ``.grad`` accumulation does: scale the
+loss yourself (as HF Trainer, Accelerate and Lightning already do), or pass
+``step(num_items=N)`` to divide a summed gradient by the number of items (e.g. tokens) in the
+window, which is the exact large-batch gradient when micro-batches differ in size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import backends, ops
+
+logger = logging.getLogger("fused_accum")
+
+ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
+HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")  # torch >= 2.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A fused algorithm: its torch.optim-named defaults and the state it keeps per parameter."""
+
+    defaults: dict
+    state_keys: tuple
+
+
+ALGORITHMS = {
+    "sgd": Algorithm(
+        dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+        ("momentum_buffer",),
+    ),
+    "adam": Algorithm(
+        dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False),
+        ("exp_avg", "exp_avg_sq"),
+    ),
+    "adamw": Algorithm(
+        dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False),
+        ("exp_avg", "exp_avg_sq"),
+    ),
+    "lion": Algorithm(
+        dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False), ("exp_avg",)
+    ),
+}
+# torch.optim keywords that choose torch's own implementation; accepted for drop-in
+# compatibility and ignored, since the implementation here is always ours.
+IGNORED_TORCH_KEYWORDS = ("foreach", "fused", "capturable", "differentiable")
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """One parameter's place in its flat group."""
+
+    param: Tensor
+    name: str
+    index: int  # position in the flat group (and in its ``steps`` vector)
+    acc: Tensor  # 1-D fp32 view of the accumulator
+    grad_view: Tensor  # the same memory shaped like the param: what ``.grad`` is set to
+    master: Optional[Tensor]  # 1-D fp32 master copy, for low-precision params with master weights
+    state: dict  # optimizer state name -> 1-D fp32 view
+    flat: "_FlatGroup"
+    has_grad: bool = False  # the accumulator slice holds this window's gradient
+    bucket: Optional["_Bucket"] = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    """Slots folded by one accumulate call; arrivals wait here until the bucket is complete."""
+
+    slots: list
+    arrived: list = dataclasses.field(default_factory=list)  # (slot, grad) pairs
+
+
+class _FlatGroup:
+    """The flat fp32 buffers of the parameters of one param group, one device and one dtype."""
+
+    def __init__(self, group_index, params, names, dtype, device, state_keys, master_weights, backend, bucket_numel):
+        self.group_index, self.dtype, self.device, self.backend = group_index, dtype, device, backend
+        self.has_master = dtype in LOW_PRECISION and master_weights
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.numel() // ALIGN) * ALIGN
+        fp32 = dict(dtype=torch.float32, device=device)
+        self.acc = torch.zeros(total, **fp32)
+        self.master = torch.zeros(total, **fp32) if self.has_master else None
+        self.state = {key: torch.zeros(total, **fp32) for key in state_keys}
+        self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
+        self.lr = torch.zeros((), **fp32)
+        self.coef = torch.ones((), **fp32)
+        self.slots = []
+        for i, (p, name, off) in enumerate(zip(params, names, offsets)):
+            window = slice(off, off + p.numel())
+            acc = self.acc[window]
+            master = None
+            if self.has_master:
+                master = self.master[window]
+                master.copy_(p.detach().reshape(-1))
+            state = {key: buf[window] for key, buf in self.state.items()}
+            self.slots.append(_Slot(p, name, i, acc, acc.view(p.shape), master, state, self))
+        # Buckets follow reverse registration order, the order backward usually produces grads.
+        self.buckets, current, size = [], [], 0
+        for slot in reversed(self.slots):
+            current.append(slot)
+            size += slot.param.numel()
+            if size >= bucket_numel:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                slot.bucket = bucket
+
+    def step_targets(self, slot):
+        """(tensor the step updates, low-precision tensor to write or None) for ``slot``."""
+        flat_param = slot.param.detach().view(-1)
+        if self.has_master:
+            return slot.master, flat_param
+        return flat_param, None
+
+
+def _param_label(group_index, j, param, names):
+    if names is not None:
+        return repr(names[j])
+    return f"param_groups[{group_index}]['params'][{j}] (shape {tuple(param.shape)}, {param.dtype})"
+
+
+class FusedAccumOptimizer(torch.optim.Optimizer):
+    """Gradient accumulation into fp32 buffers with a fused optimizer step; a drop-in optimizer.
+
+    Args:
+        params: an iterable of parameters, of ``(name, parameter)`` pairs, or of param-group
+            dicts, as for any ``torch.optim`` optimizer. Parameters with ``requires_grad=False``
+            are skipped. float32, bfloat16 and float16 parameters are supported.
+        optimizer: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"lion"`` (fused), or any
+            ``torch.optim.Optimizer`` subclass, which then steps the fp32 master parameters
+            from the fp32 accumulated gradients (the generic path).
+        lr and other hyper-parameters: torch.optim's names and defaults for the algorithm
+            (``betas``, ``eps``, ``weight_decay``, ``momentum``, ``dampening``, ``nesterov``,
+            ``maximize``). ``lr`` may be a tensor. They are re-read from ``param_groups`` at
+            every step, so schedulers work.
+        accum_steps: micro-batches per window, if known. ``.grad`` is exposed after that many
+            backward passes; when None it is exposed after every backward.
+        master_weights: keep an fp32 master copy of bf16/fp16 parameters (default True). With
+            False, low-precision parameters are updated in place (fp32 math, rounded once).
+        backend: ``"auto"``, ``"reference"``, ``"triton"``, ``"cpu"`` or ``"cuda"``; see
+            :mod:`fused_accum.backends`. ``FUSED_ACCUM_BACKEND`` overrides ``"auto"``.
+        bucket_cap_mb: size of the gradient buckets folded by one op call, in MB of fp32.
+
+    A step with no accumulated gradient (no backward since the last step or ``zero_grad``)
+    changes nothing, as torch's optimizers skip parameters whose ``.grad`` is None.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer: Union[str, type] = "adamw",
+        *,
+        accum_steps: Optional[int] = None,
+        master_weights: Optional[bool] = None,
+        backend: str = "auto",
+        bucket_cap_mb: float = 25.0,
+        **hyperparameters: Any,
+    ):
+        if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
+            raise ValueError(f"accum_steps must be a positive int or None, got {accum_steps!r}")
+        if backend != "auto" and backend not in backends.NAMES:
+            raise ValueError(f"backend must be 'auto' or one of {backends.NAMES}, got {backend!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        self._config = dict(
+            optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
+            backend=backend, bucket_cap_mb=bucket_cap_mb, hyperparameters=dict(hyperparameters),
+        )  # fmt: skip
+        self.accum_steps = accum_steps
+        self._master_weights = True if master_weights is None else bool(master_weights)
+        self._backend_request = backend
+        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
+        self._algorithm, self._generic_class, defaults = self._parse_algorithm(optimizer, hyperparameters)
+        self._flat_groups: list[_FlatGroup] = []
+        self._slots: dict[Tensor, _Slot] = {}
+        self._hook_handles = []
+        self._microbatches = 0
+        self._callback_queued = False
+        self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
+        self._generic_params: dict[Tensor, Tensor] = {}  # param -> what the inner optimizer steps
+        super().__init__(params, defaults)
+
+    # --- construction ----------------------------------------------------------------------
+
+    @staticmethod
+    def _parse_algorithm(optimizer, hyperparameters):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer= takes an optimizer class (e.g. torch.optim.RMSprop) or a name, "
+                f"not an instance of {type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+            if issubclass(optimizer, FusedAccumOptimizer):
+                raise TypeError("optimizer= cannot be a FusedAccumOptimizer class")
+            return None, optimizer, dict(hyperparameters)
+        if not isinstance(optimizer, str) or optimizer.lower() not in ALGORITHMS:
+            raise ValueError(
+                f"optimizer must be one of {sorted(ALGORITHMS)} or a torch.optim.Optimizer "
+                f"subclass, got {optimizer!r}"
+            )
+        name = optimizer.lower()
+        defaults = dict(ALGORITHMS[name].defaults)
+        for key, value in hyperparameters.items():
+            if key in IGNORED_TORCH_KEYWORDS:
+                continue
+            if key not in defaults:
+                raise TypeError(
+                    f"unexpected keyword {key!r} for optimizer {name!r}; "
+                    f"expected one of {sorted(defaults)}"
+                )
+            defaults[key] = value
+        if defaults.get("amsgrad"):
+            raise NotImplementedError("amsgrad=True is not fused; pass optimizer=torch.optim.Adam(W) "
+                                      "to use the generic path, which supports it")
+        if hyperparameters.get("differentiable"):
+            raise NotImplementedError("differentiable=True is not supported")
+        return name, None, defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as torch.optim does), give its parameters slots, and hook them."""
+        seen = {p for g in self.param_groups for p in g["params"]}
+        group_index = len(self.param_groups)
+        raw = param_group["params"]
+        raw = [raw] if isinstance(raw, Tensor) else list(raw)
+        for j, p in enumerate(raw):
+            if isinstance(p, tuple):  # (name, param) pairs are resolved by torch below
+                p = p[1]
+            if p in seen:
+                raise ValueError(f"{_param_label(group_index, j, p, None)} appears in more than one param group")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        self._validate_hyperparameters(group, group_index)
+        trainable = []
+        for j, p in enumerate(group["params"]):
+            label = _param_label(group_index, j, p, names)
+            if p.is_complex() or not p.is_floating_point():
+                raise TypeError(f"parameter {label} has dtype {p.dtype}; only real floating-point parameters are supported")
+            if p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"parameter {label} has dtype {p.dtype}; supported: float32, bfloat16, float16")
+            if p.requires_grad:
+                trainable.append((p, label))
+        by_key: dict[tuple, list] = {}
+        for p, label in trainable:
+            by_key.setdefault((p.device, p.dtype), []).append((p, label))
+        state_keys = ALGORITHMS[self._algorithm].state_keys if self._algorithm else ()
+        for (device, dtype), members in by_key.items():
+            backend = backends.resolve(self._backend_request, device)
+            flat = _FlatGroup(
+                group_index, [p for p, _ in members], [l for _, l in members], dtype, device,
+                state_keys, self._master_weights, backend, self._bucket_numel,
+            )  # fmt: skip
+            self._flat_groups.append(flat)
+            for slot in flat.slots:
+                self._register(slot, flat)
+        if self._generic_class is not None:
+            self._add_generic_group(group, group_index)
+
+    def _validate_hyperparameters(self, group, group_index):
+        def check(ok, what):
+            if not ok:
+                raise ValueError(f"param_groups[{group_index}]: invalid {what}")
+
+        lr = group["lr"]
+        check(isinstance(lr, Tensor) and lr.numel() == 1 or isinstance(lr, (int, float)) and lr >= 0, f"lr {lr!r}")
+        if self._algorithm is None:
+            return
+        check(group["weight_decay"] >= 0, f"weight_decay {group['weight_decay']!r}")
+        if "betas" in group:
+            b1, b2 = group["betas"]
+            check(0 <= b1 < 1 and 0 <= b2 < 1, f"betas {group['betas']!r} (each must be in [0, 1))")
+        if "eps" in group:
+            check(group["eps"] >= 0, f"eps {group['eps']!r}")
+        if self._algorithm == "sgd":
+            check(group["momentum"] >= 0, f"momentum {group['momentum']!r}")
+            check(not group["nesterov"] or (group["momentum"] > 0 and group["dampening"] == 0),
+                  "nesterov: it requires momentum > 0 and dampening == 0")
+
+    def _register(self, slot: _Slot, flat: _FlatGroup) -> None:
+        p = slot.param
+        if p in self._slots:  # shared parameters are caught above; this would be our bug
+            raise AssertionError(f"{slot.name} registered twice")
+        self._slots[p] = slot
+        if p.dtype in LOW_PRECISION and HAS_GRAD_DTYPE:
+            # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
+            p.grad_dtype = None
+        self._hook_handles.append(p.register_hook(self._make_hide_hook(slot)))
+        self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_fold_hook(slot, flat)))
+
+    def _add_generic_group(self, group, group_index):
+        inner_params = []
+        for p in group["params"]:
+            slot = self._slots.get(p)
+            if slot is None:
+                continue
+            target = p if slot.master is None else torch.nn.Parameter(slot.master.view(p.shape))
+            self._generic_params[p] = target
+            inner_params.append(target)
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        try:
+            if self._inner is None:
+                self._inner = self._generic_class([dict(params=inner_params, **hyper)])
+            else:
+                self._inner.add_param_group(dict(params=inner_params, **hyper))
+        except TypeError as err:
+            raise TypeError(f"{self._generic_class.__name__} rejected param_groups[{group_index}]: {err}") from err
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def _make_hide_hook(self, slot: _Slot) -> Callable:
+        def hide_exposed_grad(grad: Tensor) -> Tensor:
+            # Runs before AccumulateGrad: without this, autograd would add the new gradient into
+            # the fp32 view we exposed (bypassing the kernels) and we would fold it twice.
+            if slot.param.grad is slot.grad_view:
+                slot.param.grad = None
+            return grad
+
+        return hide_exposed_grad
+
+    def _make_fold_hook(self, slot: _Slot, flat: _FlatGroup) -> Callable:
+        def fold_grad(param: Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            if grad.is_sparse:
+                raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
+            param.grad = None
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+            bucket = slot.bucket
+            bucket.arrived.append((slot, grad))
+            if len(bucket.arrived) == len(bucket.slots):
+                self._fold(flat, bucket)
+
+        return fold_grad
+
+    def _fold(self, flat: _FlatGroup, bucket: _Bucket) -> None:
+        """One accumulate call per (overwrite, add) kind for the bucket's arrived gradients."""
+        arrived, bucket.arrived = bucket.arrived, []
+        for overwrite in (True, False):
+            pairs = [(s, g) for s, g in arrived if s.has_grad != overwrite]
+            if pairs:
+                ops.accumulate_([s.acc for s, _ in pairs], [g for _, g in pairs], 1.0, overwrite,
+                                None, None, flat.backend)  # fmt: skip
+        for slot, _ in arrived:
+            slot.has_grad = True
+
+    def _flush(self) -> None:
+        for flat in self._flat_groups:
+            for bucket in flat.buckets:
+                if bucket.arrived:
+                    self._fold(flat, bucket)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._flush()
+        self._microbatches += 1
+        if self.accum_steps is None or self._microbatches >= self.accum_steps:
+            self._expose_grads()
+
+    def _expose_grads(self) -> None:
+        for slot in self._slots.values():
+            p = slot.param
+            if slot.has_grad:
+                if p.dtype in LOW_PRECISION and not HAS_GRAD_DTYPE:
+                    continue  # old torch cannot hold an fp32 .grad on a low-precision param
+                p.grad = slot.grad_view
+            elif p.grad is slot.grad_view:
+                p.grad = None
+
+    # --- public API ----------------------------------------------------------------------------
+
+    @property
+    def microbatches(self) -> int:
+        """Backward passes folded into the current window."""
+        return self._microbatches
+
+    def accumulated_grad(self, param: Tensor) -> Optional[Tensor]:
+        """The fp32 gradient accumulated for ``param`` in this window (a live view), or None."""
+        slot = self._slots.get(param)
+        if slot is None:
+            raise KeyError("this parameter is not trained by this optimizer (not given, or frozen)")
+        if slot.bucket.arrived:
+            self._flush()
+        return slot.grad_view if slot.has_grad else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the window: buffers are marked to be overwritten, every ``.grad`` is None.
+
+        ``set_to_none`` is accepted for compatibility; ``.grad`` always becomes None, since
+        the accumulator is already discarded without a zeroing pass.
+        """
+        for flat in self._flat_groups:
+            for bucket in flat.buckets:
+                bucket.arrived = []
+            for slot in flat.slots:
+                slot.has_grad = False
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        self._microbatches = 0
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
+        """Apply one update from the window's accumulated gradients, and end the window.
+
+        ``num_items``: divide the summed gradient by this (an int, float or device tensor, e.g.
+        the window's token count for a sum-reduced loss), without a host sync.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._flush()
+        if num_items is not None and not isinstance(num_items, Tensor) and not num_items > 0:
+            raise ValueError(f"num_items must be positive, got {num_items!r}")
+        self._take_user_grads()
+        if self._inner is not None:
+            self._generic_step(num_items)
+        else:
+            for flat in self._flat_groups:
+                self._fused_step(flat, num_items)
+        for slot in self._slots.values():
+            slot.has_grad = False
+        self._microbatches = 0
+        return loss
+
+    def _take_user_grads(self) -> None:
+        """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
+        for slot in self._slots.values():
+            grad = slot.param.grad
+            if grad is not None and grad is not slot.grad_view:
+                if grad.is_sparse:
+                    raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+                slot.acc.copy_(grad.reshape(-1))
+                slot.has_grad = True
+
+    @staticmethod
+    def _set_scalar(dst: Tensor, value) -> None:
+        if isinstance(value, Tensor):
+            dst.copy_(value.detach().reshape(()))  # device to device: no host sync
+        else:
+            dst.fill_(float(value))
+
+    def _fused_step(self, flat: _FlatGroup, num_items) -> None:
+        active = [s for s in flat.slots if s.has_grad]
+        if not active:
+            return
+        group = self.param_groups[flat.group_index]
+        self._set_scalar(flat.lr, group["lr"])
+        if num_items is None:
+            flat.coef.fill_(1.0)
+        else:
+            self._set_scalar(flat.coef, num_items)
+            flat.coef.reciprocal_()
+        if len(active) == len(flat.slots):
+            flat.steps.add_(1)
+        else:
+            index = torch.tensor([s.index for s in active], device=flat.device)
+            flat.steps.index_add_(0, index, torch.ones(len(active), device=flat.device))
+        steps = flat.steps if len(active) == len(flat.slots) else flat.steps[[s.index for s in active]]
+        targets = [flat.step_targets(s) for s in active]
+        params = [t for t, _ in targets]
+        lp_params = [lp for _, lp in targets if lp is not None]
+        accs = [s.acc for s in active]
+        state = {key: [s.state[key] for s in active] for key in flat.state}
+        common = (steps, flat.lr, flat.coef)
+        tail = (lp_params, [], 1.0, False, None, flat.backend)
+        if self._algorithm == "sgd":
+            momentum = group["momentum"]
+            bufs = state["momentum_buffer"] if momentum != 0 else []
+            ops.sgd_step_(params, bufs, accs, *common, momentum, group["dampening"],
+                          group["weight_decay"], group["nesterov"], group["maximize"], *tail)  # fmt: skip
+        elif self._algorithm in ("adam", "adamw"):
+            beta1, beta2 = group["betas"]
+            ops.adam_step_(params, state["exp_avg"], state["exp_avg_sq"], accs, *common, beta1, beta2,
+                           group["eps"], group["weight_decay"], self._algorithm == "adamw",
+                           group["maximize"], *tail)  # fmt: skip
+        else:
+            beta1, beta2 = group["betas"]
+            ops.lion_step_(params, state["exp_avg"], accs, *common, beta1, beta2,
+                           group["weight_decay"], group["maximize"], *tail)  # fmt: skip
+
+    def _generic_step(self, num_items) -> None:
+        for group, inner_group in zip(self.param_groups, self._inner.param_groups):
+            for key, value in group.items():  # schedulers write our groups; mirror them
+                if key not in ("params", "param_names"):
+                    inner_group[key] = value
+        saved_grads = {}
+        for p, target in self._generic_params.items():
+            slot = self._slots[p]
+            saved_grads[p] = p.grad
+            if not slot.has_grad:
+                target.grad = None
+                continue
+            if num_items is not None:
+                slot.acc.div_(num_items)
+            target.grad = slot.grad_view
+        self._inner.step()
+        for p, target in self._generic_params.items():
+            if target is not p:
+                target.grad = None
+                if self._slots[p].has_grad:
+                    p.detach().copy_(target.detach())
+            p.grad = saved_grads[p]
+
+    # --- state_dict ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch's ``{"state", "param_groups"}`` with per-parameter tensors only.
+
+        Each trained parameter's entry holds its optimizer state (torch's key names; ``step``
+        as a 0-d fp32 tensor), ``master`` (fp32 copy of a low-precision parameter) and, when
+        the window has a gradient for it, ``accum`` (the fp32 accumulated gradient). Each param
+        group also records ``window_microbatches``, so a checkpoint taken mid-window resumes
+        exactly. Tensors are copies, safe to save while training goes on.
+        """
+        self._flush()
+        index_of, groups = {}, []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index_of.setdefault(p, len(index_of)) for p in group["params"]]
+            packed["window_microbatches"] = self._microbatches
+            groups.append(packed)
+        state = {}
+        for p, slot in self._slots.items():
+            entry = self._param_state(p, slot)
+            if slot.master is not None:
+                entry["master"] = slot.master.view(p.shape).clone()
+            if slot.has_grad:
+                entry["accum"] = slot.grad_view.clone()
+            state[index_of[p]] = entry
+        return {"state": state, "param_groups": groups}
+
+    def _param_state(self, p, slot) -> dict:
+        if self._inner is not None:
+            inner_state = self._inner.state.get(self._generic_params[p], {})
+            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in inner_state.items()}
+        flat = slot.flat
+        entry = {"step": flat.steps[slot.index].clone()}
+        for key, view in slot.state.items():
+            entry[key] = view.view(p.shape).clone()
+        return entry
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load our own state_dict, or a plain torch SGD/Adam/AdamW one (missing keys default).
+
+        Everything is restored in fp32, whatever dtype the saved tensors or the parameters
+        have (torch's own loader would cast state to the parameter's dtype).
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}")
+        id_to_param = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"param_groups[{gi}] has {len(group['params'])} parameters, "
+                                 f"the state_dict's {len(saved['params'])}")  # fmt: skip
+            for key, value in saved.items():
+                if key not in ("params", "param_names", "window_microbatches"):
+                    group[key] = value
+            id_to_param.update(zip(saved["params"], group["params"]))
+        self.zero_grad()
+        self._microbatches = int(saved_groups[0].get("window_microbatches", 0)) if saved_groups else 0
+        saved_state = state_dict["state"]
+        for pid, p in id_to_param.items():
+            slot = self._slots.get(p)
+            if slot is None:
+                continue
+            entry = saved_state.get(pid, {})
+            self._load_param_state(p, slot, entry)
+
+    def _load_param_state(self, p, slot, entry) -> None:
+        def fp32(value):
+            return value.detach().to(device=slot.acc.device, dtype=torch.float32).reshape(-1)
+
+        if slot.master is not None:
+            slot.master.copy_(fp32(entry["master"]) if "master" in entry else p.detach().reshape(-1))
+        if "accum" in entry:
+            slot.acc.copy_(fp32(entry["accum"]))
+            slot.has_grad = True
+        if self._inner is not None:
+            target = self._generic_params[p]
+            inner = {k: v for k, v in entry.items() if k not in ("master", "accum")}
+            self._inner.state[target] = {
+                k: (v.detach().to(target.device).clone() if isinstance(v, Tensor) and v.dim() > 0 else v)
+                for k, v in inner.items()
+            }  # fmt: skip
+            return
+        flat = slot.flat
+        step = entry.get("step", 0.0)
+        flat.steps[slot.index] = float(step.item() if isinstance(step, Tensor) else step)
+        for key, view in slot.state.items():
+            value = entry.get(key)
+            if value is None:  # missing (or torch SGD's momentum_buffer=None): defaults to zero
+                view.zero_()
+            else:
+                view.copy_(fp32(value))
+        if slot.has_grad and self.accum_steps is not None and self._microbatches >= self.accum_steps:
+            self._expose_grads()
+
+    # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
+
+    def __getstate__(self) -> dict:
+        return {"config": self._config, "param_groups": self.param_groups, "state_dict": self.state_dict()}
+
+    def __setstate__(self, state: dict) -> None:
+        config = dict(state["config"])
+        hyper = config.pop("hyperparameters")
+        groups = [dict(g) for g in state["param_groups"]]
+        FusedAccumOptimizer.__init__(self, groups, **config, **hyper)
+        self.load_state_dict(state["state_dict"])
+
+    def __repr__(self) -> str:
+        algo = self._algorithm or self._generic_class.__name__
+        backends_used = sorted({f.backend for f in self._flat_groups})
+        return (f"FusedAccumOptimizer({algo}, accum_steps={self.accum_steps}, backends={backends_used}, "
+                f"groups={len(self.param_groups)}, params={len(self._slots)})")  # fmt: skip
+
+
+_ACCUMULATION_DOC = """
+    Accumulation keywords (keyword-only), as for :class:`FusedAccumOptimizer`: ``accum_steps``,
+    ``master_weights``, ``backend``, ``bucket_cap_mb``. ``foreach``, ``fused``, ``capturable``
+    choose torch's implementation and are accepted and ignored.
+"""
+
+
+class SGD(FusedAccumOptimizer):
+    __doc__ = "torch.optim.SGD's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None, **accumulation):
+        super().__init__(params, "sgd", lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                         differentiable=differentiable, **accumulation)
+
+
+class Adam(FusedAccumOptimizer):
+    __doc__ = "torch.optim.Adam's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+    _name = "adam"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=False, **accumulation):
+        name = "adamw" if decoupled_weight_decay or self._name == "adamw" else "adam"
+        super().__init__(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, maximize=maximize, differentiable=differentiable, **accumulation)
+
+
+class AdamW(Adam):
+    __doc__ = "torch.optim.AdamW's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+    _name = "adamw"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+                 **accumulation):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         differentiable=differentiable, **accumulation)
+
+
+class Lion(FusedAccumOptimizer):
+    __doc__ = "Lion (Chen et al. 2023), fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **accumulation):
+        super().__init__(params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
+                         **accumulation)

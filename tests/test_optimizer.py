@@ -1,0 +1,514 @@
+"""FusedAccumOptimizer's contract: k micro-batches through it equal one k-times larger batch
+through torch.optim, and everything a trainer touches (schedulers, clipping, GradScaler,
+state_dict, pickling, errors) behaves as with a torch optimizer.
+
+Parametrised over every backend available in the process: ``reference`` always, ``cpu`` when
+the C++ extension is built, ``triton`` under ``TRITON_INTERPRET=1`` (its own process).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import fused_accum
+from fused_accum import FusedAccumOptimizer, backends
+
+BACKENDS = ["reference"]
+if backends.availability("cpu", "cpu") == "":
+    BACKENDS.append("cpu")
+if os.environ.get("TRITON_INTERPRET") == "1" and backends.availability("triton", "cpu") == "":
+    BACKENDS.append("triton")
+
+# fp32 parameters and state after 3 steps: the accumulated gradient sums k micro-batch
+# gradients where torch sums one batch in another order (a few ulp, ~1e-7 relative), and
+# Adam/RMSprop amplify that where they divide by a small second moment (RMSprop's first
+# update is ~10*sign(g): measured 4.6e-5 relative on one momentum element of 72). 1e-4
+# relative / 1e-5 absolute on O(0.1) values keeps a 100x margin below a real bug (a missing
+# 1/k, a wrong bias correction or decay: errors >= 1e-3).
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+
+
+def batches(n_steps, k, micro, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [(torch.randn(micro, 6, generator=gen, dtype=dtype), torch.randn(micro, 3, generator=gen, dtype=dtype))
+         for _ in range(k)]
+        for _ in range(n_steps)
+    ]  # fmt: skip
+
+
+def mse_mean(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+class LionReference(torch.optim.Optimizer):
+    """An independent plain-torch Lion, written from the paper's update, to test ours against."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(b1 * m + (1 - b1) * p.grad), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+ALGOS = {
+    "sgd_momentum": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "sgd_nesterov": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True)),
+    "sgd_dampening": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.3)),
+    "adam": ("adam", torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
+    "adamw": ("adamw", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, eps=1e-6)),
+    "lion": ("lion", LionReference, dict(lr=1e-3, weight_decay=0.1)),
+    "generic_rmsprop": (torch.optim.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),
+}
+
+
+def run_pair(algo, backend, k, windows, partial_last=None):
+    """Train twin models: ours with k micro-batches per step, torch's with one large batch."""
+    ours_name, torch_cls, hyper = ALGOS[algo]
+    ours, big = make_model(), make_model()
+    opt = FusedAccumOptimizer(ours.parameters(), ours_name, accum_steps=k, backend=backend, **hyper)
+    ref = torch_cls(big.parameters(), **hyper)
+    data = batches(windows, k, micro=3)
+    if partial_last is not None:
+        data[-1] = data[-1][:partial_last]
+    for window in data:
+        n = len(window)
+        for x, y in window:
+            (mse_mean(ours, x, y) / n).backward()  # loop A, normalised by the window's size
+        opt.step()
+        opt.zero_grad()
+        x = torch.cat([x for x, _ in window])
+        y = torch.cat([y for _, y in window])
+        mse_mean(big, x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    return ours, big, opt, ref
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algo", list(ALGOS))
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_k_microbatches_equal_one_large_batch(backend, algo, k):
+    ours, big, opt, ref = run_pair(algo, backend, k, windows=3)
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    saved = opt.state_dict()["state"]
+    for i, q in enumerate(big.parameters()):  # optimizer state too, under torch's names
+        theirs, mine = ref.state[q], saved[i]
+        for key, value in theirs.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch.testing.assert_close(mine[key], value, **TOL)
+            elif key == "step":
+                assert float(mine[key]) == float(value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw", "generic_rmsprop"])
+def test_partial_last_window(backend, algo):
+    ours, big, _, _ = run_pair(algo, backend, k=4, windows=3, partial_last=3)
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw"])
+def test_unequal_microbatches_with_num_items(backend, algo):
+    """Sum-reduced loss over micro-batches of 1, 5 and 2 items; step(num_items=8) divides once."""
+    ours_name, torch_cls, hyper = ALGOS[algo]
+    ours, big, naive = make_model(), make_model(), make_model()
+    opt = FusedAccumOptimizer(ours.parameters(), ours_name, backend=backend, **hyper)
+    opt_naive = FusedAccumOptimizer(naive.parameters(), ours_name, backend=backend, **hyper)
+    ref = torch_cls(big.parameters(), **hyper)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        sizes = [1, 5, 2]
+        xs = [torch.randn(n, 6, generator=gen) for n in sizes]
+        ys = [torch.randn(n, 3, generator=gen) for n in sizes]
+        for x, y in zip(xs, ys):
+            ((ours(x) - y) ** 2).mean(dim=1).sum().backward()
+            ((naive(x) - y) ** 2).mean(dim=1).mean().div(len(sizes)).backward()  # mean of means
+        opt.step(num_items=torch.tensor(float(sum(sizes))))
+        opt_naive.step()
+        opt.zero_grad()
+        opt_naive.zero_grad()
+        mse_mean(big, torch.cat(xs), torch.cat(ys)).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q, r in zip(ours.parameters(), big.parameters(), naive.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+    # and the mean of per-micro-batch means is measurably not the large batch
+    assert any((r - q).abs().max() > 1e-4 for r, q in zip(naive.parameters(), big.parameters()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_accumulation_is_closer_to_fp64_than_bf16_grad_accumulation(backend):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    opt = FusedAccumOptimizer(model.parameters(), "sgd", lr=0.1, backend=backend)
+    exact = torch.zeros(64, 64, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(32):
+        x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        plain(x).float().pow(2).mean().backward()  # torch's bf16 .grad accumulation
+        # the exact sum of the same bf16 micro-batch gradients, in fp64
+        grad = torch.autograd.grad(plain(x).float().pow(2).mean(), plain.weight)[0]
+        exact += grad.double()
+    ours_err = (opt.accumulated_grad(model.weight).double() - exact).norm() / exact.norm()
+    bf16_err = (plain.weight.grad.double() - exact).norm() / exact.norm()
+    # fp32 sums of 32 bf16 terms are nearly exact (~1e-7); bf16 sums lose ~2^-9 per add.
+    assert ours_err < 1e-5
+    assert bf16_err > 30 * ours_err, (bf16_err, ours_err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_onecycle_scheduler_drives_lr_and_betas(backend):
+    ours, big = make_model(), make_model()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
+    ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=6)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=0.05, total_steps=6)
+    betas_seen = set()
+    for window in batches(5, 2, micro=4):
+        for x, y in window:
+            (mse_mean(ours, x, y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        mse_mean(big, torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])).backward()
+        ref.step()
+        ref.zero_grad()
+        sched.step()
+        ref_sched.step()
+        betas_seen.add(opt.param_groups[0]["betas"][0])
+    assert len(betas_seen) > 2  # OneCycleLR really cycled beta1 through our param_groups
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_visible_only_at_window_end(backend):
+    model = make_model()
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, accum_steps=3, backend=backend)
+    data = batches(1, 3, micro=2)[0]
+    expect = [torch.zeros_like(p) for p in model.parameters()]
+    for j, (x, y) in enumerate(data):
+        loss = mse_mean(model, x, y)
+        for e, g in zip(expect, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)):
+            e += g
+        loss.backward()
+        visible = [p.grad is not None for p in model.parameters()]
+        assert all(visible) == (j == 2) and any(visible) == (j == 2)
+        for p, e in zip(model.parameters(), expect):  # available at any time
+            torch.testing.assert_close(opt.accumulated_grad(p), e, rtol=1e-6, atol=1e-7)
+    for p, e in zip(model.parameters(), expect):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_exposed_every_backward_without_accum_steps_is_not_counted_twice(backend):
+    """With accum_steps=None .grad is exposed after each backward; the next backward must not
+    let autograd add into it natively (that would count the earlier micro-batches twice)."""
+    model = make_model()
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, backend=backend)
+    expect = [torch.zeros_like(p) for p in model.parameters()]
+    for x, y in batches(1, 4, micro=2)[0]:
+        loss = mse_mean(model, x, y)
+        for e, g in zip(expect, torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)):
+            e += g
+        loss.backward()
+        for p, e in zip(model.parameters(), expect):
+            torch.testing.assert_close(p.grad, e, rtol=1e-6, atol=1e-7)
+    assert opt.microbatches == 4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clip_grad_norm_at_window_end(backend):
+    ours, big = make_model(), make_model()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
+    ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    for window in batches(3, 2, micro=4):
+        for x, y in window:
+            (mse_mean(ours, x, y) / 2).backward()
+        norm = nn.utils.clip_grad_norm_(ours.parameters(), max_norm=0.05)
+        opt.step()
+        opt.zero_grad()
+        mse_mean(big, torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])).backward()
+        ref_norm = nn.utils.clip_grad_norm_(big.parameters(), max_norm=0.05)
+        ref.step()
+        ref.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        assert norm > 0.05  # the clip really scaled the gradient
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_scaler_unscales_and_skips_on_inf(backend):
+    ours, big = make_model(), make_model()
+    opt = fused_accum.Adam(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
+    ref = torch.optim.Adam(big.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for i, window in enumerate(batches(3, 2, micro=4)):
+        for j, (x, y) in enumerate(window):
+            loss = mse_mean(ours, x, y) / 2
+            if i == 1 and j == 1:
+                loss = loss * float("inf")  # an overflow: this window's step must be skipped
+            scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if i != 1:
+            x, y = torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])
+            ref_scaler.scale(mse_mean(big, x, y)).backward()
+            ref_scaler.step(ref)
+            ref_scaler.update()
+            ref.zero_grad()
+    assert scaler.get_scale() < 1024.0  # the inf was seen and the scale backed off
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_state_dict_mid_window_resumes_bit_exactly(backend, param_dtype, tmp_path):
+    data = batches(3, 4, micro=3, dtype=param_dtype)
+    model = make_model(dtype=param_dtype)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=4, backend=backend)
+
+    def run(model, opt, windows, start=0):
+        for window in windows:
+            for x, y in window[start:]:
+                (mse_mean(model, x, y) / 4).backward()
+            if len(window) - start == len(window) or start:
+                opt.step()
+                opt.zero_grad()
+            start = 0
+
+    run(model, opt, data[:1])
+    for x, y in data[1][:2]:  # half a window
+        (mse_mean(model, x, y) / 4).backward()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    resumed_model = make_model(seed=99, dtype=param_dtype)
+    resumed_opt = fused_accum.AdamW(resumed_model.parameters(), lr=1e-2, accum_steps=4, backend=backend)
+    ckpt = torch.load(path, weights_only=True)
+    resumed_model.load_state_dict(ckpt["model"])
+    resumed_opt.load_state_dict(ckpt["opt"])
+    assert resumed_opt.microbatches == 2
+    for state in resumed_opt.state_dict()["state"].values():
+        assert all(v.dtype == torch.float32 for v in state.values() if isinstance(v, torch.Tensor))
+    run(model, opt, data[1:], start=2)
+    run(resumed_model, resumed_opt, data[1:], start=2)
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+    for (_, a), (_, b) in zip(sorted(opt.state_dict()["state"].items()), sorted(resumed_opt.state_dict()["state"].items())):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loads_a_plain_torch_adamw_state_dict(backend):
+    ours, big = make_model(), make_model()
+    ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    data = batches(4, 1, micro=4)
+    for x, y in data[0]:
+        mse_mean(big, x, y).backward()
+    ref.step()
+    ref.zero_grad()
+    ours.load_state_dict(big.state_dict())
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, backend=backend)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for window in data[1:]:
+        for model, o in ((ours, opt), (big, ref)):
+            for x, y in window:
+                mse_mean(model, x, y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepcopy_and_pickle_continue_identically(backend):
+    model = make_model()
+    opt = fused_accum.Lion(model.parameters(), lr=1e-3, accum_steps=2, backend=backend)
+    data = batches(3, 2, micro=2)
+    for x, y in data[0]:
+        mse_mean(model, x, y).backward()
+    opt.step()
+    model2, opt2 = copy.deepcopy((model, opt))
+    pickled = pickle.loads(pickle.dumps(opt))
+    assert len(pickled.state_dict()["state"]) == 4
+    for m, o in ((model, opt), (model2, opt2)):
+        for window in data[1:]:
+            for x, y in window:
+                mse_mean(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_groups_frozen_named_empty_and_added(backend):
+    torch.manual_seed(0)
+    model = make_model()
+    frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+    extra = nn.Parameter(torch.randn(4))
+    opt = FusedAccumOptimizer(
+        [{"params": list(model[0].parameters()), "lr": 0.1},
+         {"params": [model[2].weight, frozen], "lr": 0.0},
+         {"params": []}],
+        "sgd", lr=0.01, backend=backend,
+    )  # fmt: skip
+    opt.add_param_group({"params": [extra, model[2].bias], "momentum": 0.9})
+    before = {id(p): p.detach().clone() for p in [*model.parameters(), frozen, extra]}
+    x, y = batches(1, 1, micro=4)[0][0]
+    (mse_mean(model, x, y) + extra.sum()).backward()
+    grads = {id(p): opt.accumulated_grad(p).clone() for p in [*model.parameters(), extra]}
+    opt.step()
+    w0 = model[0].weight
+    torch.testing.assert_close(w0, before[id(w0)] - 0.1 * grads[id(w0)])
+    assert torch.equal(model[2].weight, before[id(model[2].weight)])  # lr 0 group
+    assert torch.equal(frozen, before[id(frozen)])  # frozen: skipped, no slot
+    torch.testing.assert_close(extra, before[id(extra)] - 0.01 * grads[id(extra)])
+
+
+def test_named_parameters_are_used_in_messages_and_kept():
+    model = make_model()
+    opt = fused_accum.SGD(model.named_parameters(), lr=0.1)
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert opt.state_dict()["param_groups"][0]["param_names"][0] == "0.weight"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_without_gradient_is_a_no_op(backend):
+    model = make_model()
+    opt = fused_accum.AdamW(model.parameters(), lr=0.1, backend=backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(float(s["step"]) == 0 for s in opt.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_bf16_params_train_with_and_without_master(backend, master_weights):
+    model = make_model(dtype=torch.bfloat16)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, master_weights=master_weights, backend=backend)
+    fp32 = make_model()
+    ref = torch.optim.AdamW(fp32.parameters(), lr=1e-2)
+    for window in batches(3, 2, micro=4):
+        for x, y in window:
+            (mse_mean(model, x.bfloat16(), y.bfloat16()) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        mse_mean(fp32, torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), fp32.parameters()):
+        assert p.dtype == torch.bfloat16
+        # bf16 forward/backward against an fp32 model: agreement to bf16 resolution only
+        torch.testing.assert_close(p.float(), q, rtol=0.05, atol=0.02)
+    state = opt.state_dict()["state"][0]
+    assert ("master" in state) == master_weights
+    if master_weights:  # the bf16 param is the fp32 master rounded to nearest
+        assert torch.equal(next(model.parameters()), state["master"].to(torch.bfloat16))
+
+
+def test_lr_may_be_a_tensor():
+    ours, big = make_model(), make_model()
+    opt = fused_accum.SGD(ours.parameters(), lr=torch.tensor(0.05), momentum=0.9)
+    ref = torch.optim.SGD(big.parameters(), lr=0.05, momentum=0.9)
+    for window in batches(2, 1, micro=4):
+        for m, o in ((ours, opt), (big, ref)):
+            mse_mean(m, *window[0]).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_signatures_match_torch_optim():
+    import inspect
+
+    for ours, theirs in ((fused_accum.SGD, torch.optim.SGD), (fused_accum.Adam, torch.optim.Adam),
+                         (fused_accum.AdamW, torch.optim.AdamW)):  # fmt: skip
+        mine = inspect.signature(ours.__init__).parameters
+        for name, param in inspect.signature(theirs.__init__).parameters.items():
+            assert name in mine, (ours, name)
+            if param.default is not inspect.Parameter.empty and name not in ("fused", "foreach"):
+                assert mine[name].default == param.default, (ours, name)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = make_model()
+    with pytest.raises(TypeError, match="only real floating-point"):
+        FusedAccumOptimizer([nn.Parameter(torch.zeros(2, dtype=torch.complex64))], "sgd", lr=0.1)
+    with pytest.raises(TypeError, match="torch.int64"):
+        FusedAccumOptimizer([torch.zeros(2, dtype=torch.long)], "sgd", lr=0.1)
+    with pytest.raises(TypeError, match=r"'w'.*float64"):
+        FusedAccumOptimizer([("w", nn.Parameter(torch.zeros(2, dtype=torch.float64)))], "sgd", lr=0.1)
+    with pytest.raises(ValueError, match="more than one param group"):
+        FusedAccumOptimizer([{"params": [model[0].weight]}, {"params": [model[0].weight]}], "sgd", lr=0.1)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        FusedAccumOptimizer(model.parameters(), "adagrad_fused", lr=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword 'momentum' for optimizer 'adamw'"):
+        FusedAccumOptimizer(model.parameters(), "adamw", lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="class"):
+        FusedAccumOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="backend 'cuda' was requested but is not available"):
+        FusedAccumOptimizer(model.parameters(), "sgd", lr=0.1, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be"):
+        FusedAccumOptimizer(model.parameters(), "sgd", lr=0.1, backend="metal")
+    with pytest.raises(ValueError, match="accum_steps"):
+        FusedAccumOptimizer(model.parameters(), "sgd", lr=0.1, accum_steps=0)
+    with pytest.raises(ValueError, match="betas"):
+        FusedAccumOptimizer(model.parameters(), "adam", lr=0.1, betas=(1.0, 0.9))
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        fused_accum.Adam(model.parameters(), amsgrad=True)
+
+
+def test_sparse_gradient_names_the_parameter():
+    emb = nn.Embedding(10, 4, sparse=True)
+    FusedAccumOptimizer(emb.named_parameters(), "sgd", lr=0.1)
+    with pytest.raises(RuntimeError, match="'weight' received a sparse gradient"):
+        emb(torch.tensor([1, 2])).sum().backward()
+
+
+def test_step_hooks_and_schedulers_see_a_torch_optimizer():
+    model = make_model()
+    opt = fused_accum.SGD(model.parameters(), lr=0.1)
+    calls = []
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(type(o).__name__))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    mse_mean(model, *batches(1, 1, micro=2)[0][0]).backward()
+    opt.step()
+    sched.step()
+    assert calls == ["SGD"] and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert isinstance(opt, torch.optim.Optimizer)
