@@ -177,6 +177,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         backend: ``"auto"``, ``"reference"``, ``"triton"``, ``"cpu"`` or ``"cuda"``; see
             :mod:`fused_accum.backends`. ``FUSED_ACCUM_BACKEND`` overrides ``"auto"``.
         bucket_cap_mb: size of the gradient buckets folded by one op call, in MB of fp32.
+        step_in_backward: fuse the last micro-batch with the step (needs ``accum_steps``):
+            each bucket of the window's last backward runs accumulate + step in one pass
+            (32 instead of 10 + 30 bytes per bf16 parameter for AdamW), and ``step()`` only
+            ends the window. The update then happens before ``step()`` returns control, so
+            it is only for loops that neither clip, nor unscale, nor read ``.grad`` (it is
+            not exposed) between backward and step; normalise the loss (num_items cannot
+            apply).
 
     A step with no accumulated gradient (no backward since the last step or ``zero_grad``)
     changes nothing, as torch's optimizers skip parameters whose ``.grad`` is None.
@@ -191,6 +198,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         master_weights: Optional[bool] = None,
         backend: str = "auto",
         bucket_cap_mb: float = 25.0,
+        step_in_backward: bool = False,
         **hyperparameters: Any,
     ):
         if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -199,11 +207,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backend must be 'auto' or one of {backends.NAMES}, got {backend!r}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        if step_in_backward and accum_steps is None:
+            raise ValueError("step_in_backward=True needs accum_steps: the last micro-batch must be known")
+        if step_in_backward and not isinstance(optimizer, str):
+            raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
         self._config = dict(
             optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
-            backend=backend, bucket_cap_mb=bucket_cap_mb, hyperparameters=dict(hyperparameters),
+            backend=backend, bucket_cap_mb=bucket_cap_mb, step_in_backward=step_in_backward,
+            hyperparameters=dict(hyperparameters),
         )  # fmt: skip
         self.accum_steps = accum_steps
+        self.step_in_backward = step_in_backward
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._backend_request = backend
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
@@ -213,6 +227,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._hook_handles = []
         self._microbatches = 0
         self._callback_queued = False
+        self._stepped_in_backward = False
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
         self._generic_params: dict[Tensor, Tensor] = {}  # param -> what the inner optimizer steps
         super().__init__(params, defaults)
@@ -373,15 +388,22 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         return fold_grad
 
     def _fold(self, flat: _FlatGroup, bucket: _Bucket) -> None:
-        """One accumulate call per (overwrite, add) kind for the bucket's arrived gradients."""
+        """One op call per (overwrite, add) kind for the bucket's arrived gradients: an
+        accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
         arrived, bucket.arrived = bucket.arrived, []
+        fuse_step = self.step_in_backward and self._microbatches == self.accum_steps - 1
         for overwrite in (True, False):
             pairs = [(s, g) for s, g in arrived if s.has_grad != overwrite]
-            if pairs:
-                ops.accumulate_([s.acc for s, _ in pairs], [g for _, g in pairs], 1.0, overwrite,
-                                None, None, flat.backend)  # fmt: skip
+            if not pairs:
+                continue
+            slots, grads = [s for s, _ in pairs], [g for _, g in pairs]
+            if fuse_step:
+                self._fused_step(flat, slots, None, grads, overwrite)
+            else:
+                ops.accumulate_([s.acc for s in slots], grads, 1.0, overwrite, None, None, flat.backend)
         for slot, _ in arrived:
-            slot.has_grad = True
+            # A slot stepped from its last gradient holds nothing for this window any more.
+            slot.has_grad = not fuse_step
 
     def _flush(self) -> None:
         for flat in self._flat_groups:
@@ -393,7 +415,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._callback_queued = False
         self._flush()
         self._microbatches += 1
-        if self.accum_steps is None or self._microbatches >= self.accum_steps:
+        if self.step_in_backward and self._microbatches == self.accum_steps:
+            # Slots whose gradients all came before the last micro-batch step here; the rest
+            # were stepped as their buckets completed. step() then only ends the window.
+            for flat in self._flat_groups:
+                self._fused_step(flat, [s for s in flat.slots if s.has_grad])
+            for slot in self._slots.values():
+                slot.has_grad = False
+            self._stepped_in_backward = True
+        elif self.accum_steps is None or self._microbatches >= self.accum_steps:
             self._expose_grads()
 
     def _expose_grads(self) -> None:
@@ -452,12 +482,19 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._flush()
         if num_items is not None and not isinstance(num_items, Tensor) and not num_items > 0:
             raise ValueError(f"num_items must be positive, got {num_items!r}")
+        if self._stepped_in_backward:
+            if num_items is not None:
+                raise ValueError("step_in_backward=True already stepped during backward; "
+                                 "num_items cannot apply (normalise the loss instead)")
+            self._stepped_in_backward = False
+            self._microbatches = 0
+            return loss
         self._take_user_grads()
         if self._inner is not None:
             self._generic_step(num_items)
         else:
             for flat in self._flat_groups:
-                self._fused_step(flat, num_items)
+                self._fused_step(flat, [s for s in flat.slots if s.has_grad], num_items)
         for slot in self._slots.values():
             slot.has_grad = False
         self._microbatches = 0
@@ -480,8 +517,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         else:
             dst.fill_(float(value))
 
-    def _fused_step(self, flat: _FlatGroup, num_items) -> None:
-        active = [s for s in flat.slots if s.has_grad]
+    def _fused_step(self, flat: _FlatGroup, active: list, num_items=None, grads=(), grads_overwrite=False) -> None:
+        """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
         if not active:
             return
         group = self.param_groups[flat.group_index]
@@ -503,7 +540,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         accs = [s.acc for s in active]
         state = {key: [s.state[key] for s in active] for key in flat.state}
         common = (steps, flat.lr, flat.coef)
-        tail = (lp_params, [], 1.0, False, None, flat.backend)
+        tail = (lp_params, list(grads), 1.0, grads_overwrite, None, flat.backend)
         if self._algorithm == "sgd":
             momentum = group["momentum"]
             bufs = state["momentum_buffer"] if momentum != 0 else []
