@@ -90,6 +90,7 @@ class _Slot:
     state: dict  # optimizer state name -> 1-D fp32 view
     flat: "_FlatGroup"
     has_grad: bool = False  # the accumulator slice holds this window's gradient
+    in_stats: bool = False  # its final value is already in the window's norm / non-finite flag
     bucket: Optional["_Bucket"] = None
 
 
@@ -184,6 +185,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             it is only for loops that neither clip, nor unscale, nor read ``.grad`` (it is
             not exposed) between backward and step; normalise the loss (num_items cannot
             apply).
+        max_grad_norm: clip the window's global gradient norm (after ``num_items``) to this,
+            as ``clip_grad_norm_`` would, on the device. With ``accum_steps`` known, the sum of
+            squares comes out of the last micro-batch's accumulate pass at no extra read.
+            Like ``skip_nonfinite`` it describes the gradient as accumulated: to clip after
+            ``GradScaler.unscale_``, call ``clip_grad_norm_`` yourself instead.
+        skip_nonfinite: skip the whole update (state, step counts and weights) when any
+            accumulated gradient is inf/nan, without a host sync on the fused path.
 
     A step with no accumulated gradient (no backward since the last step or ``zero_grad``)
     changes nothing, as torch's optimizers skip parameters whose ``.grad`` is None.
@@ -199,6 +207,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         backend: str = "auto",
         bucket_cap_mb: float = 25.0,
         step_in_backward: bool = False,
+        max_grad_norm: Optional[float] = None,
+        skip_nonfinite: bool = False,
         **hyperparameters: Any,
     ):
         if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -209,15 +219,25 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         if step_in_backward and accum_steps is None:
             raise ValueError("step_in_backward=True needs accum_steps: the last micro-batch must be known")
+        if step_in_backward and (max_grad_norm is not None or skip_nonfinite):
+            raise ValueError("step_in_backward=True steps before the window's norm is known: "
+                             "it cannot be combined with max_grad_norm or skip_nonfinite")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if step_in_backward and not isinstance(optimizer, str):
             raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
         self._config = dict(
             optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
             backend=backend, bucket_cap_mb=bucket_cap_mb, step_in_backward=step_in_backward,
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
             hyperparameters=dict(hyperparameters),
         )  # fmt: skip
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
+        self._stats: dict = {}  # device -> (found_inf, sumsq) of the current window
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._backend_request = backend
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
@@ -398,12 +418,68 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 continue
             slots, grads = [s for s, _ in pairs], [g for _, g in pairs]
             if fuse_step:
-                self._fused_step(flat, slots, None, grads, overwrite)
-            else:
-                ops.accumulate_([s.acc for s in slots], grads, 1.0, overwrite, None, None, flat.backend)
+                self._fused_step(flat, slots, flat.coef.fill_(1.0), None, grads, overwrite)
+                continue
+            # On the window's last micro-batch the values written are final: the same pass
+            # can add them to the window's norm and non-finite flag.
+            last = self.accum_steps is not None and self._microbatches == self.accum_steps - 1
+            found_inf, sumsq = self._stats_tensors(flat.device) if last and self._wants_stats else (None, None)
+            ops.accumulate_([s.acc for s in slots], grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            for slot in slots:
+                slot.in_stats = sumsq is not None
         for slot, _ in arrived:
             # A slot stepped from its last gradient holds nothing for this window any more.
             slot.has_grad = not fuse_step
+
+    @property
+    def _wants_stats(self) -> bool:
+        return self.max_grad_norm is not None or self.skip_nonfinite
+
+    def _stats_tensors(self, device) -> tuple:
+        if device not in self._stats:
+            zeros = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
+            self._stats[device] = tuple(zeros)
+        return self._stats[device]
+
+    def _end_window(self) -> None:
+        for slot in self._slots.values():
+            slot.has_grad = slot.in_stats = False
+        for found_inf, sumsq in self._stats.values():
+            found_inf.zero_()
+            sumsq.zero_()
+        self._microbatches = 0
+
+    def _window_scale(self, num_items) -> tuple:
+        """(coef per device, found_inf per device or None): 1/num_items x the clip factor,
+        computed on the device from the window's sum of squares, without a host sync."""
+        devices = {flat.device for flat in self._flat_groups}
+        inv_items = {}
+        for device in devices:
+            inv = torch.ones((), dtype=torch.float32, device=device)
+            if num_items is not None:
+                self._set_scalar(inv, num_items)
+                inv.reciprocal_()
+            inv_items[device] = inv
+        if not self._wants_stats:
+            return inv_items, None
+        for slot in self._slots.values():  # values not seen by a last-micro-batch pass
+            if slot.has_grad and not slot.in_stats:
+                _, sumsq = self._stats_tensors(slot.acc.device)
+                sumsq.add_(torch.dot(slot.acc, slot.acc))
+        home = next(iter(devices))
+        total = sum(self._stats_tensors(d)[1].to(home) for d in devices)
+        any_inf = sum(self._stats_tensors(d)[0].to(home) for d in devices)
+        # inf/nan anywhere makes the sum of squares non-finite, which also covers the values
+        # summed just above
+        found_inf = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
+        norm = total.sqrt() * inv_items[home]
+        self.last_grad_norm = norm
+        scale = {d: inv for d, inv in inv_items.items()}
+        if self.max_grad_norm is not None:
+            clip = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_
+            scale = {d: inv * clip.to(d) for d, inv in inv_items.items()}
+        skip = {d: found_inf.to(d) for d in devices} if self.skip_nonfinite else None
+        return scale, skip
 
     def _flush(self) -> None:
         for flat in self._flat_groups:
@@ -419,7 +495,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # Slots whose gradients all came before the last micro-batch step here; the rest
             # were stepped as their buckets completed. step() then only ends the window.
             for flat in self._flat_groups:
-                self._fused_step(flat, [s for s in flat.slots if s.has_grad])
+                self._fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
             for slot in self._slots.values():
                 slot.has_grad = False
             self._stepped_in_backward = True
@@ -461,12 +537,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         for flat in self._flat_groups:
             for bucket in flat.buckets:
                 bucket.arrived = []
-            for slot in flat.slots:
-                slot.has_grad = False
+        self._end_window()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
-        self._microbatches = 0
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
@@ -487,17 +561,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 raise ValueError("step_in_backward=True already stepped during backward; "
                                  "num_items cannot apply (normalise the loss instead)")
             self._stepped_in_backward = False
-            self._microbatches = 0
+            self._end_window()
             return loss
         self._take_user_grads()
+        scale, skip = self._window_scale(num_items)
         if self._inner is not None:
-            self._generic_step(num_items)
+            self._generic_step(scale, skip)
         else:
             for flat in self._flat_groups:
-                self._fused_step(flat, [s for s in flat.slots if s.has_grad], num_items)
-        for slot in self._slots.values():
-            slot.has_grad = False
-        self._microbatches = 0
+                active = [s for s in flat.slots if s.has_grad]
+                self._fused_step(flat, active, scale[flat.device], skip and skip[flat.device])
+        self._end_window()
         return loss
 
     def _take_user_grads(self) -> None:
@@ -508,7 +582,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 if grad.is_sparse:
                     raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
                 slot.acc.copy_(grad.reshape(-1))
-                slot.has_grad = True
+                slot.has_grad, slot.in_stats = True, False
 
     @staticmethod
     def _set_scalar(dst: Tensor, value) -> None:
@@ -517,22 +591,21 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         else:
             dst.fill_(float(value))
 
-    def _fused_step(self, flat: _FlatGroup, active: list, num_items=None, grads=(), grads_overwrite=False) -> None:
+    def _fused_step(self, flat: _FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(),
+                    grads_overwrite=False) -> None:  # fmt: skip
         """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
         if not active:
             return
         group = self.param_groups[flat.group_index]
         self._set_scalar(flat.lr, group["lr"])
-        if num_items is None:
-            flat.coef.fill_(1.0)
-        else:
-            self._set_scalar(flat.coef, num_items)
-            flat.coef.reciprocal_()
+        flat.coef.copy_(coef)
+        # A skipped step does not count (as torch's GradScaler skips the step call itself).
+        increment = 1 if found_inf is None else 1 - found_inf
         if len(active) == len(flat.slots):
-            flat.steps.add_(1)
+            flat.steps.add_(increment)
         else:
             index = torch.tensor([s.index for s in active], device=flat.device)
-            flat.steps.index_add_(0, index, torch.ones(len(active), device=flat.device))
+            flat.steps.index_add_(0, index, torch.ones(len(active), device=flat.device) * increment)
         steps = flat.steps if len(active) == len(flat.slots) else flat.steps[[s.index for s in active]]
         targets = [flat.step_targets(s) for s in active]
         params = [t for t, _ in targets]
@@ -540,7 +613,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         accs = [s.acc for s in active]
         state = {key: [s.state[key] for s in active] for key in flat.state}
         common = (steps, flat.lr, flat.coef)
-        tail = (lp_params, list(grads), 1.0, grads_overwrite, None, flat.backend)
+        tail = (lp_params, list(grads), 1.0, grads_overwrite, found_inf, flat.backend)
         if self._algorithm == "sgd":
             momentum = group["momentum"]
             bufs = state["momentum_buffer"] if momentum != 0 else []
@@ -556,7 +629,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             ops.lion_step_(params, state["exp_avg"], accs, *common, beta1, beta2,
                            group["weight_decay"], group["maximize"], *tail)  # fmt: skip
 
-    def _generic_step(self, num_items) -> None:
+    def _generic_step(self, scale, skip) -> None:
+        if skip is not None and any(bool(f.item()) for f in skip.values()):
+            return  # torch optimizers cannot skip on the device: this path syncs once
         for group, inner_group in zip(self.param_groups, self._inner.param_groups):
             for key, value in group.items():  # schedulers write our groups; mirror them
                 if key not in ("params", "param_names"):
@@ -568,8 +643,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if not slot.has_grad:
                 target.grad = None
                 continue
-            if num_items is not None:
-                slot.acc.div_(num_items)
+            slot.acc.mul_(scale[slot.acc.device])
             target.grad = slot.grad_view
         self._inner.step()
         for p, target in self._generic_params.items():

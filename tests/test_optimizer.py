@@ -539,3 +539,56 @@ def test_step_in_backward_equals_the_separate_step(backend, algo):
 def test_step_in_backward_needs_accum_steps():
     with pytest.raises(ValueError, match="needs accum_steps"):
         fused_accum.AdamW(make_model().parameters(), step_in_backward=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("accum_steps", [3, None])
+def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
+    """With accum_steps the norm comes out of the last accumulate pass; without, from a
+    separate pass at step. Both must equal torch's clip_grad_norm_ on the large batch."""
+    ours, big = make_model(), make_model()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05,
+                            backend=backend)  # fmt: skip
+    ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    for window in batches(3, 3, micro=4):
+        for x, y in window:
+            (mse_mean(ours, x, y) / 3).backward()
+        opt.step()
+        opt.zero_grad()
+        mse_mean(big, torch.cat([x for x, _ in window]), torch.cat([y for _, y in window])).backward()
+        ref_norm = nn.utils.clip_grad_norm_(big.parameters(), max_norm=0.05)
+        ref.step()
+        ref.zero_grad()
+        torch.testing.assert_close(opt.last_grad_norm, ref_norm, rtol=1e-5, atol=0)
+        assert ref_norm > 0.05  # the clip really scaled the gradient
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw", "lion"])
+def test_skip_nonfinite_leaves_everything_untouched(backend, algo):
+    name, _, hyper = ALGOS[algo]
+    model = make_model()
+    opt = FusedAccumOptimizer(model.parameters(), name, accum_steps=2, skip_nonfinite=True,
+                              backend=backend, **hyper)  # fmt: skip
+    data = batches(2, 2, micro=4)
+    for x, y in data[0]:
+        mse_mean(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    before_params = [p.detach().clone() for p in model.parameters()]
+    before_state = copy.deepcopy(opt.state_dict()["state"])
+    for j, (x, y) in enumerate(data[1]):
+        loss = mse_mean(model, x, y)
+        (loss * float("nan") if j == 1 else loss).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before_params))
+    after_state = opt.state_dict()["state"]
+    for i, entry in before_state.items():
+        assert all(torch.equal(entry[k], after_state[i][k]) for k in entry)  # step count included
+    for x, y in data[0]:  # and the next finite window steps again
+        mse_mean(model, x, y).backward()
+    opt.step()
+    assert not torch.equal(next(model.parameters()), before_params[0])
