@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -45,6 +45,18 @@ ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")  # torch >= 2.10
+# id(parameter) -> (weak parameter, weak optimizer whose hooks take its gradients). Two live
+# optimizers on one parameter would both take its .grad: the first would starve the second.
+# Keyed by id because tensors compare element-wise, not by identity.
+_OWNERS: dict = {}
+
+
+def _owner(param: Tensor):
+    """The live FusedAccumOptimizer hooked to ``param``, or None."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +161,21 @@ class _FlatGroup:
         if self.has_master:
             return slot.master, flat_param
         return flat_param, None
+
+
+def _hide_exposed_grad(optimizer_ref, param: Tensor, grad: Tensor) -> Tensor:
+    """Tensor hook, run just before AccumulateGrad: without it autograd would add the new
+    gradient into the fp32 view we exposed (bypassing the kernels), and we would fold it twice."""
+    optimizer = optimizer_ref()
+    if optimizer is not None and param.grad is optimizer._slots[param].grad_view:
+        param.grad = None
+    return grad
+
+
+def _fold_grad(optimizer_ref, param: Tensor) -> None:
+    optimizer = optimizer_ref()
+    if optimizer is not None:
+        optimizer._receive(param)
 
 
 def _param_label(group_index, j, param, names):
@@ -352,12 +379,35 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         p = slot.param
         if p in self._slots:  # shared parameters are caught above; this would be our bug
             raise AssertionError(f"{slot.name} registered twice")
+        if _owner(p) is not None:
+            raise RuntimeError(f"parameter {slot.name} is already trained by another FusedAccumOptimizer; "
+                               "call remove_hooks() on that one (or delete it) first")  # fmt: skip
+        key = id(p)
+
+        def forget(ref, key=key):  # the parameter died: drop its entry (unless reused since)
+            if _OWNERS.get(key, (None,))[0] is ref:
+                del _OWNERS[key]
+
+        _OWNERS[key] = (weakref.ref(p, forget), weakref.ref(self))
         self._slots[p] = slot
         if p.dtype in LOW_PRECISION and HAS_GRAD_DTYPE:
             # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
             p.grad_dtype = None
-        self._hook_handles.append(p.register_hook(self._make_hide_hook(slot)))
-        self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_fold_hook(slot, flat)))
+        # The hooks hold the optimizer weakly: once it is gone they do nothing, and they never
+        # keep its buffers alive.
+        this = weakref.ref(self)
+        self._hook_handles.append(p.register_hook(lambda grad: _hide_exposed_grad(this, p, grad)))
+        self._hook_handles.append(p.register_post_accumulate_grad_hook(lambda param: _fold_grad(this, param)))
+
+    def remove_hooks(self) -> None:
+        """Stop folding gradients (autograd fills ``.grad`` as usual again); the optimizer
+        can no longer accumulate. Needed only to hand the parameters to another optimizer."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        for p in self._slots:
+            if _owner(p) is self:
+                del _OWNERS[id(p)]
 
     def _add_generic_group(self, group, group_index):
         inner_params = []
@@ -379,33 +429,21 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- hooks -------------------------------------------------------------------------------
 
-    def _make_hide_hook(self, slot: _Slot) -> Callable:
-        def hide_exposed_grad(grad: Tensor) -> Tensor:
-            # Runs before AccumulateGrad: without this, autograd would add the new gradient into
-            # the fp32 view we exposed (bypassing the kernels) and we would fold it twice.
-            if slot.param.grad is slot.grad_view:
-                slot.param.grad = None
-            return grad
-
-        return hide_exposed_grad
-
-    def _make_fold_hook(self, slot: _Slot, flat: _FlatGroup) -> Callable:
-        def fold_grad(param: Tensor) -> None:
-            grad = param.grad
-            if grad is None:
-                return
-            if grad.is_sparse:
-                raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
-            param.grad = None
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._callback_queued = True
-            bucket = slot.bucket
-            bucket.arrived.append((slot, grad))
-            if len(bucket.arrived) == len(bucket.slots):
-                self._fold(flat, bucket)
-
-        return fold_grad
+    def _receive(self, param: Tensor) -> None:
+        """The post-accumulate-grad hook: take ``param.grad`` into its bucket."""
+        grad, slot = param.grad, self._slots[param]
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
+        param.grad = None
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        bucket = slot.bucket
+        bucket.arrived.append((slot, grad))
+        if len(bucket.arrived) == len(bucket.slots):
+            self._fold(slot.flat, bucket)
 
     def _fold(self, flat: _FlatGroup, bucket: _Bucket) -> None:
         """One op call per (overwrite, add) kind for the bucket's arrived gradients: an

@@ -496,7 +496,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_sparse_gradient_names_the_parameter():
     emb = nn.Embedding(10, 4, sparse=True)
-    FusedAccumOptimizer(emb.named_parameters(), "sgd", lr=0.1)
+    opt = FusedAccumOptimizer(emb.named_parameters(), "sgd", lr=0.1)  # noqa: F841 (alive: its hooks)
     with pytest.raises(RuntimeError, match="'weight' received a sparse gradient"):
         emb(torch.tensor([1, 2])).sum().backward()
 
@@ -592,3 +592,15 @@ def test_skip_nonfinite_leaves_everything_untouched(backend, algo):
         mse_mean(model, x, y).backward()
     opt.step()
     assert not torch.equal(next(model.parameters()), before_params[0])
+
+
+def test_one_optimizer_per_parameter_and_hooks_die_with_it():
+    model = make_model()
+    opt = fused_accum.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="already trained by another FusedAccumOptimizer"):
+        fused_accum.SGD(model.parameters(), lr=0.1)
+    opt.remove_hooks()
+    second = fused_accum.SGD(model.parameters(), lr=0.1)
+    del second  # the hooks hold it weakly: autograd fills .grad as usual again
+    mse_mean(model, *batches(1, 1, micro=2)[0][0]).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
