@@ -1,0 +1,495 @@
+"""Kernel microbenchmarks: accumulate and the optimizer steps, ours against PyTorch's best.
+
+A *group* is one operation on one workload (a list of parameter shapes) with one gradient
+dtype; every provider in a group runs on the same rotated random buffers, and yields one row.
+
+Providers:
+  accumulate (``acc = grad`` on the window's first micro-batch, ``acc += grad`` later):
+    torch_loop     per-parameter ``acc.copy_(g)`` / ``acc.add_(g)``: what ``.grad`` does
+    torch_foreach  ``torch._foreach_copy_`` / ``torch._foreach_add_``
+  steps (SGD-momentum, AdamW, Lion from the fp32 accumulator, fp32 master, bf16 param write):
+    torch_fused / torch_foreach  ``torch.optim.SGD`` / ``AdamW`` with ``fused=True`` /
+                   ``foreach=True`` on the fp32 masters with the accumulator as ``.grad``, then
+                   the two passes torch needs that our step does not: copy the masters into the
+                   bf16 params and zero the accumulator for the next window. torch has no Lion;
+                   torch_foreach Lion is the update written with ``torch._foreach_*`` ops.
+    For the fused last micro-batch torch first adds the gradient (``_foreach_add_``).
+  and each fused_accum backend available on the device (reference, triton, cpu, cuda), called
+  through ``fused_accum.backends.get(name)`` directly, not through the custom-op wrapper.
+
+Before timing, each provider runs once on a separate check set and its output is compared
+with an fp32 oracle (for accumulate, torch's fp32 add; for steps, the reference backend): a
+fast wrong kernel shows up as ``ok=False`` in the row.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from benchmarks import common
+from fused_accum import backends
+
+Shape = Tuple[int, ...]
+
+# Hyper-parameters of the timed steps: torch's defaults, with weight decay on so that its term
+# is computed (and therefore timed) by every provider.
+SGD_HP = dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=False)
+ADAMW_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+LION_HP = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=1e-2)
+
+# fp32 arithmetic on O(1) values: a correct provider lands under 1e-6 (one rounding per
+# element, or torch's slightly different operation order); 1e-5 leaves room for that and the
+# odd bf16 param that rounds the other way, and still catches any real error.
+CHECK_TOL = 1e-5
+
+STEP_OPS = ("sgd", "adamw", "lion", "adamw_fused_last")
+ACC_OPS = ("accumulate_first", "accumulate_add")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    shapes: Tuple[Shape, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def padded_numel(self) -> int:
+        return common.padded_offsets([math.prod(s) for s in self.shapes])[1]
+
+
+def flat(n: int) -> Workload:
+    """One flat gradient of ``n`` elements."""
+    return Workload("flat", ((n,),))
+
+
+def gpt2(d: int = 768, layers: int = 12, vocab: int = 50257, ctx: int = 1024, name="gpt2") -> Workload:
+    """GPT-2 small's parameters with the defaults: 148 tensors, 124.4M elements (lm head tied)."""
+    shapes: List[Shape] = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),  # ln_1, attention
+                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, MLP
+    shapes += [(d,), (d,)]  # ln_f
+    return Workload(name, tuple(shapes))
+
+
+def llama(hidden: int = 4096, intermediate: int = 11008, blocks: int = 2, name="llama") -> Workload:
+    """Llama-style decoder blocks (7B shapes by default: 202M elements per block, 9 tensors)."""
+    block = [(hidden, hidden)] * 4 + [(intermediate, hidden)] * 2 + [(hidden, intermediate)]
+    block += [(hidden,), (hidden,)]  # the two RMSNorm weights
+    return Workload(name, tuple(block * blocks))
+
+
+def many_small(count: int = 2048, max_numel: int = 65536, seed: int = 0, name="many_small") -> Workload:
+    """``count`` tensors of 1..max_numel elements, log-uniform (so many bias-sized ones), from
+    a fixed seed so every run times the same list. 2048 x up to 64K is about 10M elements."""
+    rng = random.Random(seed)
+    sizes = [max(1, int(round(math.exp(rng.uniform(0.0, math.log(max_numel)))))) for _ in range(count)]
+    return Workload(name, tuple((n,) for n in sizes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups and context
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Group:
+    op: str  # one of ACC_OPS or STEP_OPS
+    workload: Workload
+    grad_dtype: Optional[torch.dtype]  # None for steps that read only the accumulator
+    providers: Tuple[str, ...]
+
+    @property
+    def section(self) -> str:
+        return "accumulate" if self.op in ACC_OPS else "step"
+
+    @property
+    def bytes_per_elem(self) -> int:
+        if self.op in ACC_OPS:
+            return common.accumulate_bytes(self.grad_dtype, overwrite=self.op == "accumulate_first")
+        if self.op == "adamw_fused_last":
+            return common.step_bytes("adamw", grad_dtype=self.grad_dtype)
+        return common.step_bytes(self.op)
+
+    @property
+    def label(self) -> str:
+        dt = common.dtype_name(self.grad_dtype) if self.grad_dtype is not None else "-"
+        return f"{self.op} {self.workload.name} {common.fmt_numel(self.workload.numel)} {dt}"
+
+
+@dataclass
+class Context:
+    device: torch.device
+    timing: common.TimingConfig
+    cache_bytes: int
+    copy_gbps: float
+    seed: int = 0
+    max_rotations: int = 256
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(self.seed)
+
+
+def our_backends(device: torch.device) -> List[str]:
+    """fused_accum backends that run here, by name, so new ones are picked up unchanged.
+
+    Triton on CPU tensors only runs under TRITON_INTERPRET=1, a test mode thousands of times
+    slower than the reference: timing it would say nothing and take minutes, so it is left out.
+    """
+    names = []
+    for name in backends.NAMES:
+        if backends.availability(name, device.type) == "":
+            if name == "triton" and device.type != "cuda":
+                continue
+            names.append(name)
+    return names
+
+
+def default_providers(op: str, device: torch.device) -> Tuple[str, ...]:
+    if op in ACC_OPS:
+        torch_side = ("torch_loop", "torch_foreach")
+    elif op == "lion":
+        torch_side = ("torch_foreach",)
+    else:
+        torch_side = ("torch_fused", "torch_foreach")
+    return torch_side + tuple(our_backends(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulate
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AccSet:
+    flat: torch.Tensor  # the fp32 accumulator
+    accs: List[torch.Tensor]  # 1-D views, as the ops take them
+    accs_nd: List[torch.Tensor]  # views shaped like the params, as torch's .grad is
+    grads: List[torch.Tensor]
+
+
+def _make_acc_set(workload: Workload, grad_dtype: torch.dtype, ctx: Context) -> AccSet:
+    flat_acc = common.random_tensor((workload.padded_numel,), torch.float32, ctx.device, ctx.generator)
+    grads = [common.random_tensor(s, grad_dtype, ctx.device, ctx.generator) for s in workload.shapes]
+    return AccSet(flat_acc, common.flat_views(flat_acc, workload.shapes),
+                  common.flat_views(flat_acc, workload.shapes, shaped=True), grads)
+
+
+def _torch_loop_copy(s: AccSet) -> None:
+    for acc, grad in zip(s.accs_nd, s.grads):
+        acc.copy_(grad)
+
+
+def _torch_loop_add(s: AccSet) -> None:
+    for acc, grad in zip(s.accs_nd, s.grads):
+        acc.add_(grad)
+
+
+def _acc_provider(name: str, overwrite: bool) -> Callable[[AccSet], None]:
+    if name == "torch_loop":
+        return _torch_loop_copy if overwrite else _torch_loop_add
+    if name == "torch_foreach":
+        if overwrite:
+            return lambda s: torch._foreach_copy_(s.accs_nd, s.grads)
+        return lambda s: torch._foreach_add_(s.accs_nd, s.grads)
+    accumulate = backends.get(name).accumulate
+    return lambda s: accumulate(s.accs, s.grads, 1.0, overwrite)
+
+
+def _check_accumulate(fn, check_set: AccSet, overwrite: bool) -> float:
+    """Run ``fn`` once and compare with the same sum done in fp32 by torch on a copy."""
+    expected = check_set.flat.clone()
+    for e, g in zip(common.flat_views(expected, [tuple(g.shape) for g in check_set.grads]), check_set.grads):
+        e.copy_(g.reshape(-1).float()) if overwrite else e.add_(g.reshape(-1).float())
+    fn(check_set)
+    common.synchronize(check_set.flat.device)
+    return common.rel_error(check_set.flat, expected)
+
+
+def _run_accumulate(group: Group, ctx: Context) -> Iterator[Dict]:
+    overwrite = group.op == "accumulate_first"
+    set_bytes = group.workload.numel * (common.FP32_BYTES + common.elem_size(group.grad_dtype))
+    n_sets = common.rotation_count(set_bytes, ctx.cache_bytes, ctx.max_rotations)
+    sets = [_make_acc_set(group.workload, group.grad_dtype, ctx) for _ in range(n_sets)]
+    check_set = _make_acc_set(group.workload, group.grad_dtype, ctx)
+    for provider in group.providers:
+
+        def prepare():
+            fn = _acc_provider(provider, overwrite)
+            return _check_accumulate(fn, _make_acc_set_copy(check_set), overwrite), sets, fn
+
+        yield _time_provider(group, provider, ctx, prepare)
+
+
+def _make_acc_set_copy(s: AccSet) -> AccSet:
+    """A fresh copy, so every provider's check starts from the same random accumulator."""
+    flat_acc = s.flat.clone()
+    shapes = [tuple(g.shape) for g in s.grads]
+    return AccSet(flat_acc, common.flat_views(flat_acc, shapes), common.flat_views(flat_acc, shapes, shaped=True), s.grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepSet:
+    shapes: Tuple[Shape, ...]
+    acc: torch.Tensor  # flat fp32
+    master: torch.Tensor  # flat fp32
+    state: List[torch.Tensor]  # flat fp32: [momentum] / [exp_avg, exp_avg_sq] / [exp_avg]
+    lp: List[torch.Tensor]  # bf16 params, shaped
+    grads: List[torch.Tensor]  # the last micro-batch's gradients, for the fused step; else []
+    steps: torch.Tensor  # per-tensor step count, fp32
+    lr: torch.Tensor
+    coef: torch.Tensor
+
+    def views(self, flat_buf: torch.Tensor, shaped: bool = False) -> List[torch.Tensor]:
+        return common.flat_views(flat_buf, self.shapes, shaped=shaped)
+
+    def clone(self) -> "StepSet":
+        return StepSet(self.shapes, self.acc.clone(), self.master.clone(), [s.clone() for s in self.state],
+                       [p.clone() for p in self.lp], self.grads, self.steps.clone(), self.lr, self.coef)
+
+
+def _optimizer_of(op: str) -> str:
+    return "adamw" if op == "adamw_fused_last" else op
+
+
+def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
+    """Random accumulator, master, bf16 params and gradients. The timed sets get random state
+    too (Adam's v positive); a check set starts as torch's optimizers do, with zero state on
+    step 1, so torch's lazily created state and ours begin equal."""
+    w, dev, gen = group.workload, ctx.device, ctx.generator
+    n = w.padded_numel
+    opt = _optimizer_of(group.op)
+    state = []
+    for i in range(common.STATE_TENSORS[opt]):
+        if first_step:
+            state.append(torch.zeros(n, device=dev))
+        else:
+            state.append(common.random_tensor((n,), torch.float32, dev, gen, positive=(opt == "adamw" and i == 1)))
+    grads = [common.random_tensor(s, group.grad_dtype, dev, gen) for s in w.shapes] if group.grad_dtype else []
+    hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP}[opt]
+    return StepSet(
+        shapes=w.shapes,
+        acc=common.random_tensor((n,), torch.float32, dev, gen),
+        master=common.random_tensor((n,), torch.float32, dev, gen),
+        state=state,
+        lp=[common.random_tensor(s, torch.bfloat16, dev, gen) for s in w.shapes],
+        grads=grads,
+        steps=torch.full((len(w.shapes),), 1.0 if first_step else 10.0, device=dev),
+        lr=torch.tensor(hp["lr"], device=dev),
+        coef=torch.tensor(1.0, device=dev),  # torch has no such scalar: 1 keeps the math equal
+    )
+
+
+def _lion_foreach(params, exp_avgs, grads, lr, beta1, beta2, weight_decay):
+    """Lion with torch's multi-tensor ops: the best a PyTorch user can write without a kernel."""
+    update = torch._foreach_mul(exp_avgs, beta1)
+    torch._foreach_add_(update, grads, alpha=1 - beta1)
+    torch._foreach_sign_(update)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, update, alpha=-lr)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta2)
+
+
+def _torch_step_provider(op: str, mode: str, s: StepSet) -> Callable[[], None]:
+    """torch's optimizer on fp32 masters whose .grad is the accumulator, + copy + zero.
+
+    The zeroing pass is what a persistent torch buffer needs before the next window, so it is
+    timed; it leaves torch's later calls reading a zero accumulator. That can only flatter
+    torch (zeros toggle fewer bits), so the speedups stay conservative; the accumulators are
+    refilled with random values before the next provider runs (see :func:`_run_step`).
+    """
+    masters, accs = s.views(s.master, shaped=True), s.views(s.acc, shaped=True)
+    opt_name = _optimizer_of(op)
+    torch_opt = None
+    if opt_name == "lion":
+        if mode != "foreach":
+            raise ValueError(f"torch has no {mode} Lion")
+        exp_avgs = s.views(s.state[0], shaped=True)
+        hp = LION_HP
+        update = lambda: _lion_foreach(masters, exp_avgs, accs, hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"])
+    else:
+        for p, a in zip(masters, accs):
+            p.grad = a
+        flag = {mode: True}
+        if opt_name == "sgd":
+            hp = SGD_HP
+            torch_opt = torch.optim.SGD(masters, lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
+                                        weight_decay=hp["weight_decay"], nesterov=hp["nesterov"], **flag)
+        else:
+            hp = ADAMW_HP
+            torch_opt = torch.optim.AdamW(masters, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                          weight_decay=hp["weight_decay"], **flag)
+        update = torch_opt.step
+    grads = s.grads
+
+    def call():
+        if grads:
+            torch._foreach_add_(accs, grads)
+        update()
+        torch._foreach_copy_(s.lp, masters)
+        s.acc.zero_()
+
+    return call
+
+
+def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
+    module = backends.get(backend)
+    masters, accs = s.views(s.master), s.views(s.acc)
+    state = [s.views(buf) for buf in s.state]
+    common_kw = dict(maximize=False, lp_params=s.lp, grads=s.grads, grad_alpha=1.0, grads_overwrite=False)
+    if op == "sgd":
+        hp = SGD_HP
+        kw = dict(momentum=hp["momentum"], dampening=hp["dampening"], weight_decay=hp["weight_decay"],
+                  nesterov=hp["nesterov"], **common_kw)
+        return lambda: module.sgd_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
+    if op == "lion":
+        hp = LION_HP
+        kw = dict(beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], **common_kw)
+        return lambda: module.lion_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
+    hp = ADAMW_HP
+    kw = dict(beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+              decoupled=True, **common_kw)
+    return lambda: module.adam_step(masters, state[0], state[1], accs, s.steps, s.lr, s.coef, **kw)
+
+
+def _step_provider(op: str, provider: str, s: StepSet) -> Callable[[], None]:
+    if provider.startswith("torch_"):
+        return _torch_step_provider(op, provider[len("torch_"):], s)
+    return _our_step_provider(op, provider, s)
+
+
+def _step_error(out: StepSet, ref: StepSet) -> float:
+    """Worst of the master's and the bf16 params' relative errors against the oracle."""
+    lp_out = torch.cat([p.reshape(-1).float() for p in out.lp])
+    lp_ref = torch.cat([p.reshape(-1).float() for p in ref.lp])
+    masters = lambda s: torch.cat([v for v in s.views(s.master)])  # padding excluded
+    return max(common.rel_error(masters(out), masters(ref)), common.rel_error(lp_out, lp_ref))
+
+
+def _run_step(group: Group, ctx: Context) -> Iterator[Dict]:
+    w = group.workload
+    n_state = common.STATE_TENSORS[_optimizer_of(group.op)]
+    grad_bytes = common.elem_size(group.grad_dtype) if group.grad_dtype else 0
+    set_bytes = w.numel * (common.FP32_BYTES * (2 + n_state) + 2 + grad_bytes)
+    n_sets = common.rotation_count(set_bytes, ctx.cache_bytes, ctx.max_rotations)
+    sets = [_make_step_set(group, ctx, first_step=False) for _ in range(n_sets)]
+    check_base = _make_step_set(group, ctx, first_step=True)
+    oracle = check_base.clone()
+    _our_step_provider(group.op, "reference", oracle)()
+
+    for provider in group.providers:
+
+        def prepare():
+            checked = check_base.clone()
+            _step_provider(group.op, provider, checked)()
+            common.synchronize(ctx.device)
+            err = _step_error(checked, oracle)
+            del checked
+            # One callable per rotated set (torch's optimizers keep their own state per set).
+            return err, [_step_provider(group.op, provider, s) for s in sets], lambda call: call()
+
+        yield _time_provider(group, provider, ctx, prepare)
+        if provider.startswith("torch_"):
+            for s in sets:  # undo torch's zeroing: never time the next provider on zeros
+                s.acc.copy_(common.random_tensor(s.acc.shape, torch.float32, ctx.device, ctx.generator))
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing one provider, and a group's rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _time_provider(group: Group, provider: str, ctx: Context, prepare) -> Dict:
+    """One row. ``prepare()`` checks the provider once and returns (relative error, argument
+    sets, fn) to time ``fn(arg_set)`` with. An exception becomes a row with the error in
+    ``note`` and no timing, so one broken backend does not stop the suite."""
+    row = {
+        "section": group.section, "op": group.op, "workload": group.workload.name,
+        "n_tensors": len(group.workload.shapes), "numel": group.workload.numel,
+        "grad_dtype": common.dtype_name(group.grad_dtype) if group.grad_dtype is not None else "-",
+        "provider": provider, "kind": "torch" if provider.startswith("torch_") else "fused_accum",
+        "bytes_per_elem": group.bytes_per_elem,
+    }
+    try:
+        err, arg_sets, fn = prepare()
+        timing = common.measure(fn, arg_sets, ctx.device, ctx.timing)
+        del arg_sets  # drop per-set torch optimizers (and their state) before the next provider
+    except Exception as exc:  # noqa: BLE001 - reported in the row and the log
+        row.update(ms=math.nan, gbps=math.nan, pct_of_copy=math.nan, max_rel_err=math.nan, ok=False,
+                   note=f"{type(exc).__name__}: {exc}"[:300])
+        return row
+    rate = common.gbps(group.bytes_per_elem * group.workload.numel, timing.median_ms)
+    row.update(
+        ms=timing.median_ms, ms_min=timing.min_ms, ms_max=timing.max_ms, spread_pct=timing.spread_pct,
+        samples=len(timing.samples_ms), calls_per_sample=timing.calls_per_sample, rotations=timing.rotations,
+        gbps=rate, pct_of_copy=100.0 * rate / ctx.copy_gbps,
+        max_rel_err=err, ok=err <= CHECK_TOL, note="",
+    )
+    return row
+
+
+def run_group(group: Group, ctx: Context) -> Iterator[Dict]:
+    """Yield one row per provider (speedups are filled in by :func:`add_speedups`)."""
+    runner = _run_accumulate if group.section == "accumulate" else _run_step
+    yield from runner(group, ctx)
+
+
+def add_speedups(rows: List[Dict]) -> None:
+    """Per group: ``speedup_vs_torch`` = best torch provider's median / this row's median."""
+    best: Dict[tuple, Tuple[float, str]] = {}
+    key = lambda r: (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+    for r in rows:
+        if r["kind"] == "torch" and math.isfinite(r["ms"]):
+            if key(r) not in best or r["ms"] < best[key(r)][0]:
+                best[key(r)] = (r["ms"], r["provider"])
+    for r in rows:
+        ms_best, name = best.get(key(r), (math.nan, ""))
+        r["best_torch"] = name
+        r["speedup_vs_torch"] = ms_best / r["ms"] if math.isfinite(r["ms"]) else math.nan
+
+
+def format_row(r: Dict) -> str:
+    head = f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['grad_dtype']:<4} {r['provider']:<14}"
+    if not math.isfinite(r["ms"]):
+        return f"{head} FAILED {r['note']}"
+    speed = r.get("speedup_vs_torch", math.nan)
+    speed_txt = f"{speed:6.2f}x" if math.isfinite(speed) else "      -"
+    flag = "" if r["ok"] else f"  WRONG (rel err {r['max_rel_err']:.1e})"
+    return (f"{head} {r['ms']:9.4f} ms  {r['gbps']:8.1f} GB/s  {r['pct_of_copy']:5.1f}% copy  "
+            f"{speed_txt}  ±{r['spread_pct']:.0f}%{flag}")
+
+
+def plan(device: torch.device, flat_sizes: Sequence[int], lists: Sequence[Workload],
+         grad_dtypes: Sequence[torch.dtype], step_workloads: Sequence[Workload],
+         ops: Sequence[str] = ACC_OPS + STEP_OPS) -> List[Group]:
+    """The groups to run, most important first (bf16 accumulate, then steps, then the other
+    gradient dtypes), so a time budget that cuts the run short cuts the least useful part."""
+    groups: List[Group] = []
+    acc_workloads = [flat(n) for n in flat_sizes] + list(lists)
+    for i, dt in enumerate(grad_dtypes):
+        for op in (o for o in ACC_OPS if o in ops):
+            groups += [Group(op, w, dt, default_providers(op, device)) for w in acc_workloads]
+        if i == 0:
+            for op in (o for o in STEP_OPS if o in ops):
+                gd = dt if op == "adamw_fused_last" else None
+                groups += [Group(op, w, gd, default_providers(op, device)) for w in step_workloads]
+    return groups

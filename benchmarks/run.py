@@ -1,0 +1,296 @@
+"""Run the benchmark suite: ``python benchmarks/run.py [--quick] [--out DIR]``, or
+``python -m fused_accum bench [args]``, or ``main(argv)`` from Python.
+
+Writes to ``--out`` (default ``benchmarks/results``):
+  kernels.csv      one row per (operation, workload, gradient dtype, provider)
+  end_to_end.csv   one row per training variant
+  results.json     both, with the machine/torch/triton/commit metadata and the copy ceiling
+  kernels.png      GB/s against size on the flat-gradient sweep, one line per provider
+
+Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
+on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
+groups that would start after that many seconds (the plan runs the most useful ones first), so
+a run on a leased GPU ends in time and still writes everything it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:  # run as a script (sys.path[0] is benchmarks/) or loaded by path
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks import common, end_to_end, kernels  # noqa: E402
+
+DEFAULT_OUT = _ROOT / "benchmarks" / "results"
+SUITES = ("accumulate", "step", "e2e")
+
+
+def make_config(device: torch.device, mode: str) -> Dict:
+    """Sizes and timing for ``mode`` ('smoke', 'quick' or 'full') on ``device``.
+
+    GPU sizes go from 64K elements (launch-bound: ~5 us against 0.15 us of traffic at 4.3 TB/s)
+    to 256M (1.5 ms of traffic for a bf16 add), and each set is at least twice the 60 MB L2.
+    CPU sizes stop at 64M (a 10-byte add moves 640 MB: ~0.1 s on this 2-core machine).
+    """
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cache = common.last_level_cache_bytes(device)
+    if mode == "smoke":
+        return dict(
+            flat_sizes=[4096, 65536], lists=[kernels.many_small(count=40, max_numel=1024)],
+            grad_dtypes=[bf16], step_workloads=[kernels.flat(65536)],
+            timing=common.TimingConfig(samples=3, warmup_ms=2.0, min_sample_ms=2.0),
+            copy_bytes=8 * 2**20, max_rotations=4,
+            e2e=end_to_end.E2EConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=16, micro_batch=2,
+                                     windows=3, warmup_windows=1, lr=3e-3),
+        )
+    if device.type == "cuda":
+        if mode == "quick":
+            return dict(
+                flat_sizes=[2**20, 2**24, 2**28], lists=[kernels.gpt2()], grad_dtypes=[bf16],
+                step_workloads=[kernels.flat(2**24), kernels.gpt2()],
+                timing=common.TimingConfig(samples=5), copy_bytes=2**30, max_rotations=1024,
+                e2e=end_to_end.E2EConfig(n_layers=4, windows=6),
+            )
+        return dict(
+            flat_sizes=[2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28],
+            lists=[kernels.gpt2(), kernels.llama(4096, 11008, blocks=2), kernels.many_small(2048, 65536)],
+            grad_dtypes=[bf16, fp16, fp32],
+            step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**28), kernels.gpt2(),
+                            kernels.many_small(2048, 65536)],
+            timing=common.TimingConfig(samples=10), copy_bytes=2**30, max_rotations=1024,
+            e2e=end_to_end.E2EConfig(),
+        )
+    cpu_e2e = end_to_end.E2EConfig(vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64, micro_batch=4,
+                                   windows=5, warmup_windows=1, lr=3e-3)
+    if mode == "quick":
+        return dict(
+            flat_sizes=[2**16, 2**20, 2**24],
+            lists=[kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128"),
+                   kernels.llama(256, 688, blocks=2, name="llama_h256"),
+                   kernels.many_small(2048, 4096, name="many_small_4k")],
+            grad_dtypes=[bf16, fp32],
+            step_workloads=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
+            timing=common.TimingConfig(samples=5, warmup_ms=20.0, min_sample_ms=20.0),
+            copy_bytes=4 * cache, max_rotations=512, e2e=cpu_e2e,
+        )
+    return dict(
+        flat_sizes=[2**16, 2**20, 2**24, 2**26],
+        lists=[kernels.gpt2(), kernels.llama(1024, 2752, blocks=2, name="llama_h1024"), kernels.many_small(2048, 65536)],
+        grad_dtypes=[bf16, fp16, fp32],
+        step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.gpt2()],
+        timing=common.TimingConfig(samples=10, warmup_ms=50.0, min_sample_ms=50.0),
+        copy_bytes=8 * cache, max_rotations=512, e2e=end_to_end.E2EConfig(
+            vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=128, micro_batch=4, windows=6, warmup_windows=1),
+    )
+
+
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    def __init__(self, total, **_):
+        self.total = total
+
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(total)
+    # disable=None: a bar on a terminal; none in a log file, where it would be 1000 \r-lines.
+    return tqdm(total=total, unit="case", disable=None, dynamic_ncols=True, file=sys.stderr)
+
+
+def _auto_threads(device: torch.device) -> Optional[int]:
+    """1 thread when other work already loads this CPU (1-minute load average over half the
+    cores), else None (torch's default). A parallel op waits for its slowest thread, and a
+    descheduled one costs a scheduler tick: on this shared 2-core machine at load 3, a 64K
+    element add went from 3 us to 16 ms and --quick from 56 s to 220 s with 2 threads."""
+    if device.type != "cpu" or not hasattr(os, "getloadavg"):
+        return None
+    return 1 if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1) else None
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fused_accum bench", description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 CPU cores")
+    size.add_argument("--smoke", action="store_true", help="tiniest sizes, a few seconds (for the tests)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="results folder (default: benchmarks/results)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated subset of {SUITES}")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="start no new group after S seconds (what ran is still written)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's, or 1 on a CPU whose load average "
+                             "is over half its cores; see _auto_threads)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
+    args = parser.parse_args(list(argv))
+    args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = sorted(set(args.suites) - set(SUITES))
+    if unknown:
+        parser.error(f"--suite takes names from {SUITES}, got {unknown}")
+    return args
+
+
+def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict) -> List[str]:
+    """The last lines printed: per (op, workload) at bf16 on the largest size, our best against
+    torch's best, and the end-to-end rows."""
+    lines = [f"copy ceiling: {copy['gbps']:.1f} GB/s"]
+    keyed: Dict[tuple, List[Dict]] = {}
+    for r in kernel_rows:
+        if r["grad_dtype"] in ("bf16", "-") and math.isfinite(r["ms"]):
+            keyed.setdefault((r["op"], r["workload"]), []).append(r)
+    for (op, workload), rows in keyed.items():
+        largest = max(r["numel"] for r in rows)
+        rows = [r for r in rows if r["numel"] == largest]
+        ours = min((r for r in rows if r["kind"] == "fused_accum"), key=lambda r: r["ms"], default=None)
+        theirs = min((r for r in rows if r["kind"] == "torch"), key=lambda r: r["ms"], default=None)
+        if ours is None or theirs is None:
+            continue
+        lines.append(
+            f"{op:<17} {workload:<13} {common.fmt_numel(largest):>7}  ours {ours['provider']:<9} "
+            f"{ours['ms']:9.4f} ms {ours['pct_of_copy']:5.1f}% copy | torch {theirs['provider']:<13} "
+            f"{theirs['ms']:9.4f} ms {theirs['pct_of_copy']:5.1f}% copy | {ours['speedup_vs_torch']:.2f}x")
+    lines += [end_to_end.format_row(r) for r in e2e_rows]
+    return lines
+
+
+def write_all(out: Path, meta: Dict, copy: Dict, kernel_rows: List[Dict], e2e_rows: List[Dict],
+              skipped: List[str], plot: bool) -> List[Path]:
+    """Write (or rewrite) every result file; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "kernels.csv", out / "end_to_end.csv", out / "results.json"]
+    common.write_csv(paths[0], kernel_rows, meta)
+    common.write_csv(paths[1], e2e_rows, meta)
+    common.write_json(paths[2], {"meta": meta, "copy": copy, "kernels": kernel_rows, "end_to_end": e2e_rows,
+                                 "skipped": skipped})
+    if plot:
+        flat_rows = [r for r in kernel_rows if r["workload"] == "flat" and math.isfinite(r["gbps"])]
+        title = f"{meta['device_name']} | torch {meta['torch']} | {meta['git_commit'][:10]} | {meta['date_utc']}"
+        if common.plot_gbps(out / "kernels.png", flat_rows, copy["start"]["gbps"], title):
+            paths.append(out / "kernels.png")
+    return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the suite; 0 when every provider ran and matched its oracle, else 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    threads_before = torch.get_num_threads()
+    threads = args.threads if args.threads is not None else _auto_threads(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(args, argv, device)
+    finally:
+        torch.set_num_threads(threads_before)  # callers in the same process keep their setting
+
+
+def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int:
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    cfg = make_config(device, mode)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    out = Path(args.out)
+    started = time.perf_counter()
+
+    meta = common.metadata(device, argv)
+    meta.update(mode=mode, seed=seed, time_budget_s=args.time_budget)
+    common.log(f"fused_accum bench: {mode} on {meta['device_name']} | torch {meta['torch']} | "
+               f"triton {meta['triton']} | commit {meta['git_commit']} | backends "
+               + ", ".join(n for n, why in meta["backends"].items() if not why))
+    load = meta.get("load_average_1min")
+    if device.type == "cpu" and load is not None and load > 0.5 * (meta["cpu_count"] or 1):
+        common.log(f"note: load average {load:.1f} on {meta['cpu_count']} cores: other work shares this CPU, "
+                   f"expect noisy times (compare ratios within this run); torch threads: {torch.get_num_threads()}")
+
+    copy_bytes = cfg["copy_bytes"]
+    copy = common.copy_ceiling(device, copy_bytes, cfg["timing"])
+    common.log(f"copy ceiling: {copy['gbps']:.1f} GB/s ({copy['bytes_moved'] / 1e6:.0f} MB moved in "
+               f"{copy['ms']:.3f} ms, ±{copy['spread_pct']:.0f}%)")
+    ctx = kernels.Context(device, cfg["timing"], common.last_level_cache_bytes(device), copy["gbps"],
+                          seed=seed, max_rotations=cfg["max_rotations"])
+
+    ops = [op for op in kernels.ACC_OPS if "accumulate" in args.suites]
+    ops += [op for op in kernels.STEP_OPS if "step" in args.suites]
+    first = kernels.plan(device, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][:1], cfg["step_workloads"], ops)
+    rest = kernels.plan(device, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][1:], [], ops)
+    run_e2e = "e2e" in args.suites
+    total = sum(len(g.providers) for g in first + rest) + (len(end_to_end.VARIANTS) if run_e2e else 0)
+
+    kernel_rows: List[Dict] = []
+    e2e_rows: List[Dict] = []
+    skipped: List[str] = []
+    bar = _progress_bar(total)
+    over_budget = lambda: args.time_budget is not None and time.perf_counter() - started > args.time_budget
+
+    def run_groups(groups):
+        for group in groups:
+            if over_budget():
+                skipped.append(group.label)
+                bar.update(len(group.providers))
+                continue
+            rows = []
+            for row in kernels.run_group(group, ctx):
+                rows.append(row)
+                bar.update(1)
+            kernels.add_speedups(rows)
+            for row in rows:
+                common.log(kernels.format_row(row))
+            kernel_rows.extend(rows)
+
+    try:
+        run_groups(first)
+        write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False)
+        if run_e2e:
+            if over_budget():
+                skipped.append("end_to_end")
+                bar.update(len(end_to_end.VARIANTS))
+            else:
+                def on_row(row):
+                    bar.update(1)
+                    common.log(end_to_end.format_row(row))
+
+                e2e_rows = end_to_end.run(cfg["e2e"], device, progress=on_row)
+            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False)
+        run_groups(rest)
+    finally:
+        bar.close()
+
+    # The copy again at the end: how far the machine drifted during the run (other load,
+    # clocks), the yardstick for which differences are noise.
+    copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
+    copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
+    meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True)
+
+    bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
+    print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy)))
+    print(f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
+          f"{len(e2e_rows)} end-to-end rows, {len(skipped)} groups skipped (time budget), "
+          f"{len(bad)} failed or wrong; {meta['elapsed_s']} s")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""The benchmark machinery: byte model, timing, rotation, checks, metadata, and the files a
+tiny run writes. Benchmark *numbers* are not asserted (they depend on the machine); what makes
+them numbers is: the arithmetic from time to GB/s to % of copy to speedup, and the contents.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # benchmarks/ is not installed with the package; bare `pytest` needs this
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import common, end_to_end, kernels  # noqa: E402
+from benchmarks import run as bench_run  # noqa: E402
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+
+# --- byte model (DESIGN.md section 3) --------------------------------------------------------
+
+
+def test_byte_model_reproduces_the_design_table():
+    assert common.accumulate_bytes(bf16, overwrite=False) == 10
+    assert common.accumulate_bytes(bf16, overwrite=True) == 6
+    assert common.accumulate_bytes(fp32, overwrite=False) == 12
+    assert common.step_bytes("adamw") == 30
+    assert common.unfused_torch_bytes("adamw") == 48
+    assert common.step_bytes("adamw", grad_dtype=bf16) == 32
+
+
+def test_byte_model_other_dtypes_and_optimizers():
+    assert common.accumulate_bytes(fp16, overwrite=False) == 10  # 2-byte grads like bf16
+    assert common.accumulate_bytes(fp32, overwrite=True) == 8
+    # SGD-momentum and Lion: read acc, master, one state (12); write master, state (8), bf16 (2).
+    assert common.step_bytes("sgd") == common.step_bytes("lion") == 22
+    # A one-micro-batch window: the gradient replaces acc, which is then never read.
+    assert common.step_bytes("adamw", grad_dtype=bf16, grads_overwrite=True) == 28
+    assert common.step_bytes("adamw", lp_dtype=fp16) == 30
+
+
+def test_gbps_is_decimal_bytes_per_second():
+    assert common.gbps(1e9, 1000.0) == pytest.approx(1.0)
+    assert common.gbps(10 * 4096, 0.002) == pytest.approx(10 * 4096 / 2e-6 / 1e9)
+
+
+# --- flat buffers ----------------------------------------------------------------------------
+
+
+def test_padded_offsets_align_every_slice():
+    offsets, total = common.padded_offsets([1, 64, 65, 130])
+    assert offsets == [0, 64, 128, 256]
+    assert total == 448  # 130 -> 192
+
+
+def test_flat_views_alias_the_buffer_at_the_padded_offsets():
+    shapes = [(3, 5), (64,), (2, 2)]
+    flat = torch.zeros(common.padded_offsets([15, 64, 4])[1])
+    views_1d = common.flat_views(flat, shapes)
+    views_nd = common.flat_views(flat, shapes, shaped=True)
+    assert [tuple(v.shape) for v in views_1d] == [(15,), (64,), (4,)]
+    assert [tuple(v.shape) for v in views_nd] == shapes
+    for i, v in enumerate(views_nd):
+        v.fill_(i + 1)
+    assert flat[:15].eq(1).all() and flat[15:64].eq(0).all()  # padding untouched
+    assert flat[64:128].eq(2).all() and flat[128:132].eq(3).all()
+    with pytest.raises(ValueError, match="layout needs"):
+        common.flat_views(torch.zeros(100), shapes)
+
+
+def test_rotation_spans_four_times_the_cache():
+    mib = 2**20
+    assert common.rotation_count(1 * mib, 32 * mib) == 128
+    assert common.rotation_count(3 * mib, 32 * mib) == 43  # ceil(128 / 3)
+    assert common.rotation_count(200 * mib, 32 * mib) == 1
+    assert common.rotation_count(1024, 32 * mib, max_sets=16) == 16
+    with pytest.raises(ValueError, match="set_bytes"):
+        common.rotation_count(0, 32 * mib)
+
+
+def test_rel_error():
+    ref = torch.tensor([3.0, 4.0])
+    assert common.rel_error(ref.clone(), ref) == 0.0
+    assert common.rel_error(torch.tensor([3.0, 4.5]), ref) == pytest.approx(0.1)
+    assert common.rel_error(torch.tensor([float("nan"), 4.0]), ref) == math.inf
+
+
+def test_random_tensor_is_random_and_positive_when_asked():
+    t = common.random_tensor((10_000,), bf16, "cpu")
+    assert t.dtype == bf16 and t.count_nonzero() > 9_900 and t.float().std() > 0.5
+    v = common.random_tensor((10_000,), fp32, "cpu", positive=True)
+    assert bool((v > 0).all())
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+
+def test_timing_statistics():
+    t = common.Timing(samples_ms=[1.0, 2.0, 3.0, 10.0], calls_per_sample=4, rotations=2)
+    assert t.median_ms == 2.5 and t.min_ms == 1.0 and t.max_ms == 10.0
+    assert t.spread_pct == pytest.approx(100 * 9 / 2.5)
+
+
+def test_measure_reports_per_call_time():
+    # 2 ms sleeps in samples of >= 30 ms: ~15 calls each. A sample total instead of a per-call
+    # time would be >= 30 ms; a sleep never returns early, so < 2 ms would be a wrong clock.
+    cfg = common.TimingConfig(samples=3, warmup_ms=5.0, min_sample_ms=30.0)
+    timing = common.measure(lambda _: time.sleep(0.002), [None], torch.device("cpu"), cfg)
+    assert 2.0 <= timing.median_ms < 10.0
+    assert len(timing.samples_ms) == 3
+    assert 3 <= timing.calls_per_sample <= 15
+
+
+def test_measure_rotates_through_every_set_in_order():
+    seen = []
+    sets = ["a", "b", "c"]
+    cfg = common.TimingConfig(samples=4, warmup_ms=0.0, min_sample_ms=0.0)
+    timing = common.measure(seen.append, sets, torch.device("cpu"), cfg)
+    assert timing.rotations == 3
+    # Warm-up of 1 + 2 calls, then 4 samples of calls_per_sample calls, never restarting at "a".
+    assert len(seen) == 3 + 4 * timing.calls_per_sample
+    assert seen == [sets[i % 3] for i in range(len(seen))]
+
+
+def test_measure_needs_an_argument_set():
+    with pytest.raises(ValueError, match="at least one"):
+        common.measure(lambda _: None, [], torch.device("cpu"))
+
+
+def test_copy_ceiling_counts_read_plus_write():
+    cfg = common.TimingConfig(samples=3, warmup_ms=1.0, min_sample_ms=2.0)
+    copy = common.copy_ceiling(torch.device("cpu"), 4 * 2**20, cfg)
+    assert copy["bytes_moved"] == 2 * 4 * 2**20
+    assert copy["gbps"] == pytest.approx(copy["bytes_moved"] / (copy["ms"] * 1e-3) / 1e9)
+    assert copy["gbps"] > 0.1  # even a loaded CPU copies 8 MB in well under 80 ms
+
+
+# --- metadata and writing --------------------------------------------------------------------
+
+
+def test_metadata_names_the_machine_versions_and_commit(monkeypatch):
+    monkeypatch.delenv("FUSED_ACCUM_GIT_COMMIT", raising=False)
+    meta = common.metadata(torch.device("cpu"), ["--quick"])
+    assert meta["torch"] == torch.__version__
+    assert meta["device_type"] == "cpu" and meta["device_name"] == meta["cpu"]
+    assert meta["argv"] == ["--quick"]
+    assert meta["backends"]["reference"] == ""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    expected = head.stdout.strip() if head.returncode == 0 else "unknown"
+    assert meta["git_commit"] == expected
+    assert isinstance(meta["git_dirty"], bool) if head.returncode == 0 else meta["git_dirty"] is None
+    monkeypatch.setenv("FUSED_ACCUM_GIT_COMMIT", "abc123")
+    assert common.metadata(torch.device("cpu"))["git_commit"] == "abc123"
+
+
+def test_write_csv_unions_columns_and_stamps_rows(tmp_path):
+    meta = {"git_commit": "c0ffee", "device_name": "dev", "torch": "t", "date_utc": "d"}
+    common.write_csv(tmp_path / "x.csv", [{"a": 1, "b": 2.5}, {"a": 3, "c": "z"}], meta)
+    with open(tmp_path / "x.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["a", "b", "c", "git_commit", "device_name", "torch", "date_utc"]
+    assert rows[0]["b"] == "2.5" and rows[1]["b"] == "" and rows[1]["c"] == "z"
+    assert {r["git_commit"] for r in rows} == {"c0ffee"}
+
+
+def test_write_json_turns_non_finite_into_null(tmp_path):
+    common.write_json(tmp_path / "x.json", {"a": math.nan, "b": [1.0, math.inf], "c": {"d": 2}})
+    assert json.loads((tmp_path / "x.json").read_text()) == {"a": None, "b": [1.0, None], "c": {"d": 2}}
+
+
+# --- workloads -------------------------------------------------------------------------------
+
+
+def test_workloads_have_the_shapes_they_claim():
+    gpt2 = kernels.gpt2()
+    assert len(gpt2.shapes) == 148
+    assert gpt2.numel == 124_439_808  # GPT-2 small with its head tied to the embedding
+    llama = kernels.llama(blocks=1)
+    assert len(llama.shapes) == 9 and llama.numel == 202_383_360  # one block of Llama-2-7B
+    small = kernels.many_small(2048, 65536, seed=0)
+    sizes = [s[0] for s in small.shapes]
+    assert len(sizes) == 2048 and min(sizes) >= 1 and max(sizes) <= 65536
+    assert small == kernels.many_small(2048, 65536, seed=0)  # the same list every run
+    assert kernels.flat(1000).padded_numel == 1024
+
+
+# --- the correctness check inside the benchmark ----------------------------------------------
+
+
+def _ctx():
+    return kernels.Context(torch.device("cpu"), common.TimingConfig(samples=2, warmup_ms=0.0, min_sample_ms=0.0),
+                           cache_bytes=2**16, copy_gbps=10.0, seed=0, max_rotations=2)
+
+
+def _fake_backend(monkeypatch, module):
+    real_get = kernels.backends.get
+    monkeypatch.setattr(kernels.backends, "get", lambda name: module if name == "fake" else real_get(name))
+
+
+def _reference_with(**changes):
+    from fused_accum.backends import reference
+
+    fake = types.SimpleNamespace(**{n: getattr(reference, n) for n in ("accumulate", "sgd_step", "adam_step", "lion_step")})
+    for name, fn in changes.items():
+        setattr(fake, name, fn)
+    return fake
+
+
+@pytest.mark.parametrize("op", ["accumulate_add", "accumulate_first"])
+def test_accumulate_check_flags_a_wrong_kernel(monkeypatch, op):
+    from fused_accum.backends import reference
+
+    def doubled(accs, grads, alpha, overwrite, found_inf=None, sumsq=None):
+        reference.accumulate(accs, grads, 2 * alpha, overwrite, found_inf, sumsq)
+
+    _fake_backend(monkeypatch, _reference_with(accumulate=doubled))
+    group = kernels.Group(op, kernels.many_small(20, 300), bf16, ("torch_loop", "reference", "fake"))
+    rows = {r["provider"]: r for r in kernels.run_group(group, _ctx())}
+    assert rows["torch_loop"]["ok"] and rows["reference"]["ok"]
+    assert rows["reference"]["max_rel_err"] < 1e-6
+    assert not rows["fake"]["ok"] and rows["fake"]["max_rel_err"] > 0.1
+    assert math.isfinite(rows["fake"]["ms"])  # still timed: the row says it is wrong
+
+
+def test_step_check_flags_an_unwritten_bf16_param(monkeypatch):
+    from fused_accum.backends import reference
+
+    def no_lp(*args, **kwargs):
+        kwargs["lp_params"] = ()
+        reference.adam_step(*args, **kwargs)
+
+    _fake_backend(monkeypatch, _reference_with(adam_step=no_lp))
+    group = kernels.Group("adamw", kernels.many_small(20, 300), None, ("torch_fused", "torch_foreach", "fake"))
+    rows = {r["provider"]: r for r in kernels.run_group(group, _ctx())}
+    # torch's AdamW (zero state, step 1) matches the reference oracle; the fake leaves the
+    # poisoned random bf16 params as they were.
+    assert rows["torch_fused"]["ok"] and rows["torch_foreach"]["ok"]
+    assert not rows["fake"]["ok"] and rows["fake"]["max_rel_err"] > 0.1
+
+
+def test_steps_after_torch_never_run_on_a_zeroed_accumulator(monkeypatch):
+    from fused_accum.backends import reference
+
+    zero_fractions = []
+
+    def watching(params, exp_avgs, exp_avg_sqs, accs, *args, **kwargs):
+        zero_fractions.append(float(torch.cat(accs).eq(0).float().mean()))
+        reference.adam_step(params, exp_avgs, exp_avg_sqs, accs, *args, **kwargs)
+
+    _fake_backend(monkeypatch, _reference_with(adam_step=watching))
+    # torch_fused zeroes every set's accumulator after each of its steps, as torch must.
+    group = kernels.Group("adamw", kernels.flat(4096), None, ("torch_fused", "fake"))
+    rows = list(kernels.run_group(group, _ctx()))
+    assert all(r["ok"] for r in rows)
+    assert len(zero_fractions) > 3 and max(zero_fractions) < 0.01
+
+
+def test_a_raising_provider_becomes_a_failed_row(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    _fake_backend(monkeypatch, _reference_with(lion_step=broken))
+    group = kernels.Group("lion", kernels.flat(1000), None, ("torch_foreach", "fake"))
+    rows = list(kernels.run_group(group, _ctx()))
+    kernels.add_speedups(rows)
+    fake = rows[1]
+    assert fake["ok"] is False and "kernel exploded" in fake["note"] and math.isnan(fake["ms"])
+    assert rows[0]["ok"] and rows[0]["speedup_vs_torch"] == 1.0
+    assert "FAILED" in kernels.format_row(fake)
+
+
+def test_speedup_is_best_torch_time_over_row_time():
+    base = dict(op="accumulate_add", workload="flat", numel=10, grad_dtype="bf16")
+    rows = [dict(base, provider="torch_loop", kind="torch", ms=4.0),
+            dict(base, provider="torch_foreach", kind="torch", ms=2.0),
+            dict(base, provider="cuda", kind="fused_accum", ms=0.5),
+            dict(base, numel=20, provider="cuda", kind="fused_accum", ms=1.0)]  # no torch row
+    kernels.add_speedups(rows)
+    assert [r["speedup_vs_torch"] for r in rows[:3]] == [0.5, 1.0, 4.0]
+    assert all(r["best_torch"] == "torch_foreach" for r in rows[:3])
+    assert math.isnan(rows[3]["speedup_vs_torch"]) and rows[3]["best_torch"] == ""
+
+
+# --- a whole tiny run ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()
+    try:
+        rc = bench_run.main(["--smoke", "--out", str(out), "--seed", "3", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    with open(out / "kernels.csv") as f:
+        kernel_rows = list(csv.DictReader(f))
+    with open(out / "end_to_end.csv") as f:
+        e2e_rows = list(csv.DictReader(f))
+    return rc, out, kernel_rows, e2e_rows, json.loads((out / "results.json").read_text())
+
+
+def test_smoke_run_succeeds_and_writes_every_file(smoke_run):
+    rc, out, _, _, _ = smoke_run
+    assert rc == 0
+    assert sorted(p.name for p in out.iterdir()) == ["end_to_end.csv", "kernels.csv", "kernels.png", "results.json"]
+    assert (out / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_run_covers_every_op_provider_and_workload(smoke_run):
+    _, _, rows, _, _ = smoke_run
+    cfg = bench_run.make_config(torch.device("cpu"), "smoke")
+    ours = kernels.our_backends(torch.device("cpu"))
+    assert "reference" in ours
+    expected = set()
+    for w in [kernels.flat(n) for n in cfg["flat_sizes"]] + cfg["lists"]:
+        for op in kernels.ACC_OPS:
+            expected |= {(op, w.name, str(w.numel), "bf16", p) for p in ("torch_loop", "torch_foreach", *ours)}
+    for w in cfg["step_workloads"]:
+        for op, torch_side in [("sgd", ("torch_fused", "torch_foreach")), ("adamw", ("torch_fused", "torch_foreach")),
+                               ("lion", ("torch_foreach",)), ("adamw_fused_last", ("torch_fused", "torch_foreach"))]:
+            dt = "bf16" if op == "adamw_fused_last" else "-"
+            expected |= {(op, w.name, str(w.numel), dt, p) for p in (*torch_side, *ours)}
+    got = {(r["op"], r["workload"], r["numel"], r["grad_dtype"], r["provider"]) for r in rows}
+    assert got == expected
+    assert all(r["ok"] == "True" and r["note"] == "" for r in rows), [r for r in rows if r["ok"] != "True"]
+
+
+def test_smoke_run_numbers_are_consistent(smoke_run):
+    _, _, rows, _, payload = smoke_run
+    copy_gbps = payload["copy"]["start"]["gbps"]
+    best = {}
+    for r in rows:
+        key = (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+        if r["kind"] == "torch":
+            best[key] = min(best.get(key, math.inf), float(r["ms"]))
+    for r in rows:
+        ms, numel, nbytes = float(r["ms"]), int(r["numel"]), int(r["bytes_per_elem"])
+        assert float(r["ms_min"]) <= ms <= float(r["ms_max"]) and ms > 0
+        if r["op"].startswith("accumulate"):
+            dt = common.DTYPES[r["grad_dtype"]]
+            assert nbytes == common.accumulate_bytes(dt, overwrite=r["op"] == "accumulate_first")
+        elif r["op"] == "adamw_fused_last":
+            assert nbytes == common.step_bytes("adamw", grad_dtype=bf16)
+        else:
+            assert nbytes == common.step_bytes(r["op"])
+        assert float(r["gbps"]) == pytest.approx(nbytes * numel / (ms * 1e-3) / 1e9, rel=1e-9)
+        assert float(r["pct_of_copy"]) == pytest.approx(100 * float(r["gbps"]) / copy_gbps, rel=1e-9)
+        key = (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+        assert float(r["speedup_vs_torch"]) == pytest.approx(best[key] / ms, rel=1e-9)
+        assert float(r["max_rel_err"]) <= kernels.CHECK_TOL
+        assert int(r["samples"]) == 3 and int(r["calls_per_sample"]) >= 1 and int(r["rotations"]) >= 1
+
+
+def test_smoke_run_json_matches_csv_and_records_the_machine(smoke_run):
+    _, _, rows, e2e_rows, payload = smoke_run
+    meta = payload["meta"]
+    assert meta["torch"] == torch.__version__ and meta["mode"] == "smoke" and meta["seed"] == 3
+    assert meta["torch_threads"] == 1 and meta["device_type"] == "cpu"
+    assert meta["argv"] == ["--smoke", "--out", meta["argv"][2], "--seed", "3", "--threads", "1"]
+    assert len(payload["kernels"]) == len(rows) and len(payload["end_to_end"]) == len(e2e_rows)
+    assert [r["provider"] for r in payload["kernels"]] == [r["provider"] for r in rows]
+    assert all(r["git_commit"] == meta["git_commit"] and r["torch"] == meta["torch"] for r in rows)
+    assert payload["skipped"] == []
+    start, end = payload["copy"]["start"], payload["copy"]["end"]
+    assert payload["copy"]["drift_pct"] == pytest.approx(100 * (end["gbps"] / start["gbps"] - 1))
+
+
+def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
+    _, _, _, e2e_rows, _ = smoke_run
+    rows = {r["variant"]: r for r in e2e_rows}
+    assert set(rows) == set(end_to_end.VARIANTS)
+    for r in rows.values():
+        assert float(r["window_ms"]) > 0 and int(r["timed_windows"]) == 2
+        assert math.isfinite(float(r["final_loss"]))
+    # Same initial weights and data: the first window's loss (before any step) is identical.
+    assert len({r["first_loss"] for r in rows.values()}) == 1
+    assert len({r["n_params"] for r in rows.values()}) == 1
+    # fp32 accumulation and fp32 master AdamW both ways: the same training, up to rounding.
+    assert float(rows["fused_accum"]["final_loss"]) == pytest.approx(float(rows["torch_native"]["final_loss"]), abs=1e-2)
+    assert float(rows["fused_accum"]["final_loss"]) < float(rows["fused_accum"]["first_loss"])
+    native_ms = float(rows["torch_native"]["window_ms"])
+    for r in rows.values():
+        assert float(r["speedup_vs_native"]) == pytest.approx(native_ms / float(r["window_ms"]), rel=1e-9)
+
+
+def test_time_budget_skips_groups_but_still_writes(tmp_path):
+    threads = torch.get_num_threads()
+    rc = bench_run.main(["--smoke", "--out", str(tmp_path), "--time-budget", "0", "--suite", "accumulate,e2e",
+                         "--threads", str(threads + 1)])
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0
+    assert payload["meta"]["torch_threads"] == threads + 1
+    assert torch.get_num_threads() == threads  # restored for the rest of this process
+    assert payload["kernels"] == [] and payload["end_to_end"] == []
+    assert "end_to_end" in payload["skipped"]
+    assert len(payload["skipped"]) == 1 + 2 * 3  # e2e + 2 accumulate ops x 3 smoke workloads
+
+
+def test_unknown_suite_is_rejected():
+    with pytest.raises(SystemExit) as exc:
+        bench_run.main(["--suite", "accumulate,nope"])
+    assert exc.value.code == 2
+
+
+def test_runs_as_a_script(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--smoke", "--suite", "accumulate", "--out", str(tmp_path),
+         "--seed", "1", "--threads", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "kernels.csv") as f:
+        ops = {r["op"] for r in csv.DictReader(f)}
+    assert ops == set(kernels.ACC_OPS)
+    assert "summary" in proc.stdout and "copy ceiling" in proc.stdout
+
+
+# --- on a GPU (run by benchmarks/device_check.sh) --------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_event_timing_agrees_with_the_wall_clock():
+    dev = torch.device("cuda")
+    cycles = 5_000_000  # a spin of 2.5 ms at the H200's 1.98 GHz: launch overhead is noise beside it
+    for _ in range(20):  # context creation, and clocks up from idle (345 MHz seen) before timing
+        torch.cuda._sleep(cycles)
+    cfg = common.TimingConfig(samples=5, warmup_ms=5.0, min_sample_ms=20.0)
+    timing = common.measure(lambda _: torch.cuda._sleep(cycles), [None], dev, cfg)
+    calls = 10
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    assert timing.median_ms == pytest.approx(wall_ms, rel=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_smoke_run_on_cuda(tmp_path):
+    rc = bench_run.main(["--smoke", "--device", "cuda", "--out", str(tmp_path), "--seed", "5", "--suite", "accumulate,step"])
+    payload = json.loads((tmp_path / "results.json").read_text())
+    providers = {r["provider"] for r in payload["kernels"]}
+    assert rc == 0, [r for r in payload["kernels"] if not r["ok"]]
+    assert payload["meta"]["device_type"] == "cuda" and payload["meta"]["device_name"] == torch.cuda.get_device_name()
+    assert {"torch_loop", "torch_foreach", "torch_fused", "reference"} <= providers
+    assert set(kernels.our_backends(torch.device("cuda"))) <= providers
