@@ -205,7 +205,7 @@ def _clone(xs):
 @pytest.mark.parametrize("fused", [None, "overwrite", "add"])
 def test_step_matches_reference(backend, device, algo, param_kind, fused):
     gen = torch.Generator().manual_seed(hash((algo, param_kind, fused)) % 2**31)
-    sizes = [1, 3, 257, 1025, 4097]
+    sizes = [1, 3, 257, 1024, 1025, 4097]  # 1024: rows a kernel may take on its vector path
     params, states, lp, accs, steps = _step_inputs(algo, sizes, param_kind, device, gen)
     grads = _grads(sizes, torch.bfloat16, device, gen) if fused else []
     lr = torch.tensor(0.01, device=device)

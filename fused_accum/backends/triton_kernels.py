@@ -1,0 +1,439 @@
+"""The Triton kernels of the ``triton`` backend: the math, and only the math.
+
+Every formula here follows :mod:`fused_accum.backends.reference` (the specification) term by
+term and in the same order, so the kernels differ from it only by FMA contraction. The
+launchers, dtype grouping and tables live in :mod:`fused_accum.backends.triton`.
+
+How a launch finds its data (multi-tensor: one launch for any number of tensors):
+
+- the *tensor table* is an ``int64 [n_tensors, ROW]`` array, one row per tensor, holding its
+  element count, its position in the op's lists (to index ``steps``), whether it is ALIGNED
+  (below) and the raw addresses of the tensors it touches (acc, grad, param, low-precision
+  param, optimizer state); an absent tensor has address 0 and is never dereferenced (its code
+  is compiled out by a constexpr);
+- the *chunk table* is an ``int64 [n_chunks, 2]`` array of (tensor row, first element): one
+  program per chunk of at most ``CHUNK`` elements of one tensor, walked in ``BLOCK`` steps.
+
+Offsets are int64 throughout (loaded from the tables), so tensors of more than 2**31 elements
+are addressed correctly. A kernel is specialised (constexpr) on the dtypes of the tensors it
+reaches through raw addresses: the launcher groups tensors by dtype, one launch per group.
+
+Vector width. An address loaded from a table tells the compiler nothing about alignment, so
+by default every access is a scalar one (in the PTX: ``ld.global.b16``/``b32``). A row whose
+addresses and size are all multiples of VEC elements is marked ALIGNED by the launcher; each
+kernel branches on that flag (uniform per program) into a copy of its body compiled with
+``tl.multiple_of`` hints, where each thread moves VEC = 4 elements per access: 16 bytes of
+fp32, 8 of bf16/fp16 (``ld.global.v4.b32``, ``v2.b32``). Branching inside the kernel rather
+than launching aligned and unaligned rows apart keeps one launch per dtype whatever the mix.
+The unaligned branch walks blocks of BLOCK // VEC: a scalar access needs a 64-bit address per
+element per tensor, so at BLOCK = 1024 (8 elements per thread) the unaligned fused-AdamW body
+took 164 registers (ptxas, sm_90), and a kernel gets the registers of its hungrier branch:
+156 for the whole kernel, 3 programs per SM. At 256 it takes 40, under the aligned body's 70.
+VEC = 8 would make the 16-bit accesses 16 bytes too, but then fp32 and 16-bit tensors get
+different register layouts and the compiler converts between them through shared memory (5
+shared-memory ops and a barrier per block in the PTX); 4 keeps a single layout.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Columns of the tensor table; the launcher writes rows in this order.
+NUMEL = tl.constexpr(0)  # elements of this tensor
+INDEX = tl.constexpr(1)  # its position in the op's lists (the entry of ``steps``)
+IS_ALIGNED = tl.constexpr(2)  # 1: every address and the size are multiples of VEC elements
+ACC = tl.constexpr(3)  # fp32 accumulator slice
+GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
+PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
+LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update
+STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion)
+STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
+ROW = tl.constexpr(9)
+
+# Elements per thread per access on aligned rows (see above).
+VEC = tl.constexpr(4)
+
+# Largest finite fp32; |x| <= FLT_MAX is false exactly for inf, -inf and nan.
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+# --- shared pieces ---------------------------------------------------------------------------
+# A tl.multiple_of hint only holds on the op that computes the value in the function that
+# sets it: set on a function argument it is silently dropped (seen: the PTX fell back to
+# scalar accesses). So the hinted values (chunk end, pointers) are computed inside the helpers
+# that hint them.
+
+
+@triton.jit
+def _row_is_aligned(chunks, tensors):
+    t = tl.load(chunks + 2 * tl.program_id(0).to(tl.int64))
+    return tl.load(tensors + t * ROW + IS_ALIGNED) != 0
+
+
+@triton.jit
+def _this_chunk(chunks, tensors, found_inf, CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
+                HAS_FOUND_INF: tl.constexpr):
+    """(tensor-table row, first element, end element) of the chunk this program owns.
+
+    With HAS_FOUND_INF a step is skipped on a non-finite window by making the range empty
+    when found_inf is set (read on the device, so the host never waits for it)."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunks + 2 * pid)
+    start = tl.load(chunks + 2 * pid + 1)
+    row = tensors + t * ROW
+    end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
+    if HAS_FOUND_INF:
+        end = tl.where(tl.load(found_inf) != 0, start, end)
+    if ALIGNED:  # start and size are multiples of VEC: the mask is constant over each vector
+        end = tl.multiple_of(end, VEC)
+    return row, start, end
+
+
+@triton.jit
+def _block(off, BLOCK: tl.constexpr):
+    """Indices of the block at ``off``. Chunks start at multiples of CHUNK, a multiple of
+    BLOCK, so every block does too."""
+    return tl.max_contiguous(tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK), BLOCK)
+
+
+@triton.jit
+def _address(row, column, DTYPE: tl.constexpr):
+    """The tensor in ``column`` of ``row`` as a typed pointer."""
+    return tl.load(row + column).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def _at(base, idx, ALIGNED: tl.constexpr):
+    """Pointers base + idx, marked VEC-element aligned on aligned rows."""
+    ptrs = base + idx
+    if ALIGNED:
+        ptrs = tl.multiple_of(ptrs, VEC * (base.dtype.element_ty.primitive_bitwidth // 8))
+    return ptrs
+
+
+@triton.jit
+def _effective_grad(row, idx, mask, coef, grad_alpha,
+                    GRAD_DTYPE: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+                    MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+    """reference._effective_grad: coef * (acc, or grad_alpha*grad [+ acc] when fused)."""
+    acc = _address(row, ACC, tl.float32)
+    if FUSED:
+        grad = _address(row, GRAD, GRAD_DTYPE)
+        g = tl.load(_at(grad, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * grad_alpha
+        if not GRADS_OVERWRITE:
+            g = tl.load(_at(acc, idx, ALIGNED), mask=mask, other=0.0) + g
+    else:
+        g = tl.load(_at(acc, idx, ALIGNED), mask=mask, other=0.0)
+    g = g * coef
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr,
+                 HAS_LP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Write the updated parameter, and its low-precision copy when there is one."""
+    param = _address(row, PARAM, PARAM_DTYPE)
+    tl.store(_at(param, idx, ALIGNED), _round(new_p, PARAM_DTYPE), mask=mask)
+    if HAS_LP:
+        lp = _address(row, LP, LP_DTYPE)
+        tl.store(_at(lp, idx, ALIGNED), _round(new_p, LP_DTYPE), mask=mask)
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to nearest-even in DTYPE, bit for bit as torch's ``.to(DTYPE)``.
+
+    bf16 is rounded by hand (torch's own integer recipe, NaN -> 0x7FC0) rather than by
+    ``.to``: the compiled ``.to`` rounds to nearest-even, but the interpreter's truncates
+    (triton 3.9), and the interpreter is where the kernels are tested. A handful of integer ops
+    per element costs nothing in a bandwidth-bound kernel.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        bits = tl.where(x == x, bits, 0x7FC0)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _pow_whole(base, n):
+    """base ** n for a whole number n >= 0 stored as fp32 (a step count), by squaring.
+
+    Exact for n = 1 (as torch's powf is), within ~log2(n) roundings otherwise. Computing it as
+    exp2(n*log2(base)) instead would err by ~2 ulp even at n = 1, and 1 - beta2**n divides that
+    error by 1 - beta2 (1e-3): 2.4e-4 relative in Adam's bias correction on the first steps.
+    """
+    result = tl.full([], 1.0, tl.float32)
+    square = tl.full([], 1.0, tl.float32) * base
+    e = n.to(tl.int32)
+    while e > 0:
+        result = tl.where((e & 1) != 0, result * square, result)
+        square = square * square
+        e = e >> 1
+    return result
+
+
+# --- accumulate ------------------------------------------------------------------------------
+
+
+@triton.jit
+def accumulate_kernel(
+    chunks, tensors, partial_sumsq, partial_bad, alpha,
+    GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, STATS: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """acc = alpha * grad + (0 if OVERWRITE else acc), one chunk per program.
+
+    With STATS, each program also writes the sum of squares of the values it wrote and a 0/1
+    non-finite flag to ``partial_*[program id]``; ``reduce_stats_kernel`` folds them into
+    sumsq/found_inf. Per-chunk partials (not atomics) fix the order of the sum, so the norm is
+    the same from run to run.
+    """
+    if _row_is_aligned(chunks, tensors):
+        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, alpha,
+                          GRAD_DTYPE, OVERWRITE, STATS, True, CHUNK, BLOCK)
+    else:
+        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, alpha,
+                          GRAD_DTYPE, OVERWRITE, STATS, False, CHUNK, BLOCK // VEC)
+
+
+@triton.jit
+def _accumulate_chunk(
+    chunks, tensors, partial_sumsq, partial_bad, alpha,
+    GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, STATS: tl.constexpr,
+    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, start, end = _this_chunk(chunks, tensors, None, CHUNK, ALIGNED, False)
+    acc = _address(row, ACC, tl.float32)
+    grad = _address(row, GRAD, GRAD_DTYPE)
+    sq = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = _block(off, BLOCK)
+        mask = idx < end
+        # masked lanes read 0 and so add 0 to both statistics
+        new = tl.load(_at(grad, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * alpha
+        if not OVERWRITE:
+            new = tl.load(_at(acc, idx, ALIGNED), mask=mask, other=0.0) + new
+        tl.store(_at(acc, idx, ALIGNED), new, mask=mask)
+        if STATS:
+            sq += new * new
+            bad = tl.maximum(bad, tl.where(tl.abs(new) <= FLT_MAX, 0.0, 1.0))
+    if STATS:
+        pid = tl.program_id(0)
+        tl.store(partial_sumsq + pid, tl.sum(sq, axis=0))
+        tl.store(partial_bad + pid, tl.max(bad, axis=0))
+
+
+@triton.jit
+def reduce_stats_kernel(
+    partial_sumsq, partial_bad, n, sumsq, found_inf,
+    HAS_SUMSQ: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: sumsq += sum(partial_sumsq); found_inf = max(found_inf, any partial_bad).
+
+    It reads 8 bytes per chunk: 0.5 MB for 1e9 elements at 16384 elements per chunk.
+    """
+    sq = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.float32)
+    for off in range(0, n, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < n
+        if HAS_SUMSQ:
+            sq += tl.load(partial_sumsq + idx, mask=mask, other=0.0)
+        if HAS_FOUND_INF:
+            bad = tl.maximum(bad, tl.load(partial_bad + idx, mask=mask, other=0.0))
+    if HAS_SUMSQ:
+        tl.store(sumsq, tl.load(sumsq) + tl.sum(sq, axis=0))
+    if HAS_FOUND_INF:
+        tl.store(found_inf, tl.maximum(tl.load(found_inf), tl.max(bad, axis=0)))
+
+
+# --- optimizer steps -------------------------------------------------------------------------
+# Scalar hyper-parameters that the reference computes in Python double (1 - beta1, 1 - dampening)
+# arrive precomputed as kernel arguments, so they round to fp32 exactly as the reference's do.
+# Each kernel is a two-way branch on the row's alignment into its ``_*_chunk`` body.
+
+
+@triton.jit
+def sgd_kernel(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, momentum, one_minus_dampening, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """reference.sgd_step, one chunk per program."""
+    if _row_is_aligned(chunks, tensors):
+        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+                   grad_alpha, momentum, one_minus_dampening, weight_decay,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
+                   True, CHUNK, BLOCK)
+    else:
+        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+                   grad_alpha, momentum, one_minus_dampening, weight_decay,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
+                   False, CHUNK, BLOCK // VEC)
+
+
+@triton.jit
+def _sgd_chunk(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, momentum, one_minus_dampening, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    lr = tl.load(lr_ptr)
+    coef = tl.load(coef_ptr)
+    first_step = tl.load(steps + tl.load(row + INDEX)) == 1.0
+    param = _address(row, PARAM, PARAM_DTYPE)
+    buf = _address(row, STATE0, tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = _block(off, BLOCK)
+        mask = idx < end
+        g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT_DECAY:
+            g = g + weight_decay * p
+        if HAS_MOMENTUM:
+            # torch starts the buffer as a copy of the first gradient, without dampening
+            new_buf = tl.where(
+                first_step, g,
+                momentum * tl.load(_at(buf, idx, ALIGNED), mask=mask, other=0.0) + one_minus_dampening * g,
+            )  # fmt: skip
+            tl.store(_at(buf, idx, ALIGNED), new_buf, mask=mask)
+            if NESTEROV:
+                g = g + momentum * new_buf
+            else:
+                g = new_buf
+        _store_param(row, idx, mask, p - lr * g, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+
+
+@triton.jit
+def adam_kernel(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """reference.adam_step (Adam, or AdamW with DECOUPLED), one chunk per program."""
+    if _row_is_aligned(chunks, tensors):
+        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, True, CHUNK, BLOCK)
+    else:
+        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, False, CHUNK, BLOCK // VEC)
+
+
+@triton.jit
+def _adam_chunk(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    lr = tl.load(lr_ptr)
+    coef = tl.load(coef_ptr)
+    step = tl.load(steps + tl.load(row + INDEX))
+    # IEEE-rounded sqrt and division, as torch's: tl.sqrt and / compile to sqrt.approx.ftz and
+    # div.full (~2 ulp, denormal v flushed to 0) and would save nothing here: at 30 bytes per
+    # element an H200 (4.8 TB/s, 67 fp32 TFLOP/s) has ~200 instructions per element to spare.
+    step_size = tl.div_rn(lr, 1.0 - _pow_whole(beta1, step))
+    bias_correction2_sqrt = tl.sqrt_rn(1.0 - _pow_whole(beta2, step))
+    param = _address(row, PARAM, PARAM_DTYPE)
+    exp_avg = _address(row, STATE0, tl.float32)
+    exp_avg_sq = _address(row, STATE1, tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = _block(off, BLOCK)
+        mask = idx < end
+        g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT_DECAY:
+            if DECOUPLED:
+                p = p * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0) * beta1 + g * one_minus_beta1
+        v = (tl.load(_at(exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0) * beta2
+             + g * g * one_minus_beta2)
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        tl.store(_at(exp_avg, idx, ALIGNED), m, mask=mask)
+        tl.store(_at(exp_avg_sq, idx, ALIGNED), v, mask=mask)
+        new_p = p - step_size * tl.div_rn(m, denom)
+        _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+
+
+@triton.jit
+def lion_kernel(
+    chunks, tensors, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """reference.lion_step, one chunk per program (no step count: Lion has no bias correction)."""
+    if _row_is_aligned(chunks, tensors):
+        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, True, CHUNK, BLOCK)
+    else:
+        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, False, CHUNK, BLOCK // VEC)
+
+
+@triton.jit
+def _lion_chunk(
+    chunks, tensors, lr_ptr, coef_ptr, found_inf,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
+    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    lr = tl.load(lr_ptr)
+    coef = tl.load(coef_ptr)
+    decay = 1.0 - lr * weight_decay
+    param = _address(row, PARAM, PARAM_DTYPE)
+    exp_avg = _address(row, STATE0, tl.float32)
+    for off in range(start, end, BLOCK):
+        idx = _block(off, BLOCK)
+        mask = idx < end
+        g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * decay
+        m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
+        c = m * beta1 + g * one_minus_beta1
+        # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
+        direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
+        tl.store(_at(exp_avg, idx, ALIGNED), m * beta2 + g * one_minus_beta2, mask=mask)
+        _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)

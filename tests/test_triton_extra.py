@@ -1,0 +1,355 @@
+"""Triton-backend checks beyond the kernel-vs-reference matrix of test_kernels.py.
+
+- the chunk table and the table rows (host code, any process);
+- the compiled kernels for sm_90: vector accesses on aligned rows in one register layout, a
+  scalar fallback, IEEE sqrt/division and a register budget in Adam. These compile through
+  Triton's own ptxas and need no GPU, but need the real (not interpreted) kernels: they run in
+  a plain pytest process;
+- the kernels on CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported; run
+  this file in that process too): 2,000+ tensors in at most 2 launches, the table cache,
+  non-contiguous parameters written back, torch.compile tracing the op without a graph break;
+- ``-m gpu``: the same on CUDA tensors, and a tensor of more than 2**31 elements (int64 offsets).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from fused_accum import backends
+from fused_accum.backends import reference
+
+tb = pytest.importorskip("fused_accum.backends.triton", reason="triton is not installed")
+import triton  # noqa: E402  (importable: the backend above imported it)
+import triton.language as tl  # noqa: E402
+
+kernels = tb.kernels
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ([pytest.param("cpu", id="cpu")] if INTERPRETED else []) + (
+    # the interpreter refuses CUDA tensors (the tables hold device addresses it cannot read)
+    [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+    if torch.cuda.is_available() and not INTERPRETED
+    else []
+)
+needs_device = pytest.mark.skipif(
+    not DEVICES, reason="Triton kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1"
+)
+PAD = 64
+
+
+def _flat_views(sizes, device):
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + PAD - 1) // PAD * PAD
+    flat = torch.full((total,), -7.0, device=device)
+    return flat, [flat[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+class _CountLaunches:
+    """Stands in for a kernel in the kernels module and counts ``kernel[grid]`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+# --- chunk table (host only) -----------------------------------------------------------------
+
+
+def test_chunk_table_covers_every_element_once_with_int64_starts():
+    c = tb.CHUNK
+    numels = torch.tensor([0, 1, c, c + 1, 3 * c - 1, 0, 5_000_000_000], dtype=torch.int64)
+    table = tb.chunk_table(numels)
+    assert table.dtype == torch.int64
+    for row, n in enumerate(numels.tolist()):
+        starts = table[table[:, 0] == row, 1].tolist()
+        assert starts == list(range(0, n, c)), f"tensor {row} of {n} elements"
+    # rows appear in order, so a tensor's chunks are adjacent programs
+    assert torch.equal(table[:, 0], table[:, 0].sort().values)
+    assert table[-1, 1].item() == (5_000_000_000 - 1) // c * c  # past 2**32: int64 survived
+
+
+def test_alignment_decides_vector_width():
+    base = torch.zeros(64)
+    assert tb._aligned(8, [base[:8], base[4:12]])  # 16-byte multiples, size a multiple of 4
+    assert not tb._aligned(8, [base[:8], base[1:9]])  # an odd offset
+    assert not tb._aligned(7, [base[:7]])  # a size that is not a multiple of 4
+    half = torch.zeros(64, dtype=torch.bfloat16)
+    assert tb._aligned(8, [base[:8], half[4:12]])  # 4 bf16 elements are 8 bytes
+    assert not tb._aligned(8, [base[:8], half[2:10]])
+
+
+def test_row_columns_match_the_kernels_constants():
+    t = {name: torch.zeros(8) for name in ("acc", "grad", "param", "lp", "state0", "state1")}
+    row = tb._row(8, 5, **t)
+    assert len(row) == kernels.ROW.value
+    assert (row[kernels.NUMEL.value], row[kernels.INDEX.value], row[kernels.IS_ALIGNED.value]) == (8, 5, 1)
+    columns = dict(acc=kernels.ACC, grad=kernels.GRAD, param=kernels.PARAM, lp=kernels.LP,
+                   state0=kernels.STATE0, state1=kernels.STATE1)  # fmt: skip
+    for name, column in columns.items():
+        assert row[column.value] == t[name].data_ptr(), name
+    assert tb._row(7, 0, acc=t["acc"], grad=None)[kernels.GRAD.value] == 0  # absent: address 0
+
+
+# --- what the compiler makes of the kernels (no GPU needed) ----------------------------------
+
+
+def _compile_sm90(fn, pointers, **constexprs):
+    """``fn`` compiled for sm_90 (``.asm["ptx"]``, ``.asm["ttgir"]``...): ``pointers`` name its
+    fp32-tensor arguments; the tables are int64 tensors and every other non-constexpr argument
+    is an fp32 scalar."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {"chunks": "*i64", "tensors": "*i64", **{name: "*fp32" for name in pointers}}
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32") for n in fn.arg_names}
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+    )
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(src, target=target, options={"num_warps": tb.NUM_WARPS})
+
+
+def _global_accesses(ptx):
+    return set(re.findall(r"\b((?:ld|st)\.global(?:\.v\d)?\.b\d+)", ptx))
+
+
+def _registers(compiled):
+    """Registers per thread of a compiled kernel, by the cuobjdump that ships with Triton."""
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip(f"no cuobjdump at {tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True)
+    return int(re.search(r"REG:(\d+)", out.stdout).group(1))
+
+
+def _aligned_branch(compiled):
+    """The TTGIR of the kernel up to the else of its first branch: the prologue and the body
+    for aligned rows (``if _row_is_aligned(...)``)."""
+    ttgir = compiled.asm["ttgir"]
+    assert "} else {" in ttgir
+    return ttgir.split("} else {")[0]
+
+
+# Under the interpreter the kernels are interpreted functions, with nothing to compile.
+_COMPILABLE = not INTERPRETED and hasattr(kernels.accumulate_kernel, "arg_names")
+compiles = pytest.mark.skipif(not _COMPILABLE, reason="needs the compiled (not interpreted) kernels")
+
+
+@compiles
+def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
+    compiled = _compile_sm90(
+        kernels.accumulate_kernel, ("partial_sumsq", "partial_bad"),
+        GRAD_DTYPE=tl.bfloat16, OVERWRITE=False, STATS=False, CHUNK=tb.CHUNK, BLOCK=tb.BLOCK,
+    )  # fmt: skip
+    accesses = _global_accesses(compiled.asm["ptx"])
+    # aligned rows: bf16 grad 4 elements = 8 bytes (v2.b32); fp32 acc 16 bytes (v4.b32)
+    assert {"ld.global.v2.b32", "ld.global.v4.b32", "st.global.v4.b32"} <= accesses
+    # other rows: scalar accesses, correct at any offset
+    assert {"ld.global.b16", "st.global.b32"} <= accesses
+    # one register layout for bf16 and fp32 on aligned rows: no trip through shared memory
+    assert "convert_layout" not in _aligned_branch(compiled)
+
+
+@compiles
+def test_fused_adamw_compiles_vectorized_in_one_layout_with_ieee_sqrt():
+    compiled = _compile_sm90(
+        kernels.adam_kernel, ("steps", "lr_ptr", "coef_ptr", "found_inf"),
+        PARAM_DTYPE=tl.float32, LP_DTYPE=tl.bfloat16, GRAD_DTYPE=tl.bfloat16, HAS_LP=True,
+        FUSED=True, GRADS_OVERWRITE=False, HAS_FOUND_INF=True, MAXIMIZE=False,
+        HAS_WEIGHT_DECAY=True, DECOUPLED=True, CHUNK=tb.CHUNK, BLOCK=tb.BLOCK,
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    accesses = _global_accesses(ptx)
+    assert {"ld.global.v2.b32", "ld.global.v4.b32", "st.global.v4.b32", "st.global.v2.b32"} <= accesses
+    assert "convert_layout" not in _aligned_branch(compiled)
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx
+    # 72 at the time of writing; the scalar branch at full BLOCK took 156 (3 programs per SM).
+    # <= 96 keeps at least 5 programs of 128 threads on an SM's 65,536 registers.
+    assert _registers(compiled) <= 96
+
+
+# --- on a device (CPU under the interpreter, or CUDA) ----------------------------------------
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_accumulates_2000_small_tensors_in_two_launches(device, monkeypatch):
+    """2,050 tensors of one dtype, aligned and not (sizes 1-4): one accumulate launch and one
+    launch folding the norm/non-finite partials."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1 + i % 4 for i in range(2050)]
+    grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    _, accs = _flat_views(sizes, device)
+    _, expect = _flat_views(sizes, device)
+    for a, e in zip(accs, expect):
+        a.copy_(torch.randn(a.numel(), generator=gen))
+        e.copy_(a)
+    grads[1234][0] = float("inf")
+    counters = [_CountLaunches(kernels.accumulate_kernel), _CountLaunches(kernels.reduce_stats_kernel)]
+    monkeypatch.setattr(kernels, "accumulate_kernel", counters[0])
+    monkeypatch.setattr(kernels, "reduce_stats_kernel", counters[1])
+    found_inf, sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
+    tb.accumulate(accs, grads, 0.5, False, found_inf, sumsq)
+    assert [c.launches for c in counters] == [1, 1]
+    ref_inf, ref_sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
+    reference.accumulate(expect, grads, 0.5, False, ref_inf, ref_sumsq)
+    for got, want in zip(accs, expect):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert found_inf.item() == 1.0
+    assert sumsq.item() == float("inf") and ref_sumsq.item() == float("inf")
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_step_over_many_tensors_is_one_launch(device, monkeypatch):
+    gen = torch.Generator().manual_seed(12)
+    sizes = [1 + (i * 7) % 40 for i in range(300)]
+    params = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    lp = [torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16) for n in sizes]
+    m = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    v = [torch.rand(n, generator=gen).to(device) for n in sizes]
+    _, accs = _flat_views(sizes, device)
+    for a in accs:
+        a.copy_(torch.randn(a.numel(), generator=gen))
+    steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32, device=device)
+    lr, coef = torch.tensor(1e-3, device=device), torch.tensor(0.5, device=device)
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
+    want = [[t.clone() for t in ts] for ts in (params, m, v, lp)]
+    counter = _CountLaunches(kernels.adam_kernel)
+    monkeypatch.setattr(kernels, "adam_kernel", counter)
+    tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, **hyper)
+    reference.adam_step(*want[:3], accs, steps, lr, coef, lp_params=want[3], **hyper)
+    assert counter.launches == 1
+    for got_list, want_list in zip((params, m, v, lp), want):
+        for got, exp in zip(got_list, want_list):
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["sgd", "adamw", "lion"])
+def test_triton_step_on_aligned_rows_matches_reference(device, algo):
+    """The vector branch of each step kernel (test_kernels' step sizes are all odd, so they
+    take the scalar branch): sizes that are multiples of VEC, the fused last micro-batch."""
+    from test_kernels import ALGOS, _call, _step_inputs  # the matrix's inputs and hyper-parameters
+
+    assert algo in ALGOS
+    gen = torch.Generator().manual_seed(15)
+    sizes = [4, 1024, 4100]
+    params, states, lp, accs, steps = _step_inputs(algo, sizes, "master", device, gen)
+    grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    for i, n in enumerate(sizes):  # the precondition: every row takes the aligned branch
+        assert tb._aligned(n, [params[i], lp[i], accs[i], grads[i]] + [s[i] for s in states])
+    lr, coef = torch.tensor(0.01, device=device), torch.tensor(0.25, device=device)
+    want = [[t.clone() for t in params], [[t.clone() for t in s] for s in states], [t.clone() for t in lp]]
+    _call(tb, algo, params, states, lp, accs, steps, lr, coef, grads, False)
+    _call(reference, algo, *want, accs, steps, lr, coef, grads, False)
+    for got, exp in zip(params + [t for s in states for t in s], want[0] + [t for s in want[1] for t in s]):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+    for got, exp in zip(lp, want[2]):
+        assert torch.equal(got, exp)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_table_cache_tells_sizes_apart_at_equal_addresses(device):
+    """Two calls whose tensors start at the same addresses but differ in size must not share
+    a cached table (the key holds every size, not only the addresses)."""
+    flat = torch.zeros(256, device=device)
+    grads = torch.ones(256, device=device, dtype=torch.float16)
+    tb.accumulate([flat[:8], flat[64:72]], [grads[:8], grads[64:72]], 1.0, False)
+    tb.accumulate([flat[:40], flat[64:104]], [grads[:40], grads[64:104]], 1.0, False)
+    want = torch.zeros(256, device=device)
+    want[:8] += 1
+    want[64:72] += 1
+    want[:40] += 1
+    want[64:104] += 1
+    assert torch.equal(flat, want)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_step_writes_back_non_contiguous_params(device):
+    """fp32 params that are their own master may be non-contiguous (a transposed weight):
+    the update lands on the right elements."""
+    gen = torch.Generator().manual_seed(13)
+    params = [torch.randn(6, 5, generator=gen).to(device).t(), torch.randn(40, generator=gen).to(device)[::2]]
+    bufs = [torch.randn(p.numel(), generator=gen).to(device) for p in params]
+    _, accs = _flat_views([p.numel() for p in params], device)
+    for a in accs:
+        a.copy_(torch.randn(a.numel(), generator=gen))
+    steps = torch.tensor([2.0, 2.0], device=device)
+    lr, coef = torch.tensor(0.1, device=device), torch.tensor(1.0, device=device)
+    hyper = dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+    want_p, want_b = [p.clone() for p in params], [b.clone() for b in bufs]
+    tb.sgd_step(params, bufs, accs, steps, lr, coef, **hyper)
+    reference.sgd_step(want_p, want_b, accs, steps, lr, coef, **hyper)
+    for got, exp in zip(params + bufs, want_p + want_b):
+        torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_op_traces_under_torch_compile_without_graph_break(device):
+    import fused_accum.ops  # noqa: F401  (registers torch.ops.fused_accum)
+
+    gen = torch.Generator().manual_seed(14)
+    sizes = [5, 100]
+    grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
+    _, accs = _flat_views(sizes, device)
+    _, expect = _flat_views(sizes, device)
+    for a, e in zip(accs, expect):
+        a.fill_(1.0)
+        e.fill_(1.0)
+    sumsq = torch.zeros((), device=device)
+
+    def micro_batch(accs, grads, sumsq):
+        torch.ops.fused_accum.accumulate_(accs, grads, 0.5, False, None, sumsq, "triton")
+        return sumsq * 2  # read after the op: the mutation must be ordered before it
+
+    torch._dynamo.reset()
+    compiled = torch.compile(micro_batch, backend="aot_eager", fullgraph=True)  # fails on a break
+    out = compiled(accs, grads, sumsq)
+    ref_sumsq = torch.zeros((), device=device)
+    reference.accumulate(expect, grads, 0.5, False, None, ref_sumsq)
+    for got, want in zip(accs, expect):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, 2 * ref_sumsq, rtol=2e-5, atol=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA, compiled")
+def test_triton_accumulates_past_2_pow_31_elements():
+    """One tensor of 2**31 + 3076 elements (4.3 GB of bf16 grad, 8.6 GB of fp32 acc; a multiple
+    of 4, so the vector branch): element offsets past int32 must land where they belong.
+    Checked on slices around 2**31."""
+    n = 2**31 + 3076
+    device = "cuda"
+    assert backends.availability("triton", device) == ""
+    grad = torch.randn(n, device=device, dtype=torch.bfloat16)
+    acc = torch.full((n,), 0.25, device=device)
+    grad[2**31 + 5] = float("nan")
+    found_inf, sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
+    tb.accumulate([acc], [grad], 2.0, False, found_inf, sumsq)
+    for lo in (0, 2**31 - 1000, n - 3000):
+        hi = lo + 2000
+        want = 0.25 + 2.0 * grad[lo:hi].float()
+        torch.testing.assert_close(acc[lo:hi], want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert found_inf.item() == 1.0
+    assert torch.isnan(sumsq)
