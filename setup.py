@@ -1,4 +1,153 @@
-"""Installs fused_accum. The C++/CUDA extension (fused_accum._C) is added by its own change."""
+"""Installs fused_accum and builds its C++/CUDA extension, fused_accum._C.
+
+`pip install --no-build-isolation --no-deps -e .` (what ./run does) builds the extension in place
+against the torch already installed. The CPU kernels are always built; the CUDA kernels are built
+when both nvcc and a CUDA build of torch are present. That is decided from the toolkit and
+torch.version.cuda, never from torch.cuda.is_available(): CI compiles the CUDA kernels on machines
+without a GPU.
+
+Environment:
+  FUSED_ACCUM_NO_EXT=1        build no extension; the package then runs on the reference/Triton
+                              backends and logs once why fused_accum._C is missing
+  FUSED_ACCUM_BUILD_CUDA=1    build the CUDA kernels, or fail saying why they cannot be built
+  FUSED_ACCUM_BUILD_CUDA=0    never build them
+  CUDA_HOME                   the CUDA toolkit (default: found from the nvcc on PATH)
+  MAX_JOBS                    parallel compile jobs (default: one per core, at most 8)
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
 from setuptools import setup
 
-setup()
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CUDA_ARCHS = ("80", "90")  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
+
+
+def _log(msg):
+    print(f"[fused_accum setup] {msg}", file=sys.stderr)
+
+
+def _toolkit_root(nvcc):
+    """The CUDA toolkit directory of `nvcc`, which may be a wrapper script outside the toolkit
+    (here /usr/local/bin/nvcc execs /usr/local/cuda-13.0/bin/nvcc): nvcc's dry run prints TOP."""
+    guess = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists(os.path.join(guess, "include", "cuda_runtime.h")):
+        return guess
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.cu")
+        open(src, "w").close()
+        out = subprocess.run([nvcc, "--dryrun", "-c", src], capture_output=True, text=True)
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.split("=", 1)[1].strip())
+    return guess
+
+
+def _cuda_home():
+    """(CUDA toolkit root, "") or (None, why there is none)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")):
+            return home, ""
+        return None, f"CUDA_HOME={home} has no bin/nvcc"
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None, "nvcc is not on PATH and CUDA_HOME is not set"
+    return _toolkit_root(nvcc), ""
+
+
+def _cuda_plan():
+    """(build CUDA?, CUDA home, reason when not)."""
+    mode = os.environ.get("FUSED_ACCUM_BUILD_CUDA", "")
+    if mode == "0":
+        return False, None, "FUSED_ACCUM_BUILD_CUDA=0"
+    import torch
+
+    home, why = _cuda_home()
+    if home and torch.version.cuda is None:
+        home, why = None, f"torch {torch.__version__} is a CPU-only build"
+    if mode == "1" and home is None:
+        raise SystemExit(f"FUSED_ACCUM_BUILD_CUDA=1 but the CUDA kernels cannot be built: {why}")
+    return home is not None, home, why
+
+
+def _nvidia_wheel_dirs():
+    """Include and library dirs of the CUDA runtime that pip's torch brings (nvidia/cu13/...).
+    Torch's CUDA headers include the runtime's; a minimal toolkit may lack what the wheel has."""
+    import torch
+
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    major = (torch.version.cuda or "").split(".")[0]
+    base = os.path.join(site, "nvidia", f"cu{major}")
+    inc, lib = os.path.join(base, "include"), os.path.join(base, "lib")
+    return (inc if os.path.isdir(inc) else None), (lib if os.path.isdir(lib) else None)
+
+
+def _build_ext_class(cpp_extension, tag):
+    """BuildExtension with a fixed build folder: pip install -e builds in a fresh temporary folder
+    each time, which recompiles everything (~20 s for the CPU kernels on 2 cores); a fixed one lets
+    ninja recompile only what changed. `tag` keeps objects of different torch/CUDA builds apart."""
+
+    class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(ROOT, "build", f"ext-{tag}")
+
+    return BuildExt
+
+
+def _ext_modules():
+    if os.environ.get("FUSED_ACCUM_NO_EXT") == "1":
+        _log("FUSED_ACCUM_NO_EXT=1: not building fused_accum._C")
+        return [], {}
+    build_cuda, cuda_home, why_not = _cuda_plan()
+    if build_cuda:
+        # cpp_extension reads CUDA_HOME when imported: set it first, or it guesses from the
+        # nvcc on PATH and takes /usr/local for /usr/local/bin/nvcc.
+        os.environ["CUDA_HOME"] = cuda_home
+    import torch
+    from torch.utils import cpp_extension
+
+    # ninja jobs: one per core up to 8 (the 7 sources gain nothing past that); 2 on CI machines.
+    os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
+    csrc = lambda *names: [os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))]  # noqa: E731
+    sources = csrc("bindings.cpp", "cpu/*.cpp")
+    # -fno-math-errno and -fno-trapping-math let GCC vectorise sqrtf and the branch-free fp16
+    # conversions (they change no result); -fopenmp-simd enables `omp simd` reductions only, not
+    # OpenMP. csrc/ is deliberately not an include dir: csrc/math.h would shadow <math.h>.
+    cxx = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+    if not build_cuda:
+        _log(f"building the CPU kernels only: {why_not}")
+        ext = cpp_extension.CppExtension("fused_accum._C", sources, extra_compile_args={"cxx": cxx})
+        return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}")}
+
+    _log(f"building the CPU and CUDA kernels with {cuda_home}/bin/nvcc")
+    sources += csrc("bindings_cuda.cpp", "cuda/*.cu")
+    gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS]
+    gencode.append(f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}")
+    nvcc = ["-O3", "-lineinfo", "-Xptxas", "-v"] + gencode  # -v: registers and spills, per kernel
+    include_dir, lib_dir = _nvidia_wheel_dirs()
+    # The wheel's headers come after the toolkit's (-idirafter): they only fill in what the
+    # toolkit lacks, so nvcc's own headers always win. Only the .cpp files include torch's
+    # CUDA headers; the .cu files include none.
+    cxx_cuda = cxx + ["-DFA_WITH_CUDA=1"] + (["-idirafter", include_dir] if include_dir else [])
+    ext = cpp_extension.CUDAExtension(
+        "fused_accum._C", sources, extra_compile_args={"cxx": cxx_cuda, "nvcc": nvcc}
+    )
+    # The wheel's runtime is libcudart.so.13 only (no unversioned libcudart.so to -lcudart
+    # against): link that file by name when the toolkit has no libcudart.so either.
+    toolkit_libs = [os.path.join(cuda_home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    if lib_dir and not any(os.path.exists(os.path.join(d, "libcudart.so")) for d in toolkit_libs):
+        runtime = sorted(glob.glob(os.path.join(lib_dir, "libcudart.so.*")))
+        if runtime:
+            ext.libraries = [":" + os.path.basename(runtime[0]) if l == "cudart" else l for l in ext.libraries]
+            ext.library_dirs.append(lib_dir)
+    return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}-cuda")}
+
+
+ext_modules, cmdclass = _ext_modules()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -11,3 +11,9 @@ echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, be
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
 TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py -k triton
+
+echo "== C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"
+bash scripts/ctest.sh
+
+echo "== the CUDA extension compiles and links for sm_80 and sm_90 (torch 2.14.1 cu130), no spills"
+bash scripts/check_cuda_build.sh

@@ -1,0 +1,249 @@
+// fused_accum._C: the fused_accum_ext:: operator schemas, their CPU implementations, the argument
+// checks shared with the CUDA implementations (bindings_cuda.cpp), and the Python module stub.
+//
+// Tensors stop here: the checks name the argument and what was expected, strided inputs are made
+// contiguous, and the kernels receive raw pointers (csrc/kernels.h).
+#include <Python.h>  // first, as Python asks: it sets feature macros the C library reads
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "bindings.h"
+
+namespace fused_accum {
+namespace binding {
+namespace {
+
+DType dtype_code(const at::Tensor& t, const char* op, const char* name, size_t i) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kF32;
+    case at::kBFloat16: return DType::kBF16;
+    case at::kHalf: return DType::kF16;
+    default:
+      TORCH_CHECK(false, op, ": ", name, "[", i, "] must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
+  }
+}
+
+// Checks that list element `t` (name[i]) is defined, on `device` and has `numel` elements.
+void check_element(const at::Tensor& t, const char* op, const char* name, size_t i,
+                   const at::Device& device, int64_t numel, const char* numel_of) {
+  TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+  TORCH_CHECK(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(),
+              ", expected ", device, " (the device of the other tensors)");
+  TORCH_CHECK(t.numel() == numel, op, ": ", name, "[", i, "] has ", t.numel(),
+              " elements but ", numel_of, "[", i, "] has ", numel);
+}
+
+void check_f32(const at::Tensor& t, const char* op, const char* name, size_t i) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, "[", i, "] must be float32, got ",
+              t.scalar_type());
+}
+
+// A one-element float32 tensor on `device` (lr, coef, found_inf, sumsq).
+void check_scalar(const at::Tensor& t, const char* op, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
+              " must be a one-element float32 tensor, got ", t.scalar_type(), " of shape ",
+              t.sizes());
+  TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device,
+              " (the device of the tensor lists)");
+}
+
+void check_length(size_t got, size_t want, const char* op, const char* name, const char* of) {
+  TORCH_CHECK(got == want, op, ": ", name, " has ", got, " tensors but ", of, " has ", want);
+}
+
+// A tensor the kernel reads: itself when contiguous, else a contiguous copy kept alive.
+void* readable(Call& call, const at::Tensor& t) {
+  if (t.is_contiguous()) return t.data_ptr();
+  call.keep_alive.push_back(t.contiguous());
+  return call.keep_alive.back().data_ptr();
+}
+
+// A tensor the kernel writes: itself when contiguous, else a copy written back by finish().
+void* writable(Call& call, const at::Tensor& t) {
+  if (t.is_contiguous()) return t.data_ptr();
+  call.write_back.emplace_back(t, t.contiguous());
+  return call.write_back.back().second.data_ptr();
+}
+
+}  // namespace
+
+Call prepare_accumulate(at::TensorList accs, at::TensorList grads,
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& sumsq, AccumulateArgs& args) {
+  const char* op = "accumulate_";
+  Call call;
+  check_length(grads.size(), accs.size(), op, "grads", "accs");
+  if (!accs.empty()) call.device = accs[0].device();
+  if (found_inf) check_scalar(*found_inf, op, "found_inf", call.device);
+  if (sumsq) check_scalar(*sumsq, op, "sumsq", call.device);
+  args.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+  args.sumsq = sumsq ? sumsq->data_ptr<float>() : nullptr;
+  TensorLists& l = call.lists;
+  for (size_t i = 0; i < accs.size(); ++i) {
+    const at::Tensor& acc = accs[i];
+    TORCH_CHECK(acc.defined(), op, ": accs[", i, "] is undefined");
+    check_element(acc, op, "accs", i, call.device, acc.numel(), "accs");
+    check_f32(acc, op, "accs", i);
+    TORCH_CHECK(acc.is_contiguous(), op, ": accs[", i,
+                "] must be contiguous (a slice of the flat accumulator buffer)");
+    check_element(grads[i], op, "grads", i, call.device, acc.numel(), "accs");
+    const DType grad_dtype = dtype_code(grads[i], op, "grads", i);
+    if (acc.numel() == 0) continue;
+    l.numel.push_back(acc.numel());
+    l.index.push_back(static_cast<int64_t>(i));
+    l.acc.add(acc.data_ptr(), DType::kF32);
+    l.grad.add(readable(call, grads[i]), grad_dtype);
+  }
+  return call;
+}
+
+Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite, bool maximize,
+                  StepArgs& args) {
+  const char* op = t.op;
+  Call call;
+  const size_t n = t.params.size();
+  check_length(t.accs.size(), n, op, "accs", "params");
+  if (t.state1_name) check_length(t.state1.size(), n, op, t.state1_name, "params");
+  if (t.state2_name) check_length(t.state2.size(), n, op, t.state2_name, "params");
+  TORCH_CHECK(t.lp_params.empty() || t.lp_params.size() == n, op, ": lp_params has ",
+              t.lp_params.size(), " tensors, expected 0 (none) or ", n, " (one per param)");
+  TORCH_CHECK(t.grads.empty() || t.grads.size() == n, op, ": grads has ", t.grads.size(),
+              " tensors, expected 0 (no fused micro-batch) or ", n, " (one per param)");
+  call.device = n > 0 ? t.params[0].device() : t.lr.device();
+  check_scalar(t.lr, op, "lr", call.device);
+  check_scalar(t.coef, op, "coef", call.device);
+  if (t.found_inf) check_scalar(*t.found_inf, op, "found_inf", call.device);
+  TORCH_CHECK(t.steps.dim() == 1 && t.steps.numel() == static_cast<int64_t>(n) &&
+                  t.steps.scalar_type() == at::kFloat && t.steps.is_contiguous(),
+              op, ": steps must be a contiguous 1-D float32 tensor of ", n,
+              " step counts (one per param), got ", t.steps.scalar_type(), " of shape ",
+              t.steps.sizes());
+  TORCH_CHECK(t.steps.device() == call.device, op, ": steps is on ", t.steps.device(),
+              ", expected ", call.device);
+  args.lr = t.lr.data_ptr<float>();
+  args.coef = t.coef.data_ptr<float>();
+  args.steps = t.steps.data_ptr<float>();
+  args.found_inf = t.found_inf ? t.found_inf->data_ptr<float>() : nullptr;
+  args.grad_alpha = static_cast<float>(grad_alpha);
+  args.grads_overwrite = grads_overwrite;
+  args.maximize = maximize;
+
+  TensorLists& l = call.lists;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = t.params[i];
+    TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
+    const int64_t numel = p.numel();
+    check_element(p, op, "params", i, call.device, numel, "params");
+    const DType param_dtype = dtype_code(p, op, "params", i);
+    check_element(t.accs[i], op, "accs", i, call.device, numel, "params");
+    check_f32(t.accs[i], op, "accs", i);
+    if (t.state1_name) {
+      check_element(t.state1[i], op, t.state1_name, i, call.device, numel, "params");
+      check_f32(t.state1[i], op, t.state1_name, i);
+    }
+    if (t.state2_name) {
+      check_element(t.state2[i], op, t.state2_name, i, call.device, numel, "params");
+      check_f32(t.state2[i], op, t.state2_name, i);
+    }
+    if (!t.lp_params.empty()) {
+      check_element(t.lp_params[i], op, "lp_params", i, call.device, numel, "params");
+      dtype_code(t.lp_params[i], op, "lp_params", i);
+    }
+    if (!t.grads.empty()) {
+      check_element(t.grads[i], op, "grads", i, call.device, numel, "params");
+      dtype_code(t.grads[i], op, "grads", i);
+    }
+    if (numel == 0) continue;
+    l.numel.push_back(numel);
+    l.index.push_back(static_cast<int64_t>(i));
+    l.param.add(writable(call, p), param_dtype);
+    l.acc.add(readable(call, t.accs[i]), DType::kF32);
+    if (t.state1_name) l.state1.add(writable(call, t.state1[i]), DType::kF32);
+    if (t.state2_name) l.state2.add(writable(call, t.state2[i]), DType::kF32);
+    if (!t.lp_params.empty()) {
+      const at::Tensor& lp = t.lp_params[i];
+      l.lp.add(writable(call, lp), dtype_code(lp, op, "lp_params", i));
+    }
+    if (!t.grads.empty()) {
+      l.grad.add(readable(call, t.grads[i]), dtype_code(t.grads[i], op, "grads", i));
+    }
+  }
+  return call;
+}
+
+}  // namespace binding
+
+// ---- CPU ----------------------------------------------------------------------------------------
+
+namespace {
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain,
+                  const std::function<void(int64_t, int64_t)>& f) {
+  at::parallel_for(begin, end, grain, f);
+}
+
+struct CpuBackend {
+  using Call = binding::Call;
+  static void accumulate(const Call& c, const AccumulateArgs& a) {
+    accumulate_cpu(c.lists, a, parallel_for);
+  }
+  static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
+    sgd_step_cpu(c.lists, a, h, parallel_for);
+  }
+  static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
+    adam_step_cpu(c.lists, a, h, parallel_for);
+  }
+  static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
+    lion_step_cpu(c.lists, a, h, parallel_for);
+  }
+};
+
+}  // namespace
+}  // namespace fused_accum
+
+// Schemas: (a!) marks what each op mutates, so functionalisation (torch.compile) and opcheck
+// know. The argument lists follow fused_accum/backends/reference.py; absent lists are empty.
+TORCH_LIBRARY(fused_accum_ext, m) {
+  m.def(
+      "accumulate_(Tensor(a!)[] accs, Tensor[] grads, float alpha, bool overwrite, "
+      "Tensor(b!)? found_inf, Tensor(c!)? sumsq) -> ()");
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] momentum_bufs, Tensor[] accs, Tensor steps, "
+      "Tensor lr, Tensor coef, float momentum, float dampening, float weight_decay, "
+      "bool nesterov, bool maximize, Tensor(c!)[] lp_params, Tensor[] grads, float grad_alpha, "
+      "bool grads_overwrite, Tensor? found_inf) -> ()");
+  m.def(
+      "adam_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, float beta1, float beta2, float eps, "
+      "float weight_decay, bool decoupled, bool maximize, Tensor(d!)[] lp_params, "
+      "Tensor[] grads, float grad_alpha, bool grads_overwrite, Tensor? found_inf) -> ()");
+  m.def(
+      "lion_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor[] accs, Tensor steps, "
+      "Tensor lr, Tensor coef, float beta1, float beta2, float weight_decay, bool maximize, "
+      "Tensor(c!)[] lp_params, Tensor[] grads, float grad_alpha, bool grads_overwrite, "
+      "Tensor? found_inf) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fused_accum_ext, CPU, m) {
+  fused_accum::binding::register_impls<fused_accum::CpuBackend>(m);
+}
+
+// `import fused_accum._C` loads this library, which registers the ops above. The module itself
+// only says whether the CUDA kernels were compiled in (setup.py defines FA_WITH_CUDA).
+#ifndef FA_WITH_CUDA
+#define FA_WITH_CUDA 0
+#endif
+
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "fused_accum._C",
+                               "fused_accum's C++/CUDA kernels, as torch.ops.fused_accum_ext.*",
+                               -1, nullptr};
+  PyObject* m = PyModule_Create(&module);
+  if (m && PyModule_AddIntConstant(m, "built_with_cuda", FA_WITH_CUDA) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -1,0 +1,210 @@
+// Multi-tensor apply for the CUDA kernels: many tensors per launch, described by a table passed
+// as a kernel argument, one thread block per chunk of kChunk elements of one tensor.
+//
+// Kernel arguments are limited to 4 KB on every driver this can meet (32 KB needs CUDA 12.1+ on
+// both sides), so a table holds what fits in 4 KB: 113 tensors for accumulate (2 arrays each),
+// 55 for a fused Adam step (6 arrays). A longer list is launched as several tables, in order, on
+// one stream. Each block finds its tensor by binary search over the table's chunk prefix sums.
+//
+// Per thread: packs of kPack = 8 consecutive elements, 16-byte vector loads (one for 8 bf16/fp16
+// values, two for 8 fp32), every load of an iteration issued before the first is used. A pack
+// that is not 16-byte aligned (a gradient view at an odd offset) or runs past the end of its
+// tensor (the tail) is loaded element by element instead.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+#include "../kernels.h"
+#include "../math.h"
+
+namespace fused_accum {
+namespace cuda {
+
+constexpr int kThreads = 256;
+constexpr int kPack = 8;
+// Elements per block: 4 packs per thread. Enough work (32 KB of fp32 acc read per block) that
+// block scheduling is noise, small enough that a 1M-element tensor still spreads over 128 blocks
+// (about one per SM of an H100/H200's 132; twice the chunk would leave half of them idle).
+constexpr int64_t kChunk = 4 * kThreads * kPack;
+constexpr int kArgBytes = 4096;
+
+// What describes one tensor in a table with kArrays operands: one pointer and one dtype per
+// operand, its numel, its chunk prefix sum, its index in the caller's lists, the vector flag.
+constexpr int table_entry_bytes(int arrays) { return arrays * (8 + 1) + 8 + 4 + 4 + 1; }
+// Room left for the table after the op's other arguments (at most 128 bytes: scalars, hyper).
+constexpr int table_capacity(int arrays) { return (kArgBytes - 128 - 8) / table_entry_bytes(arrays); }
+
+template <int kArrays>
+struct Table {
+  static constexpr int kCapacity = table_capacity(kArrays);
+  void* ptr[kArrays][kCapacity];
+  int64_t numel[kCapacity];
+  int32_t chunk_end[kCapacity];  // tensor t owns chunks [chunk_end[t-1], chunk_end[t])
+  int32_t index[kCapacity];      // position in the caller's lists
+  uint8_t dtype[kArrays][kCapacity];
+  uint8_t vector_ok[kCapacity];  // all of the tensor's pointers are 16-byte aligned
+  int32_t count;
+};
+static_assert(sizeof(Table<2>) <= kArgBytes - 128, "accumulate table exceeds the argument budget");
+static_assert(sizeof(Table<6>) <= kArgBytes - 128, "step table exceeds the argument budget");
+
+// ---- per-thread work ---------------------------------------------------------------------------
+// __host__ __device__ (FA_HD): the kernels call these with blockIdx.x/threadIdx.x; the emulation
+// tests (csrc/tests/test_cuda_emulated.cu) call them on the CPU for every block and thread, so
+// the indexing, tails and conversions are checked on machines without a GPU.
+
+// The chunk block `chunk` owns: tensor slot t and elements [begin, end) of it.
+struct Work {
+  int t;
+  int64_t begin, end;
+};
+
+template <int kArrays>
+FA_HD Work chunk_work(const Table<kArrays>& table, int chunk) {
+  int lo = 0, hi = table.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (table.chunk_end[mid] > chunk) hi = mid;
+    else lo = mid + 1;
+  }
+  const int64_t first = lo == 0 ? 0 : table.chunk_end[lo - 1];
+  const int64_t begin = (chunk - first) * kChunk;
+  const int64_t numel = table.numel[lo];
+  return {lo, begin, begin + kChunk < numel ? begin + kChunk : numel};
+}
+
+// Index of the first element of pack u of `thread` in the iteration starting at `base`:
+// consecutive threads take consecutive packs, so a warp's loads cover contiguous memory.
+FA_HD int64_t pack_index(int64_t base, int u, int thread) {
+  return base + (static_cast<int64_t>(u) * kThreads + thread) * kPack;
+}
+
+FA_HD float bits_to_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// bf16 is the top half of an fp32: widening is a shift.
+FA_HD float bf16_bits_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+FA_HD float f16_bits_to_float(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+FA_HD uint16_t float_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+FA_HD uint16_t float_to_f16_bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+
+FA_HD float load_one(const void* p, uint8_t dt, int64_t i) {
+  switch (static_cast<DType>(dt)) {
+    case DType::kBF16: return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return f16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+FA_HD void store_one(void* p, uint8_t dt, int64_t i, float v) {
+  switch (static_cast<DType>(dt)) {
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = float_to_bf16_bits(v); break;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = float_to_f16_bits(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+// v = elements [i, i + 8) of p as fp32; zeros past n. `vec`: the pack is 16-byte aligned and
+// whole, so it is read with one (16-bit dtypes) or two (fp32) 16-byte loads.
+FA_HD void load_pack(const void* p, uint8_t dt, int64_t i, int64_t n, bool vec, float (&v)[kPack]) {
+  if (vec && static_cast<DType>(dt) == DType::kF32) {
+    const float4* q = reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    const float4 a = q[0], b = q[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else if (vec) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p) + i);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    const bool bf16 = static_cast<DType>(dt) == DType::kBF16;
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) {
+      const uint16_t h = static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2)));  // little-endian
+      v[k] = bf16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) v[k] = i + k < n ? load_one(p, dt, i + k) : 0.0f;
+  }
+}
+
+// Elements [i, i + 8) of p = v rounded to p's dtype (nearest even); none past n.
+FA_HD void store_pack(void* p, uint8_t dt, int64_t i, int64_t n, bool vec, const float (&v)[kPack]) {
+  if (vec && static_cast<DType>(dt) == DType::kF32) {
+    float4* q = reinterpret_cast<float4*>(static_cast<float*>(p) + i);
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else if (vec) {
+    const bool bf16 = static_cast<DType>(dt) == DType::kBF16;
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t lo = bf16 ? float_to_bf16_bits(v[2 * k]) : float_to_f16_bits(v[2 * k]);
+      const uint32_t hi = bf16 ? float_to_bf16_bits(v[2 * k + 1]) : float_to_f16_bits(v[2 * k + 1]);
+      w[k] = lo | hi << 16;
+    }
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) {
+      if (i + k < n) store_one(p, dt, i + k, v[k]);
+    }
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Fills tables from `ops` (kArrays operands of t; an absent operand gives null pointers) and calls
+// launch(table, chunks) for each full table and the last one. Returns the first launch error.
+template <int kArrays, class Launch>
+const char* for_each_table(const TensorLists& t, const Operand* const (&ops)[kArrays],
+                           Launch&& launch) {
+  Table<kArrays> table;
+  table.count = 0;
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < t.size(); ++i) {
+    const int64_t tensor_chunks = (t.numel[i] + kChunk - 1) / kChunk;
+    if (tensor_chunks > INT_MAX) return "fused_accum: a tensor of more than 2^31 chunks";
+    if (table.count == Table<kArrays>::kCapacity || chunks + tensor_chunks > INT_MAX) {
+      if (const char* err = launch(table, static_cast<int>(chunks))) return err;
+      table.count = 0;
+      chunks = 0;
+    }
+    const int s = table.count++;
+    bool vector_ok = true;
+    for (int a = 0; a < kArrays; ++a) {
+      const bool present = ops[a]->present();
+      table.ptr[a][s] = present ? ops[a]->ptr[i] : nullptr;
+      table.dtype[a][s] = present ? static_cast<uint8_t>(ops[a]->dtype[i]) : 0;
+      vector_ok = vector_ok && (!present || aligned16(ops[a]->ptr[i]));
+    }
+    chunks += tensor_chunks;
+    table.numel[s] = t.numel[i];
+    table.chunk_end[s] = static_cast<int32_t>(chunks);
+    table.index[s] = static_cast<int32_t>(t.index[i]);
+    table.vector_ok[s] = vector_ok;
+  }
+  if (table.count > 0) return launch(table, static_cast<int>(chunks));
+  return nullptr;
+}
+
+inline const char* last_error() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace cuda
+}  // namespace fused_accum

@@ -1,0 +1,92 @@
+// The interface between the binding (csrc/bindings*.cpp, which owns tensors, checks and streams)
+// and the kernels (csrc/cpu, csrc/cuda, which see raw pointers only).
+//
+// It uses no torch type, so the .cu files compile without torch's headers (with them, each .cu
+// takes minutes on a 2-core machine) and csrc/ builds standalone under CMake for its unit tests.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "math.h"
+
+namespace fused_accum {
+
+// Element type of a gradient or parameter array. Accumulators and optimizer state are float32.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// One operand of a multi-tensor op: a pointer and a dtype per tensor. An empty operand is
+// absent (no lp_params, no fused grads, no momentum buffers).
+struct Operand {
+  std::vector<void*> ptr;
+  std::vector<DType> dtype;
+  bool present() const { return !ptr.empty(); }
+  void add(void* p, DType dt) {
+    ptr.push_back(p);
+    dtype.push_back(dt);
+  }
+};
+
+// The tensors of one call, all of length numel[i] for tensor i, contiguous, on one device.
+// Tensors with no elements are dropped by the binding before this point.
+struct TensorLists {
+  std::vector<int64_t> numel;
+  std::vector<int64_t> index;  // position of each tensor in the caller's lists (for steps[])
+  Operand acc;      // float32 accumulators: written by accumulate, read by the steps
+  Operand grad;     // incoming gradients (accumulate; a step's fused last micro-batch)
+  Operand param;    // what a step updates: fp32 master, or the parameter itself
+  Operand state1;   // fp32: SGD momentum buffer, Adam/Lion exp_avg
+  Operand state2;   // fp32: Adam exp_avg_sq
+  Operand lp;       // low-precision params receiving the updated param, rounded
+  int64_t size() const { return static_cast<int64_t>(numel.size()); }
+};
+
+// Scalars of accumulate. found_inf/sumsq may be null; they live on the tensors' device.
+struct AccumulateArgs {
+  float alpha;
+  bool overwrite;
+  float* found_inf;
+  float* sumsq;
+};
+
+// Device scalars of every step: read where the kernel runs, so a new lr or coef neither syncs
+// the host nor recompiles a captured graph.
+struct StepArgs {
+  const float* lr;
+  const float* coef;
+  const float* steps;      // indexed by TensorLists::index
+  const float* found_inf;  // may be null
+  float grad_alpha;
+  bool grads_overwrite;
+  bool maximize;
+};
+
+// ---- CPU (csrc/cpu) ------------------------------------------------------------------------------
+
+// parallel_for(begin, end, grain, f): the binding passes at::parallel_for; the standalone tests
+// pass a serial loop. f may run concurrently on disjoint sub-ranges.
+using ParallelFor =
+    std::function<void(int64_t, int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
+
+void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const ParallelFor& pf);
+void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
+                  const ParallelFor& pf);
+void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
+                   const ParallelFor& pf);
+void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
+                   const ParallelFor& pf);
+
+// ---- CUDA (csrc/cuda) ----------------------------------------------------------------------------
+
+// Launch on `stream` (a cudaStream_t) on the current device. Return nullptr, or the CUDA error
+// message of a failed launch.
+const char* accumulate_cuda(const TensorLists& t, const AccumulateArgs& a, void* stream);
+const char* sgd_step_cuda(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
+                          void* stream);
+const char* adam_step_cuda(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
+                           void* stream);
+const char* lion_step_cuda(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
+                           void* stream);
+
+}  // namespace fused_accum

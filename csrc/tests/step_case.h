@@ -1,0 +1,124 @@
+// One optimizer-step test case for the standalone kernel tests (CPU kernels, and the CUDA kernels
+// emulated on the CPU): inputs for an update rule, a param kind and a fused mode, and the check of
+// every output element against a plain per-element loop over the math.h rules.
+#pragma once
+
+#include <functional>
+
+#include "../math.h"
+#include "check.h"
+#include "data.h"
+
+namespace fa_test {
+
+using namespace fused_accum;
+
+enum class Algo { kSgd, kSgdPlain, kAdam, kLion };
+enum class ParamKind { kMaster, kF32, kBF16 };  // fp32 master + bf16/fp16 copy; fp32; bf16, no master
+enum class Fused { kNone, kAdd, kOverwrite };
+
+// The hyperparameters of tests/test_kernels.py's ALGOS.
+const math::SgdHyper kSgdHyper = math::sgd_hyper(0.9, 0.1, 0.01, true);
+const math::SgdHyper kSgdPlainHyper = math::sgd_hyper(0.0, 0.0, 0.0, false);
+const math::AdamHyper kAdamHyper = math::adam_hyper(0.8, 0.99, 1e-6, 0.1, true);
+const math::LionHyper kLionHyper = math::lion_hyper(0.9, 0.99, 0.1);
+
+// runner(lists, args, algo) calls the kernel under test.
+using StepRunner = std::function<void(const TensorLists&, const StepArgs&, Algo)>;
+
+struct StepCase {
+  std::vector<int64_t> sizes;
+  Algo algo;
+  ParamKind kind;
+  Fused fused;
+  bool found;
+  std::mt19937 rng;
+  Flat acc, master, s1, s2;
+  Mixed param16, grad, lp;
+  std::vector<float> steps;
+  float lr = 0.01f, coef = 0.25f, found_inf, grad_alpha = 0.5f;
+
+  StepCase(std::vector<int64_t> sizes_, Algo a, ParamKind k, Fused f, bool found_, unsigned seed)
+      : sizes(sizes_), algo(a), kind(k), fused(f), found(found_), rng(seed), acc(sizes, rng),
+        master(sizes, rng), s1(sizes, rng, true), s2(sizes, rng, true),
+        param16(sizes, rng, {DType::kBF16}), grad(sizes, rng), lp(sizes, rng, {DType::kBF16, DType::kF16}),
+        found_inf(found_ ? 1.0f : 0.0f) {
+    for (size_t i = 0; i < sizes.size(); ++i) steps.push_back(1.0f + (i % 3) * 4);  // incl. first steps
+  }
+
+  bool has_state1() const { return algo != Algo::kSgdPlain; }
+  bool has_state2() const { return algo == Algo::kAdam; }
+
+  TensorLists lists() {
+    TensorLists t;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      t.numel.push_back(sizes[i]);
+      t.index.push_back(static_cast<int64_t>(i));
+      t.acc.add(acc.at(i), DType::kF32);
+      if (kind == ParamKind::kBF16) t.param.add(param16.ptr(i), DType::kBF16);
+      else t.param.add(master.at(i), DType::kF32);
+      if (has_state1()) t.state1.add(s1.at(i), DType::kF32);
+      if (has_state2()) t.state2.add(s2.at(i), DType::kF32);
+      if (kind == ParamKind::kMaster) t.lp.add(lp.ptr(i), lp.dtype(i));
+      if (fused != Fused::kNone) t.grad.add(grad.ptr(i), grad.dtype(i));
+    }
+    return t;
+  }
+
+  // Runs the kernel, then checks every element of every output against the math.h rules.
+  void run_and_check(const StepRunner& runner, const char* what) {
+    const StepCase before = *this;
+    const StepArgs args{&lr, &coef, steps.data(), &found_inf, grad_alpha, fused == Fused::kOverwrite, false};
+    runner(lists(), args, algo);
+    const math::GradScalars gs{coef, grad_alpha, fused != Fused::kNone, fused == Fused::kOverwrite, false};
+    int bad = 0;
+    for (size_t i = 0; i < sizes.size() && bad < 5; ++i) {
+      for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
+        float p = kind == ParamKind::kBF16 ? before.param16.value(i, j) : before.master.value(i, j);
+        float m = before.s1.value(i, j), v = before.s2.value(i, j);
+        if (!found) {
+          const float g = math::effective_grad(before.acc.value(i, j),
+                                               fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
+          switch (algo) {
+            case Algo::kSgd: math::sgd_update(g, p, m, kSgdHyper, math::sgd_scalars(lr, steps[i])); break;
+            case Algo::kSgdPlain: math::sgd_update(g, p, m, kSgdPlainHyper, math::sgd_scalars(lr, steps[i])); break;
+            case Algo::kAdam: math::adam_update(g, p, m, v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper)); break;
+            case Algo::kLion: math::lion_update(g, p, m, kLionHyper, math::lion_scalars(lr, kLionHyper)); break;
+          }
+        }
+        bool ok = true;
+        if (kind == ParamKind::kBF16) {
+          // Within one bf16 ulp (2^-7 relative): a 1-ulp fp32 difference may cross a rounding edge.
+          ok &= found ? param16.value(i, j) == before.param16.value(i, j)
+                      : std::fabs(param16.value(i, j) - p) <= 0.0079f * std::fabs(p);
+        } else {
+          ok &= close(master.value(i, j), p);
+        }
+        if (has_state1()) ok &= close(s1.value(i, j), m);
+        if (has_state2()) ok &= close(s2.value(i, j), v);
+        if (kind == ParamKind::kMaster) {  // the copy is the master as written, rounded
+          ok &= found ? lp.value(i, j) == before.lp.value(i, j)
+                      : lp.value(i, j) == lp.rounded(i, master.value(i, j));
+        }
+        ok &= acc.value(i, j) == before.acc.value(i, j);  // acc is read, never written
+        if (!ok) ++bad;
+        CHECK(ok, "%s algo=%d kind=%d fused=%d found=%d: tensor %zu [%lld]", what, int(algo),
+              int(kind), int(fused), int(found), i, (long long)j);
+      }
+    }
+    CHECK(acc.padding_intact() && master.padding_intact() && s1.padding_intact() &&
+              s2.padding_intact(), "%s: padding written", what);
+  }
+};
+
+// Every rule x param kind x fused mode x found_inf on `sizes`.
+inline void check_all_steps(const std::vector<int64_t>& sizes, const StepRunner& runner, const char* what) {
+  unsigned seed = 0;
+  for (Algo algo : {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kLion})
+    for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16})
+      for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
+        for (bool found : {false, true})
+          StepCase(sizes, algo, kind, fused, found, ++seed).run_and_check(runner, what);
+}
+
+}  // namespace fa_test

@@ -1,0 +1,116 @@
+// The CUDA kernels' per-thread code run on the CPU: every block and thread of every launch is
+// emulated in turn, through the same multi-tensor tables (for_each_table), chunk lookup, 16-byte
+// pack loads with scalar tails, and bf16/fp16 conversions as on the GPU. Only the launch itself,
+// the block reduction of accumulate's statistics and the hardware are not covered: those are
+// checked by tests/test_ext.py and tests/test_kernels.py on a GPU (pytest -m gpu).
+//
+// Sizes span several 8K-element chunks, and the lists are longer than one table holds, so the
+// relaunch path runs. Every fourth gradient is not 16-byte aligned (the scalar path).
+#include "../cuda/accumulate.cu"
+#include "../cuda/step.cu"
+#include "check.h"
+#include "data.h"
+#include "step_case.h"
+
+using namespace fused_accum;
+using namespace fa_test;
+
+namespace {
+
+int launches = 0;
+
+constexpr int64_t kChunk = cuda::kChunk;
+
+// Sizes around the chunk and pack (8) boundaries, then random ones up to 3 chunks.
+std::vector<int64_t> sizes_for(int count, unsigned seed) {
+  std::vector<int64_t> sizes = {1, 7, 8, 9, kChunk - 1, kChunk, kChunk + 1, 5 * kChunk / 2 + 3};
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> any(1, 3 * cuda::kChunk);
+  while (static_cast<int>(sizes.size()) < count) sizes.push_back(any(rng) % 3 ? any(rng) % 3000 + 1 : any(rng));
+  return sizes;
+}
+
+void test_accumulate(bool overwrite) {
+  const int count = cuda::AccTable::kCapacity + 17;  // two launches
+  const std::vector<int64_t> sizes = sizes_for(count, 11);
+  std::mt19937 rng(overwrite);
+  Flat acc(sizes, rng);
+  Mixed grad(sizes, rng);
+  const Flat before = acc;
+  TensorLists t;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    t.numel.push_back(sizes[i]);
+    t.index.push_back(static_cast<int64_t>(i));
+    t.acc.add(acc.at(i), DType::kF32);
+    t.grad.add(grad.ptr(i), grad.dtype(i));
+  }
+  double sumsq = 0.0;
+  bool nonfinite = false;
+  launches = 0;
+  const Operand* const ops[2] = {&t.acc, &t.grad};
+  const char* err = cuda::for_each_table(t, ops, [&](const cuda::AccTable& table, int chunks) {
+    ++launches;
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      for (int thread = 0; thread < cuda::kThreads; ++thread) {
+        const cuda::ThreadStats s = cuda::accumulate_thread(table, 0.37f, overwrite, chunk, thread);
+        sumsq += s.sumsq;
+        nonfinite |= s.nonfinite;
+      }
+    }
+    return static_cast<const char*>(nullptr);
+  });
+  CHECK(err == nullptr && launches == 2, "launches %d", launches);
+  double want_sumsq = 0.0;
+  int bad = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
+      const float want = math::accumulate(before.value(i, j), grad.value(i, j), 0.37f, overwrite);
+      want_sumsq += double(want) * want;
+      const bool ok = close(acc.value(i, j), want);
+      bad += !ok;
+      CHECK(ok, "overwrite=%d tensor %zu (dtype %d) [%lld]: %g want %g", overwrite, i,
+            int(grad.dtype(i)), (long long)j, acc.value(i, j), want);
+    }
+  }
+  CHECK(acc.padding_intact(), "padding written");
+  CHECK(std::fabs(sumsq - want_sumsq) <= 1e-5 * want_sumsq, "sumsq %g want %g", sumsq, want_sumsq);
+  CHECK(!nonfinite, "non-finite flagged on finite values");
+}
+
+template <class Rule>
+void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::Hyper& h) {
+  // As launch_step in step.cu builds them.
+  const cuda::DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha,
+                                  t.grad.present(), a.grads_overwrite, a.maximize};
+  const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
+  cuda::for_each_table(t, ops, [&](const cuda::StepTable& table, int chunks) {
+    ++launches;
+    for (int chunk = 0; chunk < chunks; ++chunk)
+      for (int thread = 0; thread < cuda::kThreads; ++thread)
+        cuda::step_thread<Rule>(table, args, h, chunk, thread);
+    return static_cast<const char*>(nullptr);
+  });
+}
+
+void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
+  switch (algo) {
+    case Algo::kSgd: emulate_step<cuda::Sgd>(t, a, kSgdHyper); break;
+    case Algo::kSgdPlain: emulate_step<cuda::Sgd>(t, a, kSgdPlainHyper); break;
+    case Algo::kAdam: emulate_step<cuda::Adam>(t, a, kAdamHyper); break;
+    case Algo::kLion: emulate_step<cuda::Lion>(t, a, kLionHyper); break;
+  }
+}
+
+void test_steps() {
+  check_all_steps({1, 7, 1023, kChunk + 1, 3, 5 * kChunk / 2 + 3, 8, 9, 17}, run_emulated_step,
+                  "cuda-emulated");
+  launches = 0;
+  const int count = cuda::StepTable::kCapacity + 5;  // two launches
+  StepCase(sizes_for(count, 5), Algo::kAdam, ParamKind::kMaster, Fused::kAdd, false, 99)
+      .run_and_check(run_emulated_step, "cuda-emulated, two tables");
+  CHECK(launches == 2, "launches %d", launches);
+}
+
+}  // namespace
+
+TEST_MAIN(test_accumulate(false); test_accumulate(true); test_steps())

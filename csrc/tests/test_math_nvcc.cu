@@ -1,0 +1,3 @@
+// The same tests as test_math.cpp, compiled by nvcc: math.h's __host__ __device__ functions must
+// compile there and give the same results on the host side.
+#include "test_math.cpp"

@@ -1,0 +1,400 @@
+"""The C++/CUDA extension (fused_accum._C, backends "cpu" and "cuda") beyond tests/test_kernels.py.
+
+test_kernels.py compares every kernel with the reference on awkward sizes and dtypes. This file
+checks what is particular to the extension:
+- ``torch.library.opcheck`` on every op: the schemas declare exactly what is mutated, the fake
+  implementations work, and AOT autograd can trace the ops (so can ``torch.compile``);
+- the boundary checks: a bad argument raises an error that names it and what was expected;
+- strided parameters are written back, zero-size tensors and empty lists are no-ops;
+- the package works without ``_C``;
+- on a GPU (``pytest -m gpu``): CUDA vs Triton vs reference on the same inputs, lists longer than
+  one kernel-argument table, a tensor of more than 2^31 elements, CUDA graph capture (no host
+  sync), and device mismatches.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fused_accum import backends
+from fused_accum.backends import ext, reference
+
+if backends.availability("cpu", "cpu"):
+    pytestmark = pytest.mark.skip(reason=f"the C++ extension is not built: {ext.unavailable_reason('cpu')}")
+
+OPS = torch.ops.fused_accum_ext if ext._C is not None else None
+PAD = 64
+STEP_TOL = dict(rtol=1e-5, atol=1e-6)  # as in test_kernels.py, which says why
+
+
+def _flat_views(sizes, device, gen):
+    """Random fp32 views into one flat buffer, slices padded to 64 elements (the optimizer's layout)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + PAD - 1) // PAD * PAD
+    flat = torch.randn(total, generator=gen).to(device)
+    return [flat[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def _randn(n, dtype, device, gen):
+    return torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+
+
+def _accumulate_args(device, gen, sizes=(5, 300, 1)):
+    accs = _flat_views(sizes, device, gen)
+    grads = [_randn(n, (torch.bfloat16, torch.float16, torch.float32)[i % 3], device, gen) for i, n in enumerate(sizes)]
+    return accs, grads
+
+
+def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
+    """(positional args, keyword args) of backend.<algo>_step, fp32 masters with bf16/fp16 copies."""
+    n_state = {"sgd": 1, "adam": 2, "lion": 1}[algo]
+    params = _flat_views(sizes, device, gen)
+    states = [[s.abs() for s in _flat_views(sizes, device, gen)] for _ in range(n_state)]
+    accs = _flat_views(sizes, device, gen)
+    steps = torch.tensor([1.0 + 3 * i for i in range(len(sizes))], device=device)
+    lr, coef = torch.tensor(0.01, device=device), torch.tensor(0.5, device=device)
+    kwargs = dict(
+        lp_params=[torch.zeros(n, device=device, dtype=(torch.bfloat16, torch.float16)[i % 2]) for i, n in enumerate(sizes)] if lp else [],
+        grads=[_randn(n, torch.bfloat16, device, gen) for n in sizes] if fused else [],
+        grad_alpha=0.5,
+        grads_overwrite=False,
+        found_inf=torch.zeros((), device=device),
+    )
+    hyper = {
+        "sgd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
+        "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),
+        "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
+    }[algo]
+    return [params, *states, accs, steps, lr, coef], {**hyper, **kwargs}
+
+
+def _step(module, algo, args, kwargs):
+    getattr(module, f"{algo}_step")(*args, **kwargs)
+
+
+def _op_args(algo, args, kwargs):
+    """The positional argument list of torch.ops.fused_accum_ext.<algo>_step_ for _step_args' output."""
+    hyper = [v for k, v in kwargs.items() if k not in ("lp_params", "grads", "grad_alpha", "grads_overwrite", "found_inf")]
+    return tuple(args) + tuple(hyper) + (
+        kwargs["lp_params"], kwargs["grads"], kwargs["grad_alpha"], kwargs["grads_overwrite"], kwargs["found_inf"],
+    )  # fmt: skip
+
+
+def _clone_tree(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone_tree(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _clone_tree(v) for k, v in x.items()}
+    return x
+
+
+def _assert_trees_close(got, want, **tol):
+    if isinstance(got, torch.Tensor):
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    elif isinstance(got, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_trees_close(g, w, **tol)
+    elif isinstance(got, dict):
+        for k in got:
+            _assert_trees_close(got[k], want[k], **tol)
+
+
+# --- opcheck ---------------------------------------------------------------------------------------
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stats", [True, False])
+def test_opcheck_accumulate(device, stats):
+    gen = torch.Generator().manual_seed(0)
+    accs, grads = _accumulate_args(device, gen)
+    found_inf = torch.zeros((), device=device) if stats else None
+    sumsq = torch.zeros((), device=device) if stats else None
+    torch.library.opcheck(OPS.accumulate_.default, (accs, grads, 0.5, False, found_inf, sumsq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_opcheck_steps(device, algo, fused):
+    gen = torch.Generator().manual_seed(1)
+    args, kwargs = _step_args(algo, device, gen, fused=fused, lp=fused)
+    torch.library.opcheck(getattr(OPS, f"{algo}_step_").default, _op_args(algo, args, kwargs))
+
+
+def test_opcheck_sgd_without_momentum():
+    gen = torch.Generator().manual_seed(2)
+    args, kwargs = _step_args("sgd", "cpu", gen)
+    kwargs["momentum"] = 0.0
+    args[1] = []  # no momentum buffers
+    torch.library.opcheck(OPS.sgd_step_.default, _op_args("sgd", args, kwargs))
+
+
+def test_compiles_without_graph_break():
+    """torch.compile traces the ops through their fake implementations (fullgraph: no break)."""
+    gen = torch.Generator().manual_seed(3)
+    args, kwargs = _step_args("adam", "cpu", gen)
+    args_ref, kwargs_ref = _clone_tree((args, kwargs))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(args, kwargs):
+        ext.adam_step(*args, **kwargs)
+
+    step(args, kwargs)
+    _step(reference, "adam", args_ref, kwargs_ref)
+    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+
+
+# --- boundary checks -----------------------------------------------------------------------------
+
+
+def _bad_accumulate(change):
+    gen = torch.Generator().manual_seed(4)
+    accs, grads = _accumulate_args("cpu", gen, sizes=(4, 6))
+    found_inf, sumsq = torch.zeros(()), torch.zeros(())
+    kw = dict(accs=accs, grads=grads, found_inf=found_inf, sumsq=sumsq)
+    change(kw)
+    ext.accumulate(kw["accs"], kw["grads"], 1.0, False, kw["found_inf"], kw["sumsq"])
+
+
+ACCUMULATE_ERRORS = {
+    "acc dtype": (lambda kw: kw["accs"].__setitem__(1, kw["accs"][1].double()), r"accumulate_: accs\[1\] must be float32, got Double"),
+    "acc strided": (lambda kw: kw["accs"].__setitem__(0, torch.zeros(8)[::2]), r"accs\[0\] must be contiguous"),
+    "lengths": (lambda kw: kw["grads"].pop(), r"grads has 1 tensors but accs has 2"),
+    "numel": (lambda kw: kw["grads"].__setitem__(0, torch.zeros(5)), r"grads\[0\] has 5 elements but accs\[0\] has 4"),
+    "grad dtype": (lambda kw: kw["grads"].__setitem__(1, torch.zeros(6, dtype=torch.int32)), r"grads\[1\] must be float32, bfloat16 or float16, got Int"),
+    "found_inf": (lambda kw: kw.__setitem__("found_inf", torch.zeros(2)), r"found_inf must be a one-element float32 tensor"),
+    "sumsq dtype": (lambda kw: kw.__setitem__("sumsq", torch.zeros((), dtype=torch.float64)), r"sumsq must be a one-element float32 tensor, got Double"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATE_ERRORS))
+def test_accumulate_rejects_bad_arguments_by_name(case):
+    change, message = ACCUMULATE_ERRORS[case]
+    with pytest.raises(RuntimeError, match=message):
+        _bad_accumulate(change)
+
+
+def _set(i, value):
+    return lambda a, kw: a.__setitem__(i, value)
+
+
+STEP_ERRORS = {
+    "state length": ("adam", lambda a, kw: a[1].pop(), r"adam_step_: exp_avgs has 2 tensors but params has 3"),
+    "state dtype": ("lion", lambda a, kw: a[1].__setitem__(0, a[1][0].bfloat16()), r"lion_step_: exp_avgs\[0\] must be float32, got BFloat16"),
+    "state numel": ("adam", lambda a, kw: a[2].__setitem__(2, torch.zeros(2)), r"exp_avg_sqs\[2\] has 2 elements but params\[2\] has 1"),
+    "momentum missing": ("sgd", _set(1, []), r"sgd_step_: momentum_bufs has 0 tensors but params has 3"),
+    "acc dtype": ("sgd", lambda a, kw: a[2].__setitem__(0, a[2][0].half()), r"accs\[0\] must be float32, got Half"),
+    "param dtype": ("adam", lambda a, kw: a[0].__setitem__(1, a[0][1].double()), r"params\[1\] must be float32, bfloat16 or float16, got Double"),
+    "steps shape": ("adam", _set(4, torch.ones(2)), r"steps must be a contiguous 1-D float32 tensor of 3 step counts"),
+    "steps dtype": ("lion", _set(3, torch.ones(3, dtype=torch.float64)), r"steps must be a contiguous 1-D float32 tensor"),
+    "lr dtype": ("adam", _set(5, torch.tensor(0.1, dtype=torch.float64)), r"adam_step_: lr must be a one-element float32 tensor, got Double"),
+    "coef shape": ("sgd", _set(5, torch.ones(2)), r"coef must be a one-element float32 tensor"),
+    "lp length": ("adam", lambda a, kw: kw["lp_params"].pop(), r"lp_params has 2 tensors, expected 0 \(none\) or 3"),
+    "lp dtype": ("sgd", lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)), r"lp_params\[0\] must be float32, bfloat16 or float16, got Char"),
+    "grads numel": ("lion", lambda a, kw: kw["grads"].__setitem__(1, torch.zeros(3)), r"grads\[1\] has 3 elements but params\[1\] has 300"),
+    "found_inf": ("adam", lambda a, kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)), r"found_inf must be a one-element float32 tensor, got Bool"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(STEP_ERRORS))
+def test_steps_reject_bad_arguments_by_name(case):
+    algo, change, message = STEP_ERRORS[case]
+    args, kwargs = _step_args(algo, "cpu", torch.Generator().manual_seed(5))
+    change(args, kwargs)
+    with pytest.raises(RuntimeError, match=message):
+        _step(ext, algo, args, kwargs)
+
+
+def test_rejected_call_changes_nothing():
+    """Checks run before any kernel: an error leaves every tensor as it was."""
+    args, kwargs = _step_args("adam", "cpu", torch.Generator().manual_seed(6))
+    kwargs["lp_params"][2] = torch.zeros(1, dtype=torch.int8)
+    before = _clone_tree((args, kwargs))
+    with pytest.raises(RuntimeError, match=r"lp_params\[2\]"):
+        _step(ext, "adam", args, kwargs)
+    _assert_trees_close((args, kwargs), before, rtol=0, atol=0)
+
+
+# --- layouts -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+def test_strided_params_are_written_back(algo):
+    """Params and low-precision copies that are transposed views (channels-last-like layouts) are
+    updated in their logical element order, as the reference does."""
+    gen = torch.Generator().manual_seed(7)
+    args, kwargs = _step_args(algo, "cpu", gen, sizes=(12, 35))
+    args[0] = [torch.randn(4, 3, generator=gen).t(), torch.randn(7, 5, generator=gen).t()]
+    kwargs["lp_params"] = [torch.zeros(4, 3, dtype=torch.bfloat16).t(), torch.zeros(7, 5, dtype=torch.float16).t()]
+    assert not args[0][0].is_contiguous()
+    args_ref, kwargs_ref = _clone_tree((args, kwargs))
+    _step(ext, algo, args, kwargs)
+    _step(reference, algo, args_ref, kwargs_ref)
+    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+
+
+def test_empty_lists_and_zero_size_tensors():
+    ext.accumulate([], [], 1.0, False, None, None)
+    gen = torch.Generator().manual_seed(8)
+    args, kwargs = _step_args("adam", "cpu", gen, sizes=(0, 17, 0))
+    args_ref, kwargs_ref = _clone_tree((args, kwargs))
+    _step(ext, "adam", args, kwargs)
+    _step(reference, "adam", args_ref, kwargs_ref)
+    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+    args, kwargs = _step_args("lion", "cpu", gen, sizes=())
+    _step(ext, "lion", args, kwargs)  # nothing to do, and no error
+
+
+def test_unavailable_reason_matches_the_build():
+    assert ext.unavailable_reason("cpu") == ""
+    assert (ext.unavailable_reason("cuda") == "") == bool(ext._C.built_with_cuda)
+
+
+def test_package_works_without_the_extension():
+    """With _C unimportable the package still imports, says why, and auto selection falls back."""
+    code = (
+        "import sys; sys.modules['fused_accum._C'] = None\n"  # makes `from fused_accum import _C` fail
+        "import torch\n"
+        "from fused_accum import backends\n"
+        "why = backends.availability('cpu', 'cpu')\n"
+        "assert why.startswith('fused_accum._C is not built'), why\n"
+        "assert backends.resolve('auto', 'cpu') == 'reference'\n"
+        "try:\n"
+        "    backends.resolve('cpu', 'cpu')\n"
+        "except RuntimeError as err:\n"
+        "    assert 'not built' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('forcing an unbuilt backend must fail')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# --- GPU -----------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _cuda_backends():
+    assert torch.cuda.is_available(), "pytest -m gpu needs a CUDA device"
+    why = backends.availability("cuda", "cuda")
+    assert why == "", f"the CUDA extension must be built for the GPU run: {why}"
+    return ["cuda"] + (["triton"] if backends.availability("triton", "cuda") == "" else [])
+
+
+@gpu
+@pytest.mark.parametrize("algo", ["accumulate", "sgd", "adam", "lion"])
+def test_cuda_triton_and_reference_agree(algo):
+    """The same inputs through every GPU backend and the reference: each matches the reference,
+    and the kernel backends match each other (sizes up to 2^20 + 3, several chunks per tensor)."""
+    names = _cuda_backends()
+    gen = torch.Generator().manual_seed(9)
+    sizes = (1, 4097, (1 << 20) + 3, 77)
+    if algo == "accumulate":
+        accs, grads = _accumulate_args("cuda", gen, sizes=sizes)
+        inputs = dict(accs=accs, grads=grads, alpha=0.3, overwrite=False,
+                      found_inf=torch.zeros((), device="cuda"), sumsq=torch.zeros((), device="cuda"))  # fmt: skip
+        run = lambda m, x: m.accumulate(**x)  # noqa: E731
+    else:
+        args, kwargs = _step_args(algo, "cuda", gen, sizes=sizes)
+        inputs = dict(args=args, kwargs=kwargs)
+        run = lambda m, x: _step(m, algo, x["args"], x["kwargs"])  # noqa: E731
+    want = _clone_tree(inputs)
+    run(reference, want)
+    results = {}
+    for name in names:
+        got = _clone_tree(inputs)
+        run(backends.get(name), got)
+        _assert_trees_close(got, want, **STEP_TOL)
+        results[name] = got
+    if len(results) == 2:
+        _assert_trees_close(results["cuda"], results["triton"], **STEP_TOL)
+
+
+@gpu
+def test_cuda_lists_longer_than_one_launch_table():
+    """300 tensors of mixed dtypes and sizes: accumulate needs 3 launches (113 per table), a fused
+    Adam step 6 (55 per table); every tensor must still be updated."""
+    _cuda_backends()
+    gen = torch.Generator().manual_seed(10)
+    sizes = torch.randint(1, 5000, (300,), generator=gen).tolist()
+    accs, grads = _accumulate_args("cuda", gen, sizes=sizes)
+    want = _clone_tree(accs)
+    ext.accumulate(accs, grads, 0.5, False, None, None)
+    reference.accumulate(want, grads, 0.5, False, None, None)
+    _assert_trees_close(accs, want, rtol=1e-6, atol=1e-6)
+    args, kwargs = _step_args("adam", "cuda", gen, sizes=sizes)
+    args_ref, kwargs_ref = _clone_tree((args, kwargs))
+    _step(ext, "adam", args, kwargs)
+    _step(reference, "adam", args_ref, kwargs_ref)
+    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+
+
+@gpu
+def test_cuda_tensor_of_more_than_2_31_elements():
+    """int64 sizes: 2^31 + 37 elements (8.6 GB fp32 acc + 4.3 GB bf16 grad)."""
+    _cuda_backends()
+    n = (1 << 31) + 37
+    if torch.cuda.mem_get_info()[0] < 16 * 2**30:
+        pytest.skip("needs 16 GB of free GPU memory")
+    acc = torch.full((n,), 0.5, device="cuda")
+    grad = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    tail = torch.randn(100, generator=torch.Generator().manual_seed(11)).to("cuda", torch.bfloat16)
+    grad[-100:] = tail
+    sumsq = torch.zeros((), device="cuda")
+    ext.accumulate([acc], [grad], 2.0, False, None, sumsq)
+    torch.testing.assert_close(acc[-100:], 0.5 + 2.0 * tail.float())
+    assert bool((acc[:-100] == 2.5).all())
+    want = 6.25 * (n - 100) + float(((0.5 + 2.0 * tail.float()) ** 2).sum())
+    # fp32 atomics over 131K block sums: ~1e-5 relative in practice, 1e-3 allowed
+    assert abs(sumsq.item() - want) <= 1e-3 * want
+
+
+@gpu
+def test_cuda_step_captures_in_a_graph_and_reads_lr_on_device():
+    """No host sync: the step captures into a CUDA graph, and a replay reads the current lr."""
+    _cuda_backends()
+    gen = torch.Generator().manual_seed(12)
+    args, kwargs = _step_args("adam", "cuda", gen, sizes=(1000, 33))
+    lr = args[5]
+    start = _clone_tree((args, kwargs))
+    _step(ext, "adam", args, kwargs)  # warm-up (loads the kernel) before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises if the op synchronises with the host
+        _step(ext, "adam", args, kwargs)
+    # Restore the inputs the warm-up changed, change lr, replay.
+    for dst, src in zip(torch.utils._pytree.tree_leaves((args, kwargs)), torch.utils._pytree.tree_leaves(start)):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+    lr.fill_(0.05)
+    graph.replay()
+    torch.cuda.synchronize()
+    args_ref, kwargs_ref = _clone_tree(start)
+    args_ref[5].fill_(0.05)
+    _step(reference, "adam", args_ref, kwargs_ref)
+    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+
+
+@gpu
+def test_cuda_rejects_mixed_devices_by_name():
+    _cuda_backends()
+    accs, grads = _accumulate_args("cuda", torch.Generator().manual_seed(13))
+    grads[1] = grads[1].cpu()
+    with pytest.raises(RuntimeError, match=r"grads\[1\] is on cpu, expected cuda:0"):
+        ext.accumulate(accs, grads, 1.0, False, None, None)
+    args, kwargs = _step_args("sgd", "cuda", torch.Generator().manual_seed(14))
+    args[4] = args[4].cpu()  # lr
+    with pytest.raises(RuntimeError, match=r"sgd_step_: lr is on cpu, expected cuda:0"):
+        _step(ext, "sgd", args, kwargs)
