@@ -91,6 +91,12 @@ def llama(hidden: int = 4096, intermediate: int = 11008, blocks: int = 2, name="
     return Workload(name, tuple(block * blocks))
 
 
+def uniform(count: int = 2048, numel: int = 256) -> Workload:
+    """``count`` equal tensors: 2048 x 256 is the launch- and loop-overhead-bound case (2 MB of
+    bf16 gradients) where a per-tensor ``add_`` loop pays ~2 us of dispatch per tensor."""
+    return Workload(f"uniform_{count}x{numel}", ((numel,),) * count)
+
+
 def many_small(count: int = 2048, max_numel: int = 65536, seed: int = 0, name="many_small") -> Workload:
     """``count`` tensors of 1..max_numel elements, log-uniform (so many bias-sized ones), from
     a fixed seed so every run times the same list. 2048 x up to 64K is about 10M elements."""

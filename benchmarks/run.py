@@ -63,7 +63,8 @@ def make_config(device: torch.device, mode: str) -> Dict:
             )
         return dict(
             flat_sizes=[2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28],
-            lists=[kernels.gpt2(), kernels.llama(4096, 11008, blocks=2), kernels.many_small(2048, 65536)],
+            lists=[kernels.gpt2(), kernels.llama(4096, 11008, blocks=2), kernels.many_small(2048, 65536),
+                   kernels.uniform(2048, 256)],
             grad_dtypes=[bf16, fp16, fp32],
             step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**28), kernels.gpt2(),
                             kernels.many_small(2048, 65536)],
@@ -77,7 +78,7 @@ def make_config(device: torch.device, mode: str) -> Dict:
             flat_sizes=[2**16, 2**20, 2**24],
             lists=[kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128"),
                    kernels.llama(256, 688, blocks=2, name="llama_h256"),
-                   kernels.many_small(2048, 4096, name="many_small_4k")],
+                   kernels.many_small(2048, 4096, name="many_small_4k"), kernels.uniform(2048, 256)],
             grad_dtypes=[bf16, fp32],
             step_workloads=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
             timing=common.TimingConfig(samples=5, warmup_ms=20.0, min_sample_ms=20.0),
@@ -85,7 +86,8 @@ def make_config(device: torch.device, mode: str) -> Dict:
         )
     return dict(
         flat_sizes=[2**16, 2**20, 2**24, 2**26],
-        lists=[kernels.gpt2(), kernels.llama(1024, 2752, blocks=2, name="llama_h1024"), kernels.many_small(2048, 65536)],
+        lists=[kernels.gpt2(), kernels.llama(1024, 2752, blocks=2, name="llama_h1024"), kernels.many_small(2048, 65536),
+               kernels.uniform(2048, 256)],
         grad_dtypes=[bf16, fp16, fp32],
         step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.gpt2()],
         timing=common.TimingConfig(samples=10, warmup_ms=50.0, min_sample_ms=50.0),
