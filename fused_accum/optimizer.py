@@ -167,8 +167,10 @@ def _hide_exposed_grad(optimizer_ref, param: Tensor, grad: Tensor) -> Tensor:
     """Tensor hook, run just before AccumulateGrad: without it autograd would add the new
     gradient into the fp32 view we exposed (bypassing the kernels), and we would fold it twice."""
     optimizer = optimizer_ref()
-    if optimizer is not None and param.grad is optimizer._slots[param].grad_view:
-        param.grad = None
+    if optimizer is not None:
+        optimizer._reconcile_exposed()
+        if param.grad is optimizer._slots[param].grad_view:
+            param.grad = None
     return grad
 
 
@@ -275,6 +277,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._microbatches = 0
         self._callback_queued = False
         self._stepped_in_backward = False
+        self._exposed = False  # .grad currently shows the window (see _reconcile_exposed)
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
         self._generic_params: dict[Tensor, Tensor] = {}  # param -> what the inner optimizer steps
         super().__init__(params, defaults)
@@ -479,7 +482,27 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._stats[device] = tuple(zeros)
         return self._stats[device]
 
+    def _reconcile_exposed(self) -> None:
+        """Once ``.grad`` is exposed it is the truth, as with torch's optimizers: a ``.grad``
+        cleared since (``model.zero_grad()``, as HF Trainer calls it, e.g. after GradScaler
+        skipped our step) discards that parameter's window, and one replaced by another tensor
+        becomes its accumulated gradient. Runs before the next backward touches any ``.grad``,
+        and at step()."""
+        if not self._exposed:
+            return
+        self._exposed = False
+        for slot in self._slots.values():
+            grad = slot.param.grad
+            if grad is slot.grad_view:
+                continue
+            if grad is None:
+                slot.has_grad = slot.in_stats = False
+            else:
+                self._take_user_grad(slot, grad)
+                slot.param.grad = None  # the next gradient is added by our kernels, not autograd
+
     def _end_window(self) -> None:
+        self._exposed = False
         for slot in self._slots.values():
             slot.has_grad = slot.in_stats = False
         for found_inf, sumsq in self._stats.values():
@@ -541,6 +564,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._expose_grads()
 
     def _expose_grads(self) -> None:
+        self._exposed = True
         for slot in self._slots.values():
             p = slot.param
             if slot.has_grad:
@@ -601,6 +625,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._stepped_in_backward = False
             self._end_window()
             return loss
+        self._reconcile_exposed()
         self._take_user_grads()
         scale, skip = self._window_scale(num_items)
         if self._inner is not None:
@@ -617,10 +642,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         for slot in self._slots.values():
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
-                if grad.is_sparse:
-                    raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
-                slot.acc.copy_(grad.reshape(-1))
-                slot.has_grad, slot.in_stats = True, False
+                self._take_user_grad(slot, grad)
+
+    @staticmethod
+    def _take_user_grad(slot: _Slot, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+        slot.acc.copy_(grad.reshape(-1))
+        slot.has_grad, slot.in_stats = True, False
 
     @staticmethod
     def _set_scalar(dst: Tensor, value) -> None:
@@ -756,6 +785,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 continue
             entry = saved_state.get(pid, {})
             self._load_param_state(p, slot, entry)
+        if self.accum_steps is not None and self._microbatches >= self.accum_steps:
+            self._expose_grads()  # saved at a window's end: .grad showed the window then too
 
     def _load_param_state(self, p, slot, entry) -> None:
         def fp32(value):
@@ -783,8 +814,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 view.zero_()
             else:
                 view.copy_(fp32(value))
-        if slot.has_grad and self.accum_steps is not None and self._microbatches >= self.accum_steps:
-            self._expose_grads()
 
     # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
 

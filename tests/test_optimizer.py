@@ -604,3 +604,23 @@ def test_one_optimizer_per_parameter_and_hooks_die_with_it():
     del second  # the hooks hold it weakly: autograd fills .grad as usual again
     mse_mean(model, *batches(1, 1, micro=2)[0][0]).backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_module_zero_grad_discards_an_exposed_window_like_torch(backend):
+    """HF Trainer calls model.zero_grad(), not the optimizer's: after GradScaler skipped our
+    step the window must still be discarded, as clearing .grad does for torch optimizers."""
+    ours, big = make_model(), make_model()
+    opt = fused_accum.SGD(ours.parameters(), lr=0.1, momentum=0.9, accum_steps=2, backend=backend)
+    ref = torch.optim.SGD(big.parameters(), lr=0.1, momentum=0.9)
+    data = batches(2, 2, micro=4)
+    for x, y in data[0]:  # a window whose step is skipped (as GradScaler does on overflow)
+        mse_mean(ours, x, y).backward()
+    ours.zero_grad()
+    for x, y in data[1]:
+        for model in (ours, big):
+            mse_mean(model, x, y).backward()
+    opt.step()
+    ref.step()
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
