@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
@@ -111,7 +112,9 @@ class _Bucket:
     """Slots folded by one accumulate call; arrivals wait here until the bucket is complete."""
 
     slots: list
-    arrived: list = dataclasses.field(default_factory=list)  # (slot, grad) pairs
+    # slot -> its gradient so far in this backward (a parameter used both inside a reentrant
+    # checkpoint and outside it receives two gradients in one backward: they are summed here)
+    arrived: dict = dataclasses.field(default_factory=dict)
 
 
 class _FlatGroup:
@@ -168,7 +171,7 @@ def _hide_exposed_grad(optimizer_ref, param: Tensor, grad: Tensor) -> Tensor:
     gradient into the fp32 view we exposed (bypassing the kernels), and we would fold it twice."""
     optimizer = optimizer_ref()
     if optimizer is not None:
-        optimizer._reconcile_exposed()
+        optimizer._reconcile_exposed(before_backward=True)
         if param.grad is optimizer._slots[param].grad_view:
             param.grad = None
     return grad
@@ -273,9 +276,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._algorithm, self._generic_class, defaults = self._parse_algorithm(optimizer, hyperparameters)
         self._flat_groups: list[_FlatGroup] = []
         self._slots: dict[Tensor, _Slot] = {}
+        self._untrained: list[Tensor] = []  # frozen when added: no slot, no hooks
         self._hook_handles = []
         self._microbatches = 0
-        self._callback_queued = False
+        self._queued_tasks: set = set()  # graph tasks (backwards) whose end callback is queued
+        self._lock = threading.RLock()
         self._stepped_in_backward = False
         self._exposed = False  # .grad currently shows the window (see _reconcile_exposed)
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
@@ -336,12 +341,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         trainable = []
         for j, p in enumerate(group["params"]):
             label = _param_label(group_index, j, p, names)
+            if not p.requires_grad:  # frozen: skipped, as torch skips params without .grad
+                self._untrained.append(p)
+                continue
             if p.is_complex() or not p.is_floating_point():
                 raise TypeError(f"parameter {label} has dtype {p.dtype}; only real floating-point parameters are supported")
             if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"parameter {label} has dtype {p.dtype}; supported: float32, bfloat16, float16")
-            if p.requires_grad:
-                trainable.append((p, label))
+            trainable.append((p, label))
         by_key: dict[tuple, list] = {}
         for p, label in trainable:
             by_key.setdefault((p.device, p.dtype), []).append((p, label))
@@ -440,18 +447,27 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
         param.grad = None
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        bucket = slot.bucket
-        bucket.arrived.append((slot, grad))
-        if len(bucket.arrived) == len(bucket.slots):
-            self._fold(slot.flat, bucket)
+        with self._lock:  # autograd runs one thread per device: buckets may span devices' hooks
+            self._queue_end_of_backward()
+            bucket = slot.bucket
+            earlier = bucket.arrived.get(slot)
+            bucket.arrived[slot] = grad if earlier is None else earlier + grad
+            if len(bucket.arrived) == len(bucket.slots):
+                self._fold(slot.flat, bucket)
+
+    def _queue_end_of_backward(self) -> None:
+        """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather
+        than a flag: a backward that raised before its end leaves nothing stuck (ids are never
+        reused), and reentrant backwards nested in it keep their own."""
+        task = torch._C._current_graph_task_id()
+        if task not in self._queued_tasks:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+            self._queued_tasks.add(task)
 
     def _fold(self, flat: _FlatGroup, bucket: _Bucket) -> None:
         """One op call per (overwrite, add) kind for the bucket's arrived gradients: an
         accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
-        arrived, bucket.arrived = bucket.arrived, []
+        arrived, bucket.arrived = list(bucket.arrived.items()), {}
         fuse_step = self.step_in_backward and self._microbatches == self.accum_steps - 1
         for overwrite in (True, False):
             pairs = [(s, g) for s, g in arrived if s.has_grad != overwrite]
@@ -482,32 +498,47 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self._stats[device] = tuple(zeros)
         return self._stats[device]
 
-    def _reconcile_exposed(self) -> None:
+    def _reconcile_exposed(self, before_backward: bool = False) -> None:
         """Once ``.grad`` is exposed it is the truth, as with torch's optimizers: a ``.grad``
         cleared since (``model.zero_grad()``, as HF Trainer calls it, e.g. after GradScaler
         skipped our step) discards that parameter's window, and one replaced by another tensor
         becomes its accumulated gradient. Runs before the next backward touches any ``.grad``,
-        and at step()."""
-        if not self._exposed:
-            return
-        self._exposed = False
+        at step() and at state_dict()."""
+        with self._lock:
+            if not self._exposed:
+                return
+            changed = False
+            for slot in self._slots.values():
+                grad = slot.param.grad
+                if grad is slot.grad_view:
+                    continue
+                if grad is None:
+                    changed |= slot.has_grad
+                    slot.has_grad = False
+                else:
+                    self._take_user_grad(slot, grad)
+                    changed = True
+                    if before_backward:
+                        slot.param.grad = None  # the next gradient is added by our kernels
+            if not any(slot.has_grad for slot in self._slots.values()):
+                self._end_window()  # everything was cleared: a new window starts
+            elif changed:
+                self._invalidate_stats()  # the norm/flag described values that are gone
+            self._exposed = not before_backward
+
+    def _invalidate_stats(self) -> None:
+        """Forget the window's norm and non-finite flag; step() recomputes them from the buffers."""
         for slot in self._slots.values():
-            grad = slot.param.grad
-            if grad is slot.grad_view:
-                continue
-            if grad is None:
-                slot.has_grad = slot.in_stats = False
-            else:
-                self._take_user_grad(slot, grad)
-                slot.param.grad = None  # the next gradient is added by our kernels, not autograd
+            slot.in_stats = False
+        for found_inf, sumsq in self._stats.values():
+            found_inf.zero_()
+            sumsq.zero_()
 
     def _end_window(self) -> None:
         self._exposed = False
         for slot in self._slots.values():
-            slot.has_grad = slot.in_stats = False
-        for found_inf, sumsq in self._stats.values():
-            found_inf.zero_()
-            sumsq.zero_()
+            slot.has_grad = False
+        self._invalidate_stats()
         self._microbatches = 0
 
     def _window_scale(self, num_items) -> tuple:
@@ -548,9 +579,20 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 if bucket.arrived:
                     self._fold(flat, bucket)
 
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        self._flush()
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            self._queued_tasks.discard(task)
+            self._flush()
+            enclosing = torch._C._current_autograd_node()
+            if enclosing is not None:
+                # This backward ran inside a node of another one (checkpoint(use_reentrant=True)
+                # re-enters the engine): the micro-batch ends with the outermost backward, so
+                # queue there once that node is done.
+                enclosing.register_hook(lambda *_: self._queue_end_of_backward())
+                return
+            self._count_microbatch()
+
+    def _count_microbatch(self) -> None:
         self._microbatches += 1
         if self.step_in_backward and self._microbatches == self.accum_steps:
             # Slots whose gradients all came before the last micro-batch step here; the rest
@@ -578,7 +620,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     @property
     def microbatches(self) -> int:
-        """Backward passes folded into the current window."""
+        """Backward passes folded into the current window (each ``backward()`` that reaches a
+        parameter counts once: two backward calls per micro-batch count twice)."""
+        self._reconcile_exposed()
         return self._microbatches
 
     def accumulated_grad(self, param: Tensor) -> Optional[Tensor]:
@@ -598,7 +642,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """
         for flat in self._flat_groups:
             for bucket in flat.buckets:
-                bucket.arrived = []
+                bucket.arrived = {}
+        self._queued_tasks.clear()  # those of a backward that raised: they will never run
         self._end_window()
         for group in self.param_groups:
             for p in group["params"]:
@@ -639,17 +684,28 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
+        taken = False
         for slot in self._slots.values():
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
                 self._take_user_grad(slot, grad)
+                taken = True
+        if taken:
+            self._invalidate_stats()
+        for p in self._untrained:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} has a .grad but no place in this optimizer: it "
+                    "had requires_grad=False when it was added; add it again with add_param_group() "
+                    "after unfreezing it"
+                )
 
     @staticmethod
     def _take_user_grad(slot: _Slot, grad: Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
         slot.acc.copy_(grad.reshape(-1))
-        slot.has_grad, slot.in_stats = True, False
+        slot.has_grad = True
 
     @staticmethod
     def _set_scalar(dst: Tensor, value) -> None:
@@ -711,7 +767,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 target.grad = None
                 continue
             slot.acc.mul_(scale[slot.acc.device])
-            target.grad = slot.grad_view
+            # torch optimizers want .grad in the param's dtype: a bf16 param without a master
+            # gets the fp32 sum rounded once, at the end of the window.
+            target.grad = slot.grad_view if target.dtype == torch.float32 else slot.grad_view.to(target.dtype)
         self._inner.step()
         for p, target in self._generic_params.items():
             if target is not p:
@@ -732,6 +790,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         exactly. Tensors are copies, safe to save while training goes on.
         """
         self._flush()
+        self._reconcile_exposed()
         index_of, groups = {}, []
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -806,7 +865,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             }  # fmt: skip
             return
         flat = slot.flat
-        step = entry.get("step", 0.0)
+        # torch's SGD saves no step: a saved momentum buffer means at least one step was taken
+        # (else the next step would re-initialise the buffer from the gradient).
+        has_state = any(entry.get(key) is not None for key in slot.state)
+        step = entry.get("step", 1.0 if has_state else 0.0)
         flat.steps[slot.index] = float(step.item() if isinstance(step, Tensor) else step)
         for key, view in slot.state.items():
             value = entry.get(key)

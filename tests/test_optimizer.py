@@ -470,8 +470,8 @@ def test_bad_inputs_raise_clear_errors():
     model = make_model()
     with pytest.raises(TypeError, match="only real floating-point"):
         FusedAccumOptimizer([nn.Parameter(torch.zeros(2, dtype=torch.complex64))], "sgd", lr=0.1)
-    with pytest.raises(TypeError, match="torch.int64"):
-        FusedAccumOptimizer([torch.zeros(2, dtype=torch.long)], "sgd", lr=0.1)
+    # an integer tensor cannot require grad: skipped like any frozen tensor, as torch.optim does
+    assert "params=0" in repr(FusedAccumOptimizer([torch.zeros(2, dtype=torch.long)], "sgd", lr=0.1))
     with pytest.raises(TypeError, match=r"'w'.*float64"):
         FusedAccumOptimizer([("w", nn.Parameter(torch.zeros(2, dtype=torch.float64)))], "sgd", lr=0.1)
     with pytest.raises(ValueError, match="more than one param group"):
@@ -624,3 +624,115 @@ def test_module_zero_grad_discards_an_exposed_window_like_torch(backend):
     ref.step()
     for p, q in zip(ours.parameters(), big.parameters()):
         torch.testing.assert_close(p, q, **TOL)
+
+
+# --- regressions found in review -------------------------------------------------------------
+
+
+def test_reentrant_checkpoint_counts_one_microbatch_and_sums_tied_gradients():
+    """checkpoint(use_reentrant=True) runs nested backwards: they must not count as micro-
+    batches, and a weight used inside and outside a segment gets two gradients in one backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    c, w, b = (nn.Parameter(torch.randn(*s)) for s in ((4,), (4, 4), (4,)))
+    x0 = torch.randn(3, 4)
+
+    def loss(c, w, b, reentrant):
+        h = checkpoint(lambda t: torch.tanh(t @ w), x0 * c, use_reentrant=True) if reentrant else torch.tanh(x0 * c @ w)
+        h = checkpoint(torch.tanh, h, use_reentrant=True) if reentrant else torch.tanh(h)
+        return ((h @ w) + b).sum()
+
+    plain = [t.detach().clone().requires_grad_() for t in (c, w, b)]
+    loss(*plain, reentrant=False).backward()
+    opt = FusedAccumOptimizer([c, w, b], "sgd", lr=0.1, accum_steps=2)
+    loss(c, w, b, reentrant=True).backward()
+    assert opt.microbatches == 1 and w.grad is None  # not exposed: the window is half done
+    for p, q in zip((c, w, b), plain):
+        torch.testing.assert_close(opt.accumulated_grad(p), q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_that_raised_does_not_break_counting():
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("simulated out of memory")
+
+    model = make_model()
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, accum_steps=1, bucket_cap_mb=1e-6)
+    x = torch.randn(2, 6)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model[2](Boom.apply(model[1](model[0](x)))).sum().backward()  # model[2]'s grads arrived
+    opt.zero_grad()  # the trainer skips the batch
+    model(x).sum().backward()
+    assert opt.microbatches == 1 and all(p.grad is not None for p in model.parameters())
+
+
+def test_skipped_window_then_model_zero_grad_starts_clean():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, accum_steps=2, skip_nonfinite=True, max_grad_norm=1.0)
+    x = torch.randn(2, 4)
+    (model(x).sum() * float("inf")).backward()
+    model(x).sum().backward()
+    model.zero_grad()  # the window's step was skipped (GradScaler); HF clears .grad this way
+    before = model.weight.detach().clone()
+    model(x).sum().backward()
+    assert model.weight.grad is None and opt.microbatches == 1  # a fresh window, half done
+    model(x).sum().backward()
+    opt.step()
+    assert not torch.equal(model.weight, before)  # the stale non-finite flag is gone
+    torch.testing.assert_close(opt.last_grad_norm, 2 * torch.cat([x.sum(0), torch.tensor([2.0])]).norm())
+
+
+def test_replaced_grad_is_not_counted_twice_in_the_norm():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    opt = fused_accum.SGD(model.parameters(), lr=1.0, accum_steps=1, max_grad_norm=1e9)
+    model(torch.randn(2, 4)).sum().backward()
+    g = model.weight.grad.clone()
+    model.weight.grad = g * 1.0  # e.g. an all-reduced copy, same values
+    opt.step()
+    torch.testing.assert_close(opt.last_grad_norm, g.norm())
+
+
+def test_loads_torch_sgd_momentum_state_without_reinitialising_the_buffer():
+    ours, big = make_model(), make_model()
+    ref = torch.optim.SGD(big.parameters(), lr=0.1, momentum=0.9)
+    data = batches(4, 1, micro=4)
+    for x, y in data[0][:1] + data[1][:1]:
+        mse_mean(big, x, y).backward()
+        ref.step()
+        ref.zero_grad()
+    ours.load_state_dict(big.state_dict())
+    opt = fused_accum.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch's SGD saves no "step"
+    for model, o in ((ours, opt), (big, ref)):
+        mse_mean(model, *data[2][0]).backward()
+        o.step()
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_generic_path_with_bf16_params_and_no_master():
+    model = make_model(dtype=torch.bfloat16)
+    opt = FusedAccumOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, master_weights=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    mse_mean(model, *[t.bfloat16() for t in batches(1, 1, micro=4)[0][0]]).backward()
+    opt.step()
+    assert all(p.dtype == torch.bfloat16 and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_frozen_params_of_any_dtype_are_skipped_and_unfreezing_later_is_an_error():
+    model = make_model()
+    model[0].requires_grad_(False)
+    counter = nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
+    opt = fused_accum.SGD([*model.parameters(), counter], lr=0.1)
+    model[0].requires_grad_(True)  # gradual unfreezing, without telling the optimizer
+    mse_mean(model, *batches(1, 1, micro=2)[0][0]).backward()
+    with pytest.raises(RuntimeError, match="requires_grad=False when it was added"):
+        opt.step()
