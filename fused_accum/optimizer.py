@@ -160,10 +160,12 @@ class _FlatGroup:
 
     def step_targets(self, slot):
         """(tensor the step updates, low-precision tensor to write or None) for ``slot``."""
-        flat_param = slot.param.detach().view(-1)
+        # The param as it is (any strides: a channels_last weight cannot be viewed as 1-D); the
+        # backends walk it in logical order, the order of its accumulator slice.
+        param = slot.param.detach()
         if self.has_master:
-            return slot.master, flat_param
-        return flat_param, None
+            return slot.master, param
+        return param, None
 
 
 def _hide_exposed_grad(optimizer_ref, param: Tensor, grad: Tensor) -> Tensor:

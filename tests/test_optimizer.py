@@ -736,3 +736,30 @@ def test_frozen_params_of_any_dtype_are_skipped_and_unfreezing_later_is_an_error
     mse_mean(model, *batches(1, 1, micro=2)[0][0]).backward()
     with pytest.raises(RuntimeError, match="requires_grad=False when it was added"):
         opt.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_conv_weights(backend, dtype):
+    """A channels_last weight is not contiguous: its gradient and its update must still land
+    on the right elements (the accumulator keeps logical order)."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten()).to(dtype).to(memory_format=torch.channels_last)
+    ref_model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    ref_model.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
+    assert not ours[0].weight.is_contiguous()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        xs = [torch.randn(2, 3, 6, 6, generator=gen) for _ in range(2)]
+        for x in xs:
+            (ours(x.to(dtype).contiguous(memory_format=torch.channels_last)).float().pow(2).mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_model(torch.cat(xs)).pow(2).mean().backward()
+        ref.step()
+        ref.zero_grad()
+    tol = TOL if dtype == torch.float32 else dict(rtol=0.05, atol=0.02)  # bf16 forward/backward
+    for p, q in zip(ours.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.float(), q, **tol)
