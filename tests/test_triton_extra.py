@@ -116,7 +116,7 @@ def _compile_sm90(fn, pointers, **constexprs):
         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
     )
     target = GPUTarget("cuda", 90, 32)
-    return triton.compile(src, target=target, options={"num_warps": tb.NUM_WARPS})
+    return triton.compile(src, target=target, options={"num_warps": tb.NUM_WARPS, "enable_fp_fusion": tb.FP_FUSION})
 
 
 def _global_accesses(ptx):

@@ -41,6 +41,9 @@ from . import triton_kernels as kernels
 BLOCK = 1024
 CHUNK = 16 * BLOCK
 NUM_WARPS = 4
+# Let a*b + c contract to one FMA (one rounding instead of two; the kernel tests allow ~1 ulp).
+# Explicit because Triton 3.9 warns that its default will change in 3.10.
+FP_FUSION = True
 # reduce_stats_kernel is one program reading 8 bytes per chunk: a wider block, more warps.
 REDUCE_BLOCK = 4096
 REDUCE_WARPS = 8
@@ -252,7 +255,7 @@ def accumulate(
             kernels.accumulate_kernel[(tables.n_chunks,)](
                 tables.chunks, tables.tensors, part_sq, part_bad, float(alpha),
                 GRAD_DTYPE=_TL_DTYPE[dtype], OVERWRITE=bool(overwrite), STATS=stats,
-                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
             base += tables.n_chunks
         if stats:
@@ -260,7 +263,7 @@ def accumulate(
                 partials[0], partials[1], total_chunks,
                 sumsq if sumsq is not None else partials, found_inf if found_inf is not None else partials,
                 HAS_SUMSQ=sumsq is not None, HAS_FOUND_INF=found_inf is not None,
-                BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS,
+                BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
     del keep  # the copies may go: the launches are queued on the stream in order
 
@@ -354,7 +357,7 @@ def _step(
                 PARAM_DTYPE=_TL_DTYPE[param_dtype], LP_DTYPE=_TL_DTYPE[lp_dtype],
                 GRAD_DTYPE=_TL_DTYPE[grad_dtype], HAS_LP=bool(lp_params), FUSED=bool(grads),
                 GRADS_OVERWRITE=bool(grads_overwrite), HAS_FOUND_INF=found_inf is not None,
-                **flags, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                **flags, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
     for original, copy in write_back:
         original.copy_(copy)
