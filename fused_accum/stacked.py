@@ -18,9 +18,10 @@ before it can be computed; this module holds the two ways to do that:
 Both only call ``backward()``: the gradients land in ``.grad`` for any torch optimizer, and in the
 fp32 accumulation buffers of a :class:`~fused_accum.FusedAccumOptimizer` through its hooks, which
 count one micro-batch per backward that reaches a parameter. ``stacked_backward`` runs one
-backward (``accum_steps=1``); ``cached_backward`` runs one per chunk (``accum_steps=k``) after
-one through the loss, which reaches only parameters the loss itself owns (a learnable
-temperature, say: then it counts too).
+backward (``accum_steps=1``); ``cached_backward`` runs exactly one per chunk (``accum_steps=k``):
+the gradient with respect to the outputs is taken with ``torch.autograd.grad``, which touches no
+parameter, and parameters the loss itself owns (a learnable temperature) get theirs in the first
+chunk's backward.
 
 Inputs and outputs may be tensors or nested tuples/lists/dicts of tensors (any pytree), e.g. a
 dual encoder taking ``(queries, documents)`` and returning two embeddings. Run either function
@@ -95,7 +96,8 @@ def cached_backward(
     Same calling convention as :func:`stacked_backward`. Cost: one extra forward per chunk, plus
     the concatenated outputs and their gradient (batch x output size) kept for the whole call.
     ``model_fn`` must be deterministic given the RNG state (dropout is; see the module doc for
-    stateful layers). The global RNG ends where k plain forwards would have left it.
+    stateful layers). The global RNG ends where the stacked form leaves it (after the k forwards and
+    any draws of ``loss_fn``).
     """
     chunks = _as_list(chunks)
 
@@ -105,7 +107,6 @@ def cached_backward(
         for chunk in chunks:
             rng_states.append(_RngState())
             outputs.append(_call(model_fn, chunk))
-    rng_after = _RngState()
     flat, spec = _flatten_all(outputs, "outputs")
     del outputs
 
@@ -118,14 +119,24 @@ def cached_backward(
     del flat  # the chunk outputs now live in reps only
     loss = loss_fn(pytree.tree_unflatten(reps, spec))
     _check_loss(loss)
-    loss.backward()  # also reaches parameters owned by the loss (e.g. a learnable temperature)
-    rep_grads = [rep.grad if rep.requires_grad else None for rep in reps]
-    del reps  # the gradients are all that is still needed
+    # Where the stacked form's RNG would be now (after the forwards and any draws of the loss):
+    # restored at the end, after the replays have drawn again.
+    rng_after = _RngState()
+    # The gradient with respect to the outputs only: no parameter's .grad (and no optimizer
+    # hook) is touched, so the call is one backward per chunk. When the loss owns parameters
+    # (a learnable temperature), its graph is kept for the first chunk's backward, which then
+    # also carries their gradient; otherwise it is freed here.
+    loss_owns_params = _reaches_other_leaves(loss, reps)
+    wanted = [i for i, rep in enumerate(reps) if rep.requires_grad]
+    found = torch.autograd.grad(loss, [reps[i] for i in wanted], retain_graph=loss_owns_params, allow_unused=True)
+    rep_grads = [None] * len(reps)
+    for i, grad in zip(wanted, found):
+        rep_grads[i] = grad
 
     # 3. Re-forward each chunk with a graph, replaying its RNG, and push its slice of the
     #    cached gradient through it; its saved activations are freed by that backward.
     starts = [0] * len(rep_grads)
-    for chunk, first_shapes, rng in zip(chunks, shapes, rng_states):
+    for j, (chunk, first_shapes, rng) in enumerate(zip(chunks, shapes, rng_states)):
         rng.restore()
         leaves, _ = pytree.tree_flatten(_call(model_fn, chunk))
         if len(leaves) != len(first_shapes):
@@ -142,6 +153,9 @@ def cached_backward(
                 roots.append(leaf)
                 grads.append(rep_grads[i][starts[i] : starts[i] + n])
             starts[i] += n
+        if j == 0 and loss_owns_params:  # (this also re-derives the outputs' gradient: cheap)
+            roots.append(loss)
+            grads.append(None)
         if roots:
             torch.autograd.backward(roots, grads)
         del leaves, roots, grads
@@ -207,6 +221,23 @@ class _Saved:
 
     def __del__(self) -> None:
         self._meter._release(self._key, self._nbytes)
+
+
+def _reaches_other_leaves(loss: Tensor, reps: Sequence[Tensor]) -> bool:
+    """Whether the loss's graph ends in a leaf that requires grad other than ``reps``: a
+    parameter owned by the loss. Walks the loss's own graph only (it stops at the leaves)."""
+    own = {id(rep) for rep in reps}
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None and id(variable) not in own:
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 class _RngState:

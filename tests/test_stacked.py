@@ -8,7 +8,9 @@ fails any real mistake (a missing chunk or an unscaled loss is an error of 0.1 o
 """
 from __future__ import annotations
 
+import copy
 import re
+
 
 import pytest
 import torch
@@ -339,10 +341,37 @@ def test_cached_backward_feeds_fused_accum_optimizer():
     opt = FusedAccumOptimizer(model.parameters(), "adamw", lr=1e-3, accum_steps=K)
     torch.manual_seed(1)
     cached_backward(model, split_batch(pair_batch(), K), info_nce)
+    assert opt.microbatches == K  # one backward per chunk: accum_steps=K closes the window
     acc = torch.cat([opt.accumulated_grad(p).flatten() for p in model.parameters()])
     assert rel_err(acc, g_full) < FP32_TOL
+
+
+def test_cached_backward_with_a_learnable_temperature_is_still_k_backwards():
+    """A loss that owns a parameter must not add a backward pass (a micro-batch) of its own:
+    with step_in_backward the update would then come one backward early."""
+    from fused_accum import FusedAccumOptimizer
+
+    torch.manual_seed(0)
+    model = DualEncoder(p_drop=0.0)
+    log_tau = nn.Parameter(torch.tensor(-2.0))
+    twin, twin_tau = copy.deepcopy(model), nn.Parameter(log_tau.detach().clone())
+
+    def loss_with(tau):
+        return lambda out: info_nce(out, tau=tau.exp())
+
+    opt = FusedAccumOptimizer([*model.parameters(), log_tau], "adamw", lr=1e-2, accum_steps=K,
+                              step_in_backward=True)  # fmt: skip
+    ref = torch.optim.AdamW([*twin.parameters(), twin_tau], lr=1e-2)
+    batch = pair_batch()
+    cached_backward(model, split_batch(batch, K), loss_with(log_tau))
+    assert opt.microbatches == K
     opt.step()
-    opt.zero_grad()
+    stacked_backward(twin, [batch], loss_with(twin_tau))
+    ref.step()
+    for p, q in zip([*model.parameters(), log_tau], [*twin.parameters(), twin_tau]):
+        # one AdamW step of lr 1e-2 from equal gradients (fp32, summation order): ~1e-7 apart;
+        # a step taken one backward early misses the last chunk and lands ~1e-2 away
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- helpers and validation
@@ -366,6 +395,21 @@ def test_validation_messages():
         cached_backward(lambda x: x.sum(), [torch.ones(2, 3)], lambda out: out)
     with pytest.raises(ValueError, match="chunks must be a positive int"):
         split_batch(torch.ones(4), 0)
+
+
+def test_rng_ends_where_stacked_leaves_it_when_the_loss_draws_too():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+    chunks = split_batch(torch.randn(8, 4), 2)
+
+    def noisy_loss(out):  # draws from the RNG after the forwards
+        return (F.dropout(out, 0.5) * torch.rand_like(out)).sum()
+
+    torch.manual_seed(3)
+    stacked_backward(model, chunks, noisy_loss)
+    after_stacked = torch.rand(4)
+    torch.manual_seed(3)
+    cached_backward(model, chunks, noisy_loss)
+    assert torch.equal(torch.rand(4), after_stacked)
 
 
 def test_rng_ends_where_k_plain_forwards_leave_it():
