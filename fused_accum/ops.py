@@ -2,10 +2,16 @@
 
 Declaring them as custom ops (with fake implementations, which for these mutate-only ops do
 nothing) lets ``torch.compile`` trace a training step that calls them without a graph break.
+Callers use the plain names (``accumulate``, ``sgd_step``, ...): they go through the custom op
+while torch.compile traces, and straight to the backend in eager mode, where the custom-op
+wrapper costs ~30 us per call plus ~0.8 us per tensor (accumulate on the cpu backend, one
+thread: 35 us against 3.5 us for one tensor, 2.3 ms against 0.57 ms for 2,048 tensors of 256),
+more than a GPU spends on a bucket's kernel.
+
 Optional tensor lists (``lp_params``, the fused step's ``grads``) are passed as empty lists when
 absent: custom-op schemas have no optional list type. Each op takes the name of an
-already-resolved backend (see :mod:`fused_accum.backends`) and
-forwards to that backend's function; the contracts live in :mod:`fused_accum.backends.reference`.
+already-resolved backend (see :mod:`fused_accum.backends`) and forwards to that backend's
+function; the contracts live in :mod:`fused_accum.backends.reference`.
 """
 from __future__ import annotations
 
@@ -17,8 +23,7 @@ from torch import Tensor
 from . import backends
 
 
-@torch.library.custom_op("fused_accum::accumulate_", mutates_args=("accs", "found_inf", "sumsq"))
-def accumulate_(
+def _accumulate(
     accs: List[Tensor],
     grads: List[Tensor],
     alpha: float,
@@ -30,15 +35,17 @@ def accumulate_(
     backends.get(backend).accumulate(accs, grads, alpha, overwrite, found_inf, sumsq)
 
 
+accumulate_ = torch.library.custom_op(
+    "fused_accum::accumulate_", mutates_args=("accs", "found_inf", "sumsq")
+)(_accumulate)
+
+
 @accumulate_.register_fake
 def _(accs, grads, alpha, overwrite, found_inf, sumsq, backend):
     return None
 
 
-@torch.library.custom_op(
-    "fused_accum::sgd_step_", mutates_args=("params", "momentum_bufs", "lp_params")
-)
-def sgd_step_(
+def _sgd_step(
     params: List[Tensor],
     momentum_bufs: List[Tensor],
     accs: List[Tensor],
@@ -65,15 +72,17 @@ def sgd_step_(
     )  # fmt: skip
 
 
+sgd_step_ = torch.library.custom_op(
+    "fused_accum::sgd_step_", mutates_args=("params", "momentum_bufs", "lp_params")
+)(_sgd_step)
+
+
 @sgd_step_.register_fake
 def _(*args):
     return None
 
 
-@torch.library.custom_op(
-    "fused_accum::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "lp_params")
-)
-def adam_step_(
+def _adam_step(
     params: List[Tensor],
     exp_avgs: List[Tensor],
     exp_avg_sqs: List[Tensor],
@@ -102,13 +111,17 @@ def adam_step_(
     )  # fmt: skip
 
 
+adam_step_ = torch.library.custom_op(
+    "fused_accum::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "lp_params")
+)(_adam_step)
+
+
 @adam_step_.register_fake
 def _(*args):
     return None
 
 
-@torch.library.custom_op("fused_accum::lion_step_", mutates_args=("params", "exp_avgs", "lp_params"))
-def lion_step_(
+def _lion_step(
     params: List[Tensor],
     exp_avgs: List[Tensor],
     accs: List[Tensor],
@@ -134,6 +147,26 @@ def lion_step_(
     )  # fmt: skip
 
 
+lion_step_ = torch.library.custom_op(
+    "fused_accum::lion_step_", mutates_args=("params", "exp_avgs", "lp_params")
+)(_lion_step)
+
+
 @lion_step_.register_fake
 def _(*args):
     return None
+
+
+def _eager_or_traced(op, implementation):
+    def call(*args):
+        return (op if torch.compiler.is_compiling() else implementation)(*args)
+
+    call.__name__ = call.__qualname__ = implementation.__name__.lstrip("_")
+    call.__doc__ = f"Run {op}: the custom op under torch.compile, the backend directly otherwise."
+    return call
+
+
+accumulate = _eager_or_traced(accumulate_, _accumulate)
+sgd_step = _eager_or_traced(sgd_step_, _sgd_step)
+adam_step = _eager_or_traced(adam_step_, _adam_step)
+lion_step = _eager_or_traced(lion_step_, _lion_step)

@@ -483,7 +483,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # can add them to the window's norm and non-finite flag.
             last = self.accum_steps is not None and self._microbatches == self.accum_steps - 1
             found_inf, sumsq = self._stats_tensors(flat.device) if last and self._wants_stats else (None, None)
-            ops.accumulate_([s.acc for s in slots], grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            ops.accumulate([s.acc for s in slots], grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
             for slot in slots:
                 slot.in_stats = sumsq is not None
         for slot, _ in arrived:
@@ -742,16 +742,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if self._algorithm == "sgd":
             momentum = group["momentum"]
             bufs = state["momentum_buffer"] if momentum != 0 else []
-            ops.sgd_step_(params, bufs, accs, *common, momentum, group["dampening"],
+            ops.sgd_step(params, bufs, accs, *common, momentum, group["dampening"],
                           group["weight_decay"], group["nesterov"], group["maximize"], *tail)  # fmt: skip
         elif self._algorithm in ("adam", "adamw"):
             beta1, beta2 = group["betas"]
-            ops.adam_step_(params, state["exp_avg"], state["exp_avg_sq"], accs, *common, beta1, beta2,
+            ops.adam_step(params, state["exp_avg"], state["exp_avg_sq"], accs, *common, beta1, beta2,
                            group["eps"], group["weight_decay"], self._algorithm == "adamw",
                            group["maximize"], *tail)  # fmt: skip
         else:
             beta1, beta2 = group["betas"]
-            ops.lion_step_(params, state["exp_avg"], accs, *common, beta1, beta2,
+            ops.lion_step(params, state["exp_avg"], accs, *common, beta1, beta2,
                            group["weight_decay"], group["maximize"], *tail)  # fmt: skip
 
     def _generic_step(self, scale, skip) -> None:
