@@ -454,3 +454,5 @@ def test_smoke_run_on_cuda(tmp_path):
     assert payload["meta"]["device_type"] == "cuda" and payload["meta"]["device_name"] == torch.cuda.get_device_name()
     assert {"torch_loop", "torch_foreach", "torch_fused", "reference"} <= providers
     assert set(kernels.our_backends(torch.device("cuda"))) <= providers
+    # device_check.sh builds the extension first: a failed CUDA build must not pass unseen
+    assert {"cuda", "triton"} <= providers, providers

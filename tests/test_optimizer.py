@@ -763,3 +763,38 @@ def test_channels_last_conv_weights(backend, dtype):
     tol = TOL if dtype == torch.float32 else dict(rtol=0.05, atol=0.02)  # bf16 forward/backward
     for p, q in zip(ours.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.float(), q, **tol)
+
+
+GPU_BACKENDS = (
+    [n for n in ("cuda", "triton", "reference") if backends.availability(n, "cuda") == ""]
+    if torch.cuda.is_available()
+    else []
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", GPU_BACKENDS or ["none"])
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_on_cuda_bf16_model_matches_fp32_large_batch(backend, step_in_backward):
+    """The whole optimizer on CUDA tensors: hooks from autograd's device thread, per-device
+    stats, bf16 params with fp32 masters, the fused last micro-batch."""
+    ours = make_model(dtype=torch.bfloat16).cuda()
+    big = make_model().cuda()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=4, backend=backend,
+                            step_in_backward=step_in_backward,
+                            max_grad_norm=None if step_in_backward else 10.0)  # fmt: skip
+    ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
+    for window in batches(3, 4, micro=8):
+        for x, y in window:
+            (mse_mean(ours, x.cuda().bfloat16(), y.cuda().bfloat16()) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+        mse_mean(big, torch.cat([x for x, _ in window]).cuda(), torch.cat([y for _, y in window]).cuda()).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(ours.parameters(), big.parameters()):
+        # bf16 forward/backward against an fp32 model: agreement to bf16 resolution only
+        torch.testing.assert_close(p.float(), q, rtol=0.05, atol=0.02)
+    master = opt.state_dict()["state"][0]["master"]
+    assert master.is_cuda and torch.equal(next(ours.parameters()), master.to(torch.bfloat16))
