@@ -1,7 +1,7 @@
 """Measurement machinery shared by the benchmarks: the byte model, timing, the copy ceiling,
 run metadata, and writing CSV / JSON / PNG.
 
-Why each piece is the way it is (see the device tool's METHOD.md):
+Why each piece is the way it is:
 
 - Device work is asynchronous, so on CUDA a sample is timed with CUDA events around a run of
   back-to-back calls; on the CPU with ``time.perf_counter``.
@@ -9,11 +9,11 @@ Why each piece is the way it is (see the device tool's METHOD.md):
   timed alone against a ~1 us timer resolution; the median of several samples is reported with
   its min and max, and the spread is the noise floor a difference must beat.
 - Calls rotate through several independent argument sets whose total size is at least 4x the
-  last-level cache (60 MB of L2 on an H200, 32 MB of L3 here), so a repeat does not find its
+  last-level cache (50 MB of L2 on an H200, 32 MB of L3 here), so a repeat does not find its
   inputs still cached and report cache bandwidth instead of memory bandwidth.
 - Inputs are fresh random numbers, never zeros: zeros hide unwritten outputs and can run faster
   than real data (an H200 bf16 matmul ran 13% faster on zeros than on random data).
-- GB/s comes from the byte model of DESIGN.md section 3 (the bytes the operation must move, the
+- GB/s comes from the project's byte model (below: the bytes the operation must move, the
   same for every provider), and is divided by the bandwidth of a plain copy timed in the same
   run: that ratio, not the absolute number, is what carries across noisy shared machines.
   On a CPU, a plain store first reads its cache line (read-for-ownership), so a copy really
@@ -38,11 +38,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from fused_accum.optimizer import ALIGN
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Each parameter's slice of a flat buffer starts at a multiple of 64 elements (DESIGN.md §2):
-# 256 bytes of fp32, so every slice starts on a 16-byte vector and a 128-byte cache line.
-ALIGN_ELEMS = 64
+# Slices of a flat buffer are padded as the optimizer pads them (64 elements: 256 bytes of fp32).
+ALIGN_ELEMS = ALIGN
 
 FP32_BYTES = 4
 
@@ -61,7 +62,7 @@ def elem_size(dtype: torch.dtype) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Byte model (DESIGN.md section 3). Bytes per parameter that each operation must move at least:
+# Byte model. Bytes per parameter that each operation must move at least:
 # every input read once, every output written once. The same number is used for every provider
 # of an operation, so GB/s compares providers on the work done, not on the work each one chose.
 # ---------------------------------------------------------------------------------------------

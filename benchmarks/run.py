@@ -39,7 +39,7 @@ def make_config(device: torch.device, mode: str) -> Dict:
     """Sizes and timing for ``mode`` ('smoke', 'quick' or 'full') on ``device``.
 
     GPU sizes go from 64K elements (launch-bound: ~5 us against 0.15 us of traffic at 4.3 TB/s)
-    to 256M (1.5 ms of traffic for a bf16 add), and each set is at least twice the 60 MB L2.
+    to 256M (1.5 ms of traffic for a bf16 add), and each set is at least twice the 50 MB L2.
     CPU sizes stop at 64M (a 10-byte add moves 640 MB: ~0.1 s on this 2-core machine).
     """
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
