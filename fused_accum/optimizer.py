@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
+from .distributed import WindowReducer
 
 logger = logging.getLogger("fused_accum")
 
@@ -112,6 +113,8 @@ class _Bucket:
     """Slots folded by one accumulate call; arrivals wait here until the bucket is complete."""
 
     slots: list
+    start: int = 0  # the bucket's slots cover flat buffer elements [start, end), padding included
+    end: int = 0
     # slot -> its gradient so far in this backward (a parameter used both inside a reentrant
     # checkpoint and outside it receives two gradients in one backward: they are summed here)
     arrived: dict = dataclasses.field(default_factory=dict)
@@ -154,7 +157,10 @@ class _FlatGroup:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current))
+        ends = {id(slot): off + -(-slot.param.numel() // ALIGN) * ALIGN for slot, off in zip(self.slots, offsets)}
         for bucket in self.buckets:
+            bucket.start = min(s.acc.storage_offset() - self.acc.storage_offset() for s in bucket.slots)
+            bucket.end = max(ends[id(s)] for s in bucket.slots)
             for slot in bucket.slots:
                 slot.bucket = bucket
 
@@ -226,6 +232,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             ``GradScaler.unscale_``, call ``clip_grad_norm_`` yourself instead.
         skip_nonfinite: skip the whole update (state, step counts and weights) when any
             accumulated gradient is inf/nan, without a host sync on the fused path.
+        process_group: a ``torch.distributed`` group (e.g. ``torch.distributed.group.WORLD``)
+            for data parallelism: the fp32 accumulators are averaged across it once per window
+            (DDP's average, on fp32), the buckets finished during the last backward while it
+            still runs. ``.grad`` at the window end and the step see the group's gradient.
+            ``step(num_items=n)`` then takes this rank's item count; the counts are summed
+            over the group. Every rank must run the same number of backward passes per window.
 
     A step with no accumulated gradient (no backward since the last step or ``zero_grad``)
     changes nothing, as torch's optimizers skip parameters whose ``.grad`` is None.
@@ -243,6 +255,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         step_in_backward: bool = False,
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = False,
+        process_group=None,
         **hyperparameters: Any,
     ):
         if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -256,6 +269,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if step_in_backward and (max_grad_norm is not None or skip_nonfinite):
             raise ValueError("step_in_backward=True steps before the window's norm is known: "
                              "it cannot be combined with max_grad_norm or skip_nonfinite")
+        if step_in_backward and process_group is not None:
+            raise ValueError("step_in_backward=True steps before the window is reduced across "
+                             "process_group: they cannot be combined")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if step_in_backward and not isinstance(optimizer, str):
@@ -263,7 +279,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._config = dict(
             optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
             backend=backend, bucket_cap_mb=bucket_cap_mb, step_in_backward=step_in_backward,
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite,
+            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, process_group=process_group,
             hyperparameters=dict(hyperparameters),
         )  # fmt: skip
         self.accum_steps = accum_steps
@@ -272,6 +288,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
         self._stats: dict = {}  # device -> (found_inf, sumsq) of the current window
+        self._reducer = WindowReducer(process_group) if process_group is not None else None
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._backend_request = backend
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
@@ -452,6 +469,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         with self._lock:  # autograd runs one thread per device: buckets may span devices' hooks
             self._queue_end_of_backward()
             bucket = slot.bucket
+            if self._reducer is not None and self._reducer.launched(bucket):
+                raise RuntimeError(f"parameter {slot.name} received a gradient after its bucket was reduced "
+                                   "across the process group (more backward passes than accum_steps, or a "
+                                   "second gradient in one backward): unsupported with process_group")  # fmt: skip
             earlier = bucket.arrived.get(slot)
             bucket.arrived[slot] = grad if earlier is None else earlier + grad
             if len(bucket.arrived) == len(bucket.slots):
@@ -482,13 +503,21 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # On the window's last micro-batch the values written are final: the same pass
             # can add them to the window's norm and non-finite flag.
             last = self.accum_steps is not None and self._microbatches == self.accum_steps - 1
-            found_inf, sumsq = self._stats_tensors(flat.device) if last and self._wants_stats else (None, None)
+            # (with a process group the stats must describe the reduced values: taken at step)
+            local_stats = last and self._wants_stats and self._reducer is None
+            found_inf, sumsq = self._stats_tensors(flat.device) if local_stats else (None, None)
             ops.accumulate([s.acc for s in slots], grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
             for slot in slots:
                 slot.in_stats = sumsq is not None
         for slot, _ in arrived:
             # A slot stepped from its last gradient holds nothing for this window any more.
             slot.has_grad = not fuse_step
+        if self._reducer is not None and self._is_last_microbatch() and len(arrived) == len(bucket.slots):
+            self._reducer.bucket_ready(self._flat_groups, bucket)  # overlaps the rest of the backward
+
+    def _is_last_microbatch(self) -> bool:
+        """The backward now running ends the window (known only with accum_steps)."""
+        return self.accum_steps is not None and self._microbatches == self.accum_steps - 1
 
     @property
     def _wants_stats(self) -> bool:
@@ -538,6 +567,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _end_window(self) -> None:
         self._exposed = False
+        if self._reducer is not None:
+            self._reducer.reset()
         for slot in self._slots.values():
             slot.has_grad = False
         self._invalidate_stats()
@@ -552,6 +583,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             inv = torch.ones((), dtype=torch.float32, device=device)
             if num_items is not None:
                 self._set_scalar(inv, num_items)
+                if self._reducer is not None:  # gradients are the group's mean: so the counts
+                    self._reducer.average_(inv)
                 inv.reciprocal_()
             inv_items[device] = inv
         if not self._wants_stats:
@@ -605,7 +638,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 slot.has_grad = False
             self._stepped_in_backward = True
         elif self.accum_steps is None or self._microbatches >= self.accum_steps:
+            if self._reducer is not None and self._microbatches == self.accum_steps:
+                self._finish_reduction()
             self._expose_grads()
+
+    def _finish_reduction(self) -> None:
+        if not self._reducer.done:
+            self._reducer.finish(self._flat_groups)
+            self._invalidate_stats()  # any local norm described local values
 
     def _expose_grads(self) -> None:
         self._exposed = True
@@ -674,6 +714,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             return loss
         self._reconcile_exposed()
         self._take_user_grads()
+        if self._reducer is not None:
+            self._finish_reduction()
         scale, skip = self._window_scale(num_items)
         if self._inner is not None:
             self._generic_step(scale, skip)
@@ -882,6 +924,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
 
     def __getstate__(self) -> dict:
+        if self._reducer is not None:
+            raise TypeError("a FusedAccumOptimizer with a process_group cannot be pickled or copied "
+                            "(a process group cannot); save its state_dict() instead")  # fmt: skip
         return {"config": self._config, "param_groups": self.param_groups, "state_dict": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:

@@ -1,0 +1,114 @@
+"""Data parallelism: two processes (gloo on CPU) with a process_group equal one process that
+averages their losses, once per window.
+
+Each scenario spawns 2 ranks that train the same model on their own data and save their final
+parameters; the parent computes the single-process reference (the average of the ranks' losses,
+or the token-weighted sum for num_items) with torch.optim and compares.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fused_accum
+
+WORLD, K, WINDOWS = 2, 3, 2
+# fp32 after 2 steps: the collective sums the ranks' fp32 accumulators in another order than
+# the reference's single backward (a few ulp); 1e-5 relative keeps 100x below a real bug
+# (a missing 1/world or a rank's gradient lost: errors >= 1e-2).
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.rank0_only = nn.Linear(5, 2)  # rank 1 never uses it: its bucket completes on rank 0 only
+
+    def forward(self, x, rank):
+        out = self.body(x)
+        return out + self.rank0_only(x) if rank == 0 else out
+
+
+def data(rank, window, micro, n):
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * window + micro)
+    return torch.randn(n, 5, generator=gen), torch.randn(n, 2, generator=gen)
+
+
+def local_loss(model, rank, window, micro, reduction="mean"):
+    x, y = data(rank, window, micro, n=4 + rank)  # ranks see different batch sizes
+    err = ((model(x, rank) - y) ** 2).sum(dim=1)
+    return err.mean() / K if reduction == "mean" else err.sum()
+
+
+def _worker(rank, path, scenario):
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=WORLD)
+    try:
+        model = Net()
+        if scenario == "adamw":
+            opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, max_grad_norm=0.5,
+                                    process_group=dist.group.WORLD, bucket_cap_mb=1e-4)  # fmt: skip
+        else:
+            opt = fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=K,
+                                  process_group=dist.group.WORLD)  # fmt: skip
+        grads = []
+        for window in range(WINDOWS):
+            for micro in range(K):
+                local_loss(model, rank, window, micro, "mean" if scenario == "adamw" else "sum").backward()
+            grads.append([p.grad.clone() for p in model.parameters()])  # the group's, at window end
+            n_items = sum(4 + rank for _ in range(K))
+            opt.step(num_items=None if scenario == "adamw" else torch.tensor(n_items))
+            opt.zero_grad()
+        torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads,
+                    "norm": opt.last_grad_norm}, f"{path}.rank{rank}")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(scenario):
+    model = Net()
+    if scenario == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads, norm = [], None
+    for window in range(WINDOWS):
+        total = sum(local_loss(model, r, window, m, "mean" if scenario == "adamw" else "sum")
+                    for r in range(WORLD) for m in range(K))  # fmt: skip
+        items = sum(4 + r for r in range(WORLD) for _ in range(K))
+        (total / WORLD if scenario == "adamw" else total / items).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if scenario == "adamw":
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], grads, norm
+
+
+@pytest.mark.parametrize("scenario", ["adamw", "sgd_num_items"])
+def test_two_ranks_equal_one_process(tmp_path, scenario):
+    path = str(tmp_path / "run")
+    mp.spawn(_worker, args=(path, scenario), nprocs=WORLD, join=True)
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(WORLD)]
+    params, grads, norm = _reference(scenario)
+    for rank in ranks:
+        for got, want in zip(rank["params"], params):
+            torch.testing.assert_close(got, want, **TOL)
+        if scenario == "adamw":  # .grad at the window end is the group's mean gradient
+            for window_got, window_want in zip(rank["grads"], grads):
+                for got, want in zip(window_got, window_want):
+                    torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(rank["norm"], norm, **TOL)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"]))
+
+
+def test_process_group_needs_initialised_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="not initialized"):
+        fused_accum.SGD(nn.Linear(2, 2).parameters(), lr=0.1, process_group=object())
+
