@@ -38,12 +38,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from fused_accum.optimizer import ALIGN
+from fused_accum.optimizer import padded_offsets  # the optimizer's layout, one definition
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Slices of a flat buffer are padded as the optimizer pads them (64 elements: 256 bytes of fp32).
-ALIGN_ELEMS = ALIGN
 
 FP32_BYTES = 4
 
@@ -121,15 +119,6 @@ def gbps(bytes_moved: float, ms: float) -> float:
 # ---------------------------------------------------------------------------------------------
 # Flat buffers
 # ---------------------------------------------------------------------------------------------
-
-
-def padded_offsets(numels: Sequence[int], align: int = ALIGN_ELEMS) -> tuple[List[int], int]:
-    """Start offset of each tensor in a flat buffer, each padded to ``align``; and the total."""
-    offsets, cursor = [], 0
-    for n in numels:
-        offsets.append(cursor)
-        cursor += -(-n // align) * align
-    return offsets, cursor
 
 
 def flat_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]], shaped: bool = False) -> List[torch.Tensor]:

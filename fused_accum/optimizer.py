@@ -44,6 +44,17 @@ from .distributed import WindowReducer
 logger = logging.getLogger("fused_accum")
 
 ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
+
+
+def padded_offsets(numels) -> tuple[list[int], int]:
+    """Where each of ``numels`` starts in a flat buffer whose slices are padded to ``ALIGN``,
+    and the buffer's total size."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, total
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
 HAS_GRAD_DTYPE = hasattr(torch.Tensor, "grad_dtype")  # torch >= 2.10
@@ -126,10 +137,7 @@ class _FlatGroup:
     def __init__(self, group_index, params, names, dtype, device, state_keys, master_weights, backend, bucket_numel):
         self.group_index, self.dtype, self.device, self.backend = group_index, dtype, device, backend
         self.has_master = dtype in LOW_PRECISION and master_weights
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += -(-p.numel() // ALIGN) * ALIGN
+        offsets, total = padded_offsets(p.numel() for p in params)
         fp32 = dict(dtype=torch.float32, device=device)
         self.acc = torch.zeros(total, **fp32)
         self.master = torch.zeros(total, **fp32) if self.has_master else None
@@ -157,10 +165,10 @@ class _FlatGroup:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current))
-        ends = {id(slot): off + -(-slot.param.numel() // ALIGN) * ALIGN for slot, off in zip(self.slots, offsets)}
-        for bucket in self.buckets:
-            bucket.start = min(s.acc.storage_offset() - self.acc.storage_offset() for s in bucket.slots)
-            bucket.end = max(ends[id(s)] for s in bucket.slots)
+        ends = offsets[1:] + [total]  # a slice's padded end is where the next one starts
+        for bucket in self.buckets:  # consecutive slots: one contiguous range of the buffer
+            bucket.start = min(offsets[s.index] for s in bucket.slots)
+            bucket.end = max(ends[s.index] for s in bucket.slots)
             for slot in bucket.slots:
                 slot.bucket = bucket
 
