@@ -182,17 +182,22 @@ def default_providers(op: str, device: torch.device) -> Tuple[str, ...]:
 
 @dataclass
 class AccSet:
-    flat: torch.Tensor  # the fp32 accumulator
-    accs: List[torch.Tensor]  # 1-D views, as the ops take them
+    flat: torch.Tensor  # the fp32 accumulator, as the ops take it
+    offsets: torch.Tensor  # int64 on the CPU: where each gradient's slice starts, as the ops take them
     accs_nd: List[torch.Tensor]  # views shaped like the params, as torch's .grad is
     grads: List[torch.Tensor]
+
+
+def _acc_set(flat_acc: torch.Tensor, grads: List[torch.Tensor]) -> AccSet:
+    shapes = [tuple(g.shape) for g in grads]
+    offsets = torch.tensor(common.padded_offsets([g.numel() for g in grads])[0], dtype=torch.int64)
+    return AccSet(flat_acc, offsets, common.flat_views(flat_acc, shapes, shaped=True), grads)
 
 
 def _make_acc_set(workload: Workload, grad_dtype: torch.dtype, ctx: Context) -> AccSet:
     flat_acc = common.random_tensor((workload.padded_numel,), torch.float32, ctx.device, ctx.generator)
     grads = [common.random_tensor(s, grad_dtype, ctx.device, ctx.generator) for s in workload.shapes]
-    return AccSet(flat_acc, common.flat_views(flat_acc, workload.shapes),
-                  common.flat_views(flat_acc, workload.shapes, shaped=True), grads)
+    return _acc_set(flat_acc, grads)
 
 
 def _torch_loop_copy(s: AccSet) -> None:
@@ -213,7 +218,7 @@ def _acc_provider(name: str, overwrite: bool) -> Callable[[AccSet], None]:
             return lambda s: torch._foreach_copy_(s.accs_nd, s.grads)
         return lambda s: torch._foreach_add_(s.accs_nd, s.grads)
     accumulate = backends.get(name).accumulate
-    return lambda s: accumulate(s.accs, s.grads, 1.0, overwrite)
+    return lambda s: accumulate(s.flat, s.offsets, s.grads, 1.0, overwrite)
 
 
 def _check_accumulate(fn, check_set: AccSet, overwrite: bool) -> float:
@@ -243,9 +248,7 @@ def _run_accumulate(group: Group, ctx: Context) -> Iterator[Dict]:
 
 def _make_acc_set_copy(s: AccSet) -> AccSet:
     """A fresh copy, so every provider's check starts from the same random accumulator."""
-    flat_acc = s.flat.clone()
-    shapes = [tuple(g.shape) for g in s.grads]
-    return AccSet(flat_acc, common.flat_views(flat_acc, shapes), common.flat_views(flat_acc, shapes, shaped=True), s.grads)
+    return _acc_set(s.flat.clone(), s.grads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,32 +69,48 @@ void* writable(Call& call, const at::Tensor& t) {
 
 }  // namespace
 
-Call prepare_accumulate(at::TensorList accs, at::TensorList grads,
+Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads,
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args) {
+  // The same checks and messages as slice_starts in fused_accum/backends/reference.py.
   const char* op = "accumulate_";
   Call call;
-  check_length(grads.size(), accs.size(), op, "grads", "accs");
-  if (!accs.empty()) call.device = accs[0].device();
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous(), op,
+              ": acc must be a 1-D contiguous float32 tensor (the flat accumulator), got ",
+              acc.scalar_type(), " of shape ", acc.sizes(), " and strides ", acc.strides());
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_cpu(), op,
+              ": offsets must be a 1-D int64 CPU tensor, got ", offsets.scalar_type(),
+              " of shape ", offsets.sizes(), " on ", offsets.device());
+  TORCH_CHECK(offsets.numel() == static_cast<int64_t>(grads.size()), op, ": offsets has ",
+              offsets.numel(), " entries but grads has ", grads.size(), " tensors");
+  call.device = acc.device();
   if (found_inf) check_scalar(*found_inf, op, "found_inf", call.device);
   if (sumsq) check_scalar(*sumsq, op, "sumsq", call.device);
   args.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
   args.sumsq = sumsq ? sumsq->data_ptr<float>() : nullptr;
+  const at::Tensor starts = offsets.contiguous();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  float* const base = acc.data_ptr<float>();
+  int64_t end = 0;  // where the previous slice ends
   TensorLists& l = call.lists;
-  for (size_t i = 0; i < accs.size(); ++i) {
-    const at::Tensor& acc = accs[i];
-    TORCH_CHECK(acc.defined(), op, ": accs[", i, "] is undefined");
-    check_element(acc, op, "accs", i, call.device, acc.numel(), "accs");
-    check_f32(acc, op, "accs", i);
-    TORCH_CHECK(acc.is_contiguous(), op, ": accs[", i,
-                "] must be contiguous (a slice of the flat accumulator buffer)");
-    check_element(grads[i], op, "grads", i, call.device, acc.numel(), "accs");
-    const DType grad_dtype = dtype_code(grads[i], op, "grads", i);
-    if (acc.numel() == 0) continue;
-    l.numel.push_back(acc.numel());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& grad = grads[i];
+    TORCH_CHECK(grad.defined(), op, ": grads[", i, "] is undefined");
+    TORCH_CHECK(grad.device() == call.device, op, ": grads[", i, "] is on ", grad.device(),
+                ", expected ", call.device, " (the device of acc)");
+    const DType grad_dtype = dtype_code(grad, op, "grads", i);
+    TORCH_CHECK(start[i] >= end, op, ": offsets[", i, "] is ", start[i], ", before ", end,
+                ", where the previous slice ends (0 for the first): slices must be in increasing "
+                "order and must not overlap");
+    const int64_t numel = grad.numel();
+    end = start[i] + numel;
+    TORCH_CHECK(end <= acc.numel(), op, ": grads[", i, "] (", numel, " elements at offset ",
+                start[i], ") ends at ", end, ", past the end of acc (", acc.numel(), " elements)");
+    if (numel == 0) continue;
+    l.numel.push_back(numel);
     l.index.push_back(static_cast<int64_t>(i));
-    l.acc.add(acc.data_ptr(), DType::kF32);
-    l.grad.add(readable(call, grads[i]), grad_dtype);
+    l.acc.add(base + start[i], DType::kF32);
+    l.grad.add(readable(call, grad), grad_dtype);
   }
   return call;
 }
@@ -207,7 +223,7 @@ struct CpuBackend {
 // know. The argument lists follow fused_accum/backends/reference.py; absent lists are empty.
 TORCH_LIBRARY(fused_accum_ext, m) {
   m.def(
-      "accumulate_(Tensor(a!)[] accs, Tensor[] grads, float alpha, bool overwrite, "
+      "accumulate_(Tensor(a!) acc, Tensor offsets, Tensor[] grads, float alpha, bool overwrite, "
       "Tensor(b!)? found_inf, Tensor(c!)? sumsq) -> ()");
   m.def(
       "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] momentum_bufs, Tensor[] accs, Tensor steps, "

@@ -26,7 +26,7 @@ struct Call {
   }
 };
 
-Call prepare_accumulate(at::TensorList accs, at::TensorList grads,
+Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads,
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args);
 
@@ -52,11 +52,11 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
 // (CpuBackend in bindings.cpp, CudaBackend in bindings_cuda.cpp).
 
 template <class Backend>
-void accumulate_impl(at::TensorList accs, at::TensorList grads, double alpha, bool overwrite,
-                     const std::optional<at::Tensor>& found_inf,
+void accumulate_impl(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads,
+                     double alpha, bool overwrite, const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& sumsq) {
   AccumulateArgs args{static_cast<float>(alpha), overwrite, nullptr, nullptr};
-  Call call = prepare_accumulate(accs, grads, found_inf, sumsq, args);
+  Call call = prepare_accumulate(acc, offsets, grads, found_inf, sumsq, args);
   if (call.lists.size() > 0) Backend::accumulate(call, args);
   call.finish();
 }

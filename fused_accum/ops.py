@@ -24,7 +24,8 @@ from . import backends
 
 
 def _accumulate(
-    accs: List[Tensor],
+    acc: Tensor,
+    offsets: Tensor,
     grads: List[Tensor],
     alpha: float,
     overwrite: bool,
@@ -32,16 +33,16 @@ def _accumulate(
     sumsq: Optional[Tensor],
     backend: str,
 ) -> None:
-    backends.get(backend).accumulate(accs, grads, alpha, overwrite, found_inf, sumsq)
+    backends.get(backend).accumulate(acc, offsets, grads, alpha, overwrite, found_inf, sumsq)
 
 
 accumulate_ = torch.library.custom_op(
-    "fused_accum::accumulate_", mutates_args=("accs", "found_inf", "sumsq")
+    "fused_accum::accumulate_", mutates_args=("acc", "found_inf", "sumsq")
 )(_accumulate)
 
 
 @accumulate_.register_fake
-def _(accs, grads, alpha, overwrite, found_inf, sumsq, backend):
+def _(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, backend):
     return None
 
 

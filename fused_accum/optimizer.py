@@ -109,6 +109,7 @@ class _Slot:
     param: Tensor
     name: str
     index: int  # position in the flat group (and in its ``steps`` vector)
+    offset: int  # where its slice of the flat buffers starts
     acc: Tensor  # 1-D fp32 view of the accumulator
     grad_view: Tensor  # the same memory shaped like the param: what ``.grad`` is set to
     master: Optional[Tensor]  # 1-D fp32 master copy, for low-precision params with master weights
@@ -123,9 +124,10 @@ class _Slot:
 class _Bucket:
     """Slots folded by one accumulate call; arrivals wait here until the bucket is complete."""
 
-    slots: list
+    slots: list  # consecutive slots, in flat-buffer order
     start: int = 0  # the bucket's slots cover flat buffer elements [start, end), padding included
     end: int = 0
+    offsets: Optional[Tensor] = None  # int64 on the CPU: each slot's offset, for accumulate
     # slot -> its gradient so far in this backward (a parameter used both inside a reentrant
     # checkpoint and outside it receives two gradients in one backward: they are summed here)
     arrived: dict = dataclasses.field(default_factory=dict)
@@ -154,7 +156,7 @@ class _FlatGroup:
                 master = self.master[window]
                 master.copy_(p.detach().reshape(-1))
             state = {key: buf[window] for key, buf in self.state.items()}
-            self.slots.append(_Slot(p, name, i, acc, acc.view(p.shape), master, state, self))
+            self.slots.append(_Slot(p, name, i, off, acc, acc.view(p.shape), master, state, self))
         # Buckets follow reverse registration order, the order backward usually produces grads.
         self.buckets, current, size = [], [], 0
         for slot in reversed(self.slots):
@@ -167,8 +169,10 @@ class _FlatGroup:
             self.buckets.append(_Bucket(current))
         ends = offsets[1:] + [total]  # a slice's padded end is where the next one starts
         for bucket in self.buckets:  # consecutive slots: one contiguous range of the buffer
-            bucket.start = min(offsets[s.index] for s in bucket.slots)
-            bucket.end = max(ends[s.index] for s in bucket.slots)
+            bucket.slots.reverse()
+            bucket.start = bucket.slots[0].offset
+            bucket.end = ends[bucket.slots[-1].index]
+            bucket.offsets = torch.tensor([s.offset for s in bucket.slots], dtype=torch.int64)
             for slot in bucket.slots:
                 slot.bucket = bucket
 
@@ -498,13 +502,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def _fold(self, flat: _FlatGroup, bucket: _Bucket) -> None:
         """One op call per (overwrite, add) kind for the bucket's arrived gradients: an
         accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
-        arrived, bucket.arrived = list(bucket.arrived.items()), {}
+        arrived, bucket.arrived = bucket.arrived, {}
+        in_order = [s for s in bucket.slots if s in arrived]  # accumulate takes increasing offsets
         fuse_step = self.step_in_backward and self._microbatches == self.accum_steps - 1
         for overwrite in (True, False):
-            pairs = [(s, g) for s, g in arrived if s.has_grad != overwrite]
-            if not pairs:
+            slots = [s for s in in_order if s.has_grad != overwrite]
+            if not slots:
                 continue
-            slots, grads = [s for s, _ in pairs], [g for _, g in pairs]
+            grads = [arrived[s] for s in slots]
             if fuse_step:
                 self._fused_step(flat, slots, flat.coef.fill_(1.0), None, grads, overwrite)
                 continue
@@ -514,10 +519,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # (with a process group the stats must describe the reduced values: taken at step)
             local_stats = last and self._wants_stats and self._reducer is None
             found_inf, sumsq = self._stats_tensors(flat.device) if local_stats else (None, None)
-            ops.accumulate([s.acc for s in slots], grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            if len(slots) == len(bucket.slots):
+                offsets = bucket.offsets
+            else:
+                offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
+            ops.accumulate(flat.acc, offsets, grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
             for slot in slots:
                 slot.in_stats = sumsq is not None
-        for slot, _ in arrived:
+        for slot in in_order:
             # A slot stepped from its last gradient holds nothing for this window any more.
             slot.has_grad = not fuse_step
         if self._reducer is not None and self._is_last_microbatch() and len(arrived) == len(bucket.slots):

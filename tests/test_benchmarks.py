@@ -218,8 +218,8 @@ def _reference_with(**changes):
 def test_accumulate_check_flags_a_wrong_kernel(monkeypatch, op):
     from fused_accum.backends import reference
 
-    def doubled(accs, grads, alpha, overwrite, found_inf=None, sumsq=None):
-        reference.accumulate(accs, grads, 2 * alpha, overwrite, found_inf, sumsq)
+    def doubled(acc, offsets, grads, alpha, overwrite, found_inf=None, sumsq=None):
+        reference.accumulate(acc, offsets, grads, 2 * alpha, overwrite, found_inf, sumsq)
 
     _fake_backend(monkeypatch, _reference_with(accumulate=doubled))
     group = kernels.Group(op, kernels.many_small(20, 300), bf16, ("torch_loop", "reference", "fake"))

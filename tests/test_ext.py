@@ -30,14 +30,19 @@ PAD = 64
 STEP_TOL = dict(rtol=1e-5, atol=1e-6)  # as in test_kernels.py, which says why
 
 
-def _flat_views(sizes, device, gen):
-    """Random fp32 views into one flat buffer, slices padded to 64 elements (the optimizer's layout)."""
+def _flat(sizes, device, gen):
+    """A random fp32 flat buffer with slices padded to 64 elements (the optimizer's layout):
+    (buffer, int64 CPU offsets, the slices as 1-D views)."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += (n + PAD - 1) // PAD * PAD
     flat = torch.randn(total, generator=gen).to(device)
-    return [flat[o : o + n] for o, n in zip(offsets, sizes)]
+    return flat, torch.tensor(offsets, dtype=torch.int64), [flat[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def _flat_views(sizes, device, gen):
+    return _flat(sizes, device, gen)[2]
 
 
 def _randn(n, dtype, device, gen):
@@ -45,9 +50,10 @@ def _randn(n, dtype, device, gen):
 
 
 def _accumulate_args(device, gen, sizes=(5, 300, 1)):
-    accs = _flat_views(sizes, device, gen)
+    """(acc, offsets, grads) of accumulate: a random buffer, and gradients of mixed dtypes."""
+    acc, offsets, _ = _flat(sizes, device, gen)
     grads = [_randn(n, (torch.bfloat16, torch.float16, torch.float32)[i % 3], device, gen) for i, n in enumerate(sizes)]
-    return accs, grads
+    return acc, offsets, grads
 
 
 def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
@@ -116,10 +122,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 @pytest.mark.parametrize("stats", [True, False])
 def test_opcheck_accumulate(device, stats):
     gen = torch.Generator().manual_seed(0)
-    accs, grads = _accumulate_args(device, gen)
+    acc, offsets, grads = _accumulate_args(device, gen)
     found_inf = torch.zeros((), device=device) if stats else None
     sumsq = torch.zeros((), device=device) if stats else None
-    torch.library.opcheck(OPS.accumulate_.default, (accs, grads, 0.5, False, found_inf, sumsq))
+    torch.library.opcheck(OPS.accumulate_.default, (acc, offsets, grads, 0.5, False, found_inf, sumsq))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -159,18 +165,18 @@ def test_compiles_without_graph_break():
 
 def _bad_accumulate(change):
     gen = torch.Generator().manual_seed(4)
-    accs, grads = _accumulate_args("cpu", gen, sizes=(4, 6))
+    acc, offsets, grads = _accumulate_args("cpu", gen, sizes=(4, 6))  # slices at 0 and 64
     found_inf, sumsq = torch.zeros(()), torch.zeros(())
-    kw = dict(accs=accs, grads=grads, found_inf=found_inf, sumsq=sumsq)
+    kw = dict(acc=acc, offsets=offsets, grads=grads, found_inf=found_inf, sumsq=sumsq)
     change(kw)
-    ext.accumulate(kw["accs"], kw["grads"], 1.0, False, kw["found_inf"], kw["sumsq"])
+    ext.accumulate(kw["acc"], kw["offsets"], kw["grads"], 1.0, False, kw["found_inf"], kw["sumsq"])
 
 
+# The layout checks (offsets order, bounds, dtypes) are tested on every backend in test_kernels.py.
 ACCUMULATE_ERRORS = {
-    "acc dtype": (lambda kw: kw["accs"].__setitem__(1, kw["accs"][1].double()), r"accumulate_: accs\[1\] must be float32, got Double"),
-    "acc strided": (lambda kw: kw["accs"].__setitem__(0, torch.zeros(8)[::2]), r"accs\[0\] must be contiguous"),
-    "lengths": (lambda kw: kw["grads"].pop(), r"grads has 1 tensors but accs has 2"),
-    "numel": (lambda kw: kw["grads"].__setitem__(0, torch.zeros(5)), r"grads\[0\] has 5 elements but accs\[0\] has 4"),
+    "acc dtype": (lambda kw: kw.__setitem__("acc", kw["acc"].double()), r"accumulate_: acc must be a 1-D contiguous float32 tensor \(the flat accumulator\), got Double"),
+    "lengths": (lambda kw: kw["grads"].pop(), r"offsets has 2 entries but grads has 1 tensors"),
+    "grad overruns the next slice": (lambda kw: kw["grads"].__setitem__(0, torch.zeros(65)), r"offsets\[1\] is 64, before 65, where the previous slice ends"),
     "grad dtype": (lambda kw: kw["grads"].__setitem__(1, torch.zeros(6, dtype=torch.int32)), r"grads\[1\] must be float32, bfloat16 or float16, got Int"),
     "found_inf": (lambda kw: kw.__setitem__("found_inf", torch.zeros(2)), r"found_inf must be a one-element float32 tensor"),
     "sumsq dtype": (lambda kw: kw.__setitem__("sumsq", torch.zeros((), dtype=torch.float64)), r"sumsq must be a one-element float32 tensor, got Double"),
@@ -244,7 +250,11 @@ def test_strided_params_are_written_back(algo):
 
 
 def test_empty_lists_and_zero_size_tensors():
-    ext.accumulate([], [], 1.0, False, None, None)
+    ext.accumulate(torch.zeros(0), torch.zeros(0, dtype=torch.int64), [], 1.0, False, None, None)
+    acc = torch.ones(64)
+    ext.accumulate(acc, torch.tensor([0, 3, 6]), [torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)]
+                   + [torch.zeros(0)], 1.0, False, None, None)  # fmt: skip
+    assert acc[3:6].tolist() == [3.0] * 3 and acc[:3].tolist() == [1.0] * 3 and bool((acc[6:] == 1).all())
     gen = torch.Generator().manual_seed(8)
     args, kwargs = _step_args("adam", "cpu", gen, sizes=(0, 17, 0))
     args_ref, kwargs_ref = _clone_tree((args, kwargs))
@@ -302,8 +312,8 @@ def test_cuda_triton_and_reference_agree(algo):
     gen = torch.Generator().manual_seed(9)
     sizes = (1, 4097, (1 << 20) + 3, 77)
     if algo == "accumulate":
-        accs, grads = _accumulate_args("cuda", gen, sizes=sizes)
-        inputs = dict(accs=accs, grads=grads, alpha=0.3, overwrite=False,
+        acc, offsets, grads = _accumulate_args("cuda", gen, sizes=sizes)
+        inputs = dict(acc=acc, offsets=offsets, grads=grads, alpha=0.3, overwrite=False,
                       found_inf=torch.zeros((), device="cuda"), sumsq=torch.zeros((), device="cuda"))  # fmt: skip
         run = lambda m, x: m.accumulate(**x)  # noqa: E731
     else:
@@ -329,11 +339,11 @@ def test_cuda_lists_longer_than_one_launch_table():
     _cuda_backends()
     gen = torch.Generator().manual_seed(10)
     sizes = torch.randint(1, 5000, (300,), generator=gen).tolist()
-    accs, grads = _accumulate_args("cuda", gen, sizes=sizes)
-    want = _clone_tree(accs)
-    ext.accumulate(accs, grads, 0.5, False, None, None)
-    reference.accumulate(want, grads, 0.5, False, None, None)
-    _assert_trees_close(accs, want, rtol=1e-6, atol=1e-6)
+    acc, offsets, grads = _accumulate_args("cuda", gen, sizes=sizes)
+    want = acc.clone()
+    ext.accumulate(acc, offsets, grads, 0.5, False, None, None)
+    reference.accumulate(want, offsets, grads, 0.5, False, None, None)
+    _assert_trees_close(acc, want, rtol=1e-6, atol=1e-6)
     args, kwargs = _step_args("adam", "cuda", gen, sizes=sizes)
     args_ref, kwargs_ref = _clone_tree((args, kwargs))
     _step(ext, "adam", args, kwargs)
@@ -353,7 +363,7 @@ def test_cuda_tensor_of_more_than_2_31_elements():
     tail = torch.randn(100, generator=torch.Generator().manual_seed(11)).to("cuda", torch.bfloat16)
     grad[-100:] = tail
     sumsq = torch.zeros((), device="cuda")
-    ext.accumulate([acc], [grad], 2.0, False, None, sumsq)
+    ext.accumulate(acc, torch.zeros(1, dtype=torch.int64), [grad], 2.0, False, None, sumsq)
     torch.testing.assert_close(acc[-100:], 0.5 + 2.0 * tail.float())
     assert bool((acc[:-100] == 2.5).all())
     want = 6.25 * (n - 100) + float(((0.5 + 2.0 * tail.float()) ** 2).sum())
@@ -390,10 +400,12 @@ def test_cuda_step_captures_in_a_graph_and_reads_lr_on_device():
 @gpu
 def test_cuda_rejects_mixed_devices_by_name():
     _cuda_backends()
-    accs, grads = _accumulate_args("cuda", torch.Generator().manual_seed(13))
+    acc, offsets, grads = _accumulate_args("cuda", torch.Generator().manual_seed(13))
     grads[1] = grads[1].cpu()
     with pytest.raises(RuntimeError, match=r"grads\[1\] is on cpu, expected cuda:0"):
-        ext.accumulate(accs, grads, 1.0, False, None, None)
+        ext.accumulate(acc, offsets, grads, 1.0, False, None, None)
+    with pytest.raises(RuntimeError, match=r"offsets must be a 1-D int64 CPU tensor"):
+        ext.accumulate(acc, offsets.cuda(), grads, 1.0, False, None, None)
     args, kwargs = _step_args("sgd", "cuda", torch.Generator().manual_seed(14))
     args[4] = args[4].cpu()  # lr
     with pytest.raises(RuntimeError, match=r"sgd_step_: lr is on cpu, expected cuda:0"):

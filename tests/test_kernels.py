@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from typing import List, NamedTuple
 
 import pytest
 import torch
@@ -40,17 +41,24 @@ LOW = [torch.bfloat16, torch.float16]
 PAD = 64  # the optimizer's slice alignment, in elements
 
 
-def _flat_views(sizes, device, fill=float("nan")):
-    """A flat fp32 buffer with one padded slice per size; padding holds a sentinel."""
+class _Layout(NamedTuple):
+    flat: torch.Tensor  # the fp32 accumulator, as accumulate takes it
+    offsets: torch.Tensor  # int64 on the CPU: where each slice starts, as accumulate takes them
+    views: List[torch.Tensor]  # the slices, as the step ops take them
+
+
+def _flat_views(sizes, device, fill=float("nan"), pad=PAD):
+    """A flat fp32 buffer with one slice per size, each starting at a multiple of ``pad``
+    elements; the padding holds a sentinel. pad=1 packs the slices (odd, unaligned offsets)."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
-        total += (n + PAD - 1) // PAD * PAD
+        total += (n + pad - 1) // pad * pad
     flat = torch.full((total,), -7.0, device=device)  # sentinel: kernels must not write padding
     views = [flat[o : o + n] for o, n in zip(offsets, sizes)]
     for v in views:
         v.fill_(fill)
-    return flat, views
+    return _Layout(flat, torch.tensor(offsets, dtype=torch.int64), views)
 
 
 def _padding_untouched(flat, views):
@@ -87,29 +95,30 @@ def test_accumulate_matches_reference(backend, device, dtype, overwrite):
     gen = torch.Generator().manual_seed(_seed(dtype, overwrite))
     grads = _grads(SIZES, dtype, device, gen)
     start = [torch.randn(n, generator=gen).to(device) for n in SIZES]
-    flat, accs = _flat_views(SIZES, device)
-    _, expect = _flat_views(SIZES, device)
-    for a, e, s in zip(accs, expect, start):
+    got, want = _flat_views(SIZES, device), _flat_views(SIZES, device)
+    for a, e, s in zip(got.views, want.views, start):
         if not overwrite:  # overwrite must not read acc: leave NaN there as poison
             a.copy_(s)
             e.copy_(s)
     alpha = 0.37
     found_inf, sumsq = torch.zeros((), device=device), torch.full((), 1.5, device=device)
-    backends.get(backend).accumulate(accs, grads, alpha, overwrite, found_inf, sumsq)
+    backends.get(backend).accumulate(got.flat, got.offsets, grads, alpha, overwrite, found_inf, sumsq)
     ref_inf, ref_sumsq = torch.zeros((), device=device), torch.full((), 1.5, device=device)
-    reference.accumulate(expect, grads, alpha, overwrite, ref_inf, ref_sumsq)
-    for got, want in zip(accs, expect):
-        torch.testing.assert_close(got, want, **ACC_TOL)
-    assert _padding_untouched(flat, accs)
+    reference.accumulate(want.flat, want.offsets, grads, alpha, overwrite, ref_inf, ref_sumsq)
+    for g, w in zip(got.views, want.views):
+        torch.testing.assert_close(g, w, **ACC_TOL)
+    assert _padding_untouched(got.flat, got.views)
     assert found_inf.item() == 0.0
     # sumsq is added to (1.5 was there) and equals the squared norm of the values written
-    norm2 = torch.linalg.vector_norm(torch.cat(expect)) ** 2
+    norm2 = torch.linalg.vector_norm(torch.cat(want.views)) ** 2
     torch.testing.assert_close(sumsq, 1.5 + norm2, **NORM_TOL)
 
 
 @pytest.mark.parametrize("backend,device", CASES)
-def test_accumulate_many_mixed_tensors_and_views(backend, device):
-    """150 tensors, mixed dtypes, non-contiguous and storage-offset grads, in one call."""
+@pytest.mark.parametrize("pad", [PAD, 1])
+def test_accumulate_many_mixed_tensors_and_views(backend, device, pad):
+    """150 tensors, mixed dtypes, non-contiguous and storage-offset grads, in one call; with
+    pad=1 the slices are packed, so most start at addresses no vector access may assume."""
     gen = torch.Generator().manual_seed(1)
     sizes = torch.randint(1, 300, (150,), generator=gen).tolist()
     grads = []
@@ -127,16 +136,38 @@ def test_accumulate_many_mixed_tensors_and_views(backend, device):
         else:
             grads.append(base[:n])
     start = [torch.randn(n, generator=gen).to(device) for n in sizes]
-    flat, accs = _flat_views(sizes, device)
-    _, expect = _flat_views(sizes, device)
-    for a, e, s in zip(accs, expect, start):
+    got, want = _flat_views(sizes, device, pad=pad), _flat_views(sizes, device, pad=pad)
+    for a, e, s in zip(got.views, want.views, start):
         a.copy_(s)
         e.copy_(s)
-    backends.get(backend).accumulate(accs, grads, 2.0, False, None, None)
-    reference.accumulate(expect, grads, 2.0, False, None, None)
-    for got, want in zip(accs, expect):
-        torch.testing.assert_close(got, want, **ACC_TOL)
-    assert _padding_untouched(flat, accs)
+    backends.get(backend).accumulate(got.flat, got.offsets, grads, 2.0, False, None, None)
+    reference.accumulate(want.flat, want.offsets, grads, 2.0, False, None, None)
+    for g, w in zip(got.views, want.views):
+        torch.testing.assert_close(g, w, **ACC_TOL)
+    assert _padding_untouched(got.flat, got.views)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+def test_accumulate_writes_only_the_slices_it_is_given(backend, device):
+    """A call with some of a buffer's slices (the optimizer's partial buckets) leaves the
+    others as they were, whatever the gaps between the slices it writes."""
+    gen = torch.Generator().manual_seed(4)
+    sizes = [33, 1024, 5, 700, 64, 1]
+    layout = _flat_views(sizes, device, fill=0.0)
+    for v in layout.views:
+        v.copy_(torch.randn(v.numel(), generator=gen))
+    before = layout.flat.clone()
+    chosen = [1, 3, 5]
+    grads = _grads([sizes[i] for i in chosen], torch.bfloat16, device, gen)
+    backends.get(backend).accumulate(layout.flat, layout.offsets[chosen], grads, 1.0, False, None, None)
+    for i, v in enumerate(layout.views):
+        start = int(layout.offsets[i])
+        old = before[start : start + v.numel()]
+        if i in chosen:
+            torch.testing.assert_close(v, old + grads[chosen.index(i)].float(), **ACC_TOL)
+        else:
+            assert torch.equal(v, old)
+    assert _padding_untouched(layout.flat, layout.views)
 
 
 @pytest.mark.parametrize("backend,device", CASES)
@@ -145,13 +176,39 @@ def test_accumulate_flags_nonfinite(backend, device, bad):
     gen = torch.Generator().manual_seed(2)
     grads = _grads([5, 1025, 3], torch.bfloat16, device, gen)
     grads[1][777] = bad
-    _, accs = _flat_views([5, 1025, 3], device, fill=0.5)
+    layout = _flat_views([5, 1025, 3], device, fill=0.5)
     found_inf = torch.zeros((), device=device)
-    backends.get(backend).accumulate(accs, grads, 1.0, False, found_inf, None)
+    backends.get(backend).accumulate(layout.flat, layout.offsets, grads, 1.0, False, found_inf, None)
     assert found_inf.item() == 1.0
     # A later finite call must not clear the flag: flags OR together over a window.
-    backends.get(backend).accumulate(accs[:1], grads[:1], 1.0, False, found_inf, None)
+    backends.get(backend).accumulate(layout.flat, layout.offsets[:1], grads[:1], 1.0, False, found_inf, None)
     assert found_inf.item() == 1.0
+
+
+# Every backend, the reference included, rejects a layout it cannot write safely, with the
+# same message (the reference states the contract; the C++ binding repeats its checks).
+BAD_LAYOUTS = {
+    "overlap": (lambda flat, offs: (flat, torch.tensor([0, 10])), "where the previous slice ends"),
+    "decreasing": (lambda flat, offs: (flat, torch.tensor([64, 0])), "where the previous slice ends"),
+    "past_end": (lambda flat, offs: (flat, torch.tensor([0, 110])), "past the end of acc"),
+    "negative": (lambda flat, offs: (flat, torch.tensor([-1, 64])), "where the previous slice ends"),
+    "short_offsets": (lambda flat, offs: (flat, offs[:1]), "offsets has 1 entries but grads has 2"),
+    "int32_offsets": (lambda flat, offs: (flat, offs.int()), "offsets must be a 1-D int64 CPU tensor"),
+    "2d_offsets": (lambda flat, offs: (flat, offs.view(1, 2)), "offsets must be a 1-D int64 CPU tensor"),
+    "bf16_acc": (lambda flat, offs: (flat.bfloat16(), offs), "acc must be a 1-D contiguous float32"),
+    "strided_acc": (lambda flat, offs: (torch.zeros(2 * flat.numel(), device=flat.device)[::2], offs),
+                    "acc must be a 1-D contiguous float32"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
+@pytest.mark.parametrize("case", list(BAD_LAYOUTS))
+def test_accumulate_rejects_bad_layouts(backend, device, case):
+    layout = _flat_views([20, 20], device, fill=0.0)  # slices at 0 and 64 of a 128-element buffer
+    flat, offsets = BAD_LAYOUTS[case][0](layout.flat, layout.offsets)
+    grads = [torch.ones(20, device=device), torch.ones(20, device=device)]
+    with pytest.raises((ValueError, RuntimeError), match=BAD_LAYOUTS[case][1]):
+        backends.get(backend).accumulate(flat, offsets, grads, 1.0, False, None, None)
 
 
 # --- optimizer steps -----------------------------------------------------------------------
@@ -182,7 +239,7 @@ def _step_inputs(algo, sizes, param_kind, device, gen):
     lp = []
     if param_kind == "master":
         lp = [torch.full((n,), float("nan"), device=device, dtype=LOW[i % 2]) for i, n in enumerate(sizes)]
-    _, accs = _flat_views(sizes, device)
+    accs = _flat_views(sizes, device).views
     for a in accs:
         a.copy_(torch.randn(a.numel(), generator=gen))
     # per-tensor step counts, including first steps (SGD's momentum initialisation)

@@ -13,25 +13,28 @@ from fused_accum import ops
 
 
 def _adam_args(n=5, with_grads=False):
+    """(the accumulator buffer, adam_step_'s arguments for two tensors of n whose accs are the
+    two halves of that buffer)."""
     gen = torch.Generator().manual_seed(0)
     t = lambda: torch.randn(n, generator=gen)  # noqa: E731
-    params, m, v, accs = [t(), t()], [t(), t()], [t().abs(), t().abs()], [t(), t()]
+    acc = torch.randn(2 * n, generator=gen)
+    params, m, v, accs = [t(), t()], [t(), t()], [t().abs(), t().abs()], [acc[:n], acc[n:]]
     grads = [t().bfloat16(), t().bfloat16()] if with_grads else []
-    return (params, m, v, accs, torch.tensor([1.0, 3.0]), torch.tensor(0.01), torch.tensor(0.5),
+    return acc, (params, m, v, accs, torch.tensor([1.0, 3.0]), torch.tensor(0.01), torch.tensor(0.5),
             0.9, 0.99, 1e-8, 0.01, True, False, [], grads, 1.0, False, torch.zeros(()), "reference")
 
 
 def test_opcheck_accumulate():
     gen = torch.Generator().manual_seed(0)
-    accs = [torch.randn(7, generator=gen), torch.randn(3, generator=gen)]
+    acc, offsets = torch.randn(12, generator=gen), torch.tensor([0, 8])
     grads = [torch.randn(7, generator=gen).half(), torch.randn(3, generator=gen)]
-    args = (accs, grads, 0.5, False, torch.zeros(()), torch.zeros(()), "reference")
+    args = (acc, offsets, grads, 0.5, False, torch.zeros(()), torch.zeros(()), "reference")
     torch.library.opcheck(ops.accumulate_, args)
 
 
 @pytest.mark.parametrize("with_grads", [False, True])
 def test_opcheck_adam(with_grads):
-    torch.library.opcheck(ops.adam_step_, _adam_args(with_grads=with_grads))
+    torch.library.opcheck(ops.adam_step_, _adam_args(with_grads=with_grads)[1])
 
 
 def test_opcheck_sgd_and_lion():
@@ -45,10 +48,11 @@ def test_opcheck_sgd_and_lion():
 
 
 def test_compiled_step_has_no_graph_break():
-    args = _adam_args()
+    acc, args = _adam_args()
+    offsets = torch.tensor([0, 5])
 
     def accumulate_then_step(grads):  # the names the optimizer calls: custom ops when traced
-        ops.accumulate(args[3], grads, 1.0, False, None, None, "reference")
+        ops.accumulate(acc, offsets, grads, 1.0, False, None, None, "reference")
         ops.adam_step(*args)
 
     grads = [torch.randn(5), torch.randn(5)]
@@ -75,11 +79,11 @@ def test_eager_calls_skip_the_custom_op_wrapper():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    acc, grad = torch.zeros(3), torch.ones(3)
+    acc, offsets, grad = torch.zeros(3), torch.zeros(1, dtype=torch.int64), torch.ones(3)
     with Record() as eager:
-        ops.accumulate([acc], [grad], 2.0, True, None, None, "reference")
+        ops.accumulate(acc, offsets, [grad], 2.0, True, None, None, "reference")
     with Record() as wrapped:
-        ops.accumulate_([acc], [grad], 2.0, True, None, None, "reference")
+        ops.accumulate_(acc, offsets, [grad], 2.0, True, None, None, "reference")
     assert not any(op.startswith("fused_accum.") for op in eager.ops), eager.ops
     assert "fused_accum.accumulate_.default" in wrapped.ops  # the mode does see custom ops
     assert torch.equal(acc, torch.full((3,), 2.0))

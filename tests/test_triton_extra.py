@@ -41,12 +41,13 @@ PAD = 64
 
 
 def _flat_views(sizes, device):
+    """(flat buffer, int64 CPU offsets, 1-D views): slices padded to 64, -7 in the padding."""
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)
         total += (n + PAD - 1) // PAD * PAD
     flat = torch.full((total,), -7.0, device=device)
-    return flat, [flat[o : o + n] for o, n in zip(offsets, sizes)]
+    return flat, torch.tensor(offsets, dtype=torch.int64), [flat[o : o + n] for o, n in zip(offsets, sizes)]
 
 
 class _CountLaunches:
@@ -77,25 +78,28 @@ def test_chunk_table_covers_every_element_once_with_int64_starts():
 
 
 def test_alignment_decides_vector_width():
+    def aligned(numel, *tensors):
+        return tb._aligned(numel, [tb._operand(t) for t in tensors])
+
     base = torch.zeros(64)
-    assert tb._aligned(8, [base[:8], base[4:12]])  # 16-byte multiples, size a multiple of 4
-    assert not tb._aligned(8, [base[:8], base[1:9]])  # an odd offset
-    assert not tb._aligned(7, [base[:7]])  # a size that is not a multiple of 4
+    assert aligned(8, base[:8], base[4:12])  # 16-byte multiples, size a multiple of 4
+    assert not aligned(8, base[:8], base[1:9])  # an odd offset
+    assert not aligned(7, base[:7])  # a size that is not a multiple of 4
     half = torch.zeros(64, dtype=torch.bfloat16)
-    assert tb._aligned(8, [base[:8], half[4:12]])  # 4 bf16 elements are 8 bytes
-    assert not tb._aligned(8, [base[:8], half[2:10]])
+    assert aligned(8, base[:8], half[4:12])  # 4 bf16 elements are 8 bytes
+    assert not aligned(8, base[:8], half[2:10])
 
 
 def test_row_columns_match_the_kernels_constants():
     t = {name: torch.zeros(8) for name in ("acc", "grad", "param", "lp", "state0", "state1")}
-    row = tb._row(8, 5, **t)
+    row = tb._row(8, 5, **{name: tb._operand(x) for name, x in t.items()})
     assert len(row) == kernels.ROW.value
     assert (row[kernels.NUMEL.value], row[kernels.INDEX.value], row[kernels.IS_ALIGNED.value]) == (8, 5, 1)
     columns = dict(acc=kernels.ACC, grad=kernels.GRAD, param=kernels.PARAM, lp=kernels.LP,
                    state0=kernels.STATE0, state1=kernels.STATE1)  # fmt: skip
     for name, column in columns.items():
         assert row[column.value] == t[name].data_ptr(), name
-    assert tb._row(7, 0, acc=t["acc"], grad=None)[kernels.GRAD.value] == 0  # absent: address 0
+    assert tb._row(7, 0, acc=tb._operand(t["acc"]), grad=None)[kernels.GRAD.value] == 0  # absent: address 0
 
 
 # --- what the compiler makes of the kernels (no GPU needed) ----------------------------------
@@ -195,8 +199,8 @@ def test_triton_accumulates_2000_small_tensors_in_two_launches(device, monkeypat
     gen = torch.Generator().manual_seed(11)
     sizes = [1 + i % 4 for i in range(2050)]
     grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
-    _, accs = _flat_views(sizes, device)
-    _, expect = _flat_views(sizes, device)
+    flat, offsets, accs = _flat_views(sizes, device)
+    want, _, expect = _flat_views(sizes, device)
     for a, e in zip(accs, expect):
         a.copy_(torch.randn(a.numel(), generator=gen))
         e.copy_(a)
@@ -205,10 +209,10 @@ def test_triton_accumulates_2000_small_tensors_in_two_launches(device, monkeypat
     monkeypatch.setattr(kernels, "accumulate_kernel", counters[0])
     monkeypatch.setattr(kernels, "reduce_stats_kernel", counters[1])
     found_inf, sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
-    tb.accumulate(accs, grads, 0.5, False, found_inf, sumsq)
+    tb.accumulate(flat, offsets, grads, 0.5, False, found_inf, sumsq)
     assert [c.launches for c in counters] == [1, 1]
     ref_inf, ref_sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
-    reference.accumulate(expect, grads, 0.5, False, ref_inf, ref_sumsq)
+    reference.accumulate(want, offsets, grads, 0.5, False, ref_inf, ref_sumsq)
     for got, want in zip(accs, expect):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert found_inf.item() == 1.0
@@ -224,7 +228,7 @@ def test_triton_step_over_many_tensors_is_one_launch(device, monkeypatch):
     lp = [torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16) for n in sizes]
     m = [torch.randn(n, generator=gen).to(device) for n in sizes]
     v = [torch.rand(n, generator=gen).to(device) for n in sizes]
-    _, accs = _flat_views(sizes, device)
+    accs = _flat_views(sizes, device)[2]
     for a in accs:
         a.copy_(torch.randn(a.numel(), generator=gen))
     steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32, device=device)
@@ -255,7 +259,8 @@ def test_triton_step_on_aligned_rows_matches_reference(device, algo):
     params, states, lp, accs, steps = _step_inputs(algo, sizes, "master", device, gen)
     grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
     for i, n in enumerate(sizes):  # the precondition: every row takes the aligned branch
-        assert tb._aligned(n, [params[i], lp[i], accs[i], grads[i]] + [s[i] for s in states])
+        operands = [params[i], lp[i], accs[i], grads[i]] + [s[i] for s in states]
+        assert tb._aligned(n, [tb._operand(t) for t in operands])
     lr, coef = torch.tensor(0.01, device=device), torch.tensor(0.25, device=device)
     want = [[t.clone() for t in params], [[t.clone() for t in s] for s in states], [t.clone() for t in lp]]
     _call(tb, algo, params, states, lp, accs, steps, lr, coef, grads, False)
@@ -273,8 +278,9 @@ def test_triton_table_cache_tells_sizes_apart_at_equal_addresses(device):
     a cached table (the key holds every size, not only the addresses)."""
     flat = torch.zeros(256, device=device)
     grads = torch.ones(256, device=device, dtype=torch.float16)
-    tb.accumulate([flat[:8], flat[64:72]], [grads[:8], grads[64:72]], 1.0, False)
-    tb.accumulate([flat[:40], flat[64:104]], [grads[:40], grads[64:104]], 1.0, False)
+    offsets = torch.tensor([0, 64])
+    tb.accumulate(flat, offsets, [grads[:8], grads[64:72]], 1.0, False)
+    tb.accumulate(flat, offsets, [grads[:40], grads[64:104]], 1.0, False)
     want = torch.zeros(256, device=device)
     want[:8] += 1
     want[64:72] += 1
@@ -291,7 +297,7 @@ def test_triton_step_writes_back_non_contiguous_params(device):
     gen = torch.Generator().manual_seed(13)
     params = [torch.randn(6, 5, generator=gen).to(device).t(), torch.randn(40, generator=gen).to(device)[::2]]
     bufs = [torch.randn(p.numel(), generator=gen).to(device) for p in params]
-    _, accs = _flat_views([p.numel() for p in params], device)
+    accs = _flat_views([p.numel() for p in params], device)[2]
     for a in accs:
         a.copy_(torch.randn(a.numel(), generator=gen))
     steps = torch.tensor([2.0, 2.0], device=device)
@@ -312,22 +318,22 @@ def test_triton_op_traces_under_torch_compile_without_graph_break(device):
     gen = torch.Generator().manual_seed(14)
     sizes = [5, 100]
     grads = [torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16) for n in sizes]
-    _, accs = _flat_views(sizes, device)
-    _, expect = _flat_views(sizes, device)
+    flat, offsets, accs = _flat_views(sizes, device)
+    want, _, expect = _flat_views(sizes, device)
     for a, e in zip(accs, expect):
         a.fill_(1.0)
         e.fill_(1.0)
     sumsq = torch.zeros((), device=device)
 
-    def micro_batch(accs, grads, sumsq):
-        torch.ops.fused_accum.accumulate_(accs, grads, 0.5, False, None, sumsq, "triton")
+    def micro_batch(flat, offsets, grads, sumsq):
+        torch.ops.fused_accum.accumulate_(flat, offsets, grads, 0.5, False, None, sumsq, "triton")
         return sumsq * 2  # read after the op: the mutation must be ordered before it
 
     torch._dynamo.reset()
     compiled = torch.compile(micro_batch, backend="aot_eager", fullgraph=True)  # fails on a break
-    out = compiled(accs, grads, sumsq)
+    out = compiled(flat, offsets, grads, sumsq)
     ref_sumsq = torch.zeros((), device=device)
-    reference.accumulate(expect, grads, 0.5, False, None, ref_sumsq)
+    reference.accumulate(want, offsets, grads, 0.5, False, None, ref_sumsq)
     for got, want in zip(accs, expect):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, 2 * ref_sumsq, rtol=2e-5, atol=0.0)
@@ -346,7 +352,7 @@ def test_triton_accumulates_past_2_pow_31_elements():
     acc = torch.full((n,), 0.25, device=device)
     grad[2**31 + 5] = float("nan")
     found_inf, sumsq = torch.zeros((), device=device), torch.zeros((), device=device)
-    tb.accumulate([acc], [grad], 2.0, False, found_inf, sumsq)
+    tb.accumulate(acc, torch.zeros(1, dtype=torch.int64), [grad], 2.0, False, found_inf, sumsq)
     for lo in (0, 2**31 - 1000, n - 3000):
         hi = lo + 2000
         want = 0.25 + 2.0 * grad[lo:hi].float()

@@ -58,18 +58,15 @@ if _C is not None:
 
 
 def accumulate(
-    accs: List[Tensor],
+    acc: Tensor,
+    offsets: Tensor,
     grads: List[Tensor],
     alpha: float,
     overwrite: bool,
     found_inf: Optional[Tensor] = None,
     sumsq: Optional[Tensor] = None,
 ) -> None:
-    if not accs:  # the dispatcher cannot pick a device for an op with no tensor at all
-        if grads:
-            raise ValueError(f"accumulate: grads has {len(grads)} tensors but accs has 0")
-        return
-    torch.ops.fused_accum_ext.accumulate_(accs, grads, float(alpha), bool(overwrite), found_inf, sumsq)
+    torch.ops.fused_accum_ext.accumulate_(acc, offsets, grads, float(alpha), bool(overwrite), found_inf, sumsq)
 
 
 def sgd_step(

@@ -29,6 +29,7 @@ from torch import Tensor
 import triton  # an ImportError here makes the backend unavailable (see backends._load)
 import triton.language as tl
 
+from . import reference
 from . import triton_kernels as kernels
 
 # One program owns a chunk of at most CHUNK elements of one tensor, walked in BLOCK steps.
@@ -109,11 +110,23 @@ def _tables(device: torch.device, rows: List[tuple]) -> _Tables:
     return tables
 
 
-def _row(numel: int, index: int, **tensors: Optional[Tensor]) -> tuple:
+class _Operand(NamedTuple):
+    """Where a table row's tensor starts, and its element size (for the alignment test)."""
+
+    address: int
+    element_size: int
+
+
+def _operand(t: Optional[Tensor]) -> Optional[_Operand]:
+    return None if t is None else _Operand(t.data_ptr(), t.element_size())
+
+
+def _row(numel: int, index: int, **operands: Optional[_Operand]) -> tuple:
     """One tensor-table row, in the column order of triton_kernels: size, list position,
-    alignment flag, then the address of each tensor by column name (0 where absent)."""
-    address = {name: t.data_ptr() for name, t in tensors.items() if t is not None}
-    aligned = _aligned(numel, [t for t in tensors.values() if t is not None])
+    alignment flag, then the address of each operand by column name (0 where absent)."""
+    present = {name: o for name, o in operands.items() if o is not None}
+    address = {name: o.address for name, o in present.items()}
+    aligned = _aligned(numel, present.values())
     return (
         numel, index, int(aligned),
         address.get("acc", 0), address.get("grad", 0), address.get("param", 0),
@@ -121,19 +134,19 @@ def _row(numel: int, index: int, **tensors: Optional[Tensor]) -> tuple:
     )  # fmt: skip
 
 
-def _aligned(numel: int, tensors: Sequence[Tensor]) -> bool:
+def _aligned(numel: int, operands) -> bool:
     """True when the kernels may use VEC-element vector accesses on this row: its size and
     every address are multiples of VEC elements. The optimizer's flat buffers (64-element
     slices) and freshly allocated gradients are; a view at an odd offset is not."""
     vec = kernels.VEC.value
-    return numel % vec == 0 and all(t.data_ptr() % (vec * t.element_size()) == 0 for t in tensors)
+    return numel % vec == 0 and all(o.address % (vec * o.element_size) == 0 for o in operands)
 
 
 # --- validation and layout -------------------------------------------------------------------
 
 
-def _device_of(accs: Sequence[Tensor]) -> torch.device:
-    device = accs[0].device
+def _device_of(t: Tensor) -> torch.device:
+    device = t.device
     if _INTERPRETED and device.type != "cpu":
         # the interpreter copies tensor arguments to the host, but not the tensors that the
         # tables address: it would dereference device addresses on the CPU
@@ -211,7 +224,8 @@ def _groups(keys: List[tuple]) -> "OrderedDict[tuple, List[int]]":
 
 
 def accumulate(
-    accs: List[Tensor],
+    acc: Tensor,
+    offsets: Tensor,
     grads: List[Tensor],
     alpha: float,
     overwrite: bool,
@@ -219,24 +233,25 @@ def accumulate(
     sumsq: Optional[Tensor] = None,
 ) -> None:
     """reference.accumulate, in one launch per gradient dtype (+1 for found_inf/sumsq)."""
-    if len(accs) != len(grads):
-        raise ValueError(f"accs and grads must have the same length, got {len(accs)} and {len(grads)}")
-    if not accs:
+    starts = reference.slice_starts(acc, offsets, grads)
+    if not grads:
         return
-    device = _device_of(accs)
+    device = _device_of(acc)
     _check_scalar("found_inf", found_inf, device)
     _check_scalar("sumsq", sumsq, device)
-    keep: list = []
-    for i, (acc, grad) in enumerate(zip(accs, grads)):
-        _check_acc("accs", i, acc, device)
-        _check_same("grads", i, grad, acc.numel(), device)
+    for i, grad in enumerate(grads):
         _check_dtype("grads", i, grad)
     stats = found_inf is not None or sumsq is not None
 
+    keep: list = []
     grads = [_readable(g, keep) for g in grads]
+    base = acc.data_ptr()
     launches = []
     for (dtype,), members in _groups([(g.dtype,) for g in grads]).items():
-        rows = [_row(accs[i].numel(), i, acc=accs[i], grad=grads[i]) for i in members]
+        rows = [
+            _row(grads[i].numel(), i, acc=_Operand(base + 4 * starts[i], 4), grad=_operand(grads[i]))
+            for i in members
+        ]
         launches.append((dtype, _tables(device, rows)))
     total_chunks = sum(t.n_chunks for _, t in launches)
     if total_chunks == 0:
@@ -244,12 +259,12 @@ def accumulate(
     # row 0: per-chunk sums of squares, row 1: per-chunk non-finite flags
     partials = torch.empty((2, total_chunks), dtype=torch.float32, device=device) if stats else None
     with _on(device):
-        base = 0
+        first = 0
         for dtype, tables in launches:
             if tables.n_chunks == 0:
                 continue
             if stats:
-                part_sq, part_bad = partials[0, base:], partials[1, base:]
+                part_sq, part_bad = partials[0, first:], partials[1, first:]
             else:  # never dereferenced (STATS=False), any tensor will do
                 part_sq = part_bad = tables.chunks
             kernels.accumulate_kernel[(tables.n_chunks,)](
@@ -257,7 +272,7 @@ def accumulate(
                 GRAD_DTYPE=_TL_DTYPE[dtype], OVERWRITE=bool(overwrite), STATS=stats,
                 CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
-            base += tables.n_chunks
+            first += tables.n_chunks
         if stats:
             kernels.reduce_stats_kernel[(1,)](
                 partials[0], partials[1], total_chunks,
@@ -303,7 +318,7 @@ def _step(
         raise ValueError(f"{name}: grads must be empty or as long as params ({n}), got {len(grads)}")
     if n == 0:
         return
-    device = _device_of(accs)
+    device = _device_of(accs[0])
     _check_scalar("lr", lr, device)
     _check_scalar("coef", coef, device)
     _check_scalar("found_inf", found_inf, device)
@@ -333,10 +348,10 @@ def _step(
     keys, rows = [], []
     for i in range(n):
         rows.append(_row(
-            accs[i].numel(), i, acc=accs[i], param=params[i],
-            grad=grads[i] if grads else None, lp=lp_params[i] if lp_params else None,
-            state0=state_lists[0][i] if len(state_lists) > 0 else None,
-            state1=state_lists[1][i] if len(state_lists) > 1 else None,
+            accs[i].numel(), i, acc=_operand(accs[i]), param=_operand(params[i]),
+            grad=_operand(grads[i] if grads else None), lp=_operand(lp_params[i] if lp_params else None),
+            state0=_operand(state_lists[0][i] if len(state_lists) > 0 else None),
+            state1=_operand(state_lists[1][i] if len(state_lists) > 1 else None),
         ))  # fmt: skip
         keys.append((
             params[i].dtype,
