@@ -122,8 +122,8 @@ def gbps(bytes_moved: float, ms: float) -> float:
 
 
 def flat_views(flat: torch.Tensor, shapes: Sequence[Sequence[int]], shaped: bool = False) -> List[torch.Tensor]:
-    """Views of ``flat``, one per shape, at padded offsets: 1-D (as the ops take them), or in
-    the parameter's own shape (as torch's ``.grad`` and optimizers see them)."""
+    """Views of ``flat``, one per shape, at padded offsets: 1-D (as the step ops take them), or
+    in the parameter's own shape (as torch's ``.grad`` and optimizers see them)."""
     numels = [math.prod(s) for s in shapes]
     offsets, total = padded_offsets(numels)
     if flat.numel() < total:

@@ -72,7 +72,7 @@ void* writable(Call& call, const at::Tensor& t) {
 Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads,
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args) {
-  // The same checks and messages as slice_starts in fused_accum/backends/reference.py.
+  // The same checks as slice_starts in fused_accum/backends/reference.py.
   const char* op = "accumulate_";
   Call call;
   TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous(), op,
@@ -103,9 +103,11 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
                 ", where the previous slice ends (0 for the first): slices must be in increasing "
                 "order and must not overlap");
     const int64_t numel = grad.numel();
+    // Compared before adding: start + numel could overflow for a huge offset.
+    TORCH_CHECK(numel <= acc.numel() - start[i], op, ": grads[", i, "] (", numel,
+                " elements at offset ", start[i], ") runs past the end of acc (", acc.numel(),
+                " elements)");
     end = start[i] + numel;
-    TORCH_CHECK(end <= acc.numel(), op, ": grads[", i, "] (", numel, " elements at offset ",
-                start[i], ") ends at ", end, ", past the end of acc (", acc.numel(), " elements)");
     if (numel == 0) continue;
     l.numel.push_back(numel);
     l.index.push_back(static_cast<int64_t>(i));

@@ -185,12 +185,14 @@ def test_accumulate_flags_nonfinite(backend, device, bad):
     assert found_inf.item() == 1.0
 
 
-# Every backend, the reference included, rejects a layout it cannot write safely, with the
-# same message (the reference states the contract; the C++ binding repeats its checks).
+# Every backend, the reference included, rejects a layout it cannot write safely, saying why
+# in the same words (the reference states the contract; the C++ binding repeats its checks).
 BAD_LAYOUTS = {
     "overlap": (lambda flat, offs: (flat, torch.tensor([0, 10])), "where the previous slice ends"),
     "decreasing": (lambda flat, offs: (flat, torch.tensor([64, 0])), "where the previous slice ends"),
-    "past_end": (lambda flat, offs: (flat, torch.tensor([0, 110])), "past the end of acc"),
+    "past_end": (lambda flat, offs: (flat, torch.tensor([0, 110])), "runs past the end of acc"),
+    # start + numel overflows int64: must not wrap around to a "valid" end before acc
+    "overflow": (lambda flat, offs: (flat, torch.tensor([0, 2**63 - 1])), "runs past the end of acc"),
     "negative": (lambda flat, offs: (flat, torch.tensor([-1, 64])), "where the previous slice ends"),
     "short_offsets": (lambda flat, offs: (flat, offs[:1]), "offsets has 1 entries but grads has 2"),
     "int32_offsets": (lambda flat, offs: (flat, offs.int()), "offsets must be a 1-D int64 CPU tensor"),

@@ -44,10 +44,12 @@ def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[
     """Check the layout ``accumulate`` takes and return the offsets as Python ints.
 
     ``acc`` 1-D contiguous fp32; ``offsets`` a 1-D int64 CPU tensor with one entry per gradient;
-    each gradient on acc's device, its slice inside ``acc`` and after the previous one. The C++ binding checks the same, with the
-    same messages (csrc/bindings.cpp, prepare_accumulate).
+    each gradient on acc's device, its slice inside ``acc`` and after the previous one. A
+    slice is as long as its gradient: that it is the right parameter's slice is the caller's
+    to guarantee (the optimizer's gradients come from autograd, shaped like their params).
+    The C++ binding makes the same checks (csrc/bindings.cpp, prepare_accumulate).
     """
-    if acc.dtype != torch.float32 or acc.dim() != 1 or acc.stride(0) != 1:
+    if acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous():
         raise ValueError(
             f"accumulate: acc must be a 1-D contiguous float32 tensor (the flat accumulator), "
             f"got {acc.dtype} of shape {tuple(acc.shape)} and strides {acc.stride()}"
@@ -69,12 +71,12 @@ def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[
                 f"accumulate: offsets[{i}] is {start}, before {end}, where the previous slice ends "
                 f"(0 for the first): slices must be in increasing order and must not overlap"
             )
-        end = start + grad.numel()
-        if end > acc.numel():
+        if grad.numel() > acc.numel() - start:
             raise ValueError(
-                f"accumulate: grads[{i}] ({grad.numel()} elements at offset {start}) ends at {end}, "
-                f"past the end of acc ({acc.numel()} elements)"
+                f"accumulate: grads[{i}] ({grad.numel()} elements at offset {start}) runs past the "
+                f"end of acc ({acc.numel()} elements)"
             )
+        end = start + grad.numel()
     return starts
 
 
