@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -134,7 +134,7 @@ def _row(numel: int, index: int, **operands: Optional[_Operand]) -> tuple:
     )  # fmt: skip
 
 
-def _aligned(numel: int, operands) -> bool:
+def _aligned(numel: int, operands: Iterable[_Operand]) -> bool:
     """True when the kernels may use VEC-element vector accesses on this row: its size and
     every address are multiples of VEC elements. The optimizer's flat buffers (64-element
     slices) and freshly allocated gradients are; a view at an odd offset is not."""
