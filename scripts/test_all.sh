@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 
 echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
-"$PY" -m pytest -q tests
+"$PY" -m pytest -q tests --ignore=tests/integration
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
@@ -17,3 +17,7 @@ bash scripts/ctest.sh
 
 echo "== the CUDA extension compiles and links for sm_80 and sm_90 (torch 2.14.1 cu130), no spills"
 bash scripts/check_cuda_build.sh
+
+# Its own process (the frameworks are heavy to import, and Accelerate keeps per-process state).
+echo "== pytest: HF Trainer, Accelerate and Lightning on fused_accum.AdamW against torch.optim.AdamW"
+HF_HUB_OFFLINE=1 "$PY" -m pytest -q tests/integration
