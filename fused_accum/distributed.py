@@ -15,7 +15,7 @@ from torch import Tensor
 
 
 class WindowReducer:
-    """All-reduces the accumulator buckets of one window; the optimizer calls it.
+    """All-reduces the accumulator buckets at a window's end; the window calls it.
 
     Collectives pair up by the order in which ranks issue them, so buckets are always launched
     in one fixed order (flat groups, then buckets: the order backward usually completes them).
@@ -29,27 +29,29 @@ class WindowReducer:
                                "(call torch.distributed.init_process_group first)")  # fmt: skip
         self.group = group
         self.world = dist.get_world_size(group)
-        self.reset()
+        # NCCL averages in the collective; gloo has no AVG, so its sum is divided after (one
+        # more pass over the buffer, 8 B per param per window).
+        self._avg_op = getattr(dist.ReduceOp, "AVG", None) if dist.get_backend(group) == "nccl" else None
+        self._works, self._ready, self._launched = [], set(), set()
 
     def bucket_ready(self, flat_groups, bucket) -> None:
         """``bucket`` holds its final local values: launch it and any ready ones after it."""
         self._ready.add(id(bucket))
         self._launch(flat_groups, only_ready=True)
 
-    def launched(self, bucket) -> bool:
-        return id(bucket) in self._launched
-
     def finish(self, flat_groups) -> None:
         """Reduce what is left, wait for everything, and average. Afterwards every slot holds
         the group's gradient (zero where no rank had one)."""
         self._launch(flat_groups, only_ready=False)
-        for work in self._works:
+        works, self._works = self._works, []
+        for work in works:
             work.wait()
         for flat in flat_groups:
-            flat.acc.div_(self.world)  # padding is zero: dividing the whole buffer is one pass
+            if self._avg_op is None:
+                flat.acc.div_(self.world)  # padding is zero: dividing the whole buffer is one pass
             for slot in flat.slots:
                 slot.has_grad = True
-        self._works, self.done = [], True
+        self._ready, self._launched = set(), set()
 
     def average_(self, value: Tensor) -> Tensor:
         """``value`` (a 0-d device tensor) replaced by its mean over the group, in place."""
@@ -57,9 +59,11 @@ class WindowReducer:
         return value.div_(self.world)
 
     def reset(self) -> None:
-        for work in getattr(self, "_works", []):  # a window discarded mid-reduction
+        """Forget a window discarded mid-reduction (its collectives still complete first)."""
+        works, self._works = self._works, []
+        for work in works:
             work.wait()
-        self._works, self._ready, self._launched, self.done = [], set(), set(), False
+        self._ready, self._launched = set(), set()
 
     def _launch(self, flat_groups, only_ready: bool) -> None:
         for flat in flat_groups:
@@ -68,10 +72,11 @@ class WindowReducer:
                     continue
                 if only_ready and id(bucket) not in self._ready:
                     return  # keep the fixed order: later buckets wait for this one
-                # A slice this rank has no gradient for holds last window's values: zero it.
+                # A slice this rank has no gradient for holds stale values: zero it.
                 for slot in bucket.slots:
                     if not slot.has_grad:
                         slot.acc.zero_()
                 segment = flat.acc[bucket.start : bucket.end]
-                self._works.append(dist.all_reduce(segment, group=self.group, async_op=True))
+                op = self._avg_op if self._avg_op is not None else dist.ReduceOp.SUM
+                self._works.append(dist.all_reduce(segment, op=op, group=self.group, async_op=True))
                 self._launched.add(id(bucket))

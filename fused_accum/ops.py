@@ -88,6 +88,7 @@ def _adam_step(
     params: List[Tensor],
     exp_avgs: List[Tensor],
     exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
     accs: List[Tensor],
     steps: Tensor,
     lr: Tensor,
@@ -105,16 +106,19 @@ def _adam_step(
     found_inf: Optional[Tensor],
     backend: str,
 ) -> None:
+    # amsgrad's running max is passed only when present (empty list: amsgrad off)
+    amsgrad = dict(max_exp_avg_sqs=max_exp_avg_sqs) if max_exp_avg_sqs else {}
     backends.get(backend).adam_step(
         params, exp_avgs, exp_avg_sqs, accs, steps, lr, coef,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
         maximize=maximize, lp_params=lp_params, grads=grads, grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite, found_inf=found_inf,
+        grads_overwrite=grads_overwrite, found_inf=found_inf, **amsgrad,
     )  # fmt: skip
 
 
 adam_step_ = torch.library.custom_op(
-    "fused_accum::adam_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "lp_params")
+    "fused_accum::adam_step_",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params"),
 )(_adam_step)
 
 

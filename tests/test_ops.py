@@ -20,7 +20,7 @@ def _adam_args(n=5, with_grads=False):
     acc = torch.randn(2 * n, generator=gen)
     params, m, v, accs = [t(), t()], [t(), t()], [t().abs(), t().abs()], [acc[:n], acc[n:]]
     grads = [t().bfloat16(), t().bfloat16()] if with_grads else []
-    return acc, (params, m, v, accs, torch.tensor([1.0, 3.0]), torch.tensor(0.01), torch.tensor(0.5),
+    return acc, (params, m, v, [], accs, torch.tensor([1.0, 3.0]), torch.tensor(0.01), torch.tensor(0.5),
             0.9, 0.99, 1e-8, 0.01, True, False, [], grads, 1.0, False, torch.zeros(()), "reference")
 
 

@@ -1,0 +1,487 @@
+"""The gradient window: autograd hooks, micro-batch counting, ``.grad`` exposure and statistics.
+
+A window is everything between two optimizer steps. While it is open, each parameter's
+gradients are folded into its slice of the flat fp32 accumulator (:mod:`fused_accum.flat`):
+
+1. A tensor pre-hook runs before AccumulateGrad. If ``.grad`` shows our fp32 view (exposed at
+   the end of the last backward), it hides it: else autograd would add the new gradient into
+   the view itself, bypassing the kernels, and we would fold it twice.
+2. Autograd then stores the new gradient as ``p.grad`` in its own dtype (``p.grad_dtype = None``
+   for bf16/fp16 params stops autograd casting it), and a post-accumulate-grad hook moves it to
+   the parameter's bucket. A complete bucket is one ``accumulate_`` call; the window's first
+   gradient of a slice overwrites it, so no zeroing pass is needed.
+3. A callback queued on the autograd engine flushes partial buckets, counts the micro-batch and
+   sets every ``p.grad`` that has a gradient to the fp32 running sum (a view of the buffer),
+   after every backward, exactly where native accumulation would show a ``.grad``.
+
+Once exposed, ``.grad`` is the truth, as with torch's optimizers: a ``.grad`` cleared since
+(``model.zero_grad()``) discards that parameter's window, one replaced by another tensor becomes
+its accumulated gradient, and in-place edits (clipping, unscaling) edit the buffer.
+
+``accum_steps`` (when known) is only a hint that enables fusions on the window's last backward:
+the norm and non-finite flag come out of its accumulate pass, ``step_in_backward`` steps buckets
+as they complete, and data-parallel buckets are reduced while the backward still runs.
+
+The window holds its optimizer weakly and the hooks hold the window weakly, so deleting the
+optimizer frees everything at once; a finaliser then removes the hooks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import warnings
+import weakref
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
+
+# id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
+# because tensors compare element-wise, not by identity.
+_OWNERS: dict = {}
+
+
+def owner(param: Tensor) -> Optional["GradientWindow"]:
+    """The live window hooked to ``param``, or None."""
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+class WgradTarget(NamedTuple):
+    """Where a fused weight-gradient GEMM writes a parameter's gradient (see ``wgrad_target``)."""
+
+    acc: Tensor  # fp32, shaped like the parameter: its accumulator slice
+    overwrite: bool  # the window's first gradient of this slice: write, do not add
+    backend: str  # the resolved backend of the parameter's flat group
+    done: Callable[[], None]  # call right after writing: the slice has arrived for this backward
+
+
+def wgrad_target(param: Tensor) -> Optional[WgradTarget]:
+    """Where a weight-gradient GEMM may write ``param``'s gradient in place, or None when the
+    gradient must be returned to autograd as usual (no live optimizer owns ``param``, or the
+    window cannot take an in-place gradient now)."""
+    window = owner(param)
+    return None if window is None else window.wgrad_target(param)
+
+
+def _hide_exposed_grad(window_ref, key: int, grad: Tensor) -> None:
+    """Tensor pre-hook (before AccumulateGrad)."""
+    window = window_ref()
+    if window is not None:
+        window._before_accumulate(key)
+
+
+def _take_grad(window_ref, key: int, param: Tensor) -> None:
+    """Post-accumulate-grad hook."""
+    window = window_ref()
+    if window is not None:
+        window._receive(key, param)
+
+
+def _complete(bucket: Bucket) -> bool:
+    """Every slot of ``bucket`` has arrived in this backward (as a tensor or in place)."""
+    n = len(bucket.arrived)
+    if bucket.in_place:
+        n += len(bucket.in_place.difference(bucket.arrived))
+    return n == len(bucket.slots)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class GradientWindow:
+    """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
+
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, fused_step, label):
+        self.accum_steps = accum_steps
+        self.step_in_backward = step_in_backward
+        self.wants_stats = wants_stats
+        self.reducer = reducer
+        self._fused_step = fused_step  # a WeakMethod of the optimizer's fused step
+        self._label = label  # how errors name the optimizer
+        self.flat_groups: list[FlatGroup] = []
+        self.slots: list[Slot] = []  # by key
+        self._slot_of: dict = {}  # id(param) -> slot
+        self.microbatches = 0
+        self.stepped_in_backward = False
+        self.detached_because: Optional[str] = None
+        self._exposed = False  # .grad currently shows the window (see reconcile)
+        self._stats: dict = {}  # device -> (found_inf, sumsq) of the current window
+        self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
+        self._lock = threading.RLock()
+        self._handles: list = []
+        self._no_sync = False
+        self._no_sync_used = False
+        self._unreduced = False  # gradients were added since the last data-parallel reduction
+        self._pieces_seen = False  # some slot received two gradients in one micro-batch
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+
+    # --- membership ------------------------------------------------------------------------
+
+    def add(self, flat: FlatGroup) -> None:
+        self.flat_groups.append(flat)
+        self.slots.extend(flat.slots)
+        self._slot_of.update((id(s.param), s) for s in flat.slots)
+
+    def slot_for(self, param: Tensor) -> Optional[Slot]:
+        slot = self._slot_of.get(id(param))
+        return slot if slot is not None and slot.param is param else None
+
+    def attach(self, slots: list) -> None:
+        """Hook ``slots`` and own their parameters; a live window that owned any of them is
+        detached first (the newest optimizer over a parameter wins)."""
+        older = {owner(s.param) for s in slots} - {None, self}
+        for window in older:
+            window.detach(f"a newer optimizer took over its parameters ({self._label})")
+        this = weakref.ref(self)
+        for slot in slots:
+            p = slot.param
+            key = id(p)
+
+            def forget(ref, key=key):  # the parameter died: drop its entry (unless reused since)
+                if _OWNERS.get(key, (None,))[0] is ref:
+                    del _OWNERS[key]
+
+            _OWNERS[key] = (weakref.ref(p, forget), this)
+            if p.dtype in LOW_PRECISION:
+                # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
+                p.grad_dtype = None
+            # The hooks carry the window weakly and the slot by number: no reference cycle
+            # through the parameter, and nothing of the optimizer kept alive.
+            self._handles.append(p.register_hook(functools.partial(_hide_exposed_grad, this, slot.key)))
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_take_grad, this, slot.key)))
+
+    def detach(self, reason: str) -> None:
+        """Stop taking gradients (autograd fills ``.grad`` natively again) and give up the
+        parameters; warns if the window held gradients that are now discarded."""
+        if self.detached_because is not None:
+            return
+        if any(s.has_grad for s in self.slots) or any(b.arrived for f in self.flat_groups for b in f.buckets):
+            warnings.warn(f"{self._label} was detached ({reason}) with gradients accumulated in its "
+                          "window: they are discarded", stacklevel=4)  # fmt: skip
+        _remove_handles(self._handles)
+        for slot in self.slots:
+            if owner(slot.param) is self:
+                del _OWNERS[id(slot.param)]
+            if slot.param.grad is slot.grad_view:
+                slot.param.grad = None
+        self.detached_because = reason
+
+    def check_attached(self) -> None:
+        if self.detached_because is not None:
+            raise RuntimeError(f"{self._label} can no longer step: {self.detached_because}. "
+                               "Use the newer optimizer.")  # fmt: skip
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def _before_accumulate(self, key: int) -> None:
+        if self._exposed:
+            self.reconcile(before_backward=True)
+        slot = self.slots[key]
+        if slot.param.grad is slot.grad_view:
+            slot.param.grad = None
+            # Re-exposed at the end of this backward, even one that never reaches AccumulateGrad
+            # (torch.autograd.grad runs tensor hooks too).
+            self._queue_end_of_backward(arrived=False)
+
+    def _receive(self, key: int, param: Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        slot = self.slots[key]
+        if grad.is_sparse:
+            raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
+        param.grad = None
+        with self._lock:  # autograd runs one thread per device: buckets may span devices' hooks
+            self._queue_end_of_backward(arrived=True)
+            if self.stepped_in_backward:
+                raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
+                                   f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
+            flat = self.flat_groups[slot.flat_index]
+            bucket = flat.buckets[slot.bucket_index]
+            earlier = bucket.arrived.get(key)
+            bucket.arrived[key] = grad if earlier is None else earlier + grad
+            if _complete(bucket):
+                self._fold(flat, bucket, complete=True)
+
+    def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
+        slot = self._slot_of.get(id(param))
+        if slot is None or slot.param is not param or self.step_in_backward or self.detached_because:
+            return None  # (step_in_backward steps a bucket from its gradients as tensors)
+        flat = self.flat_groups[slot.flat_index]
+        bucket = flat.buckets[slot.bucket_index]
+        with self._lock:
+            self._queue_end_of_backward(arrived=True)
+            # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
+            # folded later with add: has_grad is set by done() before that can happen.
+            overwrite = not slot.has_grad
+
+        def done() -> None:
+            with self._lock:
+                self._mark_folded(slot, stats=False)
+                bucket.in_place.add(slot.key)
+                if _complete(bucket):
+                    self._fold(flat, bucket, complete=True)
+
+        return WgradTarget(slot.grad_view, overwrite, flat.backend, done)
+
+    def _queue_end_of_backward(self, arrived: bool) -> None:
+        """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather
+        than a flag: a backward that raised before its end leaves nothing stuck (ids are never
+        reused), and reentrant backwards nested in it keep their own."""
+        task = torch._C._current_graph_task_id()
+        seen = self._tasks.get(task)
+        if seen is None:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+            self._tasks[task] = arrived
+        elif arrived and not seen:
+            self._tasks[task] = True
+
+    # --- folding ----------------------------------------------------------------------------
+
+    def _last_backward(self) -> bool:
+        """The backward now running ends the window (known only with accum_steps)."""
+        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
+
+    def _syncs(self) -> bool:
+        """The backward now running ends with a data-parallel reduction."""
+        if self.reducer is None or self._no_sync:
+            return False
+        return self.accum_steps is None or self._no_sync_used or self.microbatches >= self.accum_steps - 1
+
+    def _mark_folded(self, slot: Slot, stats: bool) -> None:
+        if slot.folded_in == self.microbatches:
+            self._pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
+        if slot.in_stats or (slot.folded_in == self.microbatches and stats):
+            self.invalidate_stats()  # its value in the norm/flag is no longer final
+        elif stats:
+            slot.in_stats = True
+        slot.folded_in = self.microbatches
+        slot.has_grad = True
+        self._unreduced = True
+
+    def _fold(self, flat: FlatGroup, bucket: Bucket, complete: bool = False) -> None:
+        """One op call per (overwrite, add) kind for the bucket's arrived gradients: an
+        accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
+        arrived, bucket.arrived = bucket.arrived, {}
+        in_order = [s for s in bucket.slots if s.key in arrived]  # accumulate takes increasing offsets
+        fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
+        # On the window's last backward the values written are final: the same pass adds them
+        # to the window's norm and non-finite flag (unless a reduction changes them after).
+        local_stats = self._last_backward() and self.wants_stats and not self._syncs()
+        # Partitioned before folding: a fold sets has_grad.
+        kinds = [(True, [s for s in in_order if not s.has_grad]), (False, [s for s in in_order if s.has_grad])]
+        for overwrite, slots in kinds:
+            if not slots:
+                continue
+            grads = [arrived[s.key] for s in slots]
+            if fuse_step:
+                if any(s.stepped for s in slots):
+                    raise RuntimeError(f"{self._label}: a parameter received a second gradient after "
+                                       "step_in_backward stepped it (a layer reused under several "
+                                       "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
+                fused_step = self._fused_step()
+                fused_step(flat, slots, flat.coef.fill_(1.0), None, grads, overwrite)
+                continue
+            fresh = [s.folded_in != self.microbatches for s in slots]
+            stats = local_stats and all(fresh)
+            found_inf, sumsq = self.stats_tensors(flat.device) if stats else (None, None)
+            if len(slots) == len(bucket.slots):
+                offsets = bucket.offsets
+            else:
+                offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
+            ops.accumulate(flat.acc, offsets, grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            for slot in slots:
+                self._mark_folded(slot, stats)
+        if fuse_step:
+            for slot in in_order:
+                slot.stepped = True
+                slot.has_grad = False  # stepped from its last gradient: nothing left in the window
+                slot.folded_in = self.microbatches
+        if complete:
+            bucket.in_place.clear()
+            if self._syncs():
+                self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
+
+    def flush(self) -> None:
+        with self._lock:
+            for flat in self.flat_groups:
+                for bucket in flat.buckets:
+                    if bucket.arrived:
+                        self._fold(flat, bucket)
+                    bucket.in_place.clear()
+
+    # --- end of a backward ----------------------------------------------------------------------
+
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            arrived = self._tasks.pop(task, False)
+            self.flush()
+            enclosing = torch._C._current_autograd_node()
+            if enclosing is not None:
+                # This backward ran inside a node of another one (checkpoint(use_reentrant=True)
+                # re-enters the engine): the micro-batch ends with the outermost backward, so
+                # queue there once that node is done.
+                enclosing.register_hook(lambda *_: self._queue_end_of_backward(arrived))
+                return
+            if arrived:
+                self._count_microbatch()
+            self.expose()
+
+    def _count_microbatch(self) -> None:
+        syncs = self._syncs()
+        self.microbatches += 1
+        if self.step_in_backward and self.microbatches == self.accum_steps and not self._pieces_seen:
+            # Slots whose gradients all came before the last micro-batch step here; the rest
+            # were stepped as their buckets completed. step() then only ends the window.
+            fused_step = self._fused_step()
+            for flat in self.flat_groups:
+                fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
+            for slot in self.slots:
+                slot.has_grad = False
+            self.stepped_in_backward = True
+        elif syncs:
+            self.finish_reduction()
+
+    def finish_reduction(self) -> None:
+        """Complete the data-parallel reduction of what was added since the last one (if
+        anything): afterwards every slot holds the group's gradient."""
+        if self.reducer is not None and self._unreduced:
+            self.reducer.finish(self.flat_groups)
+            self._unreduced = False
+            self.invalidate_stats()  # any local norm described local values
+
+    def expose(self) -> None:
+        """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
+        self._exposed = True
+        for slot in self.slots:
+            p = slot.param
+            if slot.has_grad:
+                if p.grad is not slot.grad_view:
+                    p.grad = slot.grad_view
+            elif p.grad is slot.grad_view:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside do not reduce across the process group; the first one
+        outside ends the window with the reduction (DDP's ``no_sync()``)."""
+        self._no_sync_used = True
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # --- .grad is the truth ---------------------------------------------------------------------
+
+    def reconcile(self, before_backward: bool = False) -> None:
+        """Take what the user did to an exposed ``.grad`` since it was exposed: cleared discards
+        that parameter's window, replaced by another tensor becomes its accumulated gradient
+        (in-place edits already went into the buffer). Runs before the next backward touches
+        any ``.grad``, and before anything reads the buffers."""
+        with self._lock:
+            if not self._exposed:
+                return
+            changed = False
+            for slot in self.slots:
+                grad = slot.param.grad
+                if grad is slot.grad_view:
+                    continue
+                if grad is None:
+                    changed |= slot.has_grad
+                    slot.has_grad = False
+                else:
+                    self.take_user_grad(slot, grad)
+                    changed = True
+                    if before_backward:
+                        slot.param.grad = None  # the next gradient is added by our kernels
+            if changed and not any(slot.has_grad for slot in self.slots):
+                self._forget_all()  # everything was cleared: a new window starts
+            elif changed:
+                self.invalidate_stats()  # the norm/flag described values that are gone
+            self._exposed = not before_backward
+
+    def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+        slot.acc.copy_(grad.reshape(-1))
+        slot.has_grad = True
+        slot.in_stats = False
+        self._unreduced = True
+
+    # --- statistics ---------------------------------------------------------------------------
+
+    def stats_tensors(self, device) -> tuple:
+        if device not in self._stats:
+            zeros = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
+            self._stats[device] = tuple(zeros)
+        return self._stats[device]
+
+    def invalidate_stats(self) -> None:
+        """Forget the window's norm and non-finite flag; the step recomputes them from the buffers."""
+        for slot in self.slots:
+            slot.in_stats = False
+        for found_inf, sumsq in self._stats.values():
+            found_inf.zero_()
+            sumsq.zero_()
+
+    def complete_stats(self) -> dict:
+        """device -> (found_inf, sumsq) over every gradient of the window: what the last
+        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group."""
+        for flat in self.flat_groups:
+            missing = [s.acc for s in flat.slots if s.has_grad and not s.in_stats]
+            if missing:
+                _, sumsq = self.stats_tensors(flat.device)
+                norms = torch._foreach_norm(missing)
+                sumsq.add_(torch.stack(norms).square().sum())
+                for slot in flat.slots:
+                    slot.in_stats = slot.in_stats or slot.has_grad
+        return {flat.device: self.stats_tensors(flat.device) for flat in self.flat_groups}
+
+    # --- the window's end ---------------------------------------------------------------------
+
+    def pending(self) -> bool:
+        return any(s.has_grad for s in self.slots) or any(b.arrived for f in self.flat_groups for b in f.buckets)
+
+    def after_step(self) -> None:
+        """The optimizer stepped: the next backward starts counting micro-batches anew. The
+        accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
+        until ``zero_grad()``); a backward before ``zero_grad()`` adds to them."""
+        self.microbatches = 0
+        self.stepped_in_backward = False
+        for slot in self.slots:
+            slot.stepped = False
+            slot.folded_in = -1
+        self.invalidate_stats()
+
+    def discard(self) -> None:
+        """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
+        from a backward that raised); the next gradient of each slot overwrites it."""
+        for flat in self.flat_groups:
+            for bucket in flat.buckets:
+                bucket.arrived = {}
+                bucket.in_place.clear()
+        self._tasks.clear()  # those of a backward that raised: they will never run
+        self._forget_all()
+        for slot in self.slots:
+            if slot.param.grad is slot.grad_view or slot.param.grad is not None:
+                slot.param.grad = None
+
+    def _forget_all(self) -> None:
+        self._exposed = False
+        self._unreduced = False
+        if self.reducer is not None:
+            self.reducer.reset()
+        for slot in self.slots:
+            slot.has_grad = False
+        self.after_step()
