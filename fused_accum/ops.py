@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .backends import wgrad
 
 
 def _accumulate(
@@ -163,6 +164,25 @@ def _(*args):
     return None
 
 
+def _wgrad_accumulate(
+    acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool, backend: str
+) -> None:
+    # acc[N, K] = (0 if overwrite else acc) + grad_output[..., N]^T @ input[..., K], fp32
+    # accumulation: the weight gradient of a Linear written into its fp32 accumulator slice
+    # (contract and per-backend implementations in fused_accum.backends.wgrad).
+    wgrad.get(backend, acc.device)(acc, grad_output, input, overwrite)
+
+
+wgrad_accumulate_ = torch.library.custom_op(
+    "fused_accum::wgrad_accumulate_", mutates_args=("acc",)
+)(_wgrad_accumulate)
+
+
+@wgrad_accumulate_.register_fake
+def _(acc, grad_output, input, overwrite, backend):
+    return None
+
+
 def _eager_or_traced(op, implementation):
     def call(*args):
         return (op if torch.compiler.is_compiling() else implementation)(*args)
@@ -176,3 +196,4 @@ accumulate = _eager_or_traced(accumulate_, _accumulate)
 sgd_step = _eager_or_traced(sgd_step_, _sgd_step)
 adam_step = _eager_or_traced(adam_step_, _adam_step)
 lion_step = _eager_or_traced(lion_step_, _lion_step)
+wgrad_accumulate = _eager_or_traced(wgrad_accumulate_, _wgrad_accumulate)

@@ -1,0 +1,220 @@
+"""The fused weight-gradient GEMM: ``acc = (0 if overwrite else acc) + grad_output^T @ input``.
+
+A Linear layer's weight gradient is ``grad_output^T @ input`` summed over every leading
+(batch, sequence) position. Autograd computes it in the inputs' dtype (bf16 under autocast: an
+[N, K] bf16 tensor, rounded, written, read back and folded into the fp32 accumulator); this op
+writes it straight into the weight's fp32 accumulator slice instead, as Megatron-Core's
+``gradient_accumulation_fusion`` and Transformer Engine's ``fuse_wgrad_accumulation`` do:
+no low-precision weight gradient exists, nothing is rounded to bf16, and 2 + 2 + 4 + 4 bytes
+per weight per micro-batch of traffic are gone (write and read the bf16 grad; the fold's
+read-modify-write of acc happens in the GEMM's epilogue instead).
+
+Contract (every backend; :func:`reference` is the specification and the test oracle):
+
+- ``acc``: [N_out, K_in] float32, contiguous (a view of the flat accumulator, shaped like the
+  weight). Overwritten when ``overwrite`` (its old contents, junk or not, are never read: the
+  window's first micro-batch), added to otherwise.
+- ``grad_output``: [..., N_out]; ``input``: [..., K_in], with the same leading shape (flattened
+  to M rows; M = 0 leaves acc unchanged, or zeroed when overwriting). Both bf16, fp16 or fp32,
+  the same dtype, on acc's device, any strides. The product is computed with fp32
+  accumulation whatever their dtype; for fp32 inputs it is the same GEMM autograd would run
+  (so TF32 follows ``torch.backends.cuda.matmul.allow_tf32``, as ``nn.Linear``'s does).
+
+One function per backend, chosen by the backend name the window resolved for the weight's flat
+group (:func:`get`; ``"auto"`` goes through :func:`fused_accum.backends.resolve`, the one place
+that picks backends). The Triton kernel is in :mod:`.wgrad_triton` (it needs ``triton``).
+This op uses none of the C++ extension: ``cpu`` and ``cuda`` are the names of the backends the
+accumulator's group runs on, and their wgrad is ``torch`` BLAS (oneDNN/MKL, cuBLAS) called as
+measured below.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Tuple
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("fused_accum")
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check(acc: Tensor, grad_output: Tensor, input: Tensor) -> Tuple[Tensor, Tensor]:
+    """Validate the contract's arguments; return grad_output and input as [M, N] and [M, K].
+
+    ``reshape`` keeps a view wherever the strides allow one (a transposed or sliced
+    grad_output stays a strided 2-D view, which every backend reads as it is) and copies only
+    when no 2-D view exists (e.g. a permuted 3-D tensor).
+    """
+    if acc.dtype != torch.float32 or acc.dim() != 2 or not acc.is_contiguous():
+        raise ValueError(
+            f"wgrad_accumulate: acc must be a 2-D contiguous float32 tensor [N_out, K_in] (the "
+            f"weight's accumulator slice), got {acc.dtype} of shape {tuple(acc.shape)} and "
+            f"strides {acc.stride()}"
+        )
+    n_out, k_in = acc.shape
+    for name, t, want in (("grad_output", grad_output, n_out), ("input", input, k_in)):
+        if t.dim() < 1 or t.shape[-1] != want:
+            raise ValueError(
+                f"wgrad_accumulate: {name} must be [..., {want}] to match acc {tuple(acc.shape)}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"wgrad_accumulate: {name} must be bf16, fp16 or fp32, got {t.dtype}")
+        if t.device != acc.device:
+            raise ValueError(f"wgrad_accumulate: {name} is on {t.device}, expected {acc.device} (acc's device)")
+    if grad_output.shape[:-1] != input.shape[:-1]:
+        raise ValueError(
+            f"wgrad_accumulate: grad_output {tuple(grad_output.shape)} and input "
+            f"{tuple(input.shape)} must have the same leading (batch) shape"
+        )
+    if grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"wgrad_accumulate: grad_output ({grad_output.dtype}) and input ({input.dtype}) "
+            f"must have the same dtype"
+        )
+    return grad_output.reshape(-1, n_out), input.reshape(-1, k_in)
+
+
+# --- reference: the specification --------------------------------------------------------------
+
+
+def reference(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
+    """fp32 GEMM of the upcast inputs, then overwrite or add. Any device; the test oracle."""
+    g, x = check(acc, grad_output, input)
+    product = g.float().t() @ x.float()
+    if overwrite:
+        acc.copy_(product)
+    else:
+        acc.add_(product)
+
+
+# --- cpu ---------------------------------------------------------------------------------------
+
+# torch 2.13's CPU build has no out_dtype GEMM ('aten::mm.dtype' / 'addmm.dtype' have no CPU
+# kernel), and on this project's CPU (AMD EPYC, AVX2, no AVX512-BF16/AMX) a bf16 GEMM is
+# emulated: 2-6x slower than fp32 sgemm of the upcast operands (2 threads, 4096 x 2048 x 512:
+# bf16 mm + fold 2,195 ms, upcast + fp32 addmm_ 600 ms; full table from benchmarks/wgrad.py in
+# the README). So bf16/fp16 inputs are upcast to fp32 and added by sgemm with beta = 1
+# (addmm_) into acc: the precision of the fused path (no bf16 rounding of the product) at
+# sgemm speed. Upcasting all M rows at once would allocate M x (N + K) x 4 bytes, for long
+# sequences far more than the bf16 weight gradient (2 N K bytes) this op exists to avoid, so
+# the rows go in blocks whose two fp32 copies take at most N K bytes (half that gradient), but
+# never fewer than CPU_MIN_BLOCK_ROWS rows: below ~256 rows MKL's sgemm with beta = 1 slowed
+# 2-6x in the same measurement (1024 x 1024 acc, 2048 rows: 64-row blocks 1,320 ms, 256-row
+# 613 ms, all rows 217-378 ms; this machine's timings move by 2x between runs).
+CPU_MIN_BLOCK_ROWS = 256
+
+
+def cpu_block_rows(m: int, n_out: int, k_in: int) -> int:
+    """Rows of grad_output/input upcast per sgemm call by :func:`cpu` (see CPU_MIN_BLOCK_ROWS)."""
+    rows = max(CPU_MIN_BLOCK_ROWS, (n_out * k_in) // (4 * (n_out + k_in)))
+    return max(1, min(m, rows))
+
+
+def cpu_temp_bytes(m: int, n_out: int, k_in: int) -> int:
+    """The most bytes :func:`cpu` allocates at once for ``m`` rows (0 for fp32 inputs)."""
+    return 4 * cpu_block_rows(m, n_out, k_in) * (n_out + k_in)
+
+
+def cpu(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
+    """fp32 sgemm into acc (beta = 1, or beta = 0 on overwrite); bf16/fp16 upcast in row blocks."""
+    g, x = check(acc, grad_output, input)
+    if acc.device.type != "cpu":
+        raise ValueError(f"wgrad_accumulate: the cpu backend runs on CPU tensors, acc is on {acc.device}")
+    m = g.shape[0]
+    if m == 0:
+        if overwrite:
+            acc.zero_()
+        return
+    if g.dtype == torch.float32:
+        if overwrite:
+            torch.mm(g.t(), x, out=acc)
+        else:
+            acc.addmm_(g.t(), x)
+        return
+    rows = cpu_block_rows(m, *acc.shape)
+    for start in range(0, m, rows):
+        gb, xb = g[start : start + rows].float(), x[start : start + rows].float()
+        if overwrite and start == 0:
+            torch.mm(gb.t(), xb, out=acc)
+        else:
+            acc.addmm_(gb.t(), xb)
+
+
+# --- cuda --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _out_dtype_gemm() -> bool:
+    """Whether torch has the fp32-output GEMM for bf16/fp16 operands (``out_dtype=``, 2.8+)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+def cuda(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
+    """cuBLAS: bf16/fp16 operands, fp32 C = acc, beta = 1 (beta = 0 on overwrite), one call.
+
+    ``torch.addmm(acc, g^T, x, out_dtype=float32, out=acc)``: cuBLAS(Lt) reads the fp32 C tile
+    and adds the fp32-accumulated product in its epilogue, the fold Megatron's
+    ``wgrad_gemm_accum_fp32`` kernel does. torch 2.14.1's CUDA kernel accepts an fp32 ``self``
+    with bf16 operands ("self dtype must match either out_dtype or mat1 dtype"); g^T is a
+    transposed view, which cuBLAS takes as a transpose flag, no copy. Without out_dtype
+    (torch < 2.8) the operands are upcast (correct, one fp32 copy of each; logged once).
+    """
+    g, x = check(acc, grad_output, input)
+    if acc.device.type != "cuda":
+        raise ValueError(f"wgrad_accumulate: the cuda backend runs on CUDA tensors, acc is on {acc.device}")
+    if g.shape[0] == 0:
+        if overwrite:
+            acc.zero_()
+        return
+    if g.dtype == torch.float32:
+        if overwrite:
+            torch.mm(g.t(), x, out=acc)
+        else:
+            acc.addmm_(g.t(), x)
+    elif _out_dtype_gemm():
+        if overwrite:
+            torch.mm(g.t(), x, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+    else:
+        _log_once(f"torch {torch.__version__} has no out_dtype GEMM: wgrad upcasts its operands")
+        if overwrite:
+            torch.mm(g.float().t(), x.float(), out=acc)
+        else:
+            acc.addmm_(g.float().t(), x.float())
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info("fused_accum: %s", message)
+
+
+# --- selection -----------------------------------------------------------------------------------
+
+
+def _triton(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
+    from . import wgrad_triton  # imports triton: only when this backend is used
+
+    wgrad_triton.wgrad_accumulate(acc, grad_output, input, overwrite)
+
+
+IMPLEMENTATIONS = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": _triton}
+
+
+def get(backend: str, device: torch.device | str | None = None) -> Callable[[Tensor, Tensor, Tensor, bool], None]:
+    """The wgrad implementation of ``backend``: a resolved name, or "auto" (needs ``device``)."""
+    if backend == "auto":
+        from . import resolve  # the one place that picks a backend
+
+        if device is None:
+            raise ValueError("wgrad_accumulate: backend 'auto' needs the device to resolve it on")
+        backend = resolve("auto", device)
+    try:
+        return IMPLEMENTATIONS[backend]
+    except KeyError:
+        raise ValueError(f"wgrad_accumulate: backend must be one of {sorted(IMPLEMENTATIONS)} or 'auto', got {backend!r}") from None
