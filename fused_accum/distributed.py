@@ -10,8 +10,29 @@ accumulators, so no precision is lost in the collective either.
 """
 from __future__ import annotations
 
+import gc
+
 import torch.distributed as dist
 from torch import Tensor
+
+
+def ddp_wrapping(params) -> bool:
+    """Whether a live DistributedDataParallel module manages any of ``params``.
+
+    DDP reads each gradient in a hook that runs after ours (on the AccumulateGrad node, while
+    ours is the parameter's post-accumulate-grad hook), so it must see autograd's ``.grad``.
+    Asked once per optimizer, at its first backward, and only in a multi-process run: it walks
+    the objects the garbage collector tracks (tens of ms for a large program).
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    wanted = {id(p) for p in params}
+    return any(
+        isinstance(obj, DistributedDataParallel) and any(id(p) in wanted for p in obj._module_parameters)
+        for obj in gc.get_objects()
+    )
 
 
 class WindowReducer:

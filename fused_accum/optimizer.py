@@ -442,6 +442,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
                 window.take_user_grad(slot, grad)
+            elif grad is None and window.native:
+                slot.has_grad = False  # under DDP .grad is autograd's: None means no gradient
 
     def _window_scale(self, num_items) -> tuple:
         """(coef per device, skip flag per device or None), computed on the device without a

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .distributed import ddp_wrapping
 from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
 
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
@@ -123,6 +124,9 @@ class GradientWindow:
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
         self._pieces_seen = False  # some slot received two gradients in one micro-batch
+        # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
+        # the step takes it as a user-assigned gradient (see _check_native).
+        self.native: Optional[bool] = None
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     # --- membership ------------------------------------------------------------------------
@@ -183,7 +187,15 @@ class GradientWindow:
 
     # --- hooks ------------------------------------------------------------------------------
 
+    def _check_native(self) -> bool:
+        """Decide once, at the first backward, whether the hooks must stand aside for DDP."""
+        if self.native is None:
+            self.native = self.reducer is None and ddp_wrapping(s.param for s in self.slots)
+        return self.native
+
     def _before_accumulate(self, key: int) -> None:
+        if self.native is not False and self._check_native():
+            return
         if self._exposed:
             self.reconcile(before_backward=True)
         slot = self.slots[key]
@@ -195,7 +207,7 @@ class GradientWindow:
 
     def _receive(self, key: int, param: Tensor) -> None:
         grad = param.grad
-        if grad is None:
+        if grad is None or self.native is not False and self._check_native():
             return
         slot = self.slots[key]
         if grad.is_sparse:
@@ -362,6 +374,8 @@ class GradientWindow:
 
     def expose(self) -> None:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
+        if self.native:
+            return  # .grad is autograd's (and DDP's)
         self._exposed = True
         for slot in self.slots:
             p = slot.param

@@ -7,6 +7,8 @@ or the token-weighted sum for num_items) with torch.optim and compares.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,51 +47,95 @@ def local_loss(model, rank, window, micro, reduction="mean"):
     return err.mean() / K if reduction == "mean" else err.sum()
 
 
+# Scenarios: how each rank's optimizer is built and how the window's end is declared.
+#   adamw          process_group, accum_steps=K, max_grad_norm (clipped on the device)
+#   sgd_num_items  process_group, accum_steps=K, a sum-reduced loss divided by the items
+#   clip_every     process_group, accum_steps=None: every backward reduces; the trainer clips .grad
+#   clip_no_sync   process_group, accum_steps=None, opt.no_sync() on all but the last backward
+#   ddp / ddp_no_sync / ddp_bucket_view   the model wrapped in DistributedDataParallel (no
+#                  process_group): the hooks stand aside and DDP reduces; the trainer clips .grad
+SCENARIOS = ["adamw", "sgd_num_items", "clip_every", "clip_no_sync", "ddp", "ddp_no_sync", "ddp_bucket_view"]
+CLIP = 0.5
+
+
+class _Ranked(nn.Module):
+    """Net with the rank bound, so DDP can call it with one argument."""
+
+    def __init__(self, net, rank):
+        super().__init__()
+        self.net, self.rank = net, rank
+
+    def forward(self, x):
+        return self.net(x, self.rank)
+
+
+def _build(scenario, model, rank):
+    group = dist.group.WORLD
+    if scenario == "adamw":
+        return model, fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, max_grad_norm=CLIP,
+                                        process_group=group, bucket_cap_mb=1e-4)  # fmt: skip
+    if scenario == "sgd_num_items":
+        return model, fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=K, process_group=group)
+    if scenario.startswith("clip"):
+        return model, fused_accum.AdamW(model.parameters(), lr=1e-2, process_group=group, bucket_cap_mb=1e-4)
+    ddp = nn.parallel.DistributedDataParallel(_Ranked(model, rank), find_unused_parameters=True,
+                                              gradient_as_bucket_view=scenario == "ddp_bucket_view")  # fmt: skip
+    return ddp, fused_accum.AdamW(model.parameters(), lr=1e-2)
+
+
 def _worker(rank, path, scenario):
     dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=WORLD)
     try:
         model = Net()
-        if scenario == "adamw":
-            opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, max_grad_norm=0.5,
-                                    process_group=dist.group.WORLD, bucket_cap_mb=1e-4)  # fmt: skip
-        else:
-            opt = fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=K,
-                                  process_group=dist.group.WORLD)  # fmt: skip
-        grads = []
+        wrapped, opt = _build(scenario, model, rank)
+        grads, norms = [], []
         for window in range(WINDOWS):
             for micro in range(K):
-                local_loss(model, rank, window, micro, "mean" if scenario == "adamw" else "sum").backward()
+                last = micro == K - 1
+                if scenario in ("clip_no_sync", "ddp_no_sync") and not last:
+                    context = (opt if scenario == "clip_no_sync" else wrapped).no_sync()
+                else:
+                    context = contextlib.nullcontext()
+                with context:
+                    if scenario.startswith("ddp"):
+                        x, y = data(rank, window, micro, n=4 + rank)
+                        ((wrapped(x) - y) ** 2).sum(dim=1).mean().div(K).backward()
+                    else:
+                        local_loss(model, rank, window, micro, "sum" if scenario == "sgd_num_items" else "mean").backward()
             grads.append([p.grad.clone() for p in model.parameters()])  # the group's, at window end
+            if scenario not in ("adamw", "sgd_num_items"):
+                norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP))  # as a trainer does
             n_items = sum(4 + rank for _ in range(K))
-            opt.step(num_items=None if scenario == "adamw" else torch.tensor(n_items))
+            opt.step(num_items=torch.tensor(n_items) if scenario == "sgd_num_items" else None)
             opt.zero_grad()
-        torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads,
-                    "norm": opt.last_grad_norm}, f"{path}.rank{rank}")  # fmt: skip
+        norm = opt.last_grad_norm if scenario == "adamw" else (norms[-1] if norms else None)
+        torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads, "norm": norm},
+                   f"{path}.rank{rank}")  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
 def _reference(scenario):
     model = Net()
-    if scenario == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
+    if scenario == "sgd_num_items":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads, norm = [], None
     for window in range(WINDOWS):
-        total = sum(local_loss(model, r, window, m, "mean" if scenario == "adamw" else "sum")
-                    for r in range(WORLD) for m in range(K))  # fmt: skip
+        reduction = "sum" if scenario == "sgd_num_items" else "mean"
+        total = sum(local_loss(model, r, window, m, reduction) for r in range(WORLD) for m in range(K))
         items = sum(4 + r for r in range(WORLD) for _ in range(K))
-        (total / WORLD if scenario == "adamw" else total / items).backward()
+        (total / items if scenario == "sgd_num_items" else total / WORLD).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-        if scenario == "adamw":
-            norm = nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if scenario != "sgd_num_items":
+            norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in model.parameters()], grads, norm
 
 
-@pytest.mark.parametrize("scenario", ["adamw", "sgd_num_items"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_two_ranks_equal_one_process(tmp_path, scenario):
     path = str(tmp_path / "run")
     mp.spawn(_worker, args=(path, scenario), nprocs=WORLD, join=True)
@@ -98,7 +144,7 @@ def test_two_ranks_equal_one_process(tmp_path, scenario):
     for rank in ranks:
         for got, want in zip(rank["params"], params):
             torch.testing.assert_close(got, want, **TOL)
-        if scenario == "adamw":  # .grad at the window end is the group's mean gradient
+        if scenario != "sgd_num_items":  # .grad at the window end is the group's mean gradient
             for window_got, window_want in zip(rank["grads"], grads):
                 for got, want in zip(window_got, window_want):
                     torch.testing.assert_close(got, want, **TOL)
