@@ -291,6 +291,42 @@ def test_grad_scaler_unscales_and_skips_on_inf(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_grad_scaler_fused_contract_equals_torch_with_a_planted_overflow(backend, unscale_first):
+    """GradScaler hands us grad_scale and found_inf (_step_supports_amp_scaling): the unscale
+    is folded into the step and the skip happens on the device. Against torch.optim.AdamW under
+    the same scaler, micro-batch for micro-batch: the same skipped step, the same scale
+    sequence, untouched state on the overflow; with unscale_() + clip_grad_norm_ in between too."""
+    ours, big = make_model(), make_model()
+    # SGD: unlike Adam, it does not forgive a missing unscale
+    opt = fused_accum.SGD(ours.parameters(), lr=0.05, momentum=0.9, accum_steps=2, backend=backend)
+    ref = torch.optim.SGD(big.parameters(), lr=0.05, momentum=0.9)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=2) for _ in range(2)]
+    scales = [[], []]
+    for i, window in enumerate(batches(5, 2, micro=4)):
+        for (model, optim), scaler, seen in zip(((ours, opt), (big, ref)), scalers, scales):
+            for j, (x, y) in enumerate(window):
+                loss = mse_mean(model, x, y) / 2
+                if i == 2 and j == 1:
+                    loss = loss * float("inf")  # planted overflow: this window's step is skipped
+                scaler.scale(loss).backward()
+            if unscale_first:
+                scaler.unscale_(optim)
+                nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            state_before = {k: v.clone() for k, v in optim.state[next(model.parameters())].items()}
+            scaler.step(optim)
+            if i == 2:  # skipped: state (step count included) untouched
+                for key, value in optim.state[next(model.parameters())].items():
+                    assert torch.equal(value, state_before[key]), key
+            scaler.update()
+            seen.append(scaler.get_scale())
+            optim.zero_grad()
+    assert scales[0] == scales[1] and scales[0][2] == scales[0][1] / 2
+    for p, q in zip(ours.parameters(), big.parameters()):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_mid_window_resumes_bit_exactly(backend, param_dtype, tmp_path):
     data = batches(3, 4, micro=3, dtype=param_dtype)
