@@ -33,12 +33,18 @@ def torch_adamw(params, lr=LR):
     return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
 
 
-def fused_adamw(params, lr=LR):
+def fused_adamw(params, lr=LR, accum_steps=K):
     # The one line a user changes: accum_steps matches the trainer's accumulation.
-    return fused_accum.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, accum_steps=K)
+    return fused_accum.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, accum_steps=accum_steps)
 
 
-OPTIMIZERS = {"torch": torch_adamw, "fused": fused_adamw}
+OPTIMIZERS = {
+    "torch": torch_adamw,
+    "fused": fused_adamw,
+    # accum_steps only enables fusions: unknown, or not the trainer's, it must step as torch does
+    "fused, accum_steps=None": lambda params, lr=LR: fused_adamw(params, lr, accum_steps=None),
+    "fused, accum_steps=8": lambda params, lr=LR: fused_adamw(params, lr, accum_steps=2 * K),
+}
 
 
 # --- a tiny GPT-2 and its synthetic data -------------------------------------------------------

@@ -82,10 +82,11 @@ def fit(kind: str, tmp_path) -> Run:
     return result(model, t)
 
 
-def test_accumulate_grad_batches_clip(tmp_path):
+@pytest.mark.parametrize("kind", ["fused", "fused, accum_steps=None", "fused, accum_steps=8"])
+def test_accumulate_grad_batches_clip(tmp_path, kind):
     reference = fit("torch", tmp_path)
     check_reference_sane(reference, STEPS)
-    compare(reference, fit("fused", tmp_path), "Lightning fit(accumulate_grad_batches=4, gradient_clip_val)")
+    compare(reference, fit(kind, tmp_path), f"Lightning fit(accumulate_grad_batches=4, gradient_clip_val), {kind}")
 
 
 # lr_find's optimizer steps: 10 epochs of 3 windows. Its callback records the loss only at
