@@ -91,15 +91,37 @@ class FlatGroup:
         self._index_cache: dict = {}  # active slot indices -> device index tensor (see active_index)
         self.slots = []
         for i, (p, name, off) in enumerate(zip(params, names, offsets)):
-            window = slice(off, off + p.numel())
-            acc = self.acc[window]
-            master = None
+            self.slots.append(Slot(p, name, first_key + i, index, i, off, *self._views(p, off)))
             if self.has_master:
-                master = self.master[window]
-                master.copy_(p.detach().reshape(-1))
-            state = {key: buf[window] for key, buf in self.state.items()}
-            self.slots.append(Slot(p, name, first_key + i, index, i, off, acc, acc.view(p.shape), master, state))
+                self.slots[-1].master.copy_(p.detach().reshape(-1))
         self.buckets = self._make_buckets(offsets, total, bucket_numel)
+
+    def _views(self, p, off) -> tuple:
+        """(acc, grad_view, master, state) of the parameter ``p`` whose slice starts at ``off``."""
+        window = slice(off, off + p.numel())
+        acc = self.acc[window]
+        master = self.master[window] if self.has_master else None
+        return acc, acc.view(p.shape), master, {key: buf[window] for key, buf in self.state.items()}
+
+    def rehome(self, device, backend) -> None:
+        """The parameters moved (``model.to(device)``, or ``to_empty`` after building on the
+        meta device): move the buffers after them. State and step counts move as they are
+        (zeros when they were on the meta device); masters are copied from the parameters."""
+        def move(t):
+            return torch.zeros_like(t, device=device) if t.is_meta else t.to(device)
+
+        self.device, self.backend = device, backend
+        self.acc = torch.zeros_like(self.acc, device=device)  # no gradient survives a move
+        self.state = {key: move(buf) for key, buf in self.state.items()}
+        self.steps, self.lr, self.coef, self.one = (move(t) for t in (self.steps, self.lr, self.coef, self.one))
+        if self.master is not None:
+            self.master = torch.zeros_like(self.master, device=device)
+        self._index_cache = {}
+        for slot in self.slots:
+            slot.acc, slot.grad_view, slot.master, slot.state = self._views(slot.param, slot.offset)
+            if slot.master is not None:
+                slot.master.copy_(slot.param.detach().reshape(-1))
+            slot.has_grad = slot.in_stats = False
 
     def _make_buckets(self, offsets, total, bucket_numel) -> list:
         # Buckets follow reverse registration order, the order backward usually produces grads.

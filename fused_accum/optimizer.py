@@ -209,7 +209,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
             wants_stats=max_grad_norm is not None or skip_nonfinite, reducer=reducer,
-            fused_step=weakref.WeakMethod(self._fused_step), label=f"{type(self).__name__} at {id(self):#x}",
+            fused_step=weakref.WeakMethod(self._fused_step), rehome=weakref.WeakMethod(self._rehome), label=f"{type(self).__name__} at {id(self):#x}",
         )  # fmt: skip
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
@@ -434,10 +434,28 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window.expose()
         return loss
 
+    def _rehome(self, flat: FlatGroup) -> None:
+        """Move ``flat``'s buffers to where its parameters now are (a model moved, or
+        materialised with ``to_empty``, after the optimizer was built)."""
+        device = flat.slots[0].param.device
+        if device.type == "meta":
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
+                               "devices: fused_accum always fuses, and these parameters are on the meta device; "
+                               "materialise the model (to_empty() or to()) before stepping")  # fmt: skip
+        flat.rehome(device, backends.resolve(self._backend_request, device))
+        group = self.param_groups[flat.group_index]
+        for slot in flat.slots:
+            if self.state.get(slot.param):
+                self.state[slot.param] = self._state_views(slot, group)
+
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
         self._adopt_unfrozen()
         window = self._window
+        for flat in window.flat_groups:
+            moved = flat.slots[0].param.device != flat.device
+            if moved or flat.device.type == "meta" and any(s.param.grad is not None for s in flat.slots):
+                self._rehome(flat)
         for slot in window.slots:
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
@@ -515,9 +533,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             steps = flat.steps.index_select(0, index)
         for key in self._state_keys(group):
             flat.ensure_state(key)
-        for slot in active:
-            if slot.param not in self.state or not self.state[slot.param]:
-                self.state[slot.param] = self._state_views(slot, group)
+        if flat.state or ALGORITHMS[self._algorithm].has_step:  # torch keeps no entry without state
+            for slot in active:
+                if not self.state.get(slot.param):
+                    self.state[slot.param] = self._state_views(slot, group)
         targets = [flat.step_targets(s) for s in active]
         params = [t for t, _ in targets]
         lp_params = [lp for _, lp in targets if lp is not None]
@@ -609,9 +628,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             start += len(group["params"])
             groups.append(packed)
         state = {}
-        for p, entry in self.state.items():
-            if isinstance(p, Tensor) and id(p) in index_of:
-                state[index_of[id(p)]] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
+        for key, entry in self.state.items():
+            if not isinstance(key, Tensor):  # put there by a hook or a subclass: kept as is, as torch does
+                state[key] = entry
+            elif id(key) in index_of:
+                state[index_of[id(key)]] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
         for slot in window.slots:
             p = slot.param
             if slot.master is None and not slot.has_grad:
@@ -660,6 +681,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             slot = window.slot_for(p)
             if slot is not None and pid in saved_state:
                 self._load_param_state(slot, saved_state[pid])
+        for key, value in saved_state.items():
+            if key not in id_to_param:  # not a parameter's: kept as is, as torch does
+                self.state[key] = value
         window.expose()  # the gradients the checkpoint held show in .grad, as they did when saved
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

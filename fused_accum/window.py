@@ -102,12 +102,13 @@ def _remove_handles(handles: list) -> None:
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, fused_step, label):
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, fused_step, rehome, label):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
         self.reducer = reducer
         self._fused_step = fused_step  # a WeakMethod of the optimizer's fused step
+        self._rehome = rehome  # a WeakMethod: moves a flat group after its parameters
         self._label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
@@ -219,6 +220,8 @@ class GradientWindow:
                 raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
                                    f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
             flat = self.flat_groups[slot.flat_index]
+            if grad.device != flat.device:  # the model was moved after the optimizer was built
+                self._rehome()(flat)
             bucket = flat.buckets[slot.bucket_index]
             earlier = bucket.arrived.get(key)
             bucket.arrived[key] = grad if earlier is None else earlier + grad
