@@ -144,6 +144,12 @@ def test_cpu_backend_bounds_its_upcast_copies():
     acc = torch.full((3, 2), float("nan"))
     wgrad.cpu(acc, g, x, True)
     _check_close(acc, None, True, g, x)
+    # what it allocates: one block's two fp32 copies at a time, nothing else
+    g, x = _rand(2048, 96, dtype=torch.bfloat16, seed=16), _rand(2048, 40, dtype=torch.bfloat16, seed=17)
+    acc = _rand(96, 40, seed=18)
+    assert _peak_bytes(lambda: wgrad.cpu(acc, g, x, False)) == wgrad.cpu_temp_bytes(2048, 96, 40) == 4 * 256 * 136
+    g32, x32 = g.float(), x.float()
+    assert _peak_bytes(lambda: wgrad.cpu(acc, g32, x32, False)) == 0  # fp32: sgemm straight into acc
 
 
 @pytest.mark.parametrize(
@@ -477,20 +483,19 @@ def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
     del opts
 
 
-def _backward_peak_bytes(loss) -> int:
-    """Peak bytes allocated by the CPU allocator during ``loss.backward()``, above the level
-    at its start.
+def _peak_bytes(fn) -> int:
+    """Peak bytes allocated by the CPU allocator during ``fn()``, above the level at its start.
 
     torch.profiler with profile_memory=True records every allocation and free that goes
     through c10's CPU allocator (reportMemoryUsage), including temporaries inside ops and
     the gradients autograd creates and frees; replaying those events in time order gives the
-    exact live-bytes curve of the backward. (sys.getallocatedblocks or RSS would see Python
-    objects or the OS's pages, not tensor storage.) The CPU backward runs on the calling
-    thread, which the profiler observes."""
+    exact live-bytes curve. (sys.getallocatedblocks or RSS would see Python objects or the
+    OS's pages, not tensor storage.) A CPU backward runs on the calling thread, which the
+    profiler observes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss.backward()
+        fn()
     events = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -520,7 +525,7 @@ def test_peak_memory_of_backward_drops_by_the_weight_gradients():
     peaks = []
     for m in (ref, conv):
         m(x).float().square().mean().backward()  # first micro-batch: anything lazy is allocated
-        peaks.append(_backward_peak_bytes(m(x).float().square().mean()))
+        peaks.append(_peak_bytes(m(x).float().square().mean().backward))
     wgrad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     if backend == "cpu":
         temp = wgrad.cpu_temp_bytes(tokens, width, width)
@@ -637,3 +642,19 @@ def test_compiled_converted_model_trains_like_unconverted():
     _train(conv, opts[1], 2, 2, forward=compiled)
     for a, b in zip(ref.parameters(), conv.parameters()):
         assert _rel(b, a) <= 1e-6
+
+
+def test_wgrad_benchmark_smoke(tmp_path):
+    import csv
+
+    from benchmarks import wgrad as bench
+
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "wgrad.csv") as f:
+        rows = list(csv.DictReader(f))
+    providers = {r["provider"] for r in rows}
+    fold = backends.resolve("auto", "cpu")
+    assert providers == {f"unfused({fold} fold)", "bf16_gemm", "fused:reference", "fused:cpu"}
+    assert len(rows) == 3 * len(providers) and all(float(r["ms"]) > 0 and r["git_commit"] for r in rows)
+    assert (tmp_path / "wgrad.json").exists()
+

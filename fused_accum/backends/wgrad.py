@@ -95,16 +95,16 @@ def reference(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) 
 
 # torch 2.13's CPU build has no out_dtype GEMM ('aten::mm.dtype' / 'addmm.dtype' have no CPU
 # kernel), and on this project's CPU (AMD EPYC, AVX2, no AVX512-BF16/AMX) a bf16 GEMM is
-# emulated: 2-6x slower than fp32 sgemm of the upcast operands (2 threads, 4096 x 2048 x 512:
-# bf16 mm + fold 2,195 ms, upcast + fp32 addmm_ 600 ms; full table from benchmarks/wgrad.py in
-# the README). So bf16/fp16 inputs are upcast to fp32 and added by sgemm with beta = 1
-# (addmm_) into acc: the precision of the fused path (no bf16 rounding of the product) at
-# sgemm speed. Upcasting all M rows at once would allocate M x (N + K) x 4 bytes, for long
-# sequences far more than the bf16 weight gradient (2 N K bytes) this op exists to avoid, so
-# the rows go in blocks whose two fp32 copies take at most N K bytes (half that gradient), but
-# never fewer than CPU_MIN_BLOCK_ROWS rows: below ~256 rows MKL's sgemm with beta = 1 slowed
-# 2-6x in the same measurement (1024 x 1024 acc, 2048 rows: 64-row blocks 1,320 ms, 256-row
-# 613 ms, all rows 217-378 ms; this machine's timings move by 2x between runs).
+# emulated: ~3x slower than fp32 sgemm of the upcast operands (one thread, 2048 tokens,
+# 1024 x 1024 acc: bf16 mm + add 1,364 ms, upcast + fp32 addmm_ 457 ms). So bf16/fp16 inputs
+# are upcast to fp32 and added by sgemm with beta = 1 (addmm_) into acc: the precision of the
+# fused path (no bf16 rounding of the product) at sgemm speed. Upcasting all M rows at once
+# would allocate M x (N + K) x 4 bytes, for long sequences far more than the bf16 weight
+# gradient (2 N K bytes) this op exists to avoid, so the rows go in blocks whose two fp32
+# copies take at most N K bytes (half that gradient), but never fewer than CPU_MIN_BLOCK_ROWS
+# rows: same run, blocks of 512 / 256 / 128 / 64 / 32 rows took 465 / 476 / 476 / 517 / 651 ms
+# (acc is re-read and re-written per block). `python -m benchmarks.wgrad --quick --threads 1`
+# measures the whole op against autograd's bf16 GEMM + fold.
 CPU_MIN_BLOCK_ROWS = 256
 
 
@@ -142,6 +142,7 @@ def cpu(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> Non
             torch.mm(gb.t(), xb, out=acc)
         else:
             acc.addmm_(gb.t(), xb)
+        del gb, xb  # before the next block's copies exist: one block's copies at a time
 
 
 # --- cuda --------------------------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The fused weight-gradient GEMM against autograd's bf16 weight gradient plus the fold.
+
+For the Linear shapes of a 1B-class transformer (hidden 2048, MLP 8192: weights 2048 x 2048,
+8192 x 2048 and 2048 x 8192) and 4k-16k tokens per micro-batch, one micro-batch's weight
+gradient reaching the fp32 accumulator, per provider:
+
+  unfused         what nn.Linear + FusedAccumOptimizer do today: autograd's GEMM in bf16
+                  (``x^T g``, transposed, as F.linear's backward computes it), then the fold
+                  (``ops.accumulate`` on the device's backend: read bf16 + acc, write acc)
+  bf16_gemm       the bf16 GEMM alone: the goal on a GPU is a fused wgrad at least this fast
+                  (the fold for free)
+  fused:<b>       ``ops.wgrad_accumulate(acc, g, x, overwrite=False, backend=b)``
+
+Reported per row: median ms (min/max), TFLOP/s (2 M N K), the byte model's bytes and GB/s,
+and the peak memory the call allocates above its inputs and acc (CUDA: max_memory_allocated;
+CPU: the profiler's allocator events, the method of tests/test_nn.py). Byte model per call:
+g and x are read once (2 M N + 2 M K); the fused call reads and writes acc (8 N K); unfused
+also writes and reads the bf16 gradient (2 + 2 N K), 12 N K in all. (A GEMM re-reads its
+operands from L2/LLC per tile; the model counts the floor.)
+
+  python -m benchmarks.wgrad --quick --threads 1 # CPU: shapes / 8, tokens 512 and 2048
+  python -m benchmarks.wgrad --device cuda      # GPU: the full shapes
+
+Writes wgrad.csv and wgrad.json (with the machine, torch/triton versions and the commit) to
+--out. On the CPU the fused providers skip the bf16 rounding but not the upcast: see
+fused_accum/backends/wgrad.py for why the cpu backend upcasts in row blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from benchmarks import common
+from fused_accum import backends, ops
+from fused_accum.backends import wgrad
+
+# (N_out, K_in) of a 1B-class model's Linear weights, and tokens per micro-batch
+FULL_WEIGHTS = [(2048, 2048), (8192, 2048), (2048, 8192)]
+FULL_TOKENS = [4096, 8192, 16384]
+QUICK_SCALE = 8  # --quick: every dimension / 8 (a 2-core CPU does ~10-15 fp32 GFLOP/s)
+QUICK_TOKENS = [512, 2048]
+SMOKE_SCALE, SMOKE_TOKENS = 64, [67]  # --smoke: seconds, for tests/test_nn.py
+
+
+def _peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
+    """Bytes allocated at the peak of one ``fn()`` above what was allocated before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def providers(device: torch.device, names: Sequence[str]) -> Dict[str, Callable]:
+    """name -> fn(acc_flat, acc, g, x) for the providers that run on ``device``."""
+    fold_backend = backends.resolve("auto", device)
+    offsets = torch.zeros(1, dtype=torch.int64)
+
+    def unfused(acc_flat, acc, g, x):
+        w = x.t().mm(g).t()  # F.linear's backward: (x^T g)^T, bf16
+        ops.accumulate(acc_flat, offsets, [w], 1.0, False, None, None, fold_backend)
+
+    def bf16_gemm(acc_flat, acc, g, x):
+        x.t().mm(g)
+
+    out: Dict[str, Callable] = {f"unfused({fold_backend} fold)": unfused, "bf16_gemm": bf16_gemm}
+    for name in names:
+        # the cpu/cuda wgrad is torch BLAS (no extension needed): it runs on its own device type
+        runs = name == "reference" or name == device.type or (name == "triton" and backends.availability(name, device.type) == "")
+        if runs:
+            out[f"fused:{name}"] = lambda acc_flat, acc, g, x, name=name: ops.wgrad_accumulate(acc, g, x, False, name)
+    return out
+
+
+def byte_model(provider: str, m: int, n: int, k: int) -> int:
+    operands = 2 * m * n + 2 * m * k
+    if provider == "bf16_gemm":
+        return operands + 2 * n * k
+    if provider.startswith("unfused"):
+        return operands + 12 * n * k
+    return operands + 8 * n * k
+
+
+def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: int) -> List[Dict]:
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    for m, n, k in shapes:
+        g = torch.randn(m, n, generator=gen).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+        acc_flat = torch.randn(n * k, generator=gen).to(device)
+        acc = acc_flat.view(n, k)
+        for provider, fn in providers(device, names).items():
+            call = lambda _args, fn=fn: fn(acc_flat, acc, g, x)  # noqa: E731
+            timing = common.measure(call, [None], device, config)
+            peak = _peak_extra_bytes(lambda: call(None), device)
+            moved = byte_model(provider, m, n, k)
+            row = dict(
+                tokens=m, n_out=n, k_in=k, provider=provider, device=device.type,
+                ms=timing.median_ms, ms_min=timing.min_ms, ms_max=timing.max_ms,
+                tflops=2 * m * n * k / timing.median_ms / 1e9, bytes_moved=moved,
+                gbps=common.gbps(moved, timing.median_ms), peak_extra_bytes=peak,
+                bf16_wgrad_bytes=2 * n * k,
+            )  # fmt: skip
+            rows.append(row)
+            common.log(
+                f"M={m:>6} N={n:>5} K={k:>5} {provider:<26} {row['ms']:9.2f} ms "
+                f"[{row['ms_min']:.2f}, {row['ms_max']:.2f}]  {row['tflops']:7.3f} TFLOP/s  "
+                f"{row['gbps']:7.1f} GB/s  peak +{peak / 2**20:7.2f} MiB"
+            )
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.wgrad", description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help=f"shapes / {QUICK_SCALE}, tokens {QUICK_TOKENS} (CPU)")
+    size.add_argument("--smoke", action="store_true", help=f"shapes / {SMOKE_SCALE}, tokens {SMOKE_TOKENS} (tests)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--backends", default=None,
+                        help="comma-separated fused backends (default: cpu: reference,cpu; cuda: cuda,triton,reference)")
+    parser.add_argument("--samples", type=int, default=None, help="timed samples per row (default 10, --quick 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on the CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks" / "results"), help="folder for wgrad.csv/json")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    default = "cuda,triton,reference" if device.type == "cuda" else "reference,cpu"
+    names = [n for n in (args.backends or default).split(",") if n]
+    for name in names:
+        if name not in wgrad.IMPLEMENTATIONS:
+            parser.error(f"--backends: {name!r} is not one of {sorted(wgrad.IMPLEMENTATIONS)}")
+    if args.quick or args.smoke:
+        scale, tokens = (QUICK_SCALE, QUICK_TOKENS) if args.quick else (SMOKE_SCALE, SMOKE_TOKENS)
+        weights = [(n // scale, k // scale) for n, k in FULL_WEIGHTS]
+    else:
+        weights, tokens = FULL_WEIGHTS, FULL_TOKENS
+    shapes = [(m, n, k) for m in tokens for n, k in weights]
+    small = args.quick or args.smoke
+    config = common.TimingConfig(samples=args.samples or (3 if small else 10), warmup_ms=25.0 if not args.smoke else 1.0,
+                                 min_sample_ms=10.0 if not args.smoke else 1.0)
+    meta = common.metadata(device, ["benchmarks/wgrad.py", *(argv if argv is not None else sys.argv[1:])])
+    common.log(f"wgrad on {meta['device_name']} ({device.type}), torch {meta['torch']}, "
+               f"commit {meta['git_commit']}{' (dirty)' if meta.get('git_dirty') else ''}, "
+               f"{meta['torch_threads']} threads, load {meta['load_average_1min']}")  # fmt: skip
+    rows = run(device, shapes, names, config, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_csv(out / "wgrad.csv", rows, meta)
+    common.write_json(out / "wgrad.json", {"meta": meta, "rows": rows})
+    common.log(f"wrote {out / 'wgrad.csv'} and {out / 'wgrad.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
