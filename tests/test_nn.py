@@ -658,3 +658,105 @@ def test_wgrad_benchmark_smoke(tmp_path):
     assert len(rows) == 3 * len(providers) and all(float(r["ms"]) > 0 and r["git_commit"] for r in rows)
     assert (tmp_path / "wgrad.json").exists()
 
+
+
+@pytest.mark.parametrize("accum_steps", [3, None], ids=["accum_steps", "no-hint"])
+def test_clipping_and_num_items_see_the_fused_gradients(monkeypatch, accum_steps):
+    """max_grad_norm clips by the window's global norm and num_items divides the sum: both
+    must include the slices the GEMM wrote (clipping is active: the norm is >> 0.05)."""
+    ref = _mlp()
+    conv = fnn.convert_linears_(copy.deepcopy(ref))
+    spy = _Spy(monkeypatch)
+    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05)
+            for m in (ref, conv)]  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    for window in range(3):
+        for j in range(3):
+            x = torch.randn(4, 16, generator=gen)
+            for m in (ref, conv):
+                m(x).square().sum().backward()
+        for opt in opts:
+            opt.step(num_items=12)
+            opt.zero_grad()
+    assert spy.given == 3 * 3 * 3
+    for a, b in zip(ref.parameters(), conv.parameters()):
+        assert _rel(b, a) <= 1e-6
+
+
+def test_non_finite_fused_gradient_skips_the_step(monkeypatch):
+    """Only the first Linear's weight gradient overflows (its input has 1e30 in a feature whose
+    weight column is 0, so the forward stays finite): the window's non-finite flag must come
+    from the GEMM's output, and skip_nonfinite must skip that window for both models alike."""
+    ref = _mlp()
+    with torch.no_grad():
+        ref[0].weight[:, 3] = 0
+    conv = fnn.convert_linears_(copy.deepcopy(ref))
+    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, skip_nonfinite=True) for m in (ref, conv)]
+    gen = torch.Generator().manual_seed(4)
+    for window in range(3):
+        before = [p.detach().clone() for p in conv.parameters()]
+        for j in range(2):
+            x = torch.randn(4, 16, generator=gen)
+            x[:, 3] = 1e30 if window == 1 and j == 1 else 0  # 0: column 3 stays 0 through the steps
+            for m in (ref, conv):
+                (m(x).sum() * 1e12).backward()
+        assert torch.isinf(conv[0].weight.grad).any() == (window == 1)
+        assert all(torch.isfinite(p.grad).all() for p in list(conv.parameters())[1:])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, conv.parameters()))
+        assert changed == (window != 1)
+    for a, b in zip(ref.parameters(), conv.parameters()):
+        assert _rel(b, a) <= 1e-6
+
+
+def test_step_in_backward_gets_ordinary_gradients(monkeypatch):
+    """step_in_backward steps buckets from gradients as tensors: the window refuses targets
+    and the converted model trains exactly like the unconverted one."""
+    ref = _mlp()
+    conv = fnn.convert_linears_(copy.deepcopy(ref))
+    spy = _Spy(monkeypatch)
+    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, step_in_backward=True) for m in (ref, conv)]
+    gen = torch.Generator().manual_seed(5)
+    for window in range(2):
+        for j in range(2):
+            x = torch.randn(4, 16, generator=gen)
+            for m in (ref, conv):
+                m(x).square().sum().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert spy.given == 0 and spy.refused == 2 * 2 * 3
+    for a, b in zip(ref.parameters(), conv.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_hf_llama_with_tied_embeddings_converts_and_trains_alike(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    conv = copy.deepcopy(ref)
+    n_linear = sum(type(m) is nn.Linear for m in conv.modules())
+    fnn.convert_linears_(conv)
+    assert sum(type(m) is fnn.Linear for m in conv.modules()) == n_linear == 2 * 7 + 1
+    assert conv.lm_head.weight is conv.model.embed_tokens.weight
+    assert list(conv.state_dict()) == list(ref.state_dict())
+    spy = _Spy(monkeypatch)
+    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-3, accum_steps=2) for m in (ref, conv)]
+    gen = torch.Generator().manual_seed(6)
+    for window in range(2):
+        for j in range(2):
+            ids = torch.randint(0, 97, (2, 12), generator=gen)
+            for m in (ref, conv):
+                m(input_ids=ids, labels=ids).loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert spy.given == 2 * 2 * n_linear
+    for a, b in zip(ref.parameters(), conv.parameters()):
+        assert _rel(b, a) <= 1e-6
