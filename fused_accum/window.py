@@ -41,6 +41,8 @@ from . import ops
 from .distributed import ddp_wrapping
 from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
 
+_current_graph_task_id = torch._C._current_graph_task_id
+
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
 # because tensors compare element-wise, not by identity.
 _OWNERS: dict = {}
@@ -207,25 +209,23 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=False)
 
     def _receive(self, key: int, param: Tensor) -> None:
+        # The hot path (once per parameter per backward): plain attribute and dict work only;
+        # the rarer checks (sparse, moved, step_in_backward misuse) are made once per bucket.
         grad = param.grad
         if grad is None or self.native is not False and self._check_native():
             return
-        slot = self.slots[key]
-        if grad.is_sparse:
-            raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
         param.grad = None
+        slot = self.slots[key]
         with self._lock:  # autograd runs one thread per device: buckets may span devices' hooks
-            self._queue_end_of_backward(arrived=True)
-            if self.stepped_in_backward:
-                raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
-                                   f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
+            task = _current_graph_task_id()
+            if self._tasks.get(task) is not True:
+                self._queue_end_of_backward(arrived=True)
             flat = self.flat_groups[slot.flat_index]
-            if grad.device != flat.device:  # the model was moved after the optimizer was built
-                self._rehome()(flat)
             bucket = flat.buckets[slot.bucket_index]
-            earlier = bucket.arrived.get(key)
-            bucket.arrived[key] = grad if earlier is None else earlier + grad
-            if _complete(bucket):
+            arrived = bucket.arrived
+            earlier = arrived.get(key)
+            arrived[key] = grad if earlier is None else earlier + grad
+            if len(arrived) == len(bucket.slots) or bucket.in_place and _complete(bucket):
                 self._fold(flat, bucket, complete=True)
 
     def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
@@ -253,7 +253,7 @@ class GradientWindow:
         """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather
         than a flag: a backward that raised before its end leaves nothing stuck (ids are never
         reused), and reentrant backwards nested in it keep their own."""
-        task = torch._C._current_graph_task_id()
+        task = _current_graph_task_id()
         seen = self._tasks.get(task)
         if seen is None:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
@@ -289,6 +289,14 @@ class GradientWindow:
         accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
         arrived, bucket.arrived = bucket.arrived, {}
         in_order = [s for s in bucket.slots if s.key in arrived]  # accumulate takes increasing offsets
+        if self.stepped_in_backward and in_order:
+            raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
+                               f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
+        for slot in in_order:
+            if arrived[slot.key].is_sparse:
+                raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
+        if in_order and arrived[in_order[0].key].device != flat.device:  # the model moved after the optimizer was built
+            self._rehome()(flat)
         fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
         # On the window's last backward the values written are final: the same pass adds them
         # to the window's norm and non-finite flag (unless a reduction changes them after).
