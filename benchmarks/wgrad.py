@@ -21,6 +21,10 @@ operands from L2/LLC per tile; the model counts the floor.)
   python -m benchmarks.wgrad --quick --threads 1 # CPU: shapes / 8, tokens 512 and 2048
   python -m benchmarks.wgrad --device cuda      # GPU: the full shapes
 
+``--e2e`` adds the end-to-end window of benchmarks/end_to_end.py's small GPT (bf16, AdamW,
+``FusedAccumOptimizer``) with and without ``fused_accum.nn.convert_linears_``: ms per window,
+final loss, peak memory of the timed windows (CUDA) or of the last window (CPU, profiler).
+
 Writes wgrad.csv and wgrad.json (with the machine, torch/triton versions and the commit) to
 --out. On the CPU the fused providers skip the bf16 rounding but not the upcast: see
 fused_accum/backends/wgrad.py for why the cpu backend upcasts in row blocks.
@@ -130,6 +134,68 @@ def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: 
     return rows
 
 
+def e2e(device: torch.device, quick: bool) -> List[Dict]:
+    """The small GPT's training window with and without converted Linears (same data/init)."""
+    import dataclasses
+    import statistics
+    import time
+
+    from benchmarks import end_to_end
+    from fused_accum import FusedAccumOptimizer
+    from fused_accum.nn import convert_linears_
+
+    cfg = end_to_end.E2EConfig()
+    if quick:
+        cfg = dataclasses.replace(cfg, vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64,
+                                  micro_batch=4, accum_steps=4, windows=4, warmup_windows=1)  # fmt: skip
+    batches = end_to_end.make_batches(cfg, device)
+    rows = []
+    for converted in (False, True):
+        torch.manual_seed(cfg.seed)
+        model = end_to_end.TinyGPT(cfg).to(device=device, dtype=torch.bfloat16)
+        if converted:
+            convert_linears_(model)
+        opt = FusedAccumOptimizer(model.parameters(), "adamw", accum_steps=cfg.accum_steps, lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)  # fmt: skip
+
+        def window(micro_batches):
+            losses = []
+            for inputs, targets in micro_batches:
+                loss = model(inputs, targets)
+                (loss / cfg.accum_steps).backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            return torch.stack(losses).float().mean().item()
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times, losses = [], []
+        for i, micro_batches in enumerate(batches):
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            if device.type == "cpu" and i == len(batches) - 1:
+                peak = _peak_extra_bytes(lambda: losses.append(window(micro_batches)), device)
+            else:
+                losses.append(window(micro_batches))
+            common.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        timed = times[cfg.warmup_windows : -1] if device.type == "cpu" else times[cfg.warmup_windows :]
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        row = dict(e2e="tiny_gpt", converted=converted, window_ms=statistics.median(timed),
+                   window_ms_min=min(timed), window_ms_max=max(timed), first_loss=losses[0],
+                   final_loss=losses[-1], peak_bytes=peak,
+                   peak_kind="max_memory_allocated" if device.type == "cuda" else "last window, above its start",
+                   config=",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))  # fmt: skip
+        rows.append(row)
+        common.log(f"e2e tiny GPT {'converted  ' if converted else 'nn.Linear  '} {row['window_ms']:9.1f} ms/window "
+                   f"[{row['window_ms_min']:.1f}, {row['window_ms_max']:.1f}]  loss {row['first_loss']:.4f} -> "
+                   f"{row['final_loss']:.4f}  peak {peak / 2**20:.1f} MiB ({row['peak_kind']})")  # fmt: skip
+        del model, opt
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wgrad", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
@@ -141,6 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--samples", type=int, default=None, help="timed samples per row (default 10, --quick 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on the CPU")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--e2e", action="store_true", help="also the small GPT's window with and without conversion")
     parser.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks" / "results"), help="folder for wgrad.csv/json")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -165,10 +232,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                f"commit {meta['git_commit']}{' (dirty)' if meta.get('git_dirty') else ''}, "
                f"{meta['torch_threads']} threads, load {meta['load_average_1min']}")  # fmt: skip
     rows = run(device, shapes, names, config, args.seed)
+    e2e_rows = e2e(device, quick=small) if args.e2e else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common.write_csv(out / "wgrad.csv", rows, meta)
-    common.write_json(out / "wgrad.json", {"meta": meta, "rows": rows})
+    if e2e_rows:
+        common.write_csv(out / "wgrad_e2e.csv", e2e_rows, meta)
+    common.write_json(out / "wgrad.json", {"meta": meta, "rows": rows, "e2e": e2e_rows})
     common.log(f"wrote {out / 'wgrad.csv'} and {out / 'wgrad.json'}")
     return 0
 
