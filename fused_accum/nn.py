@@ -23,7 +23,14 @@ Compatibility decisions:
   GEMMs run in that dtype and the gradients are returned in the original tensors' dtypes.
 - Activation checkpointing (reentrant or not) re-runs the forward; the window is asked in the
   backward that actually produces the gradient.
-- Without grad (``torch.no_grad``, eval, or nothing requiring grad) the forward is ``F.linear``.
+- Without grad (``torch.no_grad``, eval, or nothing requiring grad), under ``torch.func``
+  transforms and under ``torch.jit`` tracing the forward is ``F.linear``. A backward with
+  ``create_graph=True`` (gradient penalties) returns the ordinary, differentiable gradient.
+- On the fused path no weight gradient tensor exists, so tensor hooks registered on the weight
+  (``weight.register_hook``) and other post-accumulate-grad hooks do not see one: the
+  ``FusedAccumOptimizer`` that owns the weight is its gradient's only consumer. Under autocast
+  the weight is cast per call rather than through autocast's per-region cast cache (the same
+  values; a layer called k times in one forward saves k bf16 copies instead of one).
 - torch.compile: a compiled region runs ``F.linear`` (ordinary weight gradient, folded by the
   optimizer's hook as for nn.Linear): a compiled backward graph is traced once, while the
   choice between "return a gradient" and "return None" belongs to the window at each backward,
@@ -90,7 +97,9 @@ class _LinearWgradIntoAccumulator(torch.autograd.Function):
         if need_bias:
             grad_bias = grad_output.reshape(-1, n_out).sum(0).to(bias_dtype)
         if need_weight:
-            target = _wgrad_target(ctx.weight)
+            # create_graph=True (grad mode on in backward) wants a differentiable weight
+            # gradient: the in-place GEMM into acc is not one, so return the ordinary gradient.
+            target = None if torch.is_grad_enabled() else _wgrad_target(ctx.weight)
             if target is not None:
                 ops.wgrad_accumulate(target.acc, grad_output, x, target.overwrite, target.backend)
                 target.done()
@@ -103,7 +112,9 @@ class _LinearWgradIntoAccumulator(torch.autograd.Function):
 
 def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear`` whose weight gradient goes into the window's fp32 accumulator when it can."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or torch.jit.is_tracing():
+        return F.linear(input, weight, bias)
+    if torch._C._are_functorch_transforms_active():  # torch.func.grad/vmap: their own autograd
         return F.linear(input, weight, bias)
     if not (input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(input, weight, bias)

@@ -198,10 +198,34 @@ def test_op_traces_under_torch_compile_without_graph_break():
     wgrad.reference(expected_acc, g.sin(), x, False)
     explanation = torch._dynamo.explain(step)(acc.clone(), g, x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    traced_ops = {str(node.target) for graph in explanation.graphs for node in graph.graph.nodes}
+    assert "fused_accum.wgrad_accumulate_.default" in traced_ops, traced_ops
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     out = compiled(acc, g, x)
     torch.testing.assert_close(acc, expected_acc)
     torch.testing.assert_close(out, expected_acc.sum())
+
+
+def test_eager_wgrad_calls_skip_the_custom_op_wrapper():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    acc, g, x = torch.zeros(3, 2), torch.ones(4, 3), torch.ones(4, 2)
+    with Record() as eager:
+        ops.wgrad_accumulate(acc, g, x, True, "reference")
+    with Record() as wrapped:
+        ops.wgrad_accumulate_(acc, g, x, False, "reference")
+    assert not any(op.startswith("fused_accum.") for op in eager.ops), eager.ops
+    assert "fused_accum.wgrad_accumulate_.default" in wrapped.ops
+    assert torch.equal(acc, torch.full((3, 2), 8.0))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter process only")
@@ -236,6 +260,27 @@ def test_linear_without_optimizer_is_bitwise_nn_linear(shape, bias, autocast):
     assert torch.equal(ref.weight.grad, conv.weight.grad) and conv.weight.grad.dtype == torch.float32
     if bias:
         assert torch.equal(ref.bias.grad, conv.bias.grad)
+
+
+def test_double_backward_and_torch_func_like_nn_linear(fake_window):
+    """create_graph=True (a gradient penalty) and torch.func.grad: the ordinary, differentiable
+    path even when the window offers a target."""
+    ref, conv = _pair(5, 4)
+    window = fake_window(conv.weight)
+    x = _rand(3, 5, seed=4)
+    for m in (ref, conv):
+        (gw,) = torch.autograd.grad(m(x).square().sum(), m.weight, create_graph=True)
+        assert window.asked == 0 and gw.requires_grad
+        gw.square().sum().backward()
+    # the second backward reaches the weight only through the Linear's output (gw = x^T 2y):
+    # an ordinary backward, which the window may take in place
+    assert window.asked == window.done_calls == 1 and conv.weight.grad is None
+    torch.testing.assert_close(window.acc, ref.weight.grad, rtol=1e-6, atol=1e-6)
+    params = {k: v.detach() for k, v in ref.named_parameters()}
+    loss = lambda m: lambda p: torch.func.functional_call(m, p, (x,)).square().sum()  # noqa: E731
+    grads_ref, grads_conv = torch.func.grad(loss(ref))(params), torch.func.grad(loss(conv))(params)
+    for k in params:
+        torch.testing.assert_close(grads_conv[k], grads_ref[k], rtol=0, atol=0)
 
 
 def test_linear_bf16_params_and_frozen_parts_without_optimizer():
