@@ -1,11 +1,16 @@
 // The CUDA implementations of the fused_accum_ext:: operators (schemas in bindings.cpp): the same
 // checks as on the CPU (bindings.h), then a launch on the current stream of the tensors' device.
-// Nothing here waits for the GPU: lr, coef, steps and found_inf are read by the kernels.
+// Nothing here waits for the GPU: lr, coef, steps and found_inf are read by the kernels, and no
+// host memory is copied to the device (the tables are kernel parameters), so every op can be
+// captured in a CUDA graph; the only allocation, accumulate's norm workspace, comes from torch's
+// caching allocator (a graph's private pool during capture).
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include "bindings.h"
+#include "cuda/launch.h"
 
 namespace fused_accum {
 namespace {
@@ -21,8 +26,17 @@ void launch_on(const Call& call, const char* op, Launch&& launch) {
 }
 
 struct CudaBackend {
+  static constexpr bool kAmsgrad = true;  // step.cu's AdamAmsgrad takes TensorLists::state3
+
   static void accumulate(const Call& c, const AccumulateArgs& a) {
-    launch_on(c, "accumulate_", [&](void* s) { return accumulate_cuda(c.lists, a, s); });
+    // One fp32 partial per block for the deterministic norm (see accumulate.cu); freed back to
+    // the caching allocator on this stream when the launches are queued, reused in order.
+    const int64_t n = accumulate_cuda_workspace(c.lists, a);
+    const c10::cuda::CUDAGuard guard(c.device);
+    const at::Tensor workspace =
+        n > 0 ? at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(c.device)) : at::Tensor();
+    float* partials = n > 0 ? workspace.data_ptr<float>() : nullptr;
+    launch_on(c, "accumulate_", [&](void* s) { return accumulate_cuda_into(c.lists, a, partials, s); });
   }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
     launch_on(c, "sgd_step_", [&](void* s) { return sgd_step_cuda(c.lists, a, h, s); });

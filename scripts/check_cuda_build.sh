@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI's only check of the CUDA side without a GPU: compile and link fused_accum._C with its CUDA
+# CI's only check of the GPU side without a GPU: compile the Triton kernels for sm_90 and fail on
+# any spill (scripts/check_triton_spills.py), then compile and link fused_accum._C with its CUDA
 # kernels against torch==2.14.1 (cu130), load it, and fail on any register spill.
 #
 # The torch used is a CUDA build in its own venv, cached outside the clone (5.4 GB, ~80 s to
@@ -14,6 +15,19 @@ TORCH_PIN=torch==2.14.1
 VENV=${FUSED_ACCUM_CUDA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fused_accum/venv-torch2.14.1-cu130}
 OUT=build/cuda-check
 LOG=$OUT/build.log
+
+# The Triton kernels' spill gate first: it needs only triton (its own ptxas and cuobjdump), not
+# nvcc or a GPU (issue 10 item 11). Triton caches the compiled variants, so a rerun is seconds.
+TRITON_PY=${FUSED_ACCUM_PYTHON:-.venv/bin/python}
+[[ -x $TRITON_PY ]] || TRITON_PY=python3
+if env -u TRITON_INTERPRET "$TRITON_PY" -c "import triton" 2>/dev/null; then
+  if ! env -u TRITON_INTERPRET "$TRITON_PY" scripts/check_triton_spills.py; then
+    echo "[check_cuda_build] FAIL: a Triton kernel spills (see above)"
+    exit 1
+  fi
+else
+  echo "[check_cuda_build] SKIP the Triton spill gate: $TRITON_PY cannot import triton"
+fi
 
 if ! command -v nvcc >/dev/null && [[ -z "${CUDA_HOME:-}" ]]; then
   echo "[check_cuda_build] SKIP: nvcc is not on PATH and CUDA_HOME is not set, so the CUDA kernels cannot be compiled here"

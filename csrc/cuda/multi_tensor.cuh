@@ -1,15 +1,20 @@
 // Multi-tensor apply for the CUDA kernels: many tensors per launch, described by a table passed
 // as a kernel argument, one thread block per chunk of kChunk elements of one tensor.
 //
-// Kernel arguments are limited to 4 KB on every driver this can meet (32 KB needs CUDA 12.1+ on
-// both sides), so a table holds what fits in 4 KB: 113 tensors for accumulate (2 arrays each),
-// 55 for a fused Adam step (6 arrays). A longer list is launched as several tables, in order, on
-// one stream. Each block finds its tensor by binary search over the table's chunk prefix sums.
+// Kernel parameters may take 32,764 bytes with CUDA 12.1+ on Volta and newer (every system a cu13
+// build runs on; the build targets sm_80 and sm_90), so a table holds what fits in 32 KB: 932
+// tensors for accumulate (2 arrays each), 459 for a step (6 arrays), 407 for Adam with amsgrad
+// (7); a 2,048-tensor list is 3 accumulate launches or 5 step launches (4 KB tables took 19 and
+// 38). A longer list is
+// launched as several tables, in order, on one stream. The table stays a by-value
+// __grid_constant__ parameter: no device allocation and no copy to manage, and a CUDA graph
+// captures it by value. Each block finds its tensor by binary search over the chunk prefix sums.
 //
 // Per thread: packs of kPack = 8 consecutive elements, 16-byte vector loads (one for 8 bf16/fp16
-// values, two for 8 fp32), every load of an iteration issued before the first is used. A pack
-// that is not 16-byte aligned (a gradient view at an odd offset) or runs past the end of its
-// tensor (the tail) is loaded element by element instead.
+// values, two for 8 fp32), every load of an iteration issued before the first is used. Whether a
+// pack is vector-loaded is decided per operand (vec_mask): a bf16 gradient view at an odd offset
+// is read element by element while the tensor's other operands stay 16-byte loads; the tail of a
+// tensor (the last numel % 8 elements) is read element by element.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,16 +31,23 @@
 namespace fused_accum {
 namespace cuda {
 
-constexpr int kThreads = 256;
+#if defined(CUDART_VERSION) && CUDART_VERSION < 12010
+#error "fused_accum's CUDA kernels take 32 KB parameter tables: CUDA 12.1 or newer"
+#endif
+
+// 128 threads per block: with __launch_bounds__(kThreads, kMinBlocks) the step kernels get up to
+// 65536 / (128 * 6) = 85 registers and 6+ blocks (24 warps) per SM, where 256-thread blocks at
+// 88 registers fitted 2 (16 warps); smaller blocks also finish a chunk's tail sooner.
+constexpr int kThreads = 128;
 constexpr int kPack = 8;
-// Elements per block: 4 packs per thread. Enough work (32 KB of fp32 acc read per block) that
-// block scheduling is noise, small enough that a 1M-element tensor still spreads over 128 blocks
-// (about one per SM of an H100/H200's 132; twice the chunk would leave half of them idle).
+// Elements per block: 4 packs per thread, 4,096 elements (16 KB of fp32 acc). A 1M-element
+// tensor is 256 blocks, ~2 per SM of an H200's 132 at once with room for the next; block
+// scheduling costs ~a few hundred ns against ~1 us of memory time per block.
 constexpr int64_t kChunk = 4 * kThreads * kPack;
-constexpr int kArgBytes = 4096;
+constexpr int kArgBytes = 32764;
 
 // What describes one tensor in a table with kArrays operands: one pointer and one dtype per
-// operand, its numel, its chunk prefix sum, its index in the caller's lists, the vector flag.
+// operand, its numel, its chunk prefix sum, its index in the caller's lists, the vector mask.
 constexpr int table_entry_bytes(int arrays) { return arrays * (8 + 1) + 8 + 4 + 4 + 1; }
 // Room left for the table after the op's other arguments (at most 128 bytes: scalars, hyper).
 constexpr int table_capacity(int arrays) { return (kArgBytes - 128 - 8) / table_entry_bytes(arrays); }
@@ -48,11 +60,17 @@ struct Table {
   int32_t chunk_end[kCapacity];  // tensor t owns chunks [chunk_end[t-1], chunk_end[t])
   int32_t index[kCapacity];      // position in the caller's lists
   uint8_t dtype[kArrays][kCapacity];
-  uint8_t vector_ok[kCapacity];  // all of the tensor's pointers are 16-byte aligned
+  uint8_t vec_mask[kCapacity];   // bit a: operand a's pointer is 16-byte aligned (vector packs)
   int32_t count;
 };
 static_assert(sizeof(Table<2>) <= kArgBytes - 128, "accumulate table exceeds the argument budget");
-static_assert(sizeof(Table<6>) <= kArgBytes - 128, "step table exceeds the argument budget");
+static_assert(sizeof(Table<7>) <= kArgBytes - 128, "step table exceeds the argument budget");
+
+// Whether operand a of slot t may be read and written as 16-byte packs.
+template <int kArrays>
+FA_HD bool vec_ok(const Table<kArrays>& table, int t, int a) {
+  return (table.vec_mask[t] >> a) & 1;
+}
 
 // ---- per-thread work ---------------------------------------------------------------------------
 // __host__ __device__ (FA_HD): the kernels call these with blockIdx.x/threadIdx.x; the emulation
@@ -169,6 +187,13 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 
 // Fills tables from `ops` (kArrays operands of t; an absent operand gives null pointers) and calls
 // launch(table, chunks) for each full table and the last one. Returns the first launch error.
+// Blocks (chunks) that for_each_table launches for `t`, over all of its tables.
+inline int64_t total_chunks(const TensorLists& t) {
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < t.size(); ++i) chunks += (t.numel[i] + kChunk - 1) / kChunk;
+  return chunks;
+}
+
 template <int kArrays, class Launch>
 const char* for_each_table(const TensorLists& t, const Operand* const (&ops)[kArrays],
                            Launch&& launch) {
@@ -184,18 +209,18 @@ const char* for_each_table(const TensorLists& t, const Operand* const (&ops)[kAr
       chunks = 0;
     }
     const int s = table.count++;
-    bool vector_ok = true;
+    uint8_t vec_mask = 0;
     for (int a = 0; a < kArrays; ++a) {
       const bool present = ops[a]->present();
       table.ptr[a][s] = present ? ops[a]->ptr[i] : nullptr;
       table.dtype[a][s] = present ? static_cast<uint8_t>(ops[a]->dtype[i]) : 0;
-      vector_ok = vector_ok && (!present || aligned16(ops[a]->ptr[i]));
+      if (present && aligned16(ops[a]->ptr[i])) vec_mask |= static_cast<uint8_t>(1u << a);
     }
     chunks += tensor_chunks;
     table.numel[s] = t.numel[i];
     table.chunk_end[s] = static_cast<int32_t>(chunks);
     table.index[s] = static_cast<int32_t>(t.index[i]);
-    table.vector_ok[s] = vector_ok;
+    table.vec_mask[s] = vec_mask;
   }
   if (table.count > 0) return launch(table, static_cast<int>(chunks));
   return nullptr;

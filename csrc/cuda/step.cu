@@ -10,12 +10,20 @@
 namespace fused_accum {
 namespace cuda {
 
+// Operands of a step table. state3 (amsgrad's max_exp_avg_sq) is last and only in amsgrad's
+// 7-operand table, so every other step keeps the 6-operand table (459 tensors per 32 KB launch
+// rather than 407) and the same indices.
+enum StepOperand { kStepAcc = 0, kStepGrad, kStepParam, kStepState1, kStepState2, kStepLp, kStepState3 };
 using StepTable = Table<6>;
-enum StepOperand { kStepAcc = 0, kStepGrad, kStepParam, kStepState1, kStepState2, kStepLp };
+using AmsgradStepTable = Table<7>;
 
-// 1 pack per thread per iteration: Adam with a fused grad already has 9 loads of 16 bytes in
-// flight per thread. 2 packs would need ~145 registers; ptxas caps a 256-thread block at 128
-// and spills (seen with nvcc 13.0).
+// 1 pack per thread per iteration: Adam with a fused grad already has 9-10 loads of 16 bytes in
+// flight per thread, and 2 packs would need ~145 registers (spills under any useful bound).
+// Occupancy comes from blocks instead: __launch_bounds__(128, Rule::kMinBlocks) caps a thread at
+// 65536 / (128 * kMinBlocks) registers. Each rule's bound is the largest that compiles without a
+// spill (nvcc 13.0, sm_90, -fmad=false; the gate in scripts/check_cuda_build.sh fails on any):
+// SGD and Lion 6 blocks (<= 80 registers, 24 warps per SM), Adam 5 (94, 20 warps), Adam with
+// amsgrad 4 (~105, 16 warps). 256-thread blocks at 88 registers gave Adam 16 warps.
 constexpr int kStepUnroll = 1;
 constexpr int kStepStride = kThreads * kPack * kStepUnroll;
 static_assert(kChunk % kStepStride == 0, "a chunk is a whole number of iterations");
@@ -30,102 +38,160 @@ struct DeviceStepArgs {
   bool fused, grads_overwrite, maximize;
 };
 
-// An update rule: how many fp32 state arrays it keeps, its per-tensor scalars, its element update.
+// An update rule: how many fp32 state arrays it keeps, its per-tensor scalars, its element update
+// (s3: amsgrad's running max, used when `amsgrad`).
 struct Sgd {
   using Hyper = math::SgdHyper;
+  using Scalars = math::SgdScalars;
   static constexpr int kStates = 1;  // the momentum buffer; absent when momentum == 0
-  FA_HD static math::SgdScalars scalars(float lr, float step, const Hyper&) {
-    return math::sgd_scalars(lr, step);
-  }
-  FA_HD static void update(float g, float& p, float& s1, float&, const Hyper& h,
-                           const math::SgdScalars& s) {
+  static constexpr bool kAmsgrad = false;
+  static constexpr int kMinBlocks = 6;
+  FA_HD static Scalars scalars(float lr, float step, const Hyper&) { return math::sgd_scalars(lr, step); }
+  FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
+                           const Scalars& s) {
     math::sgd_update(g, p, s1, h, s);
   }
 };
 
 struct Adam {
   using Hyper = math::AdamHyper;
+  using Scalars = math::AdamScalars;
   static constexpr int kStates = 2;  // exp_avg, exp_avg_sq
-  FA_HD static math::AdamScalars scalars(float lr, float step, const Hyper& h) {
+  static constexpr bool kAmsgrad = false;
+  static constexpr int kMinBlocks = 5;
+  FA_HD static Scalars scalars(float lr, float step, const Hyper& h) {
     return math::adam_scalars(lr, step, h);
   }
-  FA_HD static void update(float g, float& p, float& s1, float& s2, const Hyper& h,
-                           const math::AdamScalars& s) {
-    math::adam_update(g, p, s1, s2, h, s);
+  FA_HD static void update(float g, float& p, float& s1, float& s2, float& s3, bool amsgrad,
+                           const Hyper& h, const Scalars& s) {
+    if (amsgrad) math::adam_update_amsgrad(g, p, s1, s2, s3, h, s);
+    else math::adam_update(g, p, s1, s2, h, s);
   }
+};
+
+// Adam with amsgrad (max_exp_avg_sq, the 7th operand): its own instantiation, so plain Adam's
+// kernel carries none of the third state's loads, stores and registers.
+struct AdamAmsgrad : Adam {
+  static constexpr bool kAmsgrad = true;
+  static constexpr int kMinBlocks = 4;
 };
 
 struct Lion {
   using Hyper = math::LionHyper;
+  using Scalars = math::LionScalars;
   static constexpr int kStates = 1;  // exp_avg
-  FA_HD static math::LionScalars scalars(float lr, float, const Hyper& h) {
-    return math::lion_scalars(lr, h);
-  }
-  FA_HD static void update(float g, float& p, float& s1, float&, const Hyper& h,
-                           const math::LionScalars& s) {
+  static constexpr bool kAmsgrad = false;
+  static constexpr int kMinBlocks = 6;
+  FA_HD static Scalars scalars(float lr, float, const Hyper& h) { return math::lion_scalars(lr, h); }
+  FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
+                           const Scalars& s) {
     math::lion_update(g, p, s1, h, s);
   }
 };
 
-// Everything thread `thread` of the block for chunk `chunk` does.
-template <class Rule>
-FA_HD void step_thread(const StepTable& table, const DeviceStepArgs& args,
-                       const typename Rule::Hyper& hyper, int chunk, int thread) {
-  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;  // skip-all, no host sync
+// Whether a step skips everything (found_inf set: read on the device, no host sync).
+FA_HD bool step_skipped(const DeviceStepArgs& args) {
+  return args.found_inf != nullptr && *args.found_inf != 0.0f;
+}
+
+// Everything thread `thread` of the block for chunk `chunk` does, given the tensor's per-tensor
+// scalars (computed once per block by the kernel: Adam's are a pair of double pow calls, whose
+// register needs inside the element loop made ptxas spill).
+template <class Rule, int kArrays>
+FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& args,
+                            const typename Rule::Hyper& hyper, const typename Rule::Scalars& scalars,
+                            int chunk, int thread) {
   const Work w = chunk_work(table, chunk);
   const int t = w.t;
   const math::GradScalars gs{*args.coef, args.grad_alpha, args.fused, args.grads_overwrite,
                              args.maximize};
-  const auto scalars = Rule::scalars(*args.lr, args.steps[table.index[t]], hyper);
   const bool read_acc = !(args.fused && args.grads_overwrite);  // overwrite: acc is not read
   const bool has_state1 = Rule::kStates >= 1 && table.ptr[kStepState1][t] != nullptr;
+  bool amsgrad = false;
+  float* __restrict__ state3 = nullptr;
+  if constexpr (kArrays > kStepState3) {
+    state3 = static_cast<float*>(table.ptr[kStepState3][t]);
+    amsgrad = Rule::kAmsgrad && state3 != nullptr;
+  }
   const bool has_lp = table.ptr[kStepLp][t] != nullptr;
   const uint8_t param_dtype = table.dtype[kStepParam][t];
-  void* const param = table.ptr[kStepParam][t];
-  float* const state1 = static_cast<float*>(table.ptr[kStepState1][t]);
-  float* const state2 = static_cast<float*>(table.ptr[kStepState2][t]);
+  const float* __restrict__ acc = static_cast<const float*>(table.ptr[kStepAcc][t]);
+  const void* __restrict__ grad = table.ptr[kStepGrad][t];
+  void* __restrict__ const param = table.ptr[kStepParam][t];
+  float* __restrict__ const state1 = static_cast<float*>(table.ptr[kStepState1][t]);
+  float* __restrict__ const state2 = static_cast<float*>(table.ptr[kStepState2][t]);
+  void* __restrict__ const lp = table.ptr[kStepLp][t];
+  // per operand: 16-byte packs where its pointer allows (a misaligned view does not drag the
+  // tensor's other operands down to scalar accesses)
+  const bool acc_vec = vec_ok(table, t, kStepAcc), grad_vec = vec_ok(table, t, kStepGrad);
+  const bool param_vec = vec_ok(table, t, kStepParam), lp_vec = vec_ok(table, t, kStepLp);
+  const bool s1_vec = vec_ok(table, t, kStepState1), s2_vec = vec_ok(table, t, kStepState2);
+  bool s3_vec = false;
+  if constexpr (kArrays > kStepState3) s3_vec = vec_ok(table, t, kStepState3);
 
   for (int64_t base = w.begin; base < w.end; base += kStepStride) {
-    float acc[kStepUnroll][kPack], grad[kStepUnroll][kPack], p[kStepUnroll][kPack];
-    float s1[kStepUnroll][kPack], s2[kStepUnroll][kPack];
+    float a[kStepUnroll][kPack], g[kStepUnroll][kPack], p[kStepUnroll][kPack];
+    float s1[kStepUnroll][kPack], s2[kStepUnroll][kPack], s3[kStepUnroll][kPack];
     int64_t idx[kStepUnroll];
-    bool vec[kStepUnroll];
+    bool whole[kStepUnroll];
 #pragma unroll
     for (int u = 0; u < kStepUnroll; ++u) {  // issue every load before the first use
       idx[u] = pack_index(base, u, thread);
-      vec[u] = table.vector_ok[t] && idx[u] + kPack <= w.end;
-      if (read_acc) load_pack(table.ptr[kStepAcc][t], 0, idx[u], w.end, vec[u], acc[u]);
+      whole[u] = idx[u] + kPack <= w.end;
+      if (read_acc) load_pack(acc, 0, idx[u], w.end, acc_vec && whole[u], a[u]);
       if (args.fused) {
-        load_pack(table.ptr[kStepGrad][t], table.dtype[kStepGrad][t], idx[u], w.end, vec[u], grad[u]);
+        load_pack(grad, table.dtype[kStepGrad][t], idx[u], w.end, grad_vec && whole[u], g[u]);
       }
-      load_pack(param, param_dtype, idx[u], w.end, vec[u], p[u]);
-      if (has_state1) load_pack(state1, 0, idx[u], w.end, vec[u], s1[u]);
-      if (Rule::kStates >= 2) load_pack(state2, 0, idx[u], w.end, vec[u], s2[u]);
+      load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if (has_state1) load_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
+      if (Rule::kStates >= 2) load_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
+      if (amsgrad) load_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
     }
 #pragma unroll
     for (int u = 0; u < kStepUnroll; ++u) {
       if (idx[u] >= w.end) continue;
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        const float g = math::effective_grad(read_acc ? acc[u][k] : 0.0f,
-                                             args.fused ? grad[u][k] : 0.0f, gs);
-        Rule::update(g, p[u][k], s1[u][k], s2[u][k], hyper, scalars);
+        const float ge = math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
+        Rule::update(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], amsgrad, hyper, scalars);
       }
-      store_pack(param, param_dtype, idx[u], w.end, vec[u], p[u]);
-      if (has_state1) store_pack(state1, 0, idx[u], w.end, vec[u], s1[u]);
-      if (Rule::kStates >= 2) store_pack(state2, 0, idx[u], w.end, vec[u], s2[u]);
-      if (has_lp) store_pack(table.ptr[kStepLp][t], table.dtype[kStepLp][t], idx[u], w.end, vec[u], p[u]);
+      store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if (has_state1) store_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
+      if (Rule::kStates >= 2) store_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
+      if (amsgrad) store_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
+      if (has_lp) store_pack(lp, table.dtype[kStepLp][t], idx[u], w.end, lp_vec && whole[u], p[u]);
     }
   }
+}
+
+// As step_thread_with, computing the tensor's scalars itself (the CPU emulation of the kernel).
+template <class Rule, int kArrays>
+FA_HD void step_thread(const Table<kArrays>& table, const DeviceStepArgs& args,
+                       const typename Rule::Hyper& hyper, int chunk, int thread) {
+  if (step_skipped(args)) return;  // skip-all, no host sync
+  const Work w = chunk_work(table, chunk);
+  const auto scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
+  step_thread_with<Rule>(table, args, hyper, scalars, chunk, thread);
 }
 
 namespace {
 
 template <class Rule>
-__global__ void __launch_bounds__(kThreads)
-    step_kernel(const __grid_constant__ StepTable table, DeviceStepArgs args,
+using TableOf = Table<Rule::kAmsgrad ? 7 : 6>;
+
+template <class Rule>
+__global__ void __launch_bounds__(kThreads, Rule::kMinBlocks)
+    step_kernel(const __grid_constant__ TableOf<Rule> table, DeviceStepArgs args,
                 typename Rule::Hyper hyper) {
-  step_thread<Rule>(table, args, hyper, blockIdx.x, threadIdx.x);
+  if (step_skipped(args)) return;  // uniform over the grid: no thread reaches the barrier
+  // One thread computes the tensor's scalars (Adam: double pow, sqrt, divide) for the block.
+  __shared__ typename Rule::Scalars scalars;
+  if (threadIdx.x == 0) {
+    const Work w = chunk_work(table, blockIdx.x);
+    scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
+  }
+  __syncthreads();
+  step_thread_with<Rule>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
 }
 
 template <class Rule>
@@ -133,11 +199,17 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
                         void* stream) {
   const DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha, t.grad.present(),
                             a.grads_overwrite, a.maximize};
-  const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
-  return for_each_table(t, ops, [&](const StepTable& table, int chunks) {
+  const auto launch = [&](const TableOf<Rule>& table, int chunks) {
     step_kernel<Rule><<<chunks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(table, args, h);
     return last_error();
-  });
+  };
+  if constexpr (Rule::kAmsgrad) {
+    const Operand* const ops[7] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp, &t.state3};
+    return for_each_table(t, ops, launch);
+  } else {
+    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
+    return for_each_table(t, ops, launch);
+  }
 }
 
 }  // namespace
@@ -150,7 +222,8 @@ const char* sgd_step_cuda(const TensorLists& t, const StepArgs& a, const math::S
 
 const char* adam_step_cuda(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
                            void* stream) {
-  return cuda::launch_step<cuda::Adam>(t, a, h, stream);
+  return t.state3.present() ? cuda::launch_step<cuda::AdamAmsgrad>(t, a, h, stream)
+                            : cuda::launch_step<cuda::Adam>(t, a, h, stream);
 }
 
 const char* lion_step_cuda(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
