@@ -10,6 +10,18 @@ It is chosen for CUDA tensors when the C++/CUDA extension is absent, and runs on
 under ``TRITON_INTERPRET=1`` (set before triton is imported) as a test of the kernels: nothing
 here assumes CUDA.
 
+Host cost. A call reads, per tensor, only what can change between calls (address, size,
+dtype, contiguity: four C calls from ``map``), builds a key from them and looks the launch plan
+up; only a miss validates everything and builds the tables, with numpy over whole columns
+rather than per row. ``benchmarks/triton_host.py`` measures it with the kernels stubbed.
+
+CUDA graphs. Nothing here reads a device value on the host (lr, coef, steps and found_inf are
+read by the kernels), so a captured call replays with the current values. A graph holds the
+raw addresses of the tables it was captured with: a table used during capture is moved out of
+the LRU into a registry that is never evicted (:func:`release_captured_tables` empties it once
+those graphs are gone), and one built during capture keeps its pinned host copy alive too,
+since the graph replays the copy from it. The tables are keyed by the current stream as well.
+
 torch.compile: the ops are traced through the opaque custom ops of :mod:`fused_accum.ops`,
 which declare what they mutate. These kernels are deliberately *not* wrapped with
 ``torch.library.triton_op``/``wrap_triton``: they reach the tensors they write through
@@ -19,10 +31,14 @@ would treat the accumulators and parameters as unchanged and could reorder or dr
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
+import struct
+import threading
 from collections import OrderedDict
-from typing import Iterable, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,41 +48,79 @@ import triton.language as tl
 from . import reference
 from . import triton_kernels as kernels
 
-# One program owns a chunk of at most CHUNK elements of one tensor, walked in BLOCK steps.
-# BLOCK = 1024 with 4 warps is 8 elements per thread per tensor, two vector accesses of VEC = 4
-# (16 bytes of fp32, 8 of bf16; see triton_kernels): 8 to 10 independent loads in flight per
-# thread in a fused step. CHUNK = 16 blocks keeps the chunk table small (16 bytes per 16384
-# elements: 1 MB for 1e9 parameters, 0.01% of the 10 bytes/element an accumulate moves) while
-# still giving an H200's 132 SMs thousands of programs on any large bucket; a tensor smaller
-# than a chunk is one program. Both are first guesses to be swept on the GPU (docs/triton_backend.md).
+# One program owns a chunk of one tensor, walked in BLOCK steps. BLOCK = 1024 with 4 warps is
+# 8 elements per thread per tensor, two vector accesses of VEC = 4 (16 bytes of fp32, 8 of
+# bf16; see triton_kernels): 8 to 10 independent loads in flight per thread in a fused step.
 BLOCK = 1024
-CHUNK = 16 * BLOCK
 NUM_WARPS = 4
-# Let a*b + c contract to one FMA (one rounding instead of two; the kernel tests allow ~1 ulp).
-# Explicit because Triton 3.9 warns that its default will change in 3.10.
-FP_FUSION = True
+# The chunk is sized per launch (a power of two from BLOCK to MAX_CHUNK_BLOCKS * BLOCK) so the
+# grid has at least PROGRAMS_PER_SM programs per SM where the tensors are big enough: 16 is
+# ~4 waves of the ~4 programs of 128 threads an SM keeps resident at these kernels' 40-72
+# registers, so the last, partial wave is a small part of the time. The fixed 16,384-element
+# chunk gave a 1M-element tensor 64 programs for an H200's 132 SMs; now it gets 1,024 (chunk
+# = BLOCK), and a 1e9-element bucket 15k (chunk = 64 blocks: the chunk table costs 16 bytes per
+# 65,536 elements). First guesses: benchmarks/triton_sweep.py sweeps them on a GPU.
+PROGRAMS_PER_SM = 16
+MAX_CHUNK_BLOCKS = 64
+# No automatic FMA contraction: the kernels write tl.fma exactly where the reference (and the
+# C++ kernels, built with contraction off) has a fused multiply-add, so they round alike.
+FP_FUSION = False
 # reduce_stats_kernel is one program reading 8 bytes per chunk: a wider block, more warps.
 REDUCE_BLOCK = 4096
 REDUCE_WARPS = 8
+# SMs assumed where no CUDA device answers (the interpreter): an H200's, so the CPU tests cut
+# tensors into the same chunks a GPU run would.
+DEFAULT_SM_COUNT = 132
 
-# Device tables keyed by their own contents (every address and size), so a hit is always
-# correct. The optimizer calls with the same buffers every step, and the caching allocator
-# often hands the same gradient addresses back every micro-batch: a hit skips building the
-# table on the host and copying it to the device. 64 entries of ~16 bytes per chunk.
+# Launch plans (device tables + grids) keyed by everything they were built from: device,
+# stream, chunking parameters, and every address, size and dtype (plus, for accumulate, the
+# offsets), so a hit is always right for the tensors' current addresses. The optimizer calls
+# with the same buffers every step, and the caching allocator usually hands the same gradient
+# addresses back every micro-batch. 64 entries of ~80 bytes per tensor plus 16 per chunk.
 _TABLE_CACHE_SIZE = 64
-_table_cache: "OrderedDict[tuple, _Tables]" = OrderedDict()
+_table_cache: "OrderedDict[_Key, _Plan]" = OrderedDict()
+# Plans used while a CUDA graph was being captured: the graph holds their addresses, so they
+# are never evicted (see the module docstring).
+_captured: Dict["_Key", "_Plan"] = {}
+# Autograd runs post-accumulate-grad hooks on one thread per device: the cache is shared.
+_lock = threading.Lock()
 
 # Triton decides at decoration time, when triton_kernels was imported.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_VEC = kernels.VEC.value
+_ROW = kernels.ROW.value
+
+# Unbound C methods: one C call per tensor through map(), no Python frame per tensor.
+_data_ptr = Tensor.data_ptr
+_numel = Tensor.numel
+_is_contiguous = Tensor.is_contiguous
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
 
 
 def unavailable_reason(name: str) -> str:
     """"" when this backend can run (where it may run is decided in backends.availability)."""
     major = int(triton.__version__.split(".")[0])
     return "" if major >= 3 else f"the triton backend needs triton >= 3.0, found {triton.__version__}"
+
+
+def release_captured_tables() -> int:
+    """Forget the tables kept alive for CUDA graphs captured through this backend; call it
+    once those graphs are deleted (replaying one afterwards would read freed memory). Returns
+    how many were released."""
+    with _lock:
+        n = len(_captured)
+        _captured.clear()
+    return n
+
+
+def clear_table_cache() -> None:
+    """Empty the LRU of launch plans (benchmarks changing BLOCK or the chunking, tests)."""
+    with _lock:
+        _table_cache.clear()
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -76,70 +130,168 @@ class _Tables(NamedTuple):
     tensors: Tensor  # int64 [n_tensors, ROW], see triton_kernels
     chunks: Tensor  # int64 [n_chunks, 2]: (row of the tensor table, first element)
     n_chunks: int
+    chunk: int  # elements per chunk (the kernels' run-time ``chunk``)
+    host: Optional[Tensor]  # the pinned source of a copy captured into a CUDA graph
 
 
-def chunk_table(numels: Tensor) -> Tensor:
+class _Plan(NamedTuple):
+    """Everything a call launches: per dtype group, its key (the dtypes), tables, first
+    partial (accumulate's statistics)."""
+
+    launches: Tuple[Tuple[tuple, _Tables, int], ...]
+    total_chunks: int
+
+
+_SM_COUNTS: Dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def chunk_size(total_elements: int, sm_count: int) -> int:
+    """Elements per program for a launch over ``total_elements``: the largest power of two
+    from BLOCK to MAX_CHUNK_BLOCKS * BLOCK that still gives PROGRAMS_PER_SM programs per SM."""
+    target = PROGRAMS_PER_SM * sm_count
+    chunk = BLOCK
+    while chunk < MAX_CHUNK_BLOCKS * BLOCK and total_elements >= 2 * chunk * target:
+        chunk *= 2
+    return chunk
+
+
+def chunk_table(numels, chunk: int) -> np.ndarray:
     """(row, first element) of every chunk of tensors of ``numels`` elements, in order, on the
-    host. Empty tensors have no chunk. int64, so starts past 2**31 are exact."""
-    per_tensor = (numels + CHUNK - 1) // CHUNK
-    rows = torch.repeat_interleave(torch.arange(len(numels)), per_tensor)
-    first_chunk = torch.cumsum(per_tensor, 0) - per_tensor
-    starts = (torch.arange(len(rows)) - first_chunk[rows]) * CHUNK
-    return torch.stack([rows, starts], dim=1)
+    host, vectorised. Empty tensors have no chunk. int64, so starts past 2**31 are exact."""
+    numels = np.asarray(numels, dtype=np.int64)
+    per_tensor = (numels + chunk - 1) // chunk
+    rows = np.repeat(np.arange(len(numels), dtype=np.int64), per_tensor)
+    first_chunk = np.cumsum(per_tensor) - per_tensor
+    starts = (np.arange(len(rows), dtype=np.int64) - first_chunk[rows]) * chunk
+    return np.stack([rows, starts], axis=1)
 
 
-def _tables(device: torch.device, rows: List[tuple]) -> _Tables:
-    # The stream is part of the key: a table is used on the stream its copy was queued on.
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, CHUNK, tuple(rows))
-    hit = _table_cache.get(key)
-    if hit is not None:
-        _table_cache.move_to_end(key)
-        return hit
-    tensors = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), kernels.ROW.value)
-    chunks = chunk_table(tensors[:, kernels.NUMEL.value])
-    host = torch.cat([tensors.reshape(-1), chunks.reshape(-1)])
+def _aligned(addresses: Dict[int, Tuple[np.ndarray, int]]) -> np.ndarray:
+    """Per row: 1 when every address is a multiple of VEC elements of its operand (VEC * element
+    size bytes), so the kernels may use vector accesses. The optimizer's flat buffers (64-element
+    slices) and freshly allocated tensors are; a view at an odd offset is not. Sizes need not be
+    multiples of VEC: the kernels walk the last numel % VEC elements as a scalar tail."""
+    ok = None
+    for address, element_size in addresses.values():
+        this = address % (_VEC * element_size) == 0
+        ok = this if ok is None else ok & this
+    return ok.astype(np.int64)
+
+
+def _build(device: torch.device, numel: np.ndarray, index: np.ndarray,
+           addresses: Dict[int, Tuple[np.ndarray, int]], capturing: bool) -> _Tables:  # fmt: skip
+    """The device tables of one launch: ``addresses`` maps a table column to (addresses,
+    element size) for the rows, absent columns stay 0."""
+    n = len(numel)
+    chunk = chunk_size(int(numel.sum()), _sm_count(device))
+    tensors = np.zeros((n, _ROW), dtype=np.int64)
+    tensors[:, kernels.NUMEL.value] = numel
+    tensors[:, kernels.INDEX.value] = index
+    tensors[:, kernels.IS_ALIGNED.value] = _aligned(addresses)
+    for column, (address, _) in addresses.items():
+        tensors[:, column] = address
+    chunks = chunk_table(numel, chunk)
+    host = torch.from_numpy(np.concatenate([tensors.reshape(-1), chunks.reshape(-1)]))
+    kept = None
     if device.type == "cuda":
         # pinned + non_blocking: the copy is queued on the stream, the host does not wait
-        host = host.pin_memory().to(device, non_blocking=True)
-    split = tensors.numel()
-    tables = _Tables(host[:split].view(tensors.shape), host[split:].view(chunks.shape), len(chunks))
-    _table_cache[key] = tables
-    if len(_table_cache) > _TABLE_CACHE_SIZE:
-        _table_cache.popitem(last=False)
-    return tables
+        host = host.pin_memory()
+        kept = host if capturing else None  # a captured graph replays the copy from it
+        try:
+            table = host.to(device, non_blocking=True)
+        except RuntimeError as e:
+            raise RuntimeError(
+                "fused_accum triton backend: copying a launch table to the GPU failed"
+                + (" during CUDA-graph capture; run the same call once before capturing (a "
+                   "warm-up) so the table exists, or use the cuda backend" if capturing else "")
+                + f": {e}"
+            ) from e  # fmt: skip
+    else:
+        table = host
+    split = tensors.size
+    return _Tables(table[:split].view(n, _ROW), table[split:].view(len(chunks), 2), len(chunks), chunk, kept)
 
 
-class _Operand(NamedTuple):
-    """Where a table row's tensor starts, and its element size (for the alignment test)."""
-
-    address: int
-    element_size: int
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _operand(t: Optional[Tensor]) -> Optional[_Operand]:
-    return None if t is None else _Operand(t.data_ptr(), t.element_size())
+def _stream(device: torch.device) -> int:
+    # A table is used on the stream its copy was queued on (and is freed to that stream).
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def _row(numel: int, index: int, **operands: Optional[_Operand]) -> tuple:
-    """One tensor-table row, in the column order of triton_kernels: size, list position,
-    alignment flag, then the address of each operand by column name (0 where absent)."""
-    present = {name: o for name, o in operands.items() if o is not None}
-    address = {name: o.address for name, o in present.items()}
-    aligned = _aligned(numel, present.values())
-    return (
-        numel, index, int(aligned),
-        address.get("acc", 0), address.get("grad", 0), address.get("param", 0),
-        address.get("lp", 0), address.get("state0", 0), address.get("state1", 0),
-    )  # fmt: skip
+class _Key:
+    """A plan key: a tuple of thousands of ints whose hash is computed once (a dict lookup, an
+    LRU move and a store would otherwise hash it again each: ~0.3 ms each at 2,048 tensors)."""
+
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, *parts):
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.parts == other.parts
 
 
-def _aligned(numel: int, operands: Iterable[_Operand]) -> bool:
-    """True when the kernels may use VEC-element vector accesses on this row: its size and
-    every address are multiples of VEC elements. The optimizer's flat buffers (64-element
-    slices) and freshly allocated gradients are; a view at an odd offset is not."""
-    vec = kernels.VEC.value
-    return numel % vec == 0 and all(o.address % (vec * o.element_size) == 0 for o in operands)
+def _lookup(key: _Key, capturing: bool) -> Optional[_Plan]:
+    with _lock:
+        if _captured:
+            plan = _captured.get(key)
+            if plan is not None:
+                return plan
+        plan = _table_cache.get(key)
+        if plan is not None:
+            if capturing:  # the graph keeps these addresses: out of the LRU, for good
+                del _table_cache[key]
+                _captured[key] = plan
+            else:
+                _table_cache.move_to_end(key)
+        return plan
+
+
+def _store(key: _Key, plan: _Plan, capturing: bool) -> None:
+    with _lock:
+        if capturing:
+            _captured[key] = plan
+            return
+        _table_cache[key] = plan
+        while len(_table_cache) > _TABLE_CACHE_SIZE:
+            _table_cache.popitem(last=False)
+
+
+def _config() -> tuple:
+    return (BLOCK, PROGRAMS_PER_SM, MAX_CHUNK_BLOCKS)
+
+
+def _dtype_groups(keys: Sequence[tuple]) -> "OrderedDict[tuple, np.ndarray]":
+    """Row indices by key (the dtypes a kernel is specialised on), in first-seen order."""
+    first = keys[0]
+    if all(k == first for k in keys):  # the usual case: one dtype per list
+        return OrderedDict([(first, np.arange(len(keys), dtype=np.int64))])
+    groups: "OrderedDict[tuple, List[int]]" = OrderedDict()
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return OrderedDict((k, np.asarray(v, dtype=np.int64)) for k, v in groups.items())
+
+
+def _bits(x: float) -> int:
+    """The IEEE bits of a double, as the int64 that the kernels bitcast back (Triton would pass
+    a Python float as fp32)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 # --- validation and layout -------------------------------------------------------------------
@@ -212,15 +364,36 @@ def _writable(t: Tensor, write_back: list) -> Tensor:
     return c
 
 
-def _groups(keys: List[tuple]) -> "OrderedDict[tuple, List[int]]":
-    """Indices by key (the dtypes a kernel is specialised on), in first-seen order."""
-    groups: "OrderedDict[tuple, List[int]]" = OrderedDict()
-    for i, key in enumerate(keys):
-        groups.setdefault(key, []).append(i)
-    return groups
-
-
 # --- accumulate ------------------------------------------------------------------------------
+
+
+def _accumulate_plan(device, base: int, starts: np.ndarray, ptrs, numels, dtypes, capturing) -> _Plan:
+    numel = np.asarray(numels, dtype=np.int64)
+    acc_address = base + 4 * np.asarray(starts, dtype=np.int64)
+    grad_address = np.asarray(ptrs, dtype=np.int64)
+    launches, first = [], 0
+    for (dtype,), rows in _dtype_groups([(d,) for d in dtypes]).items():
+        tables = _build(device, numel[rows], rows, {
+            kernels.ACC.value: (acc_address[rows], 4),
+            kernels.GRAD.value: (grad_address[rows], dtype.itemsize),
+        }, capturing)  # fmt: skip
+        if tables.n_chunks:
+            launches.append(((dtype,), tables, first))
+            first += tables.n_chunks
+    return _Plan(tuple(launches), first)
+
+
+def _slice_starts(acc: Tensor, offsets: Tensor, grads: List[Tensor], numels: tuple) -> np.ndarray:
+    """reference.slice_starts's checks over whole columns (it loops in Python: ~45 us per tensor
+    here, most of a miss); on a failure the reference runs, to raise its message."""
+    starts = offsets.numpy()
+    sizes = np.asarray(numels, dtype=np.int64)
+    # fits before ends are formed: start + numel could wrap int64 (a huge offset), this cannot
+    if starts[0] >= 0 and bool((sizes <= acc.numel() - starts).all()):
+        ends = starts + sizes
+        if bool((starts[1:] >= ends[:-1]).all()) and set(map(_device, grads)) == {acc.device}:
+            return starts
+    return np.asarray(reference.slice_starts(acc, offsets, grads), dtype=np.int64)
 
 
 def accumulate(
@@ -233,49 +406,52 @@ def accumulate(
     sumsq: Optional[Tensor] = None,
 ) -> None:
     """reference.accumulate, in one launch per gradient dtype (+1 for found_inf/sumsq)."""
-    starts = reference.slice_starts(acc, offsets, grads)
-    if not grads:
-        return
+    if (acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous()
+            or offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.device.type != "cpu"
+            or len(offsets) != len(grads) or not grads):  # fmt: skip
+        reference.slice_starts(acc, offsets, grads)  # raises with the reason, or nothing to do
+        if not grads:
+            return
     device = _device_of(acc)
     _check_scalar("found_inf", found_inf, device)
     _check_scalar("sumsq", sumsq, device)
-    for i, grad in enumerate(grads):
-        _check_dtype("grads", i, grad)
-    stats = found_inf is not None or sumsq is not None
-
     keep: list = []
-    grads = [_readable(g, keep) for g in grads]
-    base = acc.data_ptr()
-    launches = []
-    for (dtype,), members in _groups([(g.dtype,) for g in grads]).items():
-        rows = [
-            _row(grads[i].numel(), i, acc=_Operand(base + 4 * starts[i], 4), grad=_operand(grads[i]))
-            for i in members
-        ]
-        launches.append((dtype, _tables(device, rows)))
-    total_chunks = sum(t.n_chunks for _, t in launches)
-    if total_chunks == 0:
+    if not all(map(_is_contiguous, grads)):
+        grads = [_readable(g, keep) for g in grads]
+    ptrs = tuple(map(_data_ptr, grads))
+    numels = tuple(map(_numel, grads))
+    dtypes = tuple(map(_dtype, grads))
+    capturing = _capturing(device)
+    key = _Key("accumulate", device, _stream(device), _config(), acc.data_ptr(), acc.numel(),
+               offsets.numpy().tobytes(), ptrs, numels, dtypes)  # fmt: skip
+    plan = _lookup(key, capturing)
+    if plan is None:
+        # a miss: check everything (a hit's addresses, sizes and dtypes passed these checks)
+        starts = _slice_starts(acc, offsets, grads, numels)
+        if not set(dtypes) <= set(_FLOAT_DTYPES):
+            for i, grad in enumerate(grads):
+                _check_dtype("grads", i, grad)
+        plan = _accumulate_plan(device, acc.data_ptr(), starts, ptrs, numels, dtypes, capturing)
+        _store(key, plan, capturing)
+    if plan.total_chunks == 0:
         return
+    stats = found_inf is not None or sumsq is not None
     # row 0: per-chunk sums of squares, row 1: per-chunk non-finite flags
-    partials = torch.empty((2, total_chunks), dtype=torch.float32, device=device) if stats else None
+    partials = torch.empty((2, plan.total_chunks), dtype=torch.float32, device=device) if stats else None
     with _on(device):
-        first = 0
-        for dtype, tables in launches:
-            if tables.n_chunks == 0:
-                continue
+        for (dtype,), tables, first in plan.launches:
             if stats:
-                part_sq, part_bad = partials[0, first:], partials[1, first:]
+                part_sq, part_bad = partials[0], partials[1]
             else:  # never dereferenced (STATS=False), any tensor will do
                 part_sq = part_bad = tables.chunks
             kernels.accumulate_kernel[(tables.n_chunks,)](
-                tables.chunks, tables.tensors, part_sq, part_bad, float(alpha),
+                tables.chunks, tables.tensors, part_sq, part_bad, first, float(alpha), tables.chunk,
                 GRAD_DTYPE=_TL_DTYPE[dtype], OVERWRITE=bool(overwrite), STATS=stats,
-                CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+                BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
-            first += tables.n_chunks
         if stats:
             kernels.reduce_stats_kernel[(1,)](
-                partials[0], partials[1], total_chunks,
+                partials[0], partials[1], plan.total_chunks,
                 sumsq if sumsq is not None else partials, found_inf if found_inf is not None else partials,
                 HAS_SUMSQ=sumsq is not None, HAS_FOUND_INF=found_inf is not None,
                 BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS, enable_fp_fusion=FP_FUSION,
@@ -284,6 +460,41 @@ def accumulate(
 
 
 # --- optimizer steps -------------------------------------------------------------------------
+
+# Table columns of the optimizer-state lists, in the order the step ops pass them.
+_STATE_COLUMNS = (kernels.STATE0.value, kernels.STATE1.value, kernels.STATE2.value)
+
+
+def _validate_step(name, params, states, accs, lp_params, grads, device) -> None:
+    """Every per-tensor check of a step (on a plan miss only, see _step)."""
+    for i in range(len(params)):
+        numel = accs[i].numel()
+        _check_acc("accs", i, accs[i], device)
+        _check_same("params", i, params[i], numel, device)
+        _check_dtype("params", i, params[i])
+        for what, xs in states.items():
+            _check_acc(what, i, xs[i], device)
+        if lp_params:
+            _check_same("lp_params", i, lp_params[i], numel, device)
+            _check_dtype("lp_params", i, lp_params[i])
+        if grads:
+            _check_same("grads", i, grads[i], numel, device)
+            _check_dtype("grads", i, grads[i])
+
+
+def _step_plan(device, numels, columns, keys, capturing) -> _Plan:
+    """``columns``: table column -> (addresses, element sizes per row or one for all)."""
+    numel = np.asarray(numels, dtype=np.int64)
+    launches = []
+    for key, rows in _dtype_groups(keys).items():
+        addresses = {}
+        for column, (address, element_size) in columns.items():
+            size = element_size if isinstance(element_size, int) else element_size(key)
+            addresses[column] = (address[rows], size)
+        tables = _build(device, numel[rows], rows, addresses, capturing)
+        if tables.n_chunks:
+            launches.append((key, tables, 0))
+    return _Plan(tuple(launches), sum(t.n_chunks for _, t, _ in launches))
 
 
 def _step(
@@ -305,9 +516,12 @@ def _step(
 ) -> None:
     """The launcher shared by the three step ops: validate, group by dtypes, launch.
 
-    ``states`` are the optimizer-state lists by argument name (0, 1 or 2 of them, fp32 like
-    accs, in table columns STATE0, STATE1); ``scalars`` and ``flags`` are the kernel's own
-    hyper-parameters and constexpr switches."""
+    ``states`` are the optimizer-state lists by argument name (0 to 3 of them, fp32 like
+    accs, in table columns STATE0..STATE2); ``scalars`` and ``flags`` are the kernel's own
+    hyper-parameters and constexpr switches. Per call, each tensor's address is read, with the
+    sizes of accs and grads, the dtypes of params, lp_params and grads and their contiguity; a
+    plan miss checks everything else.
+    """
     n = len(params)
     for what, xs in [("accs", accs), *states.items()]:
         if len(xs) != n:
@@ -322,57 +536,66 @@ def _step(
     _check_scalar("lr", lr, device)
     _check_scalar("coef", coef, device)
     _check_scalar("found_inf", found_inf, device)
-    if steps is not None and (steps.dtype != torch.float32 or steps.numel() < n or steps.device != device):
-        raise ValueError(f"{name}: steps must be a float32 tensor of {n} step counts on {device}")
-
-    for i in range(n):
-        numel = accs[i].numel()
-        _check_acc("accs", i, accs[i], device)
-        _check_same("params", i, params[i], numel, device)
-        _check_dtype("params", i, params[i])
-        for what, xs in states.items():
-            _check_acc(what, i, xs[i], device)
-        if lp_params:
-            _check_same("lp_params", i, lp_params[i], numel, device)
-            _check_dtype("lp_params", i, lp_params[i])
-        if grads:
-            _check_same("grads", i, grads[i], numel, device)
-            _check_dtype("grads", i, grads[i])
+    # exactly one step count per tensor, as the C++ binding requires (a longer tensor would
+    # mean the caller's lists and counts are out of step)
+    if steps is not None and (steps.dtype != torch.float32 or steps.dim() != 1 or steps.numel() != n
+                              or steps.device != device):  # fmt: skip
+        raise ValueError(
+            f"{name}: steps must be a 1-D float32 tensor of {n} step counts (one per param) on "
+            f"{device}, got {steps.dtype} of shape {tuple(steps.shape)} on {steps.device}"
+        )
 
     keep: list = []
     write_back: list = []
-    params = [_writable(p, write_back) for p in params]
-    lp_params = [_writable(p, write_back) for p in lp_params]
-    grads = [_readable(g, keep) for g in grads]
+    if not all(map(_is_contiguous, params)):
+        params = [_writable(p, write_back) for p in params]
+    if lp_params and not all(map(_is_contiguous, lp_params)):
+        lp_params = [_writable(p, write_back) for p in lp_params]
+    if grads and not all(map(_is_contiguous, grads)):
+        grads = [_readable(g, keep) for g in grads]
     state_lists = list(states.values())
-    keys, rows = [], []
-    for i in range(n):
-        rows.append(_row(
-            accs[i].numel(), i, acc=_operand(accs[i]), param=_operand(params[i]),
-            grad=_operand(grads[i] if grads else None), lp=_operand(lp_params[i] if lp_params else None),
-            state0=_operand(state_lists[0][i] if len(state_lists) > 0 else None),
-            state1=_operand(state_lists[1][i] if len(state_lists) > 1 else None),
+    ptrs = [tuple(map(_data_ptr, xs)) for xs in (accs, params, lp_params, grads, *state_lists)]
+    numels = tuple(map(_numel, accs))
+    dtypes = [tuple(map(_dtype, xs)) for xs in (params, lp_params, grads)]
+    # the fused gradients are new tensors every window: their sizes are in the key; params,
+    # lp_params and the state lists are checked against accs on a miss, and keep their size
+    # while their address is unchanged
+    grad_numels = tuple(map(_numel, grads))
+    capturing = _capturing(device)
+    key = _Key(name, device, _stream(device), _config(), tuple(states), numels, *ptrs, *dtypes, grad_numels)
+    plan = _lookup(key, capturing)
+    if plan is None:
+        _validate_step(name, params, states, accs, lp_params, grads, device)
+        param_dtypes, lp_dtypes, grad_dtypes = dtypes
+        keys = list(zip(
+            param_dtypes,
+            lp_dtypes or [torch.float32] * n,  # placeholder: not read
+            grad_dtypes or [torch.float32] * n,  # placeholder: not read
         ))  # fmt: skip
-        keys.append((
-            params[i].dtype,
-            lp_params[i].dtype if lp_params else torch.float32,  # placeholder: not read
-            grads[i].dtype if grads else torch.float32,  # placeholder: not read
-        ))  # fmt: skip
+        columns = {
+            kernels.ACC.value: (np.asarray(ptrs[0], dtype=np.int64), 4),
+            kernels.PARAM.value: (np.asarray(ptrs[1], dtype=np.int64), lambda k: k[0].itemsize),
+        }
+        if lp_params:
+            columns[kernels.LP.value] = (np.asarray(ptrs[2], dtype=np.int64), lambda k: k[1].itemsize)
+        if grads:
+            columns[kernels.GRAD.value] = (np.asarray(ptrs[3], dtype=np.int64), lambda k: k[2].itemsize)
+        for column, addresses in zip(_STATE_COLUMNS, ptrs[4:]):
+            columns[column] = (np.asarray(addresses, dtype=np.int64), 4)
+        plan = _step_plan(device, numels, columns, keys, capturing)
+        _store(key, plan, capturing)
 
     steps_arg = () if steps is None else (steps.contiguous(),)
     with _on(device):
-        for (param_dtype, lp_dtype, grad_dtype), members in _groups(keys).items():
-            tables = _tables(device, [rows[i] for i in members])
-            if tables.n_chunks == 0:
-                continue
+        for (param_dtype, lp_dtype, grad_dtype), tables, _ in plan.launches:
             kernel[(tables.n_chunks,)](
                 tables.chunks, tables.tensors, *steps_arg, lr, coef,
                 found_inf if found_inf is not None else coef,  # not read unless HAS_FOUND_INF
-                float(grad_alpha), *scalars,
+                tables.chunk, float(grad_alpha), *scalars,
                 PARAM_DTYPE=_TL_DTYPE[param_dtype], LP_DTYPE=_TL_DTYPE[lp_dtype],
                 GRAD_DTYPE=_TL_DTYPE[grad_dtype], HAS_LP=bool(lp_params), FUSED=bool(grads),
                 GRADS_OVERWRITE=bool(grads_overwrite), HAS_FOUND_INF=found_inf is not None,
-                **flags, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
+                **flags, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
             )  # fmt: skip
     for original, copy in write_back:
         original.copy_(copy)
@@ -429,16 +652,20 @@ def adam_step(
     grad_alpha: float = 1.0,
     grads_overwrite: bool = False,
     found_inf: Optional[Tensor] = None,
+    max_exp_avg_sqs: Sequence[Tensor] = (),
 ) -> None:
-    """reference.adam_step (Adam / AdamW) in one launch per dtype group."""
+    """reference.adam_step (Adam / AdamW; amsgrad with a non-empty ``max_exp_avg_sqs``) in
+    one launch per dtype group."""
+    states = OrderedDict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    if max_exp_avg_sqs:
+        states["max_exp_avg_sqs"] = max_exp_avg_sqs
     _step(
-        kernels.adam_kernel, "adam_step", params,
-        OrderedDict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs), accs, steps, lr, coef,
+        kernels.adam_kernel, "adam_step", params, states, accs, steps, lr, coef,
         lp_params, grads, grad_alpha, grads_overwrite, found_inf,
-        scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2),
-                 float(eps), float(weight_decay)),
+        scalars=(_bits(beta1), _bits(beta2), _bits(weight_decay), float(beta1), float(beta2),
+                 1.0 - float(beta1), 1.0 - float(beta2), float(eps), float(weight_decay)),
         flags=dict(MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
-                   DECOUPLED=bool(decoupled)),
+                   DECOUPLED=bool(decoupled), AMSGRAD=bool(max_exp_avg_sqs)),
     )  # fmt: skip
 
 
@@ -466,6 +693,6 @@ def lion_step(
         kernels.lion_kernel, "lion_step", params, OrderedDict(exp_avgs=exp_avgs), accs, None, lr, coef,
         lp_params, grads, grad_alpha, grads_overwrite, found_inf,
         scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2),
-                 float(weight_decay)),
+                 _bits(weight_decay)),
         flags=dict(MAXIMIZE=bool(maximize)),
     )  # fmt: skip

@@ -1,30 +1,42 @@
 """The Triton kernels of the ``triton`` backend: the math, and only the math.
 
 Every formula here follows :mod:`fused_accum.backends.reference` (the specification) term by
-term and in the same order, so the kernels differ from it only by FMA contraction. The
+term, in the same order and with the same fused multiply-adds (``tl.fma`` where the reference
+has one; the launcher turns automatic contraction off), so on the same inputs the kernels round
+where the reference rounds. The
 launchers, dtype grouping and tables live in :mod:`fused_accum.backends.triton`.
 
 How a launch finds its data (multi-tensor: one launch for any number of tensors):
 
 - the *tensor table* is an ``int64 [n_tensors, ROW]`` array, one row per tensor, holding its
-  element count, its position in the op's lists (to index ``steps``), whether it is ALIGNED
-  (below) and the raw addresses of the tensors it touches (acc, grad, param, low-precision
+  element count, its position in the op's lists (to index ``steps``), whether its addresses are
+  ALIGNED (below) and the raw addresses of the tensors it touches (acc, grad, param, low-precision
   param, optimizer state); an absent tensor has address 0 and is never dereferenced (its code
   is compiled out by a constexpr);
 - the *chunk table* is an ``int64 [n_chunks, 2]`` array of (tensor row, first element): one
-  program per chunk of at most ``CHUNK`` elements of one tensor, walked in ``BLOCK`` steps.
+  program per chunk of at most ``chunk`` elements of one tensor, walked in ``BLOCK`` steps.
+  ``chunk`` is a run-time argument (a power of two, a multiple of BLOCK) that the launcher sizes
+  so the grid has enough programs for the GPU (issue 10, item 4), without a recompile.
 
 Offsets are int64 throughout (loaded from the tables), so tensors of more than 2**31 elements
 are addressed correctly. A kernel is specialised (constexpr) on the dtypes of the tensors it
 reaches through raw addresses: the launcher groups tensors by dtype, one launch per group.
+Nothing else is specialised: every pointer and integer argument is declared
+``do_not_specialize``/``do_not_specialize_on_alignment`` (``_NO_SPECIALIZE``), so a chunk table
+at an odd offset or a ``found_inf`` that is a view into a stats buffer compiles no new variant
+(the old launcher compiled 20 accumulate variants for 8 configurations; each compile is a
+mid-training stall and cannot happen during CUDA-graph capture).
 
 Vector width. An address loaded from a table tells the compiler nothing about alignment, so
 by default every access is a scalar one (in the PTX: ``ld.global.b16``/``b32``). A row whose
-addresses and size are all multiples of VEC elements is marked ALIGNED by the launcher; each
-kernel branches on that flag (uniform per program) into a copy of its body compiled with
+addresses are all multiples of VEC elements is marked ALIGNED by the launcher; each kernel
+branches on that flag (uniform per program) into a copy of its body compiled with
 ``tl.multiple_of`` hints, where each thread moves VEC = 4 elements per access: 16 bytes of
-fp32, 8 of bf16/fp16 (``ld.global.v4.b32``, ``v2.b32``). Branching inside the kernel rather
-than launching aligned and unaligned rows apart keeps one launch per dtype whatever the mix.
+fp32, 8 of bf16/fp16 (``ld.global.v4.b32``, ``v2.b32``). The size does not have to be a
+multiple of VEC: an aligned row's body (its first ``numel - numel % VEC`` elements) is walked
+vectorised and the last 1-3 elements by a scalar tail (a 50,257-element bias is 50,256 vector
+elements and 1 scalar one, not 50,257 scalar ones). Branching inside the kernel rather than
+launching aligned and unaligned rows apart keeps one launch per dtype whatever the mix.
 The unaligned branch walks blocks of BLOCK // VEC: a scalar access needs a 64-bit address per
 element per tensor, so at BLOCK = 1024 (8 elements per thread) the unaligned fused-AdamW body
 took 164 registers (ptxas, sm_90), and a kernel gets the registers of its hungrier branch:
@@ -41,14 +53,15 @@ import triton.language as tl
 # Columns of the tensor table; the launcher writes rows in this order.
 NUMEL = tl.constexpr(0)  # elements of this tensor
 INDEX = tl.constexpr(1)  # its position in the op's lists (the entry of ``steps``)
-IS_ALIGNED = tl.constexpr(2)  # 1: every address and the size are multiples of VEC elements
+IS_ALIGNED = tl.constexpr(2)  # 1: every address is a multiple of VEC elements
 ACC = tl.constexpr(3)  # fp32 accumulator slice
 GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
 PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
 LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update
 STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion)
 STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
-ROW = tl.constexpr(9)
+STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad)
+ROW = tl.constexpr(10)
 
 # Elements per thread per access on aligned rows (see above).
 VEC = tl.constexpr(4)
@@ -57,10 +70,22 @@ VEC = tl.constexpr(4)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+def _jit(fn):
+    """triton.jit with no value or alignment specialisation of any non-constexpr argument:
+    one compiled variant per constexpr configuration (issue 10, item 8)."""
+    import inspect
+
+    names = [
+        name for name, p in inspect.signature(fn).parameters.items()
+        if not (p.annotation is tl.constexpr or p.annotation == "tl.constexpr")
+    ]  # fmt: skip
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(fn)
+
+
 # --- shared pieces ---------------------------------------------------------------------------
 # A tl.multiple_of hint only holds on the op that computes the value in the function that
 # sets it: set on a function argument it is silently dropped (seen: the PTX fell back to
-# scalar accesses). So the hinted values (chunk end, pointers) are computed inside the helpers
+# scalar accesses). So the hinted values (body end, pointers) are computed inside the helpers
 # that hint them.
 
 
@@ -71,28 +96,31 @@ def _row_is_aligned(chunks, tensors):
 
 
 @triton.jit
-def _this_chunk(chunks, tensors, found_inf, CHUNK: tl.constexpr, ALIGNED: tl.constexpr,
-                HAS_FOUND_INF: tl.constexpr):
-    """(tensor-table row, first element, end element) of the chunk this program owns.
+def _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED: tl.constexpr, HAS_FOUND_INF: tl.constexpr):
+    """(tensor-table row, first element, end of the vector body, end) of this program's chunk.
 
-    With HAS_FOUND_INF a step is skipped on a non-finite window by making the range empty
-    when found_inf is set (read on the device, so the host never waits for it)."""
+    On ALIGNED rows the body ends at the last multiple of VEC before the end (hinted, so the
+    mask is constant over each vector) and the caller walks the rest as a scalar tail; on
+    other rows the body is the whole chunk. With HAS_FOUND_INF a step is skipped on a
+    non-finite window by making the range empty when found_inf is set (read on the device,
+    so the host never waits for it)."""
     pid = tl.program_id(0).to(tl.int64)
     t = tl.load(chunks + 2 * pid)
     start = tl.load(chunks + 2 * pid + 1)
     row = tensors + t * ROW
-    end = tl.minimum(start + CHUNK, tl.load(row + NUMEL))
+    end = tl.minimum(start + chunk, tl.load(row + NUMEL))
     if HAS_FOUND_INF:
         end = tl.where(tl.load(found_inf) != 0, start, end)
-    if ALIGNED:  # start and size are multiples of VEC: the mask is constant over each vector
-        end = tl.multiple_of(end, VEC)
-    return row, start, end
+    body_end = end
+    if ALIGNED:
+        body_end = tl.multiple_of(end - end % VEC, VEC)
+    return row, start, body_end, end
 
 
 @triton.jit
 def _block(off, BLOCK: tl.constexpr):
-    """Indices of the block at ``off``. Chunks start at multiples of CHUNK, a multiple of
-    BLOCK, so every block does too."""
+    """Indices of the block at ``off``. Chunks start at multiples of the chunk size, a
+    multiple of BLOCK, so every block does too."""
     return tl.max_contiguous(tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK), BLOCK)
 
 
@@ -161,14 +189,15 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _pow_whole(base, n):
-    """base ** n for a whole number n >= 0 stored as fp32 (a step count), by squaring.
+    """base ** n for a whole number n >= 0 stored as fp32 (a step count), by squaring, in the
+    precision of ``base`` (fp32 or fp64).
 
-    Exact for n = 1 (as torch's powf is), within ~log2(n) roundings otherwise. Computing it as
+    Exact for n = 1 (as pow is), within ~log2(n) roundings otherwise. Computing it as
     exp2(n*log2(base)) instead would err by ~2 ulp even at n = 1, and 1 - beta2**n divides that
     error by 1 - beta2 (1e-3): 2.4e-4 relative in Adam's bias correction on the first steps.
     """
-    result = tl.full([], 1.0, tl.float32)
-    square = tl.full([], 1.0, tl.float32) * base
+    result = base * 0.0 + 1.0
+    square = base
     e = n.to(tl.int32)
     while e > 0:
         result = tl.where((e & 1) != 0, result * square, result)
@@ -177,66 +206,86 @@ def _pow_whole(base, n):
     return result
 
 
+@triton.jit
+def _double(bits):
+    """The fp64 whose IEEE bits the launcher passed as an int64 (Triton passes a Python float
+    as fp32; torch computes Adam's bias corrections from the double betas)."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
 # --- accumulate ------------------------------------------------------------------------------
 
 
-@triton.jit
+@_jit
 def accumulate_kernel(
-    chunks, tensors, partial_sumsq, partial_bad, alpha,
-    GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, STATS: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    chunks, tensors, partial_sumsq, partial_bad, first, alpha, chunk,
+    GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """acc = alpha * grad + (0 if OVERWRITE else acc), one chunk per program.
 
     With STATS, each program also writes the sum of squares of the values it wrote and a 0/1
-    non-finite flag to ``partial_*[program id]``; ``reduce_stats_kernel`` folds them into
-    sumsq/found_inf. Per-chunk partials (not atomics) fix the order of the sum, so the norm is
-    the same from run to run.
+    non-finite flag to ``partial_*[first + program id]``; ``reduce_stats_kernel`` folds them
+    into sumsq/found_inf. Per-chunk partials (not atomics) fix the order of the sum, so the norm
+    is the same from run to run.
     """
     if _row_is_aligned(chunks, tensors):
-        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, alpha,
-                          GRAD_DTYPE, OVERWRITE, STATS, True, CHUNK, BLOCK)
+        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, first, alpha, chunk,
+                          GRAD_DTYPE, OVERWRITE, STATS, True, BLOCK)
     else:
-        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, alpha,
-                          GRAD_DTYPE, OVERWRITE, STATS, False, CHUNK, BLOCK // VEC)
+        _accumulate_chunk(chunks, tensors, partial_sumsq, partial_bad, first, alpha, chunk,
+                          GRAD_DTYPE, OVERWRITE, STATS, False, BLOCK // VEC)
+
+
+@triton.jit
+def _accumulate_block(acc, grad, idx, mask, alpha, OVERWRITE: tl.constexpr, ALIGNED: tl.constexpr):
+    # masked lanes read 0 and so add 0 to both statistics
+    new = tl.load(_at(grad, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * alpha
+    if not OVERWRITE:
+        new = tl.load(_at(acc, idx, ALIGNED), mask=mask, other=0.0) + new
+    tl.store(_at(acc, idx, ALIGNED), new, mask=mask)
+    return new
 
 
 @triton.jit
 def _accumulate_chunk(
-    chunks, tensors, partial_sumsq, partial_bad, alpha,
+    chunks, tensors, partial_sumsq, partial_bad, first, alpha, chunk,
     GRAD_DTYPE: tl.constexpr, OVERWRITE: tl.constexpr, STATS: tl.constexpr,
-    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row, start, end = _this_chunk(chunks, tensors, None, CHUNK, ALIGNED, False)
+    row, start, body_end, end = _this_chunk(chunks, tensors, None, chunk, ALIGNED, False)
     acc = _address(row, ACC, tl.float32)
     grad = _address(row, GRAD, GRAD_DTYPE)
     sq = tl.zeros([BLOCK], tl.float32)
     bad = tl.zeros([BLOCK], tl.float32)
-    for off in range(start, end, BLOCK):
+    for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
-        mask = idx < end
-        # masked lanes read 0 and so add 0 to both statistics
-        new = tl.load(_at(grad, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * alpha
-        if not OVERWRITE:
-            new = tl.load(_at(acc, idx, ALIGNED), mask=mask, other=0.0) + new
-        tl.store(_at(acc, idx, ALIGNED), new, mask=mask)
+        new = _accumulate_block(acc, grad, idx, idx < body_end, alpha, OVERWRITE, ALIGNED)
         if STATS:
             sq += new * new
             bad = tl.maximum(bad, tl.where(tl.abs(new) <= FLT_MAX, 0.0, 1.0))
+    tail_sq = 0.0
+    tail_bad = 0.0
+    if ALIGNED:
+        if body_end < end:  # the last 1-3 elements of a size that is not a multiple of VEC
+            idx = body_end + tl.arange(0, VEC)
+            new = _accumulate_block(acc, grad, idx, idx < end, alpha, OVERWRITE, False)
+            tail_sq = tl.sum(new * new, axis=0)
+            tail_bad = tl.max(tl.where(tl.abs(new) <= FLT_MAX, 0.0, 1.0), axis=0)
     if STATS:
-        pid = tl.program_id(0)
-        tl.store(partial_sumsq + pid, tl.sum(sq, axis=0))
-        tl.store(partial_bad + pid, tl.max(bad, axis=0))
+        pid = first + tl.program_id(0)
+        tl.store(partial_sumsq + pid, tl.sum(sq, axis=0) + tail_sq)
+        tl.store(partial_bad + pid, tl.maximum(tl.max(bad, axis=0), tail_bad))
 
 
-@triton.jit
+@_jit
 def reduce_stats_kernel(
     partial_sumsq, partial_bad, n, sumsq, found_inf,
     HAS_SUMSQ: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program: sumsq += sum(partial_sumsq); found_inf = max(found_inf, any partial_bad).
 
-    It reads 8 bytes per chunk: 0.5 MB for 1e9 elements at 16384 elements per chunk.
+    It reads 8 bytes per chunk: 0.5 MB for 1e9 elements at 16384 elements per chunk. The
+    order of the sum is fixed by n and BLOCK, so the result is the same from run to run.
     """
     sq = tl.zeros([BLOCK], tl.float32)
     bad = tl.zeros([BLOCK], tl.float32)
@@ -256,184 +305,265 @@ def reduce_stats_kernel(
 # --- optimizer steps -------------------------------------------------------------------------
 # Scalar hyper-parameters that the reference computes in Python double (1 - beta1, 1 - dampening)
 # arrive precomputed as kernel arguments, so they round to fp32 exactly as the reference's do.
-# Each kernel is a two-way branch on the row's alignment into its ``_*_chunk`` body.
+# Each kernel is a two-way branch on the row's alignment into its ``_*_chunk`` body, and each
+# body walks its vector blocks, then (aligned rows) its scalar tail, through one ``_*_block``.
 
 
-@triton.jit
+@_jit
 def sgd_kernel(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """reference.sgd_step, one chunk per program."""
     if _row_is_aligned(chunks, tensors):
-        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-                   True, CHUNK, BLOCK)
+                   True, BLOCK)
     else:
-        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-                   False, CHUNK, BLOCK // VEC)
+                   False, BLOCK // VEC)
+
+
+@triton.jit
+def _sgd_block(
+    row, idx, mask, lr, coef, first_step, grad_alpha, momentum, one_minus_dampening, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    param = _address(row, PARAM, PARAM_DTYPE)
+    buf = _address(row, STATE0, tl.float32)
+    g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        g = tl.fma(p, weight_decay, g)
+    if HAS_MOMENTUM:
+        # torch starts the buffer as a copy of the first gradient, without dampening
+        new_buf = tl.where(
+            first_step, g,
+            tl.fma(g, one_minus_dampening, tl.load(_at(buf, idx, ALIGNED), mask=mask, other=0.0) * momentum),
+        )  # fmt: skip
+        tl.store(_at(buf, idx, ALIGNED), new_buf, mask=mask)
+        if NESTEROV:
+            g = tl.fma(new_buf, momentum, g)
+        else:
+            g = new_buf
+    _store_param(row, idx, mask, tl.fma(g, -lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
 
 
 @triton.jit
 def _sgd_chunk(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
     lr = tl.load(lr_ptr)
     coef = tl.load(coef_ptr)
     first_step = tl.load(steps + tl.load(row + INDEX)) == 1.0
-    param = _address(row, PARAM, PARAM_DTYPE)
-    buf = _address(row, STATE0, tl.float32)
-    for off in range(start, end, BLOCK):
+    for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
-        mask = idx < end
-        g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT_DECAY:
-            g = g + weight_decay * p
-        if HAS_MOMENTUM:
-            # torch starts the buffer as a copy of the first gradient, without dampening
-            new_buf = tl.where(
-                first_step, g,
-                momentum * tl.load(_at(buf, idx, ALIGNED), mask=mask, other=0.0) + one_minus_dampening * g,
-            )  # fmt: skip
-            tl.store(_at(buf, idx, ALIGNED), new_buf, mask=mask)
-            if NESTEROV:
-                g = g + momentum * new_buf
-            else:
-                g = new_buf
-        _store_param(row, idx, mask, p - lr * g, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+        _sgd_block(row, idx, idx < body_end, lr, coef, first_step,
+                   grad_alpha, momentum, one_minus_dampening, weight_decay,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, ALIGNED)
+    if ALIGNED:
+        if body_end < end:
+            idx = body_end + tl.arange(0, VEC)
+            _sgd_block(row, idx, idx < end, lr, coef, first_step,
+                       grad_alpha, momentum, one_minus_dampening, weight_decay,
+                       PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                       MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, False)
 
 
-@triton.jit
+@_jit
 def adam_kernel(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
+    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
+    one_minus_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """reference.adam_step (Adam, or AdamW with DECOUPLED), one chunk per program."""
+    """reference.adam_step (Adam, or AdamW with DECOUPLED; amsgrad with AMSGRAD), one chunk
+    per program. ``*_bits`` are the IEEE bits of the double betas and weight decay, for the
+    per-tensor scalars that torch computes in double."""
     if _row_is_aligned(chunks, tensors):
-        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
+                    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
+                    one_minus_beta2, eps, weight_decay,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, True, CHUNK, BLOCK)
+                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, True, BLOCK)
     else:
-        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
+                    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
+                    one_minus_beta2, eps, weight_decay,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, False, CHUNK, BLOCK // VEC)
+                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False,
+                    BLOCK // VEC)
+
+
+@triton.jit
+def _adam_block(
+    row, idx, mask, coef, neg_step_size, bias_correction2_sqrt, decay,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+    AMSGRAD: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    param = _address(row, PARAM, PARAM_DTYPE)
+    exp_avg = _address(row, STATE0, tl.float32)
+    exp_avg_sq = _address(row, STATE1, tl.float32)
+    g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        if DECOUPLED:
+            p = p * decay
+        else:
+            g = tl.fma(p, weight_decay, g)
+    # exp_avg.lerp_(g, 1 - beta1) as torch computes a lerp: from the nearer end, one FMA
+    m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
+    m = tl.where(one_minus_beta1 < 0.5, tl.fma(one_minus_beta1, g - m, m),
+                 tl.fma(one_minus_beta1 - 1.0, g - m, g))
+    v = tl.fma(g * one_minus_beta2, g, tl.load(_at(exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0) * beta2)
+    tl.store(_at(exp_avg, idx, ALIGNED), m, mask=mask)
+    tl.store(_at(exp_avg_sq, idx, ALIGNED), v, mask=mask)
+    if AMSGRAD:
+        # torch.maximum: a NaN in either operand gives NaN (PTX max.f32 would drop it)
+        max_exp_avg_sq = _address(row, STATE2, tl.float32)
+        v = tl.maximum(tl.load(_at(max_exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0), v,
+                       propagate_nan=tl.PropagateNan.ALL)
+        tl.store(_at(max_exp_avg_sq, idx, ALIGNED), v, mask=mask)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    new_p = p + tl.div_rn(neg_step_size * m, denom)
+    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
 
 
 @triton.jit
 def _adam_chunk(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
+    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
+    one_minus_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
     lr = tl.load(lr_ptr)
     coef = tl.load(coef_ptr)
     step = tl.load(steps + tl.load(row + INDEX))
+    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double
+    # betas and weight decay and the step count), rounded to fp32 once: -lr / (1 - beta1**step),
+    # sqrt(1 - beta2**step), 1 - lr * weight_decay. Once per program: fp64 speed does not matter.
+    lr64 = lr.to(tl.float64)
+    neg_step_size = (-(lr64 / (1.0 - _pow_whole(_double(beta1_bits), step)))).to(tl.float32)
+    # fp64 tl.sqrt is IEEE-rounded (sqrt.rn.f64); only fp32's is approximate
+    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_bits), step)).to(tl.float32)
+    decay = (1.0 - lr64 * _double(weight_decay_bits)).to(tl.float32)
     # IEEE-rounded sqrt and division, as torch's: tl.sqrt and / compile to sqrt.approx.ftz and
     # div.full (~2 ulp, denormal v flushed to 0) and would save nothing here: at 30 bytes per
     # element an H200 (4.8 TB/s, 67 fp32 TFLOP/s) has ~200 instructions per element to spare.
-    step_size = tl.div_rn(lr, 1.0 - _pow_whole(beta1, step))
-    bias_correction2_sqrt = tl.sqrt_rn(1.0 - _pow_whole(beta2, step))
-    param = _address(row, PARAM, PARAM_DTYPE)
-    exp_avg = _address(row, STATE0, tl.float32)
-    exp_avg_sq = _address(row, STATE1, tl.float32)
-    for off in range(start, end, BLOCK):
+    for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
-        mask = idx < end
-        g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT_DECAY:
-            if DECOUPLED:
-                p = p * (1.0 - lr * weight_decay)
-            else:
-                g = g + weight_decay * p
-        m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0) * beta1 + g * one_minus_beta1
-        v = (tl.load(_at(exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0) * beta2
-             + g * g * one_minus_beta2)
-        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-        tl.store(_at(exp_avg, idx, ALIGNED), m, mask=mask)
-        tl.store(_at(exp_avg_sq, idx, ALIGNED), v, mask=mask)
-        new_p = p - step_size * tl.div_rn(m, denom)
-        _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+        _adam_block(row, idx, idx < body_end, coef, neg_step_size, bias_correction2_sqrt, decay,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, ALIGNED)
+    if ALIGNED:
+        if body_end < end:
+            idx = body_end + tl.arange(0, VEC)
+            _adam_block(row, idx, idx < end, coef, neg_step_size, bias_correction2_sqrt, decay,
+                        grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                        weight_decay,
+                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                        MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False)
 
 
-@triton.jit
+@_jit
 def lion_kernel(
-    chunks, tensors, lr_ptr, coef_ptr, found_inf,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+    chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """reference.lion_step, one chunk per program (no step count: Lion has no bias correction)."""
     if _row_is_aligned(chunks, tensors):
-        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, True, CHUNK, BLOCK)
+                    HAS_FOUND_INF, MAXIMIZE, True, BLOCK)
     else:
-        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
+                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, False, CHUNK, BLOCK // VEC)
+                    HAS_FOUND_INF, MAXIMIZE, False, BLOCK // VEC)
+
+
+@triton.jit
+def _lion_block(
+    row, idx, mask, lr, coef, decay, grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    param = _address(row, PARAM, PARAM_DTYPE)
+    exp_avg = _address(row, STATE0, tl.float32)
+    g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * decay
+    m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
+    c = tl.fma(g, one_minus_beta1, m * beta1)
+    # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
+    direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
+    tl.store(_at(exp_avg, idx, ALIGNED), tl.fma(g, one_minus_beta2, m * beta2), mask=mask)
+    # direction is -1, 0 or 1: the product is exact
+    _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
 
 
 @triton.jit
 def _lion_chunk(
-    chunks, tensors, lr_ptr, coef_ptr, found_inf,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay,
+    chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
+    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
-    ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row, start, end = _this_chunk(chunks, tensors, found_inf, CHUNK, ALIGNED, HAS_FOUND_INF)
+    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
     lr = tl.load(lr_ptr)
     coef = tl.load(coef_ptr)
-    decay = 1.0 - lr * weight_decay
-    param = _address(row, PARAM, PARAM_DTYPE)
-    exp_avg = _address(row, STATE0, tl.float32)
-    for off in range(start, end, BLOCK):
+    decay = (1.0 - lr.to(tl.float64) * _double(weight_decay_bits)).to(tl.float32)
+    for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
-        mask = idx < end
-        g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * decay
-        m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
-        c = m * beta1 + g * one_minus_beta1
-        # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
-        direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
-        tl.store(_at(exp_avg, idx, ALIGNED), m * beta2 + g * one_minus_beta2, mask=mask)
-        _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+        _lion_block(row, idx, idx < body_end, lr, coef, decay, grad_alpha, beta1, beta2,
+                    one_minus_beta1, one_minus_beta2,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    MAXIMIZE, ALIGNED)
+    if ALIGNED:
+        if body_end < end:
+            idx = body_end + tl.arange(0, VEC)
+            _lion_block(row, idx, idx < end, lr, coef, decay, grad_alpha, beta1, beta2,
+                        one_minus_beta1, one_minus_beta2,
+                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                        MAXIMIZE, False)
