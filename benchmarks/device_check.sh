@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # The one GPU check: on a machine with an NVIDIA GPU, in one call of under 8 minutes,
+#   0. print the toolchain (nvcc, gcc, ninja, torch, triton) and the card's state,
 #   1. build the CUDA extension in place,
-#   2. run the GPU tests (pytest -m gpu),
-#   3. run the benchmark suite at GPU sizes,
+#   2. run the GPU tests (pytest -m gpu: tests/test_gpu_kernels.py holds issue 10's kernel
+#      checks: graph capture/eviction/replay, deterministic norm, 32 KB tables, amsgrad,
+#      one Triton variant per configuration),
+#   3. run the benchmark suite at GPU sizes (accumulate and fused AdamW as % of a device-to-device
+#      copy timed in the same run, cuda vs triton vs torch),
+#   4. sweep the Triton launch shape (BLOCK x num_warps x programs per SM, benchmarks/triton_sweep.py)
+#      and time the Triton launcher's host cost (benchmarks/triton_host.py, kernels stubbed),
 # and leave the log, the results and the plot under $OUT (default ./benchmarks/results).
 #
 # Usage, from anywhere:  bash benchmarks/device_check.sh
 #   OUT=DIR        where the files go (the device tool sets it; it returns at most 8 files:
-#                  this writes 5: device_check.log, kernels.csv, end_to_end.csv, results.json,
-#                  kernels.png)
+#                  this writes 7: device_check.log, kernels.csv, end_to_end.csv, results.json,
+#                  kernels.png, triton_sweep.csv, triton_host.csv)
 #   PYTHON=...     the interpreter (default python3: on the lent H200 that is the one with
 #                  torch 2.11 cu130, triton 3.6, pytest and ninja; nothing can be installed there)
 #   FUSED_ACCUM_GIT_COMMIT=<sha>  the commit to stamp on the results when .git did not travel
 #
 # Time: each step has its own limit so the whole stays under 8 minutes (480 s) even when a
-# step hangs: build 150 s + tests 170 s (a bare machine JIT-compiles every Triton kernel
-# specialisation the tests reach) + benchmarks 130 s (the suite stops starting new groups after
-# 90 s, then measures the copy again and writes its files) + ~10 s of probes = 460 s.
+# step hangs: build 130 s + tests 150 s (a bare machine JIT-compiles every Triton kernel
+# specialisation the tests reach) + benchmarks 110 s (the suite stops starting new groups after
+# 75 s, then measures the copy again and writes its files) + sweep 55 s (stops starting configs
+# after 35 s; 12 compiles) + host 15 s + ~10 s of probes = 470 s.
 # A failed step does not stop the later ones: without the extension, the triton and reference
 # backends are still benchmarked. Exit status: 0 only if every step passed.
 set -uo pipefail
@@ -44,7 +51,7 @@ run_step() {  # run_step NAME LIMIT_S CMD...: run with a time limit, log, record
     local took=$((SECONDS - t0))
     [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && say "=== $name: killed at its ${limit} s limit"
     say "=== $name: exit $rc after ${took} s"
-    summary+=("$(printf '%-11s exit %3d  %4d s' "$name" "$rc" "$took")")
+    summary+=("$(printf '%-12s exit %3d  %4d s' "$name" "$rc" "$took")")
     [ "$rc" -eq 0 ] || status=1
 }
 
@@ -58,24 +65,33 @@ if [ -z "${FUSED_ACCUM_GIT_COMMIT:-}" ] && commit=$(git rev-parse HEAD 2> /dev/n
 fi
 
 say "=== machine ($(date -u +%Y-%m-%dT%H:%M:%SZ), commit ${FUSED_ACCUM_GIT_COMMIT:-unknown})"
+# The toolchain first (issue 10 item 13): a failed build is read against these versions.
+say "--- toolchain"
+say "nvcc:   $( (command -v nvcc && nvcc --version | tail -n 2 | tr '\n' ' ') 2>&1 || echo 'not on PATH')"
+say "CUDA_HOME=${CUDA_HOME:-unset}; /usr/local/cuda: $(ls -d /usr/local/cuda 2>/dev/null || echo absent)"
+say "gcc:    $( (gcc --version | head -n 1) 2>&1 || echo 'not on PATH')"
+say "ninja:  $( (ninja --version) 2>&1 || echo 'not on PATH')"
+"$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| torch cuda', torch.version.cuda, '| device', torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
+"$PY" -c "import triton; print('triton', triton.__version__)" 2>&1 | tee -a "$LOG"
 # Read-only probes: the card's state is recorded, never changed (no clock or power settings).
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
     --format=csv 2>&1 | tee -a "$LOG"
-(nvcc --version | tail -n 2) 2>&1 | tee -a "$LOG"
-"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| cuda', torch.version.cuda, '| triton', triton.__version__, '| device', torch.cuda.get_device_name(0))" \
-    2>&1 | tee -a "$LOG"
 
 # 1. The extension, built for this GPU (the colleague's setup.py chooses the targets).
-run_step build 150 env FUSED_ACCUM_BUILD_CUDA=1 "$PY" setup.py build_ext --inplace
+run_step build 130 env FUSED_ACCUM_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
 "$PY" -c "from fused_accum import backends as b; print({n: b.availability(n, 'cuda') or 'available' for n in b.NAMES})" \
     2>&1 | tee -a "$LOG"
 
 # 2. The GPU tests.
-run_step gpu-tests 170 "$PY" -m pytest -m gpu tests -q --durations=15
+run_step gpu-tests 150 "$PY" -m pytest -m gpu tests -q --durations=15 -p no:cacheprovider
 
 # 3. The benchmarks at GPU sizes, most useful groups first (see benchmarks/run.py).
-run_step benchmarks 130 "$PY" benchmarks/run.py --out "$OUT" --time-budget 90
+run_step benchmarks 110 "$PY" benchmarks/run.py --out "$OUT" --time-budget 75
+
+# 4. The Triton launch-shape sweep and the launcher's host time.
+run_step triton-sweep 55 "$PY" benchmarks/triton_sweep.py --out "$OUT" --budget 35
+run_step triton-host 15 "$PY" benchmarks/triton_host.py --out "$OUT" --repeat 100
 
 say "=== device_check summary"
 for line in "${summary[@]}"; do say "    $line"; done

@@ -1,0 +1,119 @@
+"""Sweep the Triton backend's launch shape on a GPU (issue 10, item 4): BLOCK x num_warps x
+programs per SM (the chunk size), for a bf16 accumulate into fp32 and a fused AdamW step from
+acc (fp32 masters, bf16 params), each as achieved GB/s and % of a device-to-device copy timed
+in the same run. Run by benchmarks/device_check.sh; the winner becomes the default in
+fused_accum/backends/triton.py (BLOCK, NUM_WARPS, PROGRAMS_PER_SM).
+
+Bytes per element (DESIGN.md section 3): accumulate 10 (read bf16 grad 2 + acc 4, write acc 4),
+AdamW from acc 30 (read acc, master, m, v 16; write master, m, v 12, bf16 param 2). The default
+size, 2**26 elements, moves 0.67 GB (accumulate) and 2 GB (step), far past the 50 MB L2.
+
+Usage: python benchmarks/triton_sweep.py [--numel N] [--out DIR] [--budget SECONDS]
+Compiles one kernel per (BLOCK, num_warps) and op (chunk sizes are run-time arguments: no
+compile); stops starting new configurations after --budget seconds and writes what it has.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+BLOCKS = (512, 1024, 2048)
+WARPS = (4, 8)
+PROGRAMS_PER_SM = (4, 16, 64)
+BYTES_PER_ELEMENT = {"accumulate": 10, "adamw": 30}
+
+
+def _bench(fn):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # ms
+
+
+def copy_gbps(numel: int) -> float:
+    """A device-to-device copy of numel fp32 (bytes read + written): the practical ceiling."""
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * 4 * numel / ms / 1e6
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=2**26)
+    parser.add_argument("--budget", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("triton_sweep: needs a CUDA device")
+        return 2
+    from fused_accum.backends import reference
+    from fused_accum.backends import triton as tb
+
+    start = time.time()
+    n = args.numel
+    ceiling = copy_gbps(n)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grad = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    acc = torch.randn(n, device="cuda", generator=gen)
+    offsets = torch.zeros(1, dtype=torch.int64)
+    master, m = torch.randn(n, device="cuda", generator=gen), torch.randn(n, device="cuda", generator=gen)
+    v = torch.rand(n, device="cuda", generator=gen)
+    lp = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    steps, lr, coef = torch.full((1,), 3.0, device="cuda"), torch.tensor(1e-4, device="cuda"), torch.tensor(1.0, device="cuda")
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    ops = {
+        "accumulate": lambda: tb.accumulate(acc, offsets, [grad], 1.0, False),
+        "adamw": lambda: tb.adam_step([master], [m], [v], [acc], steps, lr, coef, lp_params=[lp], **hyper),
+    }
+    # correctness of the default shape once, on fresh data (a sweep of wrong kernels is worthless)
+    want = acc.clone()
+    reference.accumulate(want, offsets, [grad], 1.0, False)
+    ops["accumulate"]()
+    torch.testing.assert_close(acc, want, rtol=0, atol=0)
+
+    saved = (tb.BLOCK, tb.NUM_WARPS, tb.PROGRAMS_PER_SM)
+    rows = []
+    try:
+        for block, warps, pps in itertools.product(BLOCKS, WARPS, PROGRAMS_PER_SM):
+            if time.time() - start > args.budget:
+                print(f"triton_sweep: budget of {args.budget:.0f} s reached, {len(rows)} rows")
+                break
+            tb.BLOCK, tb.NUM_WARPS, tb.PROGRAMS_PER_SM = block, warps, pps
+            tb.clear_table_cache()
+            chunk = tb.chunk_size(n, tb._sm_count(torch.device("cuda")))
+            for op, fn in ops.items():
+                ms = _bench(fn)
+                gbps = BYTES_PER_ELEMENT[op] * n / ms / 1e6
+                rows.append(dict(op=op, numel=n, block=block, num_warps=warps, programs_per_sm=pps,
+                                 chunk=chunk, programs=-(-n // chunk), ms=round(ms, 4), gbps=round(gbps, 1),
+                                 pct_of_copy=round(100 * gbps / ceiling, 1), copy_gbps=round(ceiling, 1)))  # fmt: skip
+                r = rows[-1]
+                print(f"{op:<10} BLOCK {block:>4} warps {warps} programs/SM {pps:>2} (chunk {chunk:>6}, "
+                      f"{r['programs']:>6} programs): {ms:7.3f} ms {gbps:7.1f} GB/s {r['pct_of_copy']:5.1f}% of copy")  # fmt: skip
+    finally:
+        tb.BLOCK, tb.NUM_WARPS, tb.PROGRAMS_PER_SM = saved
+        tb.clear_table_cache()
+    for op in ops:
+        best = max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"], default=None)
+        if best:
+            print(f"best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
+                  f"{best['programs_per_sm']}: {best['pct_of_copy']}% of the copy ({ceiling:.0f} GB/s)")  # fmt: skip
+    if args.out is not None and rows:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "triton_sweep.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

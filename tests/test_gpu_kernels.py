@@ -1,0 +1,286 @@
+"""GPU-only checks of issue 10's kernel items, for benchmarks/device_check.sh (``pytest -m gpu``).
+
+Nothing here runs without CUDA (every test is marked ``gpu`` and skips without a device): these
+are the checks that need real kernels, streams and graphs.
+
+- item 1: Triton tables stay alive for a captured graph: capture (one table hit from a warm-up,
+  one built during capture), evict the LRU and churn memory, replay on new data, compare;
+- item 3: the CUDA sum of squares is bit-identical across runs (no float atomics), and close to
+  the reference;
+- items 6, 7: CUDA lists longer than one 32 KB table (2,050 tensors), odd sizes, gradients at odd
+  offsets next to aligned operands, against the reference;
+- item 8: one compiled Triton variant per constexpr configuration, whatever the alignment of the
+  scalars and tables and the tensor count;
+- amsgrad on CUDA; the CUDA ops captured in a graph and replayed on new data.
+
+Data: fresh random values (never zeros), outputs poisoned with NaN before the call; tolerances
+are stated where used.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_accum import backends
+from fused_accum.backends import reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEV = "cuda"
+PAD = 64
+HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+# fp32 step results: the kernels place the reference's FMAs (tl.fma / fmaf, no contraction), so
+# differences come from beta**step (fp64 pow vs squaring, ~1e-16 before rounding) and from the
+# CUDA build's -fmad setting: 1e-5 relative is test_kernels.py's STEP_TOL, ~80 ulp of room.
+STEP_TOL = dict(rtol=1e-5, atol=1e-6)
+# a sum of squares summed in another order than the reference's per-slice dot: ~n*eps relative
+NORM_TOL = dict(rtol=2e-5, atol=0.0)
+
+
+def _backend(name):
+    why = backends.availability(name, "cuda")
+    if why:
+        pytest.skip(f"{name} backend unavailable on cuda: {why}")
+    return backends.get(name)
+
+
+def _flat(sizes, gen):
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + PAD - 1) // PAD * PAD
+    flat = torch.randn(total, generator=gen).to(DEV)
+    return flat, torch.tensor(offsets, dtype=torch.int64), [flat[o : o + n] for o, n in zip(offsets, sizes)]
+
+
+def _odd_views(sizes, gen, dtype=torch.bfloat16):
+    """Gradients, every third one a view at an odd element offset (not 16-byte aligned)."""
+    out = []
+    for i, n in enumerate(sizes):
+        if i % 3 == 1:
+            out.append(torch.randn(n + 1, generator=gen).to(DEV, dtype)[1:])
+        else:
+            out.append(torch.randn(n, generator=gen).to(DEV, dtype))
+    return out
+
+
+# --- item 1: Triton under CUDA-graph capture -------------------------------------------------
+
+
+def test_triton_graph_replays_after_the_table_cache_is_evicted():
+    tb = _backend("triton")
+    gen = torch.Generator().manual_seed(1)
+    sizes = [1, 127, 4099, 1 << 16, 3]
+    flat, offsets, accs = _flat(sizes, gen)
+    grads = _odd_views(sizes, gen)
+    params = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    m = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    v = [torch.rand(n, generator=gen).to(DEV) for n in sizes]
+    lp = [torch.full((n,), float("nan"), device=DEV, dtype=torch.bfloat16) for n in sizes]
+    steps = torch.full((len(sizes),), 4.0, device=DEV)
+    lr, coef = torch.tensor(1e-3, device=DEV), torch.tensor(0.5, device=DEV)
+    found_inf, sumsq = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles, and builds the accumulate table (a hit later)
+        tb.accumulate(flat, offsets, grads, 0.5, False, found_inf, sumsq)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        tb.accumulate(flat, offsets, grads, 0.5, False, found_inf, sumsq)  # table: a cache hit
+        # the step's table is built during capture (a miss on this stream): copy recorded
+        tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf, **HYPER)
+    assert len(tb._captured) >= 2
+
+    # evict: 70 other tables through the 64-entry LRU, then reuse freed memory with junk
+    other_flat, other_offsets, _ = _flat([33] * 3, gen)
+    for i in range(70):
+        tb.accumulate(other_flat, other_offsets, [torch.randn(33 - i % 30, device=DEV) for _ in range(3)], 1.0, False)
+    tb.clear_table_cache()
+    junk = [torch.full((1 << 18,), 12345.0, device=DEV) for _ in range(64)]
+    del junk
+
+    # new inputs in the graph's static tensors, then replay against the reference on copies
+    for t in [flat, *grads, *params, *m]:
+        t.copy_(torch.randn(t.shape, generator=gen).to(DEV, t.dtype))
+    for t in v:
+        t.copy_(torch.rand(t.shape, generator=gen).to(DEV))
+    for t in lp:
+        t.fill_(float("nan"))
+    sumsq.fill_(0.25)
+    found_inf.zero_()
+    want = dict(flat=flat.clone(), params=[p.clone() for p in params], m=[x.clone() for x in m],
+                v=[x.clone() for x in v], lp=[x.clone() for x in lp], sumsq=sumsq.clone(),
+                found_inf=found_inf.clone())  # fmt: skip
+    want_accs = [want["flat"][o : o + n] for o, n in zip(offsets.tolist(), sizes)]
+    reference.accumulate(want["flat"], offsets, grads, 0.5, False, want["found_inf"], want["sumsq"])
+    reference.adam_step(want["params"], want["m"], want["v"], want_accs, steps, lr, coef,
+                        lp_params=want["lp"], found_inf=want["found_inf"], **HYPER)  # fmt: skip
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(flat, want["flat"], rtol=0, atol=0)  # two roundings each, same order
+    torch.testing.assert_close(sumsq, want["sumsq"], **NORM_TOL)
+    for got, exp in zip(params + m + v, want["params"] + want["m"] + want["v"]):
+        torch.testing.assert_close(got, exp, **STEP_TOL)
+    for got, exp in zip(lp, want["lp"]):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.float(), exp.float(), rtol=8e-3, atol=1e-6)  # 1 bf16 ulp
+    assert tb.release_captured_tables() >= 2
+    del graph
+
+
+# --- item 8: one Triton variant per configuration --------------------------------------------
+
+
+def _variants(kernel):
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:  # triton >= 3.2: {device: (kernel cache, target, backend, binder)}
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in kernel.cache.values())
+
+
+def test_triton_compiles_one_accumulate_variant_whatever_the_alignment():
+    tb = _backend("triton")
+    k = tb.kernels
+    gen = torch.Generator().manual_seed(2)
+    stats = torch.zeros(8, device=DEV)
+    calls = 0
+    for count in (1, 2, 3, 16, 17):
+        for shift in (0, 1, 2, 3):
+            sizes = [5 + 3 * i for i in range(count)]
+            flat, offsets, _ = _flat(sizes, gen)
+            grads = [torch.randn(n, generator=gen).to(DEV, torch.bfloat16) for n in sizes]
+            # found_inf and sumsq as views at 4-byte offsets: alignments 4, 8, 12, 16
+            tb.accumulate(flat, offsets, grads, 1.0, False, stats[shift : shift + 1].view(()),
+                          stats[4 + shift : 5 + shift].view(()))  # fmt: skip
+            calls += 1
+    torch.cuda.synchronize()
+    assert calls == 20
+    assert _variants(k.accumulate_kernel) == 1  # bf16, add, stats: one configuration
+    assert _variants(k.reduce_stats_kernel) == 1
+
+
+# --- item 3: deterministic norm ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+def test_sum_of_squares_is_bit_identical_across_runs(name):
+    """4M elements in ~1,000 blocks: a float atomicAdd order changes between runs and moves the
+    last bits; per-block partials reduced in a fixed order do not."""
+    be = _backend(name)
+    gen = torch.Generator().manual_seed(3)
+    sizes = [1 << 22, 4099, 1]
+    flat, offsets, _ = _flat(sizes, gen)
+    grads = [torch.randn(n, generator=gen).to(DEV, torch.bfloat16) for n in sizes]
+    results = []
+    for _ in range(10):
+        sumsq = torch.zeros((), device=DEV)
+        be.accumulate(flat, offsets, grads, 0.75, True, None, sumsq)  # overwrite: same acc each run
+        results.append(sumsq.item())
+    assert len(set(results)) == 1, results
+    want = torch.zeros((), device=DEV)
+    reference.accumulate(flat.clone(), offsets, grads, 0.75, True, None, want)
+    torch.testing.assert_close(torch.tensor(results[0]), want.cpu(), **NORM_TOL)
+
+
+# --- items 6, 7 and amsgrad on CUDA ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+def test_accumulate_2050_tensors_odd_sizes_and_offsets(name):
+    """More tensors than one 32 KB CUDA table holds (932), sizes 1 to primes past a chunk,
+    every third gradient misaligned: per-operand vector decisions, scalar tails."""
+    be = _backend(name)
+    gen = torch.Generator().manual_seed(4)
+    sizes = [1 + (i * 7919) % 5003 for i in range(2050)]
+    flat, offsets, _ = _flat(sizes, gen)
+    want = flat.clone()
+    grads = _odd_views(sizes, gen)
+    found_inf, sumsq = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+    ref_inf, ref_sumsq = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+    be.accumulate(flat, offsets, grads, -0.5, False, found_inf, sumsq)
+    reference.accumulate(want, offsets, grads, -0.5, False, ref_inf, ref_sumsq)
+    torch.testing.assert_close(flat, want, rtol=0, atol=0)  # grad * alpha, then + acc: exact match
+    assert found_inf.item() == 0.0
+    torch.testing.assert_close(sumsq, ref_sumsq, **NORM_TOL)
+
+
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_500_tensors_fused_with_misaligned_grads(name, amsgrad):
+    """More tensors than one CUDA step table (459; 407 with amsgrad), the fused last
+    micro-batch with misaligned bf16 gradients, odd sizes, amsgrad on and off."""
+    be = _backend(name)
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1 + (i * 613) % 2053 for i in range(500)]
+    params = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    m = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    v = [torch.rand(n, generator=gen).to(DEV) for n in sizes]
+    vmax = [x + torch.rand(x.shape, generator=gen).to(DEV) * (i % 2) for i, x in enumerate(v)] if amsgrad else []
+    lp = [torch.full((n,), float("nan"), device=DEV, dtype=torch.bfloat16) for n in sizes]
+    _, _, accs = _flat(sizes, gen)
+    grads = _odd_views(sizes, gen)
+    steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32, device=DEV)
+    lr, coef = torch.tensor(2e-3, device=DEV), torch.tensor(0.5, device=DEV)
+    want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
+    extra = dict(max_exp_avg_sqs=vmax) if amsgrad else {}
+    be.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, grads=grads, grad_alpha=0.25, **extra, **HYPER)
+    reference.adam_step(want[0], want[1], want[2], accs, steps, lr, coef, lp_params=want[4], grads=grads,
+                        grad_alpha=0.25, **(dict(max_exp_avg_sqs=want[3]) if amsgrad else {}), **HYPER)  # fmt: skip
+    for got_list, want_list in zip((params, m, v, vmax), want[:4]):
+        for got, exp in zip(got_list, want_list):
+            torch.testing.assert_close(got, exp, **STEP_TOL)
+    for got, exp in zip(lp, want[4]):
+        assert not torch.isnan(got).any()
+        torch.testing.assert_close(got.float(), exp.float(), rtol=8e-3, atol=1e-6)  # 1 bf16 ulp
+
+
+def test_cuda_ops_replay_in_a_graph_on_new_data():
+    """The CUDA ext's ops in a graph: tables are kernel parameters (captured by value), the norm
+    workspace comes from the graph's pool, lr/steps/found_inf are read on the device."""
+    be = _backend("cuda")
+    gen = torch.Generator().manual_seed(6)
+    sizes = [7, 4096, 1 << 15, 1]
+    flat, offsets, accs = _flat(sizes, gen)
+    grads = _odd_views(sizes, gen)
+    params = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    m = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
+    v = [torch.rand(n, generator=gen).to(DEV) for n in sizes]
+    steps = torch.full((len(sizes),), 2.0, device=DEV)
+    lr, coef = torch.tensor(1e-3, device=DEV), torch.tensor(1.0, device=DEV)
+    found_inf, sumsq = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+
+    def window():
+        be.accumulate(flat, offsets, grads, 1.0, False, found_inf, sumsq)
+        be.adam_step(params, m, v, accs, steps, lr, coef, found_inf=found_inf, **HYPER)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        window()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        window()
+    for t in [flat, *grads, *params, *m]:
+        t.copy_(torch.randn(t.shape, generator=gen).to(DEV, t.dtype))
+    for t in v:
+        t.copy_(torch.rand(t.shape, generator=gen).to(DEV))
+    lr.fill_(3e-3)  # a new lr reaches the replay: it is read on the device
+    steps.fill_(9.0)
+    sumsq.zero_()
+    want_flat, want_p, want_m, want_v = flat.clone(), [p.clone() for p in params], [x.clone() for x in m], [x.clone() for x in v]
+    want_sumsq, want_inf = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+    want_accs = [want_flat[o : o + n] for o, n in zip(offsets.tolist(), sizes)]
+    reference.accumulate(want_flat, offsets, grads, 1.0, False, want_inf, want_sumsq)
+    reference.adam_step(want_p, want_m, want_v, want_accs, steps, lr, coef, found_inf=want_inf, **HYPER)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(flat, want_flat, rtol=0, atol=0)
+    torch.testing.assert_close(sumsq, want_sumsq, **NORM_TOL)
+    for got, exp in zip(params + m + v, want_p + want_m + want_v):
+        torch.testing.assert_close(got, exp, **STEP_TOL)
