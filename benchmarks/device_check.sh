@@ -9,21 +9,22 @@
 #      copy timed in the same run, cuda vs triton vs torch),
 #   4. sweep the Triton launch shape (BLOCK x num_warps x programs per SM, benchmarks/triton_sweep.py)
 #      and time the Triton launcher's host cost (benchmarks/triton_host.py, kernels stubbed),
+#   5. the fused weight-gradient benchmark (benchmarks/wgrad.py --e2e, issue 13),
 # and leave the log, the results and the plot under $OUT (default ./benchmarks/results).
 #
 # Usage, from anywhere:  bash benchmarks/device_check.sh
 #   OUT=DIR        where the files go (the device tool sets it; it returns at most 8 files:
-#                  this writes 7: device_check.log, kernels.csv, end_to_end.csv, results.json,
-#                  kernels.png, triton_sweep.csv, triton_host.csv)
+#                  this writes 8: device_check.log, kernels.csv, end_to_end.csv, results.json,
+#                  kernels.png, triton_sweep.csv, triton_host.csv, wgrad.csv)
 #   PYTHON=...     the interpreter (default python3: on the lent H200 that is the one with
 #                  torch 2.11 cu130, triton 3.6, pytest and ninja; nothing can be installed there)
 #   FUSED_ACCUM_GIT_COMMIT=<sha>  the commit to stamp on the results when .git did not travel
 #
 # Time: each step has its own limit so the whole stays under 8 minutes (480 s) even when a
-# step hangs: build 130 s + tests 150 s (a bare machine JIT-compiles every Triton kernel
-# specialisation the tests reach) + benchmarks 110 s (the suite stops starting new groups after
-# 75 s, then measures the copy again and writes its files) + sweep 55 s (stops starting configs
-# after 35 s; 12 compiles) + host 15 s + ~10 s of probes = 470 s.
+# step hangs: build 120 s (16 cores) + tests 140 s (a bare machine JIT-compiles every Triton
+# kernel specialisation the tests reach) + benchmarks 95 s (the suite stops starting new groups
+# after 60 s, then measures the copy again and writes its files) + sweep 40 s (stops starting
+# configs after 22 s; up to 12 compiles) + host 10 s + wgrad 60 s + ~10 s of probes = 475 s.
 # A failed step does not stop the later ones: without the extension, the triton and reference
 # backends are still benchmarked. Exit status: 0 only if every step passed.
 set -uo pipefail
@@ -79,19 +80,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
     --format=csv 2>&1 | tee -a "$LOG"
 
 # 1. The extension, built for this GPU (the colleague's setup.py chooses the targets).
-run_step build 130 env FUSED_ACCUM_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
+run_step build 120 env FUSED_ACCUM_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
 "$PY" -c "from fused_accum import backends as b; print({n: b.availability(n, 'cuda') or 'available' for n in b.NAMES})" \
     2>&1 | tee -a "$LOG"
 
 # 2. The GPU tests.
-run_step gpu-tests 150 "$PY" -m pytest -m gpu tests -q --durations=15 -p no:cacheprovider
+run_step gpu-tests 140 "$PY" -m pytest -m gpu tests -q --durations=15 -p no:cacheprovider
 
 # 3. The benchmarks at GPU sizes, most useful groups first (see benchmarks/run.py).
-run_step benchmarks 110 "$PY" benchmarks/run.py --out "$OUT" --time-budget 75
+run_step benchmarks 95 "$PY" benchmarks/run.py --out "$OUT" --time-budget 60
 
 # 4. The Triton launch-shape sweep and the launcher's host time.
-run_step triton-sweep 55 "$PY" benchmarks/triton_sweep.py --out "$OUT" --budget 35
-run_step triton-host 15 "$PY" benchmarks/triton_host.py --out "$OUT" --repeat 100
+run_step triton-sweep 40 "$PY" benchmarks/triton_sweep.py --out "$OUT" --budget 22
+run_step triton-host 10 "$PY" benchmarks/triton_host.py --out "$OUT" --repeat 50
+
+# 5. The fused wgrad (F's, issue 13); its json stays behind (8 files come back at most).
+WGRAD_TMP=$(mktemp -d)
+run_step wgrad 60 "$PY" -m benchmarks.wgrad --device cuda --e2e --out "$WGRAD_TMP"
+cp "$WGRAD_TMP"/wgrad.csv "$OUT"/ 2>/dev/null || say "(no wgrad.csv written)"
 
 say "=== device_check summary"
 for line in "${summary[@]}"; do say "    $line"; done
