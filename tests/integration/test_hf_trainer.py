@@ -63,6 +63,7 @@ def run_with_cls_and_kwargs(kind: str, tmp_path) -> Run:
     cls, kwargs = {
         "torch": (torch.optim.AdamW, {"lr": LR}),
         "fused": (fused_accum.AdamW, {"lr": LR, "accum_steps": K}),
+        "fused, accum_steps=None": (fused_accum.AdamW, {"lr": LR}),  # the README's line, as it is
     }[kind]
     model = tiny_gpt2()
     counters = []
@@ -73,7 +74,7 @@ def run_with_cls_and_kwargs(kind: str, tmp_path) -> Run:
             counters.append(StepCounter(opt))
             return opt
 
-    trainer = CountingTrainer(model=model, args=training_args(tmp_path / kind), train_dataset=TokenDataset(),
+    trainer = CountingTrainer(model=model, args=training_args(tmp_path / kind.replace(", ", "_")), train_dataset=TokenDataset(),
                               optimizer_cls_and_kwargs=(cls, kwargs))  # fmt: skip
     trainer.train()
     assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, cls)
@@ -87,7 +88,13 @@ def test_trainer_optimizers_tuple(tmp_path):
     compare(reference, run_with_optimizers("fused", tmp_path), "HF Trainer(optimizers=(opt, sched))")
 
 
-def test_trainer_optimizer_cls_and_kwargs(tmp_path):
-    reference = run_with_cls_and_kwargs("torch", tmp_path)
+_references: dict = {}  # the torch run, shared by the parametrized test
+
+
+@pytest.mark.parametrize("kind", ["fused", "fused, accum_steps=None"])
+def test_trainer_optimizer_cls_and_kwargs(tmp_path, kind):
+    if "torch" not in _references:
+        _references["torch"] = run_with_cls_and_kwargs("torch", tmp_path)
+    reference = _references["torch"]
     check_reference_sane(reference, STEPS)
-    compare(reference, run_with_cls_and_kwargs("fused", tmp_path), "HF Trainer(optimizer_cls_and_kwargs=...)")
+    compare(reference, run_with_cls_and_kwargs(kind, tmp_path), f"HF Trainer(optimizer_cls_and_kwargs=...), {kind}")
