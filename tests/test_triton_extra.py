@@ -151,6 +151,31 @@ def test_step_requires_exactly_one_step_count_per_tensor():
         tb.sgd_step(p, bufs, accs, torch.ones(1), one, one, **hyper)
 
 
+@pytest.mark.parametrize("case, message", [
+    ("bf16_acc", r"accs\[1\] must be a 1-D contiguous float32"),
+    ("short_param", r"params\[0\] must have 5 elements"),
+    ("strided_state", r"exp_avg_sqs\[1\] must be a 1-D contiguous float32"),
+    ("int_lp", r"lp_params\[1\] must be bfloat16, float16 or float32"),
+])  # fmt: skip
+def test_step_validation_names_the_bad_tensor(case, message):
+    """The whole-list checks of a plan miss fall back to the per-tensor ones for the message."""
+    params, accs = [torch.randn(5), torch.randn(3)], [torch.randn(5), torch.randn(3)]
+    m, v = [torch.randn(5), torch.randn(3)], [torch.rand(5), torch.rand(3)]
+    lp = [torch.randn(5).bfloat16(), torch.randn(3).bfloat16()]
+    if case == "bf16_acc":
+        accs[1] = accs[1].bfloat16()
+    elif case == "short_param":
+        params[0] = torch.randn(4)
+    elif case == "strided_state":
+        v[1] = torch.rand(6)[::2]
+    else:
+        lp[1] = torch.zeros(3, dtype=torch.int32)
+    one = torch.tensor(1.0)
+    with pytest.raises(ValueError, match=message):
+        tb.adam_step(params, m, v, accs, torch.ones(2), one, one, lp_params=lp, beta1=0.9, beta2=0.999,
+                     eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False)  # fmt: skip
+
+
 def test_plan_cache_is_locked_and_bounded_under_threads(monkeypatch):
     """Issue 10 item 12: autograd hooks run on one thread per device, so lookups and stores
     race. 8 threads x 500 lookups/stores of distinct keys: no exception, the LRU stays at its

@@ -466,7 +466,22 @@ _STATE_COLUMNS = (kernels.STATE0.value, kernels.STATE1.value, kernels.STATE2.val
 
 
 def _validate_step(name, params, states, accs, lp_params, grads, device) -> None:
-    """Every per-tensor check of a step (on a plan miss only, see _step)."""
+    """Every per-tensor check of a step (on a plan miss only, see _step): over whole lists first
+    (one C call per tensor and check), and only when that fails tensor by tensor, for the
+    message (the loop costs ~10 us per tensor: 20 ms for 2,048)."""
+    numels = tuple(map(_numel, accs))
+    fp32_lists = [accs, *states.values()]
+    float_lists = [xs for xs in (params, lp_params, grads) if xs]
+    ok = all(
+        set(map(_dtype, xs)) == {torch.float32} and set(map(Tensor.dim, xs)) == {1}
+        and all(map(_is_contiguous, xs)) and tuple(map(_numel, xs)) == numels
+        for xs in fp32_lists
+    ) and all(
+        set(map(_dtype, xs)) <= set(_FLOAT_DTYPES) and tuple(map(_numel, xs)) == numels
+        for xs in float_lists
+    ) and all(set(map(_device, xs)) == {device} for xs in fp32_lists + float_lists)  # fmt: skip
+    if ok:
+        return
     for i in range(len(params)):
         numel = accs[i].numel()
         _check_acc("accs", i, accs[i], device)
