@@ -116,13 +116,24 @@ def _ext_modules():
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
     csrc = lambda *names: [os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))]  # noqa: E731
     sources = csrc("bindings.cpp", "cpu/*.cpp")
+    # -fopenmp, as torch's own C++ extensions are built on Linux: without _OPENMP,
+    # at::parallel_for (an inline template in torch's headers) runs the whole range on the calling
+    # thread. The extension links the libgomp.so.1 that torch already loaded (same soname), so
+    # torch.set_num_threads governs our kernels too.
     # -fno-math-errno and -fno-trapping-math let GCC vectorise sqrtf and the branch-free fp16
-    # conversions (they change no result); -fopenmp-simd enables `omp simd` reductions only, not
-    # OpenMP. csrc/ is deliberately not an include dir: csrc/math.h would shadow <math.h>.
-    cxx = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+    # conversions (they change no result). -ffp-contract=off: the only FMAs are the explicit
+    # fmaf() of csrc/math.h, which reproduce torch's fused CPU optimizers bit for bit; GCC's
+    # default (fast) would contract other products and round differently per SIMD clone.
+    # csrc/ is deliberately not an include dir: csrc/math.h would shadow <math.h>.
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+    link = ["-fopenmp"]
+    _log("CPU kernels: OpenMP (-fopenmp: at::parallel_for uses torch's threads), SIMD clones for "
+         "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and baseline, chosen at load time")
     if not build_cuda:
         _log(f"building the CPU kernels only: {why_not}")
-        ext = cpp_extension.CppExtension("fused_accum._C", sources, extra_compile_args={"cxx": cxx})
+        ext = cpp_extension.CppExtension(
+            "fused_accum._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+        )
         return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}")}
 
     _log(f"building the CPU and CUDA kernels with {cuda_home}/bin/nvcc")
@@ -136,7 +147,8 @@ def _ext_modules():
     # CUDA headers; the .cu files include none.
     cxx_cuda = cxx + ["-DFA_WITH_CUDA=1"] + (["-idirafter", include_dir] if include_dir else [])
     ext = cpp_extension.CUDAExtension(
-        "fused_accum._C", sources, extra_compile_args={"cxx": cxx_cuda, "nvcc": nvcc}
+        "fused_accum._C", sources, extra_compile_args={"cxx": cxx_cuda, "nvcc": nvcc},
+        extra_link_args=link,
     )
     # The wheel's runtime is libcudart.so.13 only (no unversioned libcudart.so to -lcudart
     # against): link that file by name when the toolkit has no libcudart.so either.

@@ -125,6 +125,7 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
   check_length(t.accs.size(), n, op, "accs", "params");
   if (t.state1_name) check_length(t.state1.size(), n, op, t.state1_name, "params");
   if (t.state2_name) check_length(t.state2.size(), n, op, t.state2_name, "params");
+  if (t.state3_name) check_length(t.state3.size(), n, op, t.state3_name, "params");
   TORCH_CHECK(t.lp_params.empty() || t.lp_params.size() == n, op, ": lp_params has ",
               t.lp_params.size(), " tensors, expected 0 (none) or ", n, " (one per param)");
   TORCH_CHECK(t.grads.empty() || t.grads.size() == n, op, ": grads has ", t.grads.size(),
@@ -165,6 +166,10 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
       check_element(t.state2[i], op, t.state2_name, i, call.device, numel, "params");
       check_f32(t.state2[i], op, t.state2_name, i);
     }
+    if (t.state3_name) {
+      check_element(t.state3[i], op, t.state3_name, i, call.device, numel, "params");
+      check_f32(t.state3[i], op, t.state3_name, i);
+    }
     if (!t.lp_params.empty()) {
       check_element(t.lp_params[i], op, "lp_params", i, call.device, numel, "params");
       dtype_code(t.lp_params[i], op, "lp_params", i);
@@ -180,6 +185,7 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
     l.acc.add(readable(call, t.accs[i]), DType::kF32);
     if (t.state1_name) l.state1.add(writable(call, t.state1[i]), DType::kF32);
     if (t.state2_name) l.state2.add(writable(call, t.state2[i]), DType::kF32);
+    if (t.state3_name) l.state3.add(writable(call, t.state3[i]), DType::kF32);
     if (!t.lp_params.empty()) {
       const at::Tensor& lp = t.lp_params[i];
       l.lp.add(writable(call, lp), dtype_code(lp, op, "lp_params", i));
@@ -204,6 +210,7 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 
 struct CpuBackend {
   using Call = binding::Call;
+  static constexpr bool kAmsgrad = true;
   static void accumulate(const Call& c, const AccumulateArgs& a) {
     accumulate_cpu(c.lists, a, parallel_for);
   }
@@ -234,9 +241,10 @@ TORCH_LIBRARY(fused_accum_ext, m) {
       "bool grads_overwrite, Tensor? found_inf) -> ()");
   m.def(
       "adam_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, float beta1, float beta2, float eps, "
-      "float weight_decay, bool decoupled, bool maximize, Tensor(d!)[] lp_params, "
-      "Tensor[] grads, float grad_alpha, bool grads_overwrite, Tensor? found_inf) -> ()");
+      "Tensor(e!)[] max_exp_avg_sqs, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
+      "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize, "
+      "Tensor(d!)[] lp_params, Tensor[] grads, float grad_alpha, bool grads_overwrite, "
+      "Tensor? found_inf) -> ()");
   m.def(
       "lion_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor[] accs, Tensor steps, "
       "Tensor lr, Tensor coef, float beta1, float beta2, float weight_decay, bool maximize, "

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,7 +32,8 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args);
 
 // The tensor arguments common to every step. state2 is empty for SGD and Lion; state1 may be
-// empty for SGD without momentum (state1_name says which list it is, for messages).
+// empty for SGD without momentum (state1_name says which list it is, for messages); state3 is
+// Adam's amsgrad max_exp_avg_sqs, empty when amsgrad is off.
 struct StepTensors {
   const char* op;
   at::TensorList params, state1, state2, accs, lp_params, grads;
@@ -41,6 +43,8 @@ struct StepTensors {
   const at::Tensor& lr;
   const at::Tensor& coef;
   const std::optional<at::Tensor>& found_inf;
+  at::TensorList state3 = {};
+  const char* state3_name = nullptr;
 };
 
 Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite, bool maximize,
@@ -85,15 +89,32 @@ void sgd_step_impl(at::TensorList params, at::TensorList momentum_bufs, at::Tens
                     math::sgd_hyper(momentum, dampening, weight_decay, nesterov));
 }
 
+// Whether Backend's Adam kernel handles amsgrad (TensorLists::state3): a backend says so with
+// `static constexpr bool kAmsgrad = true;`. One that does not gets a clear error instead of
+// silently ignoring max_exp_avg_sqs.
+template <class Backend, class = void>
+struct has_amsgrad {
+  static constexpr bool value = false;
+};
+template <class Backend>
+struct has_amsgrad<Backend, std::void_t<decltype(Backend::kAmsgrad)>> {
+  static constexpr bool value = Backend::kAmsgrad;
+};
+
 template <class Backend>
 void adam_step_impl(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                    at::TensorList accs, const at::Tensor& steps, const at::Tensor& lr,
+                    at::TensorList max_exp_avg_sqs, at::TensorList accs, const at::Tensor& steps, const at::Tensor& lr,
                     const at::Tensor& coef, double beta1, double beta2, double eps,
                     double weight_decay, bool decoupled, bool maximize, at::TensorList lp_params,
                     at::TensorList grads, double grad_alpha, bool grads_overwrite,
                     const std::optional<at::Tensor>& found_inf) {
+  const bool amsgrad = !max_exp_avg_sqs.empty();
+  TORCH_CHECK(!amsgrad || has_amsgrad<Backend>::value,
+              "adam_step_: amsgrad (a non-empty max_exp_avg_sqs) is not implemented by this "
+              "device's kernels yet; use the reference or triton backend for amsgrad");
   const StepTensors t{"adam_step_", params, exp_avgs, exp_avg_sqs, accs, lp_params, grads,
-                      "exp_avgs", "exp_avg_sqs", steps, lr, coef, found_inf};
+                      "exp_avgs", "exp_avg_sqs", steps, lr, coef, found_inf,
+                      max_exp_avg_sqs, amsgrad ? "max_exp_avg_sqs" : nullptr};
   run_step<Backend>(t, grad_alpha, grads_overwrite, maximize,
                     math::adam_hyper(beta1, beta2, eps, weight_decay, decoupled));
 }

@@ -38,6 +38,7 @@ struct TensorLists {
   Operand param;    // what a step updates: fp32 master, or the parameter itself
   Operand state1;   // fp32: SGD momentum buffer, Adam/Lion exp_avg
   Operand state2;   // fp32: Adam exp_avg_sq
+  Operand state3;   // fp32: Adam's amsgrad max_exp_avg_sq (absent: amsgrad off)
   Operand lp;       // low-precision params receiving the updated param, rounded
   int64_t size() const { return static_cast<int64_t>(numel.size()); }
 };

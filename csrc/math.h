@@ -1,11 +1,18 @@
 // The element-wise update rules of every op, written once for the CPU and the CUDA kernels.
 //
 // Each function mirrors one formula of fused_accum/backends/reference.py, in the same order of
-// operations, so that the kernels round where the reference rounds (a contracted FMA aside: the
-// tests allow the ~1 ulp that costs). Per-tensor quantities (Adam's bias corrections, SGD's
-// first-step flag, the decoupled decay factor) are computed once per tensor by the *_scalars()
-// functions, not per element. Hyperparameters arrive as float: the reference multiplies fp32
-// tensors by Python floats, which PyTorch rounds to fp32 first.
+// operations and with the same fused multiply-adds, so that the kernels round where the reference
+// rounds. Those orders are the ones of torch's fused CPU optimizers (torch 2.13,
+// aten/src/ATen/native/cpu/Fused{Adam,SGD}Kernel.cpp as compiled: GCC contracts their
+// `a * b + c` into FMAs, and probing the binary on random data shows which product each FMA
+// takes), so fp32 params step bit-for-bit as torch.optim.{SGD,Adam,AdamW}(fused=True) on the
+// CPU. Every FMA is written as fmaf(): the kernels are built with -ffp-contract=off, so no other
+// expression is contracted behind our back (nvcc contracts by default: build with -fmad=false).
+//
+// Per-tensor quantities (Adam's bias corrections and step size, the decoupled decay factor, SGD's
+// first-step flag) are computed once per tensor by the *_scalars() functions, in double as torch
+// does, then rounded to float once. Per-element hyperparameters are floats: torch's kernels (and
+// the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
 //
 // No dependency beyond <math.h>: the standalone unit tests (csrc/tests) compile this header with
 // the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
@@ -47,10 +54,11 @@ struct GradScalars {
   bool maximize;
 };
 
+// The negation is folded into the coefficient (rounding commutes with negation, so this is
+// exactly -(g * coef)): the element loop then has no branch on maximize and vectorises.
 FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
   const float g = s.fused ? accumulate(acc, grad, s.grad_alpha, s.grads_overwrite) : acc;
-  const float scaled = g * s.coef;
-  return s.maximize ? -scaled : scaled;
+  return g * (s.maximize ? -s.coef : s.coef);
 }
 
 // ---- SGD (torch.optim.SGD) --------------------------------------------------------------------
@@ -60,72 +68,168 @@ struct SgdHyper {
   bool nesterov;
 };
 struct SgdScalars {
-  float lr;
+  float neg_lr;    // -lr: the update is one FMA, param + g * (-lr), as torch's fused kernel
   bool first_step; // torch starts the momentum buffer as a copy of the first gradient
 };
 
-// Hyperparameters arrive from Python as double; 1 - beta is formed in double, as in the
-// reference, then everything is rounded to fp32 once, as PyTorch does for a Python float
-// multiplying an fp32 tensor.
+// Hyperparameters arrive from Python as double; 1 - dampening is formed in double, as torch does,
+// then everything is rounded to fp32 once.
 inline SgdHyper sgd_hyper(double momentum, double dampening, double weight_decay, bool nesterov) {
   return {float(momentum), float(1.0 - dampening), float(weight_decay), nesterov};
 }
 
-FA_HD SgdScalars sgd_scalars(float lr, float step) { return {lr, step == 1.0f}; }
+FA_HD SgdScalars sgd_scalars(float lr, float step) { return {-lr, step == 1.0f}; }
 
-// Updates param (fp32 value) and, when momentum != 0, the momentum buffer.
-FA_HD void sgd_update(float g, float& param, float& buf, const SgdHyper& h, const SgdScalars& s) {
-  if (h.weight_decay != 0.0f) g = g + h.weight_decay * param;
-  if (h.momentum != 0.0f) {
-    buf = s.first_step ? g : h.momentum * buf + h.one_minus_dampening * g;
-    g = h.nesterov ? g + h.momentum * buf : buf;
+// Updates param (fp32 value) and, when momentum != 0, the momentum buffer:
+//   g += wd * p;  buf = g (first step) or momentum * buf + (1 - dampening) * g;
+//   g = nesterov ? g + momentum * buf : buf;  p -= lr * g
+// each `+` of a product being one FMA, as in torch's fused CPU SGD. The template takes the
+// branches as constants, so that a CPU element loop has none and vectorises; sgd_update picks
+// the instantiation (a uniform branch on the GPU).
+template <bool kWeightDecay, bool kMomentum, bool kFirstStep, bool kNesterov>
+FA_HD void sgd_update_t(float g, float& param, float& buf, const SgdHyper& h, const SgdScalars& s) {
+  if (kWeightDecay) g = fmaf(param, h.weight_decay, g);
+  if (kMomentum) {
+    buf = kFirstStep ? g : fmaf(g, h.one_minus_dampening, buf * h.momentum);
+    g = kNesterov ? fmaf(buf, h.momentum, g) : buf;
   }
-  param = param - s.lr * g;
+  param = fmaf(g, s.neg_lr, param);
 }
 
-// ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW; no amsgrad) --------------------------
+FA_HD void sgd_update(float g, float& param, float& buf, const SgdHyper& h, const SgdScalars& s) {
+  const bool wd = h.weight_decay != 0.0f, first = s.first_step, nesterov = h.nesterov;
+  if (h.momentum == 0.0f) {
+    if (wd) sgd_update_t<true, false, false, false>(g, param, buf, h, s);
+    else sgd_update_t<false, false, false, false>(g, param, buf, h, s);
+  } else if (wd) {
+    if (first) nesterov ? sgd_update_t<true, true, true, true>(g, param, buf, h, s)
+                        : sgd_update_t<true, true, true, false>(g, param, buf, h, s);
+    else nesterov ? sgd_update_t<true, true, false, true>(g, param, buf, h, s)
+                  : sgd_update_t<true, true, false, false>(g, param, buf, h, s);
+  } else {
+    if (first) nesterov ? sgd_update_t<false, true, true, true>(g, param, buf, h, s)
+                        : sgd_update_t<false, true, true, false>(g, param, buf, h, s);
+    else nesterov ? sgd_update_t<false, true, false, true>(g, param, buf, h, s)
+                  : sgd_update_t<false, true, false, false>(g, param, buf, h, s);
+  }
+}
+
+// ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW, amsgrad or not) ----------------------
 
 struct AdamHyper {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
   bool decoupled;
+  // The exact values, for the per-tensor scalars, which torch computes in double.
+  double beta1_d, beta2_d, weight_decay_d;
 };
 struct AdamScalars {
-  float step_size;             // lr / (1 - beta1^step)
+  float neg_step_size;         // -lr / (1 - beta1^step)
   float bias_correction2_sqrt; // sqrt(1 - beta2^step)
   float decay_factor;          // 1 - lr * weight_decay (AdamW), else 1
 };
 
 inline AdamHyper adam_hyper(double beta1, double beta2, double eps, double weight_decay,
                             bool decoupled) {
-  return {float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2),
-          float(eps),   float(weight_decay), decoupled};
+  return {float(beta1),        float(beta2), float(1.0 - beta1), float(1.0 - beta2),
+          float(eps),          float(weight_decay), decoupled, beta1, beta2, weight_decay};
 }
 
+// In double, rounded to float once, as torch's fused kernel: in fp32, 1 - beta2^step alone is off
+// by up to 6e-8 relative at step 1 and its error grows with the step count (0.999^step in fp32
+// loses ~log2(step) bits), which made every step differ from torch by ~5e-6 relative.
 FA_HD AdamScalars adam_scalars(float lr, float step, const AdamHyper& h) {
-  const float bias_correction1 = 1.0f - powf(h.beta1, step);
+  const double bias_correction1 = 1.0 - pow(h.beta1_d, double(step));
+  const double bias_correction2 = 1.0 - pow(h.beta2_d, double(step));
   AdamScalars s;
-  s.step_size = lr / bias_correction1;
-  s.bias_correction2_sqrt = sqrtf(1.0f - powf(h.beta2, step));
-  s.decay_factor = h.decoupled ? 1.0f - lr * h.weight_decay : 1.0f;
+  s.neg_step_size = float(-(double(lr) / bias_correction1));
+  s.bias_correction2_sqrt = float(sqrt(bias_correction2));
+  s.decay_factor = h.decoupled ? float(1.0 - double(lr) * h.weight_decay_d) : 1.0f;
   return s;
+}
+
+// torch.lerp(a, b, w) as torch computes it (and so its fused Adam's exp_avg.lerp_(grad, 1 - beta1)):
+// from the nearer end, one FMA.
+FA_HD float lerp(float a, float b, float w) {
+  return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
+}
+
+// max that propagates NaN from either side, as torch.maximum (amsgrad's running max).
+FA_HD float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// The update, with the branches that are the same for every element as template constants (so
+// CPU element loops have none and vectorise; adam_update picks the instantiation at run time):
+// kWeightDecay (weight_decay != 0), kDecoupled (AdamW), kLerpFromM (|1 - beta1| < 0.5: which end
+// math::lerp starts from), kAmsgrad (max_v is updated and used).
+//   p *= 1 - lr*wd (AdamW) or g += wd * p (Adam);  m = lerp(m, g, 1 - beta1);
+//   v = beta2 * v + (1 - beta2) * g * g;  max_v = max(max_v, v) (amsgrad);
+//   p -= step_size * m / (sqrt(v or max_v) / sqrt(1 - beta2^step) + eps)
+// with torch's two divides: a reciprocal in either place changes the rounding of about one
+// element in three.
+template <bool kWeightDecay, bool kDecoupled, bool kLerpFromM, bool kAmsgrad>
+FA_HD void adam_update_t(float g, float& param, float& exp_avg, float& exp_avg_sq,
+                         float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
+  float p = param;
+  if (kWeightDecay) {
+    if (kDecoupled) p = p * s.decay_factor;
+    else g = fmaf(p, h.weight_decay, g);
+  }
+  const float w = h.one_minus_beta1;
+  exp_avg = kLerpFromM ? fmaf(w, g - exp_avg, exp_avg) : fmaf(w - 1.0f, g - exp_avg, g);
+  exp_avg_sq = fmaf(g * h.one_minus_beta2, g, exp_avg_sq * h.beta2);
+  float v = exp_avg_sq;
+  if (kAmsgrad) v = max_exp_avg_sq = max_nan(max_exp_avg_sq, v);
+  const float denom = sqrtf(v) / s.bias_correction2_sqrt + h.eps;
+  param = p + (s.neg_step_size * exp_avg) / denom;
+}
+
+// Which instantiation of adam_update_t a (hyper, amsgrad) pair runs, as a number 0..15; the
+// CPU kernel switches on it once per block.
+FA_HD int adam_mode(const AdamHyper& h, bool amsgrad) {
+  return (h.weight_decay != 0.0f ? 8 : 0) | (h.decoupled ? 4 : 0) |
+         (fabsf(h.one_minus_beta1) < 0.5f ? 2 : 0) | (amsgrad ? 1 : 0);
+}
+
+template <int kMode>
+FA_HD void adam_update_mode(float g, float& param, float& exp_avg, float& exp_avg_sq,
+                            float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
+  adam_update_t<(kMode & 8) != 0, (kMode & 4) != 0, (kMode & 2) != 0, (kMode & 1) != 0>(
+      g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s);
+}
+
+FA_HD void adam_update_any(float g, float& param, float& exp_avg, float& exp_avg_sq,
+                           float& max_exp_avg_sq, bool amsgrad, const AdamHyper& h,
+                           const AdamScalars& s) {
+  switch (adam_mode(h, amsgrad)) {
+#define FA_ADAM_CASE(k) \
+  case k: adam_update_mode<k>(g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s); break;
+    FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
+    FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
+    FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
+    FA_ADAM_CASE(15)
+#undef FA_ADAM_CASE
+  }
 }
 
 FA_HD void adam_update(float g, float& param, float& exp_avg, float& exp_avg_sq,
                        const AdamHyper& h, const AdamScalars& s) {
-  if (h.weight_decay != 0.0f) {
-    if (h.decoupled) param = param * s.decay_factor;
-    else g = g + h.weight_decay * param;
-  }
-  exp_avg = exp_avg * h.beta1 + g * h.one_minus_beta1;
-  exp_avg_sq = exp_avg_sq * h.beta2 + g * g * h.one_minus_beta2;
-  const float denom = sqrtf(exp_avg_sq) / s.bias_correction2_sqrt + h.eps;
-  param = param - s.step_size * (exp_avg / denom);
+  float unused = 0.0f;
+  adam_update_any(g, param, exp_avg, exp_avg_sq, unused, false, h, s);
+}
+
+// amsgrad: the denominator uses the running max of exp_avg_sq, which is updated first.
+FA_HD void adam_update_amsgrad(float g, float& param, float& exp_avg, float& exp_avg_sq,
+                               float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
+  adam_update_any(g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, true, h, s);
 }
 
 // ---- Lion (Chen et al. 2023), decoupled weight decay ------------------------------------------
 
+// As lucidrains/lion-pytorch writes it with torch ops (whose add(alpha=) is one FMA on the CPU):
+//   update = sign(beta1 * m + (1 - beta1) * g);  p = p * (1 - lr * wd) - lr * update;
+//   m = beta2 * m + (1 - beta2) * g   (after the update: the sign uses the old m)
 struct LionHyper {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay;
+  double weight_decay_d;  // for the decay factor, formed in double from Python floats
 };
 struct LionScalars {
   float lr;
@@ -133,11 +237,12 @@ struct LionScalars {
 };
 
 inline LionHyper lion_hyper(double beta1, double beta2, double weight_decay) {
-  return {float(beta1), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(weight_decay)};
+  return {float(beta1),       float(beta2), float(1.0 - beta1),
+          float(1.0 - beta2), float(weight_decay), weight_decay};
 }
 
 FA_HD LionScalars lion_scalars(float lr, const LionHyper& h) {
-  return {lr, 1.0f - lr * h.weight_decay};
+  return {lr, float(1.0 - double(lr) * h.weight_decay_d)};
 }
 
 // torch.sign: -1, 0 or +1 (0 for 0, which copysign would not give).
@@ -146,9 +251,9 @@ FA_HD float sign(float x) { return (x > 0.0f ? 1.0f : 0.0f) - (x < 0.0f ? 1.0f :
 FA_HD void lion_update(float g, float& param, float& exp_avg, const LionHyper& h,
                        const LionScalars& s) {
   const float decayed = param * s.decay_factor;
-  const float direction = sign(exp_avg * h.beta1 + g * h.one_minus_beta1);
-  param = decayed - s.lr * direction;
-  exp_avg = exp_avg * h.beta2 + g * h.one_minus_beta2;
+  const float direction = sign(fmaf(g, h.one_minus_beta1, exp_avg * h.beta1));
+  param = decayed - s.lr * direction;  // direction is -1, 0 or 1: the product is exact
+  exp_avg = fmaf(g, h.one_minus_beta2, exp_avg * h.beta2);
 }
 
 }  // namespace math

@@ -57,7 +57,10 @@ def _accumulate_args(device, gen, sizes=(5, 300, 1)):
 
 
 def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
-    """(positional args, keyword args) of backend.<algo>_step, fp32 masters with bf16/fp16 copies."""
+    """(positional args, keyword args) of backend.<algo>_step, fp32 masters with bf16/fp16 copies.
+    algo "adam_amsgrad": adam with max_exp_avg_sqs (a keyword argument)."""
+    amsgrad = algo == "adam_amsgrad"
+    algo = "adam" if amsgrad else algo
     n_state = {"sgd": 1, "adam": 2, "lion": 1}[algo]
     params = _flat_views(sizes, device, gen)
     states = [[s.abs() for s in _flat_views(sizes, device, gen)] for _ in range(n_state)]
@@ -71,6 +74,8 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
         grads_overwrite=False,
         found_inf=torch.zeros((), device=device),
     )
+    if amsgrad:
+        kwargs["max_exp_avg_sqs"] = [s.abs() for s in _flat_views(sizes, device, gen)]
     hyper = {
         "sgd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
         "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),
@@ -80,12 +85,15 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
 
 
 def _step(module, algo, args, kwargs):
-    getattr(module, f"{algo}_step")(*args, **kwargs)
+    getattr(module, f"{algo.replace('_amsgrad', '')}_step")(*args, **kwargs)
 
 
 def _op_args(algo, args, kwargs):
     """The positional argument list of torch.ops.fused_accum_ext.<algo>_step_ for _step_args' output."""
-    hyper = [v for k, v in kwargs.items() if k not in ("lp_params", "grads", "grad_alpha", "grads_overwrite", "found_inf")]
+    tail = ("lp_params", "grads", "grad_alpha", "grads_overwrite", "found_inf", "max_exp_avg_sqs")
+    hyper = [v for k, v in kwargs.items() if k not in tail]
+    if algo.startswith("adam"):  # the op takes max_exp_avg_sqs (empty: no amsgrad) after exp_avg_sqs
+        args = list(args[:3]) + [kwargs.get("max_exp_avg_sqs", [])] + list(args[3:])
     return tuple(args) + tuple(hyper) + (
         kwargs["lp_params"], kwargs["grads"], kwargs["grad_alpha"], kwargs["grads_overwrite"], kwargs["found_inf"],
     )  # fmt: skip
@@ -129,12 +137,13 @@ def test_opcheck_accumulate(device, stats):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_opcheck_steps(device, algo, fused):
     gen = torch.Generator().manual_seed(1)
     args, kwargs = _step_args(algo, device, gen, fused=fused, lp=fused)
-    torch.library.opcheck(getattr(OPS, f"{algo}_step_").default, _op_args(algo, args, kwargs))
+    op = getattr(OPS, f"{algo.replace('_amsgrad', '')}_step_").default
+    torch.library.opcheck(op, _op_args(algo, args, kwargs))
 
 
 def test_opcheck_sgd_without_momentum():
@@ -209,6 +218,9 @@ STEP_ERRORS = {
     "lp dtype": ("sgd", lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)), r"lp_params\[0\] must be float32, bfloat16 or float16, got Char"),
     "grads numel": ("lion", lambda a, kw: kw["grads"].__setitem__(1, torch.zeros(3)), r"grads\[1\] has 3 elements but params\[1\] has 300"),
     "found_inf": ("adam", lambda a, kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)), r"found_inf must be a one-element float32 tensor, got Bool"),
+    "amsgrad length": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].pop(), r"adam_step_: max_exp_avg_sqs has 2 tensors but params has 3"),
+    "amsgrad dtype": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(1, kw["max_exp_avg_sqs"][1].half()), r"max_exp_avg_sqs\[1\] must be float32, got Half"),
+    "amsgrad numel": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(0, torch.zeros(4)), r"max_exp_avg_sqs\[0\] has 4 elements but params\[0\] has 5"),
 }  # fmt: skip
 
 
@@ -234,7 +246,7 @@ def test_rejected_call_changes_nothing():
 # --- layouts -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
 def test_strided_params_are_written_back(algo):
     """Params and low-precision copies that are transposed views (channels-last-like layouts) are
     updated in their logical element order, as the reference does."""

@@ -10,12 +10,16 @@
 
 #include "../kernels.h"
 
-// The element loops are compiled for AVX2, AVX and baseline x86-64, and the best one the CPU
-// has is picked when the library loads (GCC function multi-versioning). A plain -mavx2 build
-// would crash on older CPUs; a baseline-only build leaves half the vector width unused. The
-// loops are memory-bound, so wider (AVX-512) clones would gain nothing.
+// The element loops are compiled three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA)
+// and baseline x86-64, and the best one the CPU has is picked when the library loads (GCC
+// function multi-versioning). A plain -mavx2 build would crash on older CPUs; a baseline-only
+// build leaves the vector width and the FMA unit unused (baseline fmaf is a libm call). The v3
+// clone is what a Zen 1-3 or Intel AVX2 CPU runs; v4 gives Zen 4 / Sapphire Rapids 16 lanes,
+// as DeepSpeed's CPU Adam has. All clones round identically: every FMA is an explicit fmaf
+// (csrc/math.h) and -ffp-contract=off forbids others.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define FA_CPU_CLONES __attribute__((target_clones("avx2", "avx", "default")))
+#define FA_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FA_CPU_CLONES
 #endif

@@ -13,7 +13,7 @@ namespace fa_test {
 
 using namespace fused_accum;
 
-enum class Algo { kSgd, kSgdPlain, kAdam, kLion };
+enum class Algo { kSgd, kSgdPlain, kAdam, kAdamAmsgrad, kLion };
 enum class ParamKind { kMaster, kF32, kBF16 };  // fp32 master + bf16/fp16 copy; fp32; bf16, no master
 enum class Fused { kNone, kAdd, kOverwrite };
 
@@ -22,6 +22,11 @@ const math::SgdHyper kSgdHyper = math::sgd_hyper(0.9, 0.1, 0.01, true);
 const math::SgdHyper kSgdPlainHyper = math::sgd_hyper(0.0, 0.0, 0.0, false);
 const math::AdamHyper kAdamHyper = math::adam_hyper(0.8, 0.99, 1e-6, 0.1, true);
 const math::LionHyper kLionHyper = math::lion_hyper(0.9, 0.99, 0.1);
+
+// Bit-identical: the kernels and this per-element loop run the same math.h code, every FMA
+// explicit and nothing else contracted (-ffp-contract=off), so no rounding may differ, whatever
+// SIMD clone runs.
+inline bool same(float got, float want) { return got == want || (got != got && want != want); }
 
 // runner(lists, args, algo) calls the kernel under test.
 using StepRunner = std::function<void(const TensorLists&, const StepArgs&, Algo)>;
@@ -33,21 +38,22 @@ struct StepCase {
   Fused fused;
   bool found;
   std::mt19937 rng;
-  Flat acc, master, s1, s2;
+  Flat acc, master, s1, s2, s3;
   Mixed param16, grad, lp;
   std::vector<float> steps;
   float lr = 0.01f, coef = 0.25f, found_inf, grad_alpha = 0.5f;
 
   StepCase(std::vector<int64_t> sizes_, Algo a, ParamKind k, Fused f, bool found_, unsigned seed)
       : sizes(sizes_), algo(a), kind(k), fused(f), found(found_), rng(seed), acc(sizes, rng),
-        master(sizes, rng), s1(sizes, rng, true), s2(sizes, rng, true),
+        master(sizes, rng), s1(sizes, rng, true), s2(sizes, rng, true), s3(sizes, rng, true),
         param16(sizes, rng, {DType::kBF16}), grad(sizes, rng), lp(sizes, rng, {DType::kBF16, DType::kF16}),
         found_inf(found_ ? 1.0f : 0.0f) {
     for (size_t i = 0; i < sizes.size(); ++i) steps.push_back(1.0f + (i % 3) * 4);  // incl. first steps
   }
 
   bool has_state1() const { return algo != Algo::kSgdPlain; }
-  bool has_state2() const { return algo == Algo::kAdam; }
+  bool has_state2() const { return algo == Algo::kAdam || algo == Algo::kAdamAmsgrad; }
+  bool has_state3() const { return algo == Algo::kAdamAmsgrad; }
 
   TensorLists lists() {
     TensorLists t;
@@ -59,6 +65,7 @@ struct StepCase {
       else t.param.add(master.at(i), DType::kF32);
       if (has_state1()) t.state1.add(s1.at(i), DType::kF32);
       if (has_state2()) t.state2.add(s2.at(i), DType::kF32);
+      if (has_state3()) t.state3.add(s3.at(i), DType::kF32);
       if (kind == ParamKind::kMaster) t.lp.add(lp.ptr(i), lp.dtype(i));
       if (fused != Fused::kNone) t.grad.add(grad.ptr(i), grad.dtype(i));
     }
@@ -75,7 +82,7 @@ struct StepCase {
     for (size_t i = 0; i < sizes.size() && bad < 5; ++i) {
       for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
         float p = kind == ParamKind::kBF16 ? before.param16.value(i, j) : before.master.value(i, j);
-        float m = before.s1.value(i, j), v = before.s2.value(i, j);
+        float m = before.s1.value(i, j), v = before.s2.value(i, j), max_v = before.s3.value(i, j);
         if (!found) {
           const float g = math::effective_grad(before.acc.value(i, j),
                                                fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
@@ -83,6 +90,9 @@ struct StepCase {
             case Algo::kSgd: math::sgd_update(g, p, m, kSgdHyper, math::sgd_scalars(lr, steps[i])); break;
             case Algo::kSgdPlain: math::sgd_update(g, p, m, kSgdPlainHyper, math::sgd_scalars(lr, steps[i])); break;
             case Algo::kAdam: math::adam_update(g, p, m, v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper)); break;
+            case Algo::kAdamAmsgrad:
+              math::adam_update_amsgrad(g, p, m, v, max_v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper));
+              break;
             case Algo::kLion: math::lion_update(g, p, m, kLionHyper, math::lion_scalars(lr, kLionHyper)); break;
           }
         }
@@ -92,10 +102,11 @@ struct StepCase {
           ok &= found ? param16.value(i, j) == before.param16.value(i, j)
                       : std::fabs(param16.value(i, j) - p) <= 0.0079f * std::fabs(p);
         } else {
-          ok &= close(master.value(i, j), p);
+          ok &= same(master.value(i, j), p);
         }
-        if (has_state1()) ok &= close(s1.value(i, j), m);
-        if (has_state2()) ok &= close(s2.value(i, j), v);
+        if (has_state1()) ok &= same(s1.value(i, j), m);
+        if (has_state2()) ok &= same(s2.value(i, j), v);
+        if (has_state3()) ok &= same(s3.value(i, j), max_v);
         if (kind == ParamKind::kMaster) {  // the copy is the master as written, rounded
           ok &= found ? lp.value(i, j) == before.lp.value(i, j)
                       : lp.value(i, j) == lp.rounded(i, master.value(i, j));
@@ -107,14 +118,18 @@ struct StepCase {
       }
     }
     CHECK(acc.padding_intact() && master.padding_intact() && s1.padding_intact() &&
-              s2.padding_intact(), "%s: padding written", what);
+              s2.padding_intact() && s3.padding_intact(), "%s: padding written", what);
   }
 };
 
-// Every rule x param kind x fused mode x found_inf on `sizes`.
-inline void check_all_steps(const std::vector<int64_t>& sizes, const StepRunner& runner, const char* what) {
+const std::vector<Algo> kAllAlgos = {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kAdamAmsgrad,
+                                     Algo::kLion};
+
+// Every rule of `algos` x param kind x fused mode x found_inf on `sizes`.
+inline void check_all_steps(const std::vector<int64_t>& sizes, const StepRunner& runner, const char* what,
+                            const std::vector<Algo>& algos = kAllAlgos) {
   unsigned seed = 0;
-  for (Algo algo : {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kLion})
+  for (Algo algo : algos)
     for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16})
       for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
         for (bool found : {false, true})

@@ -98,12 +98,14 @@ void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
     case Algo::kSgdPlain: emulate_step<cuda::Sgd>(t, a, kSgdPlainHyper); break;
     case Algo::kAdam: emulate_step<cuda::Adam>(t, a, kAdamHyper); break;
     case Algo::kLion: emulate_step<cuda::Lion>(t, a, kLionHyper); break;
+    case Algo::kAdamAmsgrad: CHECK(false, "amsgrad is not in the CUDA kernels yet"); break;
   }
 }
 
 void test_steps() {
+  // Without amsgrad until step.cu has it (bindings.h refuses it for CUDA meanwhile).
   check_all_steps({1, 7, 1023, kChunk + 1, 3, 5 * kChunk / 2 + 3, 8, 9, 17}, run_emulated_step,
-                  "cuda-emulated");
+                  "cuda-emulated", {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kLion});
   launches = 0;
   const int count = cuda::StepTable::kCapacity + 5;  // two launches
   StepCase(sizes_for(count, 5), Algo::kAdam, ParamKind::kMaster, Fused::kAdd, false, 99)

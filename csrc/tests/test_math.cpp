@@ -78,6 +78,68 @@ void test_adam() {
   }
 }
 
+// Where eps goes: outside the sqrt and after the bias correction. With v = 1e-12 and eps = 1e-6,
+// sqrt(v) is as large as eps, so eps inside the sqrt (denominator ~1e-3 instead of ~3e-5), or
+// eps divided by sqrt(1 - beta2^step) along with sqrt(v) (~3.2e-5 at step 1: a factor 1.5 on the
+// update), each move p by far more than the 2e-6 tolerance.
+void test_adam_eps() {
+  const double b1 = 0.9, b2 = 0.999, eps = 1e-6, lr = 0.1;
+  const AdamHyper h = adam_hyper(b1, b2, eps, 0.0, false);
+  float p = 1.0f, m = 0.0f, v = 0.0f;
+  const float g = 1e-6f / std::sqrt(1 - b2);  // v after the step: (1 - b2) g^2 = 1e-12
+  adam_update(g, p, m, v, h, adam_scalars(float(lr), 1.0f, h));
+  const double vd = (1 - b2) * double(g) * g, md = (1 - b1) * double(g);
+  const double want = 1.0 - lr / (1 - b1) * md / (std::sqrt(vd) / std::sqrt(1 - b2) + eps);
+  CHECK(close(v, vd, 1e-6, 0.0), "v %g want %g", v, vd);
+  CHECK(close(p, want), "eps placement: p %.9g want %.9g", p, want);
+  const double inside = 1.0 - lr / (1 - b1) * md / (std::sqrt(vd + eps) / std::sqrt(1 - b2));
+  const double corrected = 1.0 - lr / (1 - b1) * md / ((std::sqrt(vd) + eps) / std::sqrt(1 - b2));
+  CHECK(!close(inside, want) && !close(corrected, want), "the case cannot tell the placements");
+}
+
+// The per-tensor scalars are computed in double (issue 14 item 7): at step 1000 with beta2 =
+// 0.999, 1 - beta2^step in fp32 (powf) is off by ~1e-5 relative; in double, rounded once, the
+// result is the float nearest the exact value.
+void test_adam_scalars_double() {
+  const AdamHyper h = adam_hyper(0.9, 0.999, 1e-8, 0.1, true);
+  for (float step : {1.0f, 10.0f, 1000.0f, 123457.0f}) {
+    const AdamScalars s = adam_scalars(1e-3f, step, h);
+    const double lr = double(1e-3f);
+    const float want_step = float(-(lr / (1 - std::pow(0.9, double(step)))));
+    const float want_bc2 = float(std::sqrt(1 - std::pow(0.999, double(step))));
+    CHECK(s.neg_step_size == want_step, "step %g: step size %.9g want %.9g", step, s.neg_step_size, want_step);
+    CHECK(s.bias_correction2_sqrt == want_bc2, "step %g: bc2 %.9g want %.9g", step, s.bias_correction2_sqrt, want_bc2);
+    CHECK(s.decay_factor == float(1.0 - lr * 0.1), "decay factor from double");
+  }
+}
+
+// amsgrad: the running max is taken after exp_avg_sq's update, written, and used in the
+// denominator; a smaller new v leaves the max (and so a smaller step than plain Adam).
+void test_adam_amsgrad() {
+  const AdamHyper h = adam_hyper(0.9, 0.99, 1e-8, 0.0, false);
+  const AdamScalars s = adam_scalars(0.01f, 5.0f, h);
+  float p = 1.0f, m = 0.1f, v = 0.01f, max_v = 0.5f;
+  float p_plain = p, m_plain = m, v_plain = v;
+  adam_update_amsgrad(0.2f, p, m, v, max_v, h, s);
+  adam_update(0.2f, p_plain, m_plain, v_plain, h, s);
+  CHECK(max_v == 0.5f && v == v_plain && m == m_plain, "max kept, moments as Adam");
+  const double denom = std::sqrt(0.5) / s.bias_correction2_sqrt + 1e-8;
+  CHECK(close(p, 1.0 + s.neg_step_size * m / denom), "denominator from max_v: p %.9g", p);
+  CHECK(p_plain < p, "a larger max_v must give a smaller step");
+  max_v = 1e-6f;
+  adam_update_amsgrad(0.2f, p, m, v, max_v, h, s);
+  CHECK(max_v == v, "max_v = new v when larger");
+  max_v = std::numeric_limits<float>::quiet_NaN();
+  adam_update_amsgrad(0.2f, p, m, v, max_v, h, s);
+  CHECK(max_v != max_v, "NaN propagates, as torch.maximum");
+}
+
+// torch.lerp's two formulas (weight below and above 0.5) give a - w*(a-b) either way.
+void test_lerp() {
+  CHECK(lerp(2.0f, 4.0f, 0.25f) == 2.5f && lerp(2.0f, 4.0f, 0.75f) == 3.5f, "lerp");
+  CHECK(lerp(1.0f, -1.0f, 0.0f) == 1.0f && lerp(1.0f, -1.0f, 1.0f) == -1.0f, "lerp ends exact");
+}
+
 void test_lion() {
   CHECK(sign(0.0f) == 0.0f && sign(-0.0f) == 0.0f && sign(-2.0f) == -1.0f && sign(3.0f) == 1.0f,
         "torch.sign");
@@ -87,8 +149,17 @@ void test_lion() {
   // direction = sign(-0.45 + 0.02) = -1
   CHECK(close(p, 1.0 * (1 - 0.01 * 0.1) + 0.01), "p got %.9g", p);
   CHECK(close(m, -0.5 * 0.99 + 0.2 * 0.01), "m got %.9g", m);
+
+  // The sign uses the old momentum: with m = -0.1, g = 0.8, beta1 = beta2 = 0.9 the old m gives
+  // sign(-0.09 + 0.08) = -1, an m updated first (-0.01) would give sign(-0.009 + 0.08) = +1.
+  const LionHyper order = lion_hyper(0.9, 0.9, 0.0);
+  p = 1.0f, m = -0.1f;
+  lion_update(0.8f, p, m, order, lion_scalars(0.01f, order));
+  CHECK(close(p, 1.01), "sign from the old momentum: p got %.9g", p);
+  CHECK(close(m, -0.1 * 0.9 + 0.8 * 0.1), "m got %.9g", m);
 }
 
 }  // namespace
 
-TEST_MAIN(test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_lion())
+TEST_MAIN(test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_adam_eps();
+          test_adam_scalars_double(); test_adam_amsgrad(); test_lerp(); test_lion())

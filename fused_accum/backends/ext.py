@@ -115,9 +115,11 @@ def adam_step(
     grad_alpha: float = 1.0,
     grads_overwrite: bool = False,
     found_inf: Optional[Tensor] = None,
+    max_exp_avg_sqs: Sequence[Tensor] = (),
 ) -> None:
     torch.ops.fused_accum_ext.adam_step_(
-        list(params), list(exp_avgs), list(exp_avg_sqs), list(accs), steps, lr, coef,
+        list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(accs), steps,
+        lr, coef,
         float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
         bool(maximize), list(lp_params), list(grads), float(grad_alpha), bool(grads_overwrite),
         found_inf,

@@ -119,6 +119,29 @@ def _effective_grad(acc, grad, coef, grad_alpha, grads_overwrite, maximize):
     return -g if maximize else g
 
 
+def _fma(a: Tensor, b, c: Tensor) -> Tensor:
+    """``a * b + c`` rounded once (a fused multiply-add), as torch's fused CPU optimizers compute
+    it. ``b`` is a tensor or a Python float (rounded to fp32 first, as torch's kernels do).
+    ``torch.addcmul`` is one FMA per element on the CPU (tests/test_kernels.py checks it against
+    float64 arithmetic), so this stays plain fp32 PyTorch."""
+    if not isinstance(b, Tensor):
+        b = torch.tensor(b, dtype=torch.float32, device=c.device)
+    return torch.addcmul(c, a, b)
+
+
+def _sqrt(x: Tensor) -> Tensor:
+    """The correctly rounded fp32 square root (what the kernels' sqrtf gives). torch.sqrt of an
+    fp32 CPU tensor is not: it differs in the last bit for ~17% of inputs (measured, torch 2.13,
+    AVX2). The float64 root rounded to fp32 is correctly rounded (53 >= 2 * 24 + 2 bits)."""
+    return torch.sqrt(x.double()).float()
+
+
+def _f32(x: Tensor) -> Tensor:
+    """A per-tensor scalar computed in float64 (as torch's fused optimizers compute them), rounded
+    to fp32 once."""
+    return x.to(torch.float32)
+
+
 def _commit(found_inf, pairs):
     """Write each (destination, new value) pair unless found_inf is set (no host sync)."""
     for dst, new in pairs:
@@ -149,22 +172,23 @@ def sgd_step(
     """torch.optim.SGD's update. ``momentum_bufs`` may be empty when momentum == 0.
 
     As in torch, the momentum buffer starts as a copy of the first gradient (no dampening):
-    a tensor is on its first step when its ``steps`` entry is 1.
+    a tensor is on its first step when its ``steps`` entry is 1. Each ``+`` of a product is one
+    fused multiply-add where torch's fused CPU SGD has one, so fp32 params match it bit for bit.
     """
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
         p32 = p.reshape(-1).float()
         if weight_decay != 0:
-            g = g + weight_decay * p32
+            g = _fma(p32, weight_decay, g)
         writes = []
         if momentum != 0:
             buf = momentum_bufs[i]
             first = steps[i] == 1
-            new_buf = torch.where(first, g, momentum * buf + (1 - dampening) * g)
+            new_buf = torch.where(first, g, _fma(g, 1 - dampening, buf * momentum))
             writes.append((buf, new_buf))
-            g = g + momentum * new_buf if nesterov else new_buf
-        new_p = p32 - lr * g
+            g = _fma(new_buf, momentum, g) if nesterov else new_buf
+        new_p = _fma(g, -lr, p32)
         writes.append((p, new_p))
         if lp_params:
             writes.append((lp_params[i], new_p))
@@ -191,25 +215,39 @@ def adam_step(
     grad_alpha: float = 1.0,
     grads_overwrite: bool = False,
     found_inf: Optional[Tensor] = None,
+    max_exp_avg_sqs: Sequence[Tensor] = (),
 ) -> None:
-    """torch.optim.Adam (``decoupled=False``) / AdamW (``decoupled=True``), without amsgrad."""
+    """torch.optim.Adam (``decoupled=False``) / AdamW (``decoupled=True``).
+
+    A non-empty ``max_exp_avg_sqs`` (fp32, one per param) turns on amsgrad: the running maximum
+    of ``exp_avg_sq`` is updated and the denominator uses it, as torch's ``amsgrad=True``.
+
+    The order of operations is torch's fused CPU kernel's (so fp32 params match
+    ``torch.optim.Adam(W)(fused=True)`` bit for bit): the bias corrections, the step size and
+    the decoupled decay factor in float64, rounded to fp32 once; ``exp_avg`` by ``lerp``;
+    ``exp_avg_sq`` and coupled weight decay by fused multiply-adds; two divides.
+    """
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
         p32 = p.reshape(-1).float()
+        step = steps[i].double()
         if weight_decay != 0:
             if decoupled:
-                p32 = p32 * (1 - lr * weight_decay)
+                p32 = p32 * _f32(1 - lr.double() * weight_decay)
             else:
-                g = g + weight_decay * p32
-        m = exp_avgs[i] * beta1 + g * (1 - beta1)
-        v = exp_avg_sqs[i] * beta2 + g * g * (1 - beta2)
-        step = steps[i]
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = torch.sqrt(1 - beta2**step)
-        denom = torch.sqrt(v) / bias_correction2_sqrt + eps
-        new_p = p32 - (lr / bias_correction1) * (m / denom)
-        writes = [(exp_avgs[i], m), (exp_avg_sqs[i], v), (p, new_p)]
+                g = _fma(p32, weight_decay, g)
+        m = torch.lerp(exp_avgs[i], g, 1 - beta1)
+        v = _fma(g * (1 - beta2), g, exp_avg_sqs[i] * beta2)
+        writes = [(exp_avgs[i], m), (exp_avg_sqs[i], v)]
+        if max_exp_avg_sqs:
+            v = torch.maximum(max_exp_avg_sqs[i], v)
+            writes.append((max_exp_avg_sqs[i], v))
+        neg_step_size = _f32(-lr.double() / (1 - beta1**step))
+        bias_correction2_sqrt = _f32(torch.sqrt(1 - beta2**step))
+        denom = _sqrt(v) / bias_correction2_sqrt + eps
+        new_p = p32 + (neg_step_size * m) / denom
+        writes.append((p, new_p))
         if lp_params:
             writes.append((lp_params[i], new_p))
         _commit(found_inf, writes)
@@ -233,7 +271,9 @@ def lion_step(
     grads_overwrite: bool = False,
     found_inf: Optional[Tensor] = None,
 ) -> None:
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay.
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay,
+    as lucidrains/lion-pytorch computes it with torch ops (its ``add(alpha=)`` is one fused
+    multiply-add on the CPU): the sign uses the old ``exp_avg``, which is updated afterwards.
 
     ``steps`` is unused by the math (Lion has no bias correction) but kept so every step op has
     the same shape of arguments.
@@ -242,11 +282,11 @@ def lion_step(
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
-        p32 = p.reshape(-1).float() * (1 - lr * weight_decay)
+        p32 = p.reshape(-1).float() * _f32(1 - lr.double() * weight_decay)
         m = exp_avgs[i]
-        direction = torch.sign(m * beta1 + g * (1 - beta1))
-        new_p = p32 - lr * direction
-        new_m = m * beta2 + g * (1 - beta2)
+        direction = torch.sign(_fma(g, 1 - beta1, m * beta1))
+        new_p = p32 - lr * direction  # direction is -1, 0 or 1: the product is exact
+        new_m = _fma(g, 1 - beta2, m * beta2)
         writes = [(m, new_m), (p, new_p)]
         if lp_params:
             writes.append((lp_params[i], new_p))
