@@ -22,9 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-hypothesis = pytest.importorskip("hypothesis")  # a test dependency: requirements-dev.txt
-from hypothesis import HealthCheck, given, note, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, note, settings  # a test dependency: requirements-dev.txt
+from hypothesis import strategies as st
 
 import fused_accum  # noqa: E402
 
