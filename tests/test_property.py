@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from torch import nn
 
