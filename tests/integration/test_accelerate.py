@@ -67,10 +67,16 @@ def train(kind: str, tmp_path, epochs=range(EPOCHS), save_to=None, resume_from=N
     )  # fmt: skip
 
 
-def test_accumulate_clip(tmp_path):
-    reference = train("torch", tmp_path)
+_references: dict = {}  # the torch run, shared by the parametrized test
+
+
+@pytest.mark.parametrize("kind", ["fused", "fused, accum_steps=None"])
+def test_accumulate_clip(tmp_path, kind):
+    if "torch" not in _references:
+        _references["torch"] = train("torch", tmp_path)
+    reference = _references["torch"]
     check_reference_sane(reference, STEPS)
-    compare(reference, train("fused", tmp_path), "Accelerate accumulate() + clip_grad_norm_")
+    compare(reference, train(kind, tmp_path), f"Accelerate accumulate() + clip_grad_norm_, {kind}")
 
 
 def test_save_state_load_state_resume(tmp_path):
