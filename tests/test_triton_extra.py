@@ -176,6 +176,27 @@ def test_step_validation_names_the_bad_tensor(case, message):
                      eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False)  # fmt: skip
 
 
+def test_capture_arena_hands_out_fresh_aligned_slices_until_released(monkeypatch):
+    """Tables first built during CUDA-graph capture are copied from slices of a pinned arena
+    (pinned in eager mode): slices never overlap (every replay copies from them again), start
+    16-byte aligned, fail clearly when the arena is full or was never pinned, and come back
+    with release_captured_tables(). (The arena is a plain tensor here: no pinned memory on CPU.)"""
+    dev = torch.device("cuda", 0)  # only a key: nothing here touches a GPU
+    monkeypatch.setattr(tb, "_arenas", {dev: [torch.zeros(16, dtype=torch.int64), 0]})
+    monkeypatch.setattr(tb, "_captured", {})
+    a = tb._arena_slice(dev, torch.arange(5))
+    b = tb._arena_slice(dev, torch.arange(10, 13))
+    assert a.tolist() == [0, 1, 2, 3, 4] and b.tolist() == [10, 11, 12]
+    assert b.data_ptr() - a.data_ptr() == 6 * 8  # 5 rounded up to 6 int64: 16-byte aligned
+    with pytest.raises(RuntimeError, match="capture arena is full"):
+        tb._arena_slice(dev, torch.arange(8))
+    assert tb.release_captured_tables() == 0 and tb._arenas[dev][1] == 0
+    assert tb._arena_slice(dev, torch.arange(8)).data_ptr() == a.data_ptr()  # reused after release
+    monkeypatch.setattr(tb, "_arenas", {})
+    with pytest.raises(RuntimeError, match="warm-up"):
+        tb._arena_slice(dev, torch.arange(3))
+
+
 def test_plan_cache_is_locked_and_bounded_under_threads(monkeypatch):
     """Issue 10 item 12: autograd hooks run on one thread per device, so lookups and stores
     race. 8 threads x 500 lookups/stores of distinct keys: no exception, the LRU stays at its

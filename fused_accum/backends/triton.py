@@ -19,8 +19,9 @@ CUDA graphs. Nothing here reads a device value on the host (lr, coef, steps and 
 read by the kernels), so a captured call replays with the current values. A graph holds the
 raw addresses of the tables it was captured with: a table used during capture is moved out of
 the LRU into a registry that is never evicted (:func:`release_captured_tables` empties it once
-those graphs are gone), and one built during capture keeps its pinned host copy alive too,
-since the graph replays the copy from it. The tables are keyed by the current stream as well.
+those graphs are gone). One built during capture is copied from a slice of a pinned arena that
+was allocated before the capture (no pinned allocation happens during one) and is never
+reused, since every replay copies from it again. The tables are keyed by the current stream.
 
 torch.compile: the ops are traced through the opaque custom ops of :mod:`fused_accum.ops`,
 which declare what they mutate. These kernels are deliberately *not* wrapped with
@@ -114,6 +115,8 @@ def release_captured_tables() -> int:
     with _lock:
         n = len(_captured)
         _captured.clear()
+        for arena in _arenas.values():
+            arena[1] = 0  # the slices belonged to those graphs' tables
     return n
 
 
@@ -203,10 +206,15 @@ def _build(device: torch.device, numel: np.ndarray, index: np.ndarray,
     host = torch.from_numpy(np.concatenate([tensors.reshape(-1), chunks.reshape(-1)]))
     kept = None
     if device.type == "cuda":
-        # pinned + non_blocking: the copy is queued on the stream, the host does not wait
-        host = host.pin_memory()
-        kept = host if capturing else None  # a captured graph replays the copy from it
+        if capturing:
+            # no pinned allocation during capture (torch refuses or breaks the capture): a slice
+            # of the arena pinned before it, never reused, since every replay copies from it
+            host = kept = _arena_slice(device, host)
+        else:
+            _arena(device)  # pinned now, while no capture is running: a later capture uses it
+            host = host.pin_memory()
         try:
+            # pinned + non_blocking: the copy is queued on the stream, the host does not wait
             table = host.to(device, non_blocking=True)
         except RuntimeError as e:
             raise RuntimeError(
@@ -219,6 +227,40 @@ def _build(device: torch.device, numel: np.ndarray, index: np.ndarray,
         table = host
     split = tensors.size
     return _Tables(table[:split].view(n, _ROW), table[split:].view(len(chunks), 2), len(chunks), chunk, kept)
+
+
+# Pinned host memory for the tables first built during a CUDA-graph capture: pinned in eager
+# mode (the first eager call on the device), handed out in never-reused slices, emptied by
+# release_captured_tables(). 8 MB by default: ~40 plans of 2,048 tensors (~200 KB each).
+CAPTURE_ARENA_BYTES = int(float(os.environ.get("FUSED_ACCUM_TRITON_CAPTURE_ARENA_MB", "8")) * 2**20)
+_arenas: Dict[torch.device, list] = {}  # device -> [pinned int64 tensor, elements used]
+
+
+def _arena(device: torch.device) -> list:
+    with _lock:
+        if device not in _arenas:
+            _arenas[device] = [torch.empty(CAPTURE_ARENA_BYTES // 8, dtype=torch.int64, pin_memory=True), 0]
+        return _arenas[device]
+
+
+def _arena_slice(device: torch.device, host: Tensor) -> Tensor:
+    """``host`` copied into a fresh slice of the device's capture arena (a CPU copy only)."""
+    with _lock:
+        arena = _arenas.get(device)
+        if arena is None or arena[1] + host.numel() > arena[0].numel():
+            raise RuntimeError(
+                "fused_accum triton backend: a launch table is needed during CUDA-graph capture "
+                + ("before any eager call on this device pinned its capture arena: run the captured "
+                   "calls once before capturing (a warm-up)" if arena is None else
+                   f"but the {CAPTURE_ARENA_BYTES >> 20} MB capture arena is full: call "
+                   "release_captured_tables() after deleting old graphs, or raise "
+                   "FUSED_ACCUM_TRITON_CAPTURE_ARENA_MB")
+            )  # fmt: skip
+        start = arena[1]
+        arena[1] += host.numel() + (-host.numel()) % 2  # slices stay 16-byte aligned
+    out = arena[0][start : start + host.numel()]
+    out.copy_(host)
+    return out
 
 
 def _capturing(device: torch.device) -> bool:
