@@ -11,7 +11,8 @@ Environment:
                               backends and logs once why fused_accum._C is missing
   FUSED_ACCUM_BUILD_CUDA=1    build the CUDA kernels, or fail saying why they cannot be built
   FUSED_ACCUM_BUILD_CUDA=0    never build them
-  CUDA_HOME                   the CUDA toolkit (default: found from the nvcc on PATH)
+  CUDA_HOME / CUDA_PATH       the CUDA toolkit (default: found from the nvcc on PATH, else
+                              /usr/local/cuda, as torch.utils.cpp_extension looks)
   MAX_JOBS                    parallel compile jobs (default: one per core, at most 8)
 """
 import glob
@@ -24,7 +25,8 @@ import tempfile
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CUDA_ARCHS = ("80", "90")  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
+CUDA_ARCHS = ("80", "90")
+DEFAULT_CUDA_HOME = "/usr/local/cuda"  # torch's last guess too  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
 
 
 def _log(msg):
@@ -48,16 +50,20 @@ def _toolkit_root(nvcc):
 
 
 def _cuda_home():
-    """(CUDA toolkit root, "") or (None, why there is none)."""
+    """(CUDA toolkit root, "") or (None, why there is none). Searched as torch's cpp_extension
+    searches: CUDA_HOME or CUDA_PATH, then the nvcc on PATH, then /usr/local/cuda."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home:
         if os.path.exists(os.path.join(home, "bin", "nvcc")):
             return home, ""
-        return None, f"CUDA_HOME={home} has no bin/nvcc"
+        var = "CUDA_HOME" if os.environ.get("CUDA_HOME") else "CUDA_PATH"
+        return None, f"{var}={home} has no bin/nvcc"
     nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return None, "nvcc is not on PATH and CUDA_HOME is not set"
-    return _toolkit_root(nvcc), ""
+    if nvcc is not None:
+        return _toolkit_root(nvcc), ""
+    if os.path.exists(os.path.join(DEFAULT_CUDA_HOME, "bin", "nvcc")):
+        return DEFAULT_CUDA_HOME, ""
+    return None, f"CUDA_HOME and CUDA_PATH are not set, nvcc is not on PATH and {DEFAULT_CUDA_HOME}/bin/nvcc does not exist"
 
 
 def _cuda_plan():

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -267,6 +268,40 @@ def measure(fn: Callable[[Any], None], arg_sets: Sequence[Any], device: torch.de
         samples.append(_time_calls(fn, arg_sets, cursor, per_sample, device) / per_sample)
         cursor += per_sample
     return Timing(samples_ms=samples, calls_per_sample=per_sample, rotations=len(arg_sets))
+
+
+def measure_interleaved(fns: Dict[str, Callable[[], None]], config: Optional[TimingConfig] = None,
+                        seed: int = 0) -> Dict[str, Timing]:
+    """Time several zero-argument CPU calls against each other: per round, each one sample, in a
+    fresh random order. Load that comes and goes (a shared machine) then lands on every provider
+    alike, where timing them one after another lets it fall on one. Each fn is warmed up as
+    :func:`measure` does and its sample length sized from that."""
+    config = config or TimingConfig()
+    rng = random.Random(seed)
+    per_sample: Dict[str, int] = {}
+    for name, fn in fns.items():
+        calls, warm_ms, warm_calls = 1, 0.0, 0
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3
+            warm_ms, warm_calls = warm_ms + ms, warm_calls + calls
+            if warm_calls >= 3 and warm_ms >= config.warmup_ms:
+                break
+            calls *= 2
+        per_call = max(ms / calls, 1e-6)
+        per_sample[name] = max(1, min(config.max_calls_per_sample, math.ceil(config.min_sample_ms / per_call)))
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    order = list(fns)
+    for _ in range(config.samples):
+        rng.shuffle(order)
+        for name in order:
+            t0 = time.perf_counter()
+            for _ in range(per_sample[name]):
+                fns[name]()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / per_sample[name])
+    return {name: Timing(samples_ms=samples[name], calls_per_sample=per_sample[name], rotations=1) for name in fns}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -502,3 +502,137 @@ def plan(device: torch.device, flat_sizes: Sequence[int], lists: Sequence[Worklo
                 gd = dt if op == "adamw_fused_last" else None
                 groups += [Group(op, w, gd, default_providers(op, device)) for w in step_workloads]
     return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU AdamW against DeepSpeed and torch, providers interleaved, at 1 and 2 threads
+# ---------------------------------------------------------------------------------------------
+#
+# The question issue 11 asks of the CPU kernels: is our AdamW step as fast as DeepSpeed's
+# DeepSpeedCPUAdam (what ZeRO-Offload runs) and torch's AdamW(fused=True), one thread and two,
+# on one big tensor and on GPT-2 small's 148? Each round times every provider once, in a fresh
+# random order, so load that comes and goes on a shared machine lands on all of them alike
+# (timing one provider after another lets a burst of other work fall on one). The same process
+# runs 1 and 2 threads, so thread scaling is read off one run.
+#
+# Providers, each on its own copy of the params and state (gradients are shared, read-only):
+#   cpu          fused_accum's C++ kernel: ext.adam_step from the fp32 gradient, coef 1
+#   torch_fused  torch.optim.AdamW(fused=True), .grad = the gradient
+#   deepspeed    deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), when deepspeed is
+#                installed (optional: it builds its C++ op with ninja on first use)
+# "adamw_bf16_master": fp32 master + bf16 param copy, ours writing the bf16 copy in the step,
+# the others followed by torch._foreach_copy_ into the bf16 params.
+
+CPU_ADAM_PROVIDERS = ("cpu", "torch_fused", "deepspeed")
+CPU_ADAM_OPS = ("adamw", "adamw_bf16_master")
+
+
+def deepspeed_unavailable() -> str:
+    """"" when DeepSpeedCPUAdam can be used here, else why not."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
+        return f"{type(exc).__name__}: {exc}"[:200]
+    return ""
+
+
+def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
+    """A zero-argument AdamW step on fp32 ``params`` (state created here), writing ``lp`` (bf16
+    copies) too when it is not empty."""
+    lr, b1, b2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    if provider == "cpu":
+        m = [torch.zeros_like(p) for p in params]
+        v = [torch.zeros_like(p) for p in params]
+        accs = [g.view(-1) for g in grads]
+        flat_params = [p.view(-1) for p in params]
+        steps = torch.ones(len(params))
+        lr_t, coef = torch.tensor(lr), torch.tensor(1.0)
+        ours = backends.get("cpu")
+        lp_flat = [x.view(-1) for x in lp]
+        return lambda: ours.adam_step(flat_params, m, v, accs, steps, lr_t, coef, beta1=b1, beta2=b2, eps=eps,
+                                      weight_decay=wd, decoupled=True, maximize=False, lp_params=lp_flat)
+    leaves = [torch.nn.Parameter(p, requires_grad=True) for p in params]
+    for leaf, g in zip(leaves, grads):
+        leaf.grad = g
+    if provider == "torch_fused":
+        opt = torch.optim.AdamW(leaves, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, fused=True)
+    elif provider == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(leaves, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, adamw_mode=True)
+    else:
+        raise ValueError(f"unknown provider {provider!r}")
+
+    def call():
+        opt.step()
+        if lp:
+            torch._foreach_copy_(lp, params)
+
+    return call
+
+
+def run_cpu_adam(workload: Workload, op: str, threads: Sequence[int], timing: common.TimingConfig,
+                 providers: Sequence[str] = CPU_ADAM_PROVIDERS, seed: int = 0) -> List[Dict]:
+    """Rows for one workload and op: every provider at every thread count, interleaved."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=gen) for s in workload.shapes]
+    init = [torch.randn(s, generator=gen) for s in workload.shapes]
+    hp = dict(ADAMW_HP)
+    runnable, rows = [], []
+    base = {"section": "cpu_adam", "op": op, "workload": workload.name, "n_tensors": len(workload.shapes),
+            "numel": workload.numel, # read grad, param, m, v; write param, m, v (28), and the bf16 copy (2)
+            "bytes_per_elem": common.step_bytes("adamw") - (2 if op == "adamw" else 0)}
+    why_not = {"deepspeed": deepspeed_unavailable()} if "deepspeed" in providers else {}
+    steps: Dict[str, Callable[[], None]] = {}
+    outputs: Dict[str, List[torch.Tensor]] = {}
+    for provider in providers:
+        if why_not.get(provider):
+            rows.append({**base, "provider": provider, "threads": "-", "ms": math.nan, "ok": False,
+                         "note": f"unavailable: {why_not[provider]}"})
+            continue
+        params = [p.clone() for p in init]
+        lp = [torch.empty(s, dtype=torch.bfloat16) for s in workload.shapes] if op != "adamw" else []
+        steps[provider] = _cpu_adam_step(provider, params, grads, lp, hp)
+        steps[provider]()  # one step from the same start: the check (and lazy state creation)
+        outputs[provider] = [p.clone() for p in params]
+        runnable.append(provider)
+    # The check: one step of each provider against torch's, from the same params and gradient.
+    want = torch.cat([p.view(-1) for p in outputs.get("torch_fused", [])]) if "torch_fused" in outputs else None
+    errors = {p: (common.rel_error(torch.cat([x.view(-1) for x in outputs[p]]), want) if want is not None else math.nan)
+              for p in runnable}
+    del outputs
+    threads_before = torch.get_num_threads()
+    per_thread: Dict[int, Dict[str, common.Timing]] = {}
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            per_thread[n] = common.measure_interleaved({p: steps[p] for p in runnable}, timing, seed=seed + n)
+    finally:
+        torch.set_num_threads(threads_before)
+    for n in threads:
+        for p in runnable:
+            t = per_thread[n][p]
+            rows.append({**base, "provider": p, "threads": n, "ms": t.median_ms, "ms_min": t.min_ms,
+                         "ms_max": t.max_ms, "spread_pct": t.spread_pct, "samples": len(t.samples_ms),
+                         "calls_per_sample": t.calls_per_sample,
+                         "gbps": common.gbps(base["bytes_per_elem"] * workload.numel, t.median_ms),
+                         "max_rel_err_vs_torch": errors[p], "ok": not errors[p] > CHECK_TOL, "note": ""})
+    by = {(r["provider"], r["threads"]): r["ms"] for r in rows if math.isfinite(r["ms"])}
+    for r in rows:
+        if not math.isfinite(r["ms"]):
+            continue
+        n = r["threads"]
+        r["speedup_vs_deepspeed"] = by.get(("deepspeed", n), math.nan) / r["ms"]
+        r["speedup_vs_torch"] = by.get(("torch_fused", n), math.nan) / r["ms"]
+        r["thread_scaling"] = by.get((r["provider"], min(threads)), math.nan) / r["ms"]  # vs fewest threads
+    return rows
+
+
+def format_cpu_adam_row(r: Dict) -> str:
+    head = f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['provider']:<12} threads={r['threads']}"
+    if not math.isfinite(r["ms"]):
+        return f"{head} {r['note']}"
+    flag = "" if r["ok"] else f"  WRONG (rel err vs torch {r['max_rel_err_vs_torch']:.1e})"
+    return (f"{head} {r['ms']:9.3f} ms ±{r['spread_pct']:3.0f}%  {r['gbps']:6.1f} GB/s  "
+            f"vs deepspeed {r['speedup_vs_deepspeed']:5.2f}x  vs torch {r['speedup_vs_torch']:5.2f}x  "
+            f"thread scaling {r['thread_scaling']:4.2f}x{flag}")

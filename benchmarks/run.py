@@ -32,7 +32,8 @@ import torch  # noqa: E402
 from benchmarks import common, end_to_end, kernels  # noqa: E402
 
 DEFAULT_OUT = _ROOT / "benchmarks" / "results"
-SUITES = ("accumulate", "step", "e2e")
+CPU_ADAM_THREADS = (1, 2)  # the thread-scaling rows: one process, the same data
+SUITES = ("accumulate", "step", "e2e", "cpu_adam")
 
 
 def make_config(device: torch.device, mode: str) -> Dict:
@@ -52,6 +53,9 @@ def make_config(device: torch.device, mode: str) -> Dict:
             copy_bytes=8 * 2**20, max_rotations=4,
             e2e=end_to_end.E2EConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=16, micro_batch=2,
                                      windows=3, warmup_windows=1, lr=3e-3),
+            cpu_adam=[kernels.flat(65536)],
+            # deepspeed stays out of the tests' run: its first use builds a C++ op for minutes
+            cpu_adam_providers=("cpu", "torch_fused"),
         )
     if device.type == "cuda":
         if mode == "quick":
@@ -83,6 +87,7 @@ def make_config(device: torch.device, mode: str) -> Dict:
             step_workloads=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
             timing=common.TimingConfig(samples=5, warmup_ms=20.0, min_sample_ms=20.0),
             copy_bytes=4 * cache, max_rotations=512, e2e=cpu_e2e,
+            cpu_adam=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
         )
     return dict(
         flat_sizes=[2**16, 2**20, 2**24, 2**26],
@@ -93,6 +98,8 @@ def make_config(device: torch.device, mode: str) -> Dict:
         timing=common.TimingConfig(samples=10, warmup_ms=50.0, min_sample_ms=50.0),
         copy_bytes=8 * cache, max_rotations=512, e2e=end_to_end.E2EConfig(
             vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=128, micro_batch=4, windows=6, warmup_windows=1),
+        # issue 11's table: one 1M, 16M and 64M tensor, and GPT-2 small (148 tensors, 124M)
+        cpu_adam=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**26), kernels.gpt2()],
     )
 
 
@@ -174,14 +181,17 @@ def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict) -> List[
 
 
 def write_all(out: Path, meta: Dict, copy: Dict, kernel_rows: List[Dict], e2e_rows: List[Dict],
-              skipped: List[str], plot: bool) -> List[Path]:
+              skipped: List[str], plot: bool, cpu_adam_rows: Sequence[Dict] = ()) -> List[Path]:
     """Write (or rewrite) every result file; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "kernels.csv", out / "end_to_end.csv", out / "results.json"]
     common.write_csv(paths[0], kernel_rows, meta)
     common.write_csv(paths[1], e2e_rows, meta)
     common.write_json(paths[2], {"meta": meta, "copy": copy, "kernels": kernel_rows, "end_to_end": e2e_rows,
-                                 "skipped": skipped})
+                                 "cpu_adam": list(cpu_adam_rows), "skipped": skipped})
+    if cpu_adam_rows:
+        paths.append(out / "cpu_adam.csv")
+        common.write_csv(paths[-1], list(cpu_adam_rows), meta)
     if plot:
         flat_rows = [r for r in kernel_rows if r["workload"] == "flat" and math.isfinite(r["gbps"])]
         title = f"{meta['device_name']} | torch {meta['torch']} | {meta['git_commit'][:10]} | {meta['date_utc']}"
@@ -241,6 +251,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
 
     kernel_rows: List[Dict] = []
     e2e_rows: List[Dict] = []
+    cpu_adam_rows: List[Dict] = []
     skipped: List[str] = []
     bar = _progress_bar(total)
     over_budget = lambda: args.time_budget is not None and time.perf_counter() - started > args.time_budget
@@ -275,6 +286,17 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
                 e2e_rows = end_to_end.run(cfg["e2e"], device, progress=on_row)
             write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False)
         run_groups(rest)
+        if "cpu_adam" in args.suites and device.type == "cpu":
+            for workload in cfg["cpu_adam"]:
+                for op in kernels.CPU_ADAM_OPS:
+                    if over_budget():
+                        skipped.append(f"cpu_adam {op} {workload.name}")
+                        continue
+                    providers = cfg.get("cpu_adam_providers", kernels.CPU_ADAM_PROVIDERS)
+                    rows = kernels.run_cpu_adam(workload, op, CPU_ADAM_THREADS, cfg["timing"], providers, seed=seed)
+                    for row in rows:
+                        common.log(kernels.format_cpu_adam_row(row))
+                    cpu_adam_rows.extend(rows)
     finally:
         bar.close()
 
@@ -283,9 +305,11 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
     copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
     copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True)
+    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True, cpu_adam_rows=cpu_adam_rows)
 
     bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
+    # an unavailable optional provider (deepspeed not installed) is a note, not a failure
+    bad += [r for r in cpu_adam_rows if not r["ok"] and not r["note"].startswith("unavailable")]
     print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy)))
     print(f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
           f"{len(e2e_rows)} end-to-end rows, {len(skipped)} groups skipped (time budget), "

@@ -310,7 +310,8 @@ def smoke_run(tmp_path_factory):
 def test_smoke_run_succeeds_and_writes_every_file(smoke_run):
     rc, out, _, _, _ = smoke_run
     assert rc == 0
-    assert sorted(p.name for p in out.iterdir()) == ["end_to_end.csv", "kernels.csv", "kernels.png", "results.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cpu_adam.csv", "end_to_end.csv", "kernels.csv", "kernels.png", "results.json"]
     assert (out / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -371,6 +372,46 @@ def test_smoke_run_json_matches_csv_and_records_the_machine(smoke_run):
     assert payload["skipped"] == []
     start, end = payload["copy"]["start"], payload["copy"]["end"]
     assert payload["copy"]["drift_pct"] == pytest.approx(100 * (end["gbps"] / start["gbps"] - 1))
+
+
+def test_smoke_cpu_adam_rows_interleave_providers_at_one_and_two_threads(smoke_run):
+    """issue 11's comparison: every provider at 1 and 2 threads in one process, checked against
+    torch's step, with the ratios computed from the same run's medians."""
+    _, out, _, _, payload = smoke_run
+    with open(out / "cpu_adam.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(payload["cpu_adam"]) == 2 * 2 * 2  # ops x providers x thread counts
+    got = {(r["op"], r["provider"], r["threads"]) for r in rows}
+    assert got == {(op, p, t) for op in kernels.CPU_ADAM_OPS for p in ("cpu", "torch_fused") for t in ("1", "2")}
+    ms = {(r["op"], r["provider"], r["threads"]): float(r["ms"]) for r in rows}
+    for r in rows:
+        assert r["ok"] == "True" and float(r["max_rel_err_vs_torch"]) <= kernels.CHECK_TOL
+        key = (r["op"], "torch_fused", r["threads"])
+        assert float(r["speedup_vs_torch"]) == pytest.approx(ms[key] / float(r["ms"]), rel=1e-9)
+        one = ms[(r["op"], r["provider"], "1")]
+        assert float(r["thread_scaling"]) == pytest.approx(one / float(r["ms"]), rel=1e-9)
+
+
+def test_measure_interleaved_alternates_providers_within_each_round():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    timings = common.measure_interleaved(fns, common.TimingConfig(samples=4, warmup_ms=0.0, min_sample_ms=0.0), seed=1)
+    assert set(timings) == {"a", "b", "c"} and all(len(t.samples_ms) == 4 for t in timings.values())
+    timed = calls[-12:]  # after warm-up: 4 rounds, each provider once per round (one call per sample)
+    for i in range(0, 12, 3):
+        assert sorted(timed[i : i + 3]) == ["a", "b", "c"]
+    assert len({tuple(timed[i : i + 3]) for i in range(0, 12, 3)}) > 1  # the order changes
+
+
+def test_deepspeed_is_an_optional_provider(monkeypatch):
+    """Without deepspeed the provider is a row that says why, and the others still run."""
+    monkeypatch.setattr(kernels, "deepspeed_unavailable", lambda: "ModuleNotFoundError: no deepspeed")
+    timing = common.TimingConfig(samples=2, warmup_ms=0.0, min_sample_ms=0.0)
+    rows = kernels.run_cpu_adam(kernels.flat(1000), "adamw", (1,), timing, ("cpu", "torch_fused", "deepspeed"))
+    by = {r["provider"]: r for r in rows}
+    assert by["deepspeed"]["note"] == "unavailable: ModuleNotFoundError: no deepspeed"
+    assert not math.isfinite(by["deepspeed"]["ms"])
+    assert math.isfinite(by["cpu"]["ms"]) and by["cpu"]["ok"] and by["torch_fused"]["ok"]
 
 
 def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
