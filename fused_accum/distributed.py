@@ -7,13 +7,36 @@ optimizer's own (each a contiguous range of a flat buffer): those completed duri
 last backward are reduced asynchronously while the rest of that backward runs, the others when
 it ends. The reduction is a sum divided by the world size (DDP's average), done on the fp32
 accumulators, so no precision is lost in the collective either.
+
+Sharded modes (``shard=``, see :class:`~fused_accum.flat.Sharding` for the layout):
+
+- ``"state"`` (ZeRO-1 with a window-level reduction): the same buckets are reduce-scattered
+  instead of all-reduced (in place: this rank's part of each bucket receives the group's mean),
+  the step updates this rank's parts only, and :meth:`WindowReducer.gather_params` all-gathers
+  the updated parameters in their own dtype. Wire bytes per window and parameter:
+  4 (reduce-scatter, fp32) + the param's size (all-gather) times (N-1)/N, against the
+  all-reduce's 8 x (N-1)/N.
+- ``"grads"`` (ZeRO-2): every backward's buckets are reduce-scattered as they complete (in
+  ``reduce_dtype``, fp32 by default) and folded into the 1/N accumulator when the backward ends.
+
+The window's norm and non-finite flag are then sums of per-rank parts: one all-reduce of a
+2-element tensor, on the device (no host sync).
 """
 from __future__ import annotations
 
 import gc
+from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from .flat import Sharding
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+SHARD_MODES = (None, "state", "grads")
 
 
 def ddp_wrapping(params) -> bool:
@@ -36,7 +59,7 @@ def ddp_wrapping(params) -> bool:
 
 
 class WindowReducer:
-    """All-reduces the accumulator buckets at a window's end; the window calls it.
+    """All-reduces (sharded: reduce-scatters) the accumulator buckets; the window calls it.
 
     Collectives pair up by the order in which ranks issue them, so buckets are always launched
     in one fixed order (flat groups, then buckets: the order backward usually completes them).
@@ -44,12 +67,20 @@ class WindowReducer:
     has, the orders still agree.
     """
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, shard: Optional[str] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+        if shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("process_group was given but torch.distributed is not initialized "
                                "(call torch.distributed.init_process_group first)")  # fmt: skip
         self.group = group
         self.world = dist.get_world_size(group)
+        # The flat-buffer layer decides this rank's ranges from it.
+        self.sharding = Sharding(dist.get_rank(group), self.world, shard) if shard is not None else None
+        self.reduce_dtype = reduce_dtype or torch.float32
+        self._pending: list = []  # shard="grads": this backward's reduce-scatters, folded at its end
+        self._staged: dict = {}  # shard="grads": id(bucket) -> this backward's staged gradients
+        self._holds: set = set()  # shard="grads": buckets whose accumulator part holds this window's sum
         # NCCL averages in the collective; gloo has no AVG, so its sum is divided after (one
         # more pass over the buffer, 8 B per param per window).
         self._avg_op = getattr(dist.ReduceOp, "AVG", None) if dist.get_backend(group) == "nccl" else None
@@ -68,11 +99,96 @@ class WindowReducer:
         for work in works:
             work.wait()
         for flat in flat_groups:
-            if self._avg_op is None:
+            if flat.shards_grads:  # every backward's reduce-scatter was a sum (AVG would round each)
+                flat.acc.div_(self.world)
+            elif self._avg_op is None and flat.sharding is not None:
+                for part in flat.shard_grads():  # only this rank's parts hold the group's sum
+                    part.div_(self.world)
+            elif self._avg_op is None:
                 flat.acc.div_(self.world)  # padding is zero: dividing the whole buffer is one pass
             for slot in flat.slots:
                 slot.has_grad = True
         self._ready, self._launched = set(), set()
+
+    def sum_(self, value: Tensor) -> Tensor:
+        """``value`` replaced by its sum over the group, in place (no host sync)."""
+        dist.all_reduce(value, group=self.group)
+        return value
+
+    def gather_params(self, flat_groups) -> None:
+        """Sharded, after the step: all-gather every flat group's staged parameters (one
+        collective per bucket, fixed order) and copy them into the parameters."""
+        works = []
+        for flat in flat_groups:
+            if flat.staging is not None:
+                for whole, part in flat.gather_ranges():
+                    works.append(_all_gather(whole, part, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+        for flat in flat_groups:
+            flat.finish_step()
+
+    # --- shard="grads": every backward --------------------------------------------------------
+
+    @property
+    def shards_grads(self) -> bool:
+        return self.sharding is not None and self.sharding.mode == "grads"
+
+    def staging_for(self, flat, bucket) -> Tensor:
+        """shard="grads": the fp32 buffer (the bucket's whole range, zeros where no gradient
+        arrives) this backward's gradients of ``bucket`` are folded into before its
+        reduce-scatter. Freed once the reduce-scatter is done."""
+        staged = self._staged.get(id(bucket))
+        if staged is None:
+            staged = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=flat.device)
+            self._staged[id(bucket)] = staged
+        return staged
+
+    def bucket_staged(self, flat_groups, bucket) -> None:
+        """``bucket`` received all of this backward's gradients: reduce-scatter it and any
+        complete ones after it, in the fixed order (as ``bucket_ready``)."""
+        self._ready.add(id(bucket))
+        self._scatter(flat_groups, only_ready=True)
+
+    def scatter_backward(self, flat_groups) -> None:
+        """End of a backward: reduce-scatter every bucket not yet launched (zeros where this rank
+        had no gradient: every rank issues one collective per bucket, in order), wait, and fold
+        this rank's parts into the sharded accumulators (sums over ranks; :meth:`finish`
+        averages at the window's end)."""
+        self._scatter(flat_groups, only_ready=False)
+        pending, self._pending = self._pending, []
+        for work, part, flat, bucket in pending:
+            work.wait()
+            target = flat.acc[bucket.local_start : bucket.local_start + part.numel()]
+            if id(bucket) in self._holds:
+                target.add_(part)
+            else:
+                target.copy_(part)  # the window's first: overwrite what the last window left
+                self._holds.add(id(bucket))
+        self._ready, self._launched = set(), set()
+
+    def new_window(self) -> None:
+        """The window ended (stepped or discarded): the next reduce-scatter overwrites."""
+        self._holds = set()
+
+    def _scatter(self, flat_groups, only_ready: bool) -> None:
+        for flat in flat_groups:
+            if not flat.shards_grads:
+                continue
+            for bucket in flat.buckets:
+                if id(bucket) in self._launched:
+                    continue
+                if only_ready and id(bucket) not in self._ready:
+                    return  # keep the fixed order
+                staged = self._staged.pop(id(bucket), None)
+                if staged is None:
+                    staged = torch.zeros(bucket.end - bucket.start, dtype=self.reduce_dtype, device=flat.device)
+                elif staged.dtype != self.reduce_dtype:
+                    staged = staged.to(self.reduce_dtype)
+                part = torch.empty(staged.numel() // self.world, dtype=staged.dtype, device=staged.device)
+                work = _reduce_scatter(part, staged, group=self.group, async_op=True)
+                self._pending.append((work, part, flat, bucket))
+                self._launched.add(id(bucket))
 
     def average_(self, value: Tensor) -> Tensor:
         """``value`` (a 0-d device tensor) replaced by its mean over the group, in place."""
@@ -82,12 +198,15 @@ class WindowReducer:
     def reset(self) -> None:
         """Forget a window discarded mid-reduction (its collectives still complete first)."""
         works, self._works = self._works, []
-        for work in works:
+        for work in works + [entry[0] for entry in self._pending]:
             work.wait()
+        self._pending, self._staged, self._holds = [], {}, set()
         self._ready, self._launched = set(), set()
 
     def _launch(self, flat_groups, only_ready: bool) -> None:
         for flat in flat_groups:
+            if flat.shards_grads:
+                continue  # reduce-scattered every backward (scatter_backward)
             for bucket in flat.buckets:
                 if id(bucket) in self._launched:
                     continue
@@ -99,5 +218,10 @@ class WindowReducer:
                         slot.acc.zero_()
                 segment = flat.acc[bucket.start : bucket.end]
                 op = self._avg_op if self._avg_op is not None else dist.ReduceOp.SUM
-                self._works.append(dist.all_reduce(segment, op=op, group=self.group, async_op=True))
+                if flat.sharding is not None:  # in place: this rank's part receives the result
+                    part = flat.acc[bucket.shard_start : bucket.shard_end]
+                    work = _reduce_scatter(part, segment, op=op, group=self.group, async_op=True)
+                else:
+                    work = dist.all_reduce(segment, op=op, group=self.group, async_op=True)
+                self._works.append(work)
                 self._launched.add(id(bucket))

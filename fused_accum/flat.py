@@ -6,6 +6,15 @@ as ``exp_avg``) and a per-parameter step count. Each parameter owns a :class:`Sl
 slice of every buffer. Buckets are runs of consecutive slots, so each is one contiguous range of
 the buffer: the unit one accumulate call folds and one collective reduces.
 
+Sharded modes (``shard="state"`` / ``"grads"``, see :class:`Sharding`): every bucket's range is
+padded to a multiple of ``ALIGN * world`` and split into ``world`` equal contiguous parts; this
+rank owns one part of each bucket (one ``reduce_scatter``/``all_gather`` per bucket, the bucket
+being the collective's unit). The master and optimizer-state buffers then hold only the owned
+parts, concatenated in buffer order (``local_numel = total / world`` elements), and each slot's
+``piece`` says which elements of its parameter fall in them (a parameter split across ranks
+gets a partial piece, one that lies elsewhere gets none). ``shard="grads"`` shards the
+accumulator the same way. Without sharding the layout is exactly the unsharded one.
+
 This layer knows nothing of hooks, windows or algorithms. It holds no reference cycles (slots
 name their flat group and bucket by index), so an optimizer's buffers are freed the moment the
 optimizer is, without waiting for the cyclic garbage collector.
@@ -33,6 +42,31 @@ def padded_offsets(numels) -> tuple[list[int], int]:
     return offsets, total
 
 
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """This rank's part of a sharded flat group: ``mode`` is ``"state"`` (full accumulator,
+    sharded master and state: ZeRO-1) or ``"grads"`` (accumulator sharded too: ZeRO-2)."""
+
+    rank: int
+    world: int
+    mode: str
+
+
+def bucket_members(numels, bucket_numel) -> list:
+    """Slot indices of each bucket, buckets in reverse registration order (the order backward
+    usually produces gradients), each bucket's indices increasing."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += numels[i]
+        if size >= bucket_numel:
+            buckets.append(current[::-1])
+            current, size = [], 0
+    if current:
+        buckets.append(current[::-1])
+    return buckets
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
     """One parameter's place in its flat group, and its state in the current window."""
@@ -53,6 +87,12 @@ class Slot:
     in_stats: bool = False  # its final value is already in the window's norm / non-finite flag
     folded_in: int = -1  # the micro-batch in which it was last folded (to spot a second piece)
     stepped: bool = False  # step_in_backward already applied its update this window
+    # --- sharded modes ---
+    # (first, end, local offset): elements [first, end) of the flattened parameter are this
+    # rank's, at [local, local + end - first) of the local (master/state) buffers; None: none are
+    piece: Optional[tuple] = None
+    full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param (shard="state")
+    placeholder: Optional[Tensor] = None  # sharded: the ShardedGrad shown as .grad when no full gradient exists
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,6 +102,9 @@ class Bucket:
     slots: list  # consecutive slots, in flat-buffer order
     start: int = 0  # the bucket's slots cover flat buffer elements [start, end), padding included
     end: int = 0
+    shard_start: int = 0  # sharded: this rank owns [shard_start, shard_end) of the bucket
+    shard_end: int = 0
+    local_start: int = 0  # ... stored at [local_start, local_start + shard_end - shard_start) locally
     offsets: Optional[Tensor] = None  # int64 on the CPU: each slot's offset, for accumulate
     # slot key -> its gradient so far in this backward (a parameter used both inside a
     # reentrant checkpoint and outside it receives two gradients in one backward: summed here)
@@ -75,33 +118,90 @@ class FlatGroup:
     """The flat fp32 buffers of the parameters of one param group, one device and one dtype."""
 
     def __init__(self, index, group_index, params, names, first_key, dtype, device, state_keys,
-                 master_weights, backend, bucket_numel):  # fmt: skip
+                 master_weights, backend, bucket_numel, sharding: Optional[Sharding] = None):  # fmt: skip
         self.index, self.group_index = index, group_index
         self.dtype, self.device, self.backend = dtype, device, backend
+        self.sharding = sharding
         self.has_master = dtype in LOW_PRECISION and master_weights
-        offsets, total = padded_offsets(p.numel() for p in params)
+        numels = [p.numel() for p in params]
+        members = bucket_members(numels, bucket_numel)
+        world = sharding.world if sharding is not None else 1
+        # Offsets in registration order; each bucket's end padded to ALIGN * world (a no-op
+        # without sharding: slices are already padded to ALIGN).
+        offsets, total, ranges = [0] * len(params), 0, {}
+        for b in reversed(range(len(members))):
+            start = total
+            for i in members[b]:
+                offsets[i] = total
+                total += -(-numels[i] // ALIGN) * ALIGN
+            total = -(-total // (ALIGN * world)) * ALIGN * world
+            ranges[b] = (start, total)
+        self.total = total
+        self.local_numel = total // world
         fp32 = dict(dtype=torch.float32, device=device)
-        self.acc = torch.zeros(total, **fp32)
-        self.master = torch.zeros(total, **fp32) if self.has_master else None
-        self.state = {key: torch.zeros(total, **fp32) for key in state_keys}
+        local = self.local_numel
+        self.acc = torch.zeros(local if self.shards_grads else total, **fp32)
+        self.master = torch.zeros(local, **fp32) if self.has_master else None
+        self.state = {key: torch.zeros(local, **fp32) for key in state_keys}
         self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
         self.lr = torch.zeros((), **fp32)
         self.coef = torch.ones((), **fp32)
         self.one = torch.ones((), **fp32)
+        self.staging: Optional[Tensor] = None  # sharded: the params' all-gather buffer during a step
         self._index_cache: dict = {}  # active slot indices -> device index tensor (see active_index)
-        self.slots = []
-        for i, (p, name, off) in enumerate(zip(params, names, offsets)):
-            self.slots.append(Slot(p, name, first_key + i, index, i, off, *self._views(p, off)))
-            if self.has_master:
-                self.slots[-1].master.copy_(p.detach().reshape(-1))
-        self.buckets = self._make_buckets(offsets, total, bucket_numel)
+        self.slots = [Slot(p, name, first_key + i, index, i, off, None, None, None, {})
+                      for i, (p, name, off) in enumerate(zip(params, names, offsets))]  # fmt: skip
+        self.buckets = []
+        for b, indices in enumerate(members):
+            bucket = Bucket([self.slots[i] for i in indices], *ranges[b])
+            bucket.offsets = torch.tensor([offsets[i] for i in indices], dtype=torch.int64)
+            for slot in bucket.slots:
+                slot.bucket_index = b
+            self.buckets.append(bucket)
+        local_start = 0
+        for bucket in reversed(self.buckets):  # buffer order
+            part = (bucket.end - bucket.start) // world
+            rank = sharding.rank if sharding is not None else 0
+            bucket.shard_start = bucket.start + rank * part
+            bucket.shard_end = bucket.shard_start + part
+            bucket.local_start = local_start
+            local_start += part
+        for slot in self.slots:
+            self._set_views(slot)
+            if slot.master is not None:
+                slot.master.copy_(self.param_piece(slot))
 
-    def _views(self, p, off) -> tuple:
-        """(acc, grad_view, master, state) of the parameter ``p`` whose slice starts at ``off``."""
-        window = slice(off, off + p.numel())
-        acc = self.acc[window]
-        master = self.master[window] if self.has_master else None
-        return acc, acc.view(p.shape), master, {key: buf[window] for key, buf in self.state.items()}
+    @property
+    def shards_grads(self) -> bool:
+        return self.sharding is not None and self.sharding.mode == "grads"
+
+    def _set_views(self, slot: Slot) -> None:
+        """Point ``slot``'s acc / grad_view / master / state at the buffers."""
+        p, off = slot.param, slot.offset
+        if self.sharding is None:
+            window = slice(off, off + p.numel())
+            slot.acc = self.acc[window]
+            slot.grad_view = slot.acc.view(p.shape)
+            slot.master = self.master[window] if self.has_master else None
+            slot.state = {key: buf[window] for key, buf in self.state.items()}
+            return
+        bucket = self.buckets[slot.bucket_index]
+        first = max(off, bucket.shard_start)
+        end = min(off + p.numel(), bucket.shard_end)
+        if first < end:
+            local = bucket.local_start + first - bucket.shard_start
+            slot.piece = (first - off, end - off, local)
+            part = slice(local, local + end - first)
+        else:
+            slot.piece = None
+            part = slice(0, 0)
+        if self.shards_grads:  # no full accumulator: the piece of the sharded one
+            slot.acc = slot.grad_view = slot.full_view = None
+        else:
+            slot.acc = self.acc[off : off + p.numel()]
+            slot.grad_view = slot.full_view = slot.acc.view(p.shape)
+        slot.master = self.master[part] if self.has_master else None
+        slot.state = {key: buf[part] for key, buf in self.state.items()}
 
     def rehome(self, device, backend) -> None:
         """The parameters moved (``model.to(device)``, or ``to_empty`` after building on the
@@ -118,31 +218,10 @@ class FlatGroup:
             self.master = torch.zeros_like(self.master, device=device)
         self._index_cache = {}
         for slot in self.slots:
-            slot.acc, slot.grad_view, slot.master, slot.state = self._views(slot.param, slot.offset)
+            self._set_views(slot)
             if slot.master is not None:
-                slot.master.copy_(slot.param.detach().reshape(-1))
+                slot.master.copy_(self.param_piece(slot))
             slot.has_grad = slot.in_stats = False
-
-    def _make_buckets(self, offsets, total, bucket_numel) -> list:
-        # Buckets follow reverse registration order, the order backward usually produces grads.
-        buckets, current, size = [], [], 0
-        for slot in reversed(self.slots):
-            current.append(slot)
-            size += slot.param.numel()
-            if size >= bucket_numel:
-                buckets.append(Bucket(current))
-                current, size = [], 0
-        if current:
-            buckets.append(Bucket(current))
-        ends = offsets[1:] + [total]  # a slice's padded end is where the next one starts
-        for b, bucket in enumerate(buckets):  # consecutive slots: one contiguous range of the buffer
-            bucket.slots.reverse()
-            bucket.start = bucket.slots[0].offset
-            bucket.end = ends[bucket.slots[-1].index]
-            bucket.offsets = torch.tensor([s.offset for s in bucket.slots], dtype=torch.int64)
-            for slot in bucket.slots:
-                slot.bucket_index = b
-        return buckets
 
     def step_targets(self, slot: Slot):
         """(tensor the step updates, low-precision tensor to write or None) for ``slot``."""
@@ -153,14 +232,85 @@ class FlatGroup:
             return slot.master, param
         return param, None
 
+    def step_lists(self, active: list) -> tuple:
+        """(slots, accs, params, lp_params) the step op takes for ``active`` slots: without
+        sharding, every active slot whole; sharded, the active slots holding a piece here, with
+        1-D views of that piece: the reduced gradient, and as targets the fp32 master piece
+        (lp target: the piece of :attr:`staging`) or, without a master, the staging piece
+        itself. Sharded steps run between :meth:`begin_step` and :meth:`finish_step`."""
+        if self.sharding is None:
+            targets = [self.step_targets(s) for s in active]
+            return active, [s.acc for s in active], [t for t, _ in targets], [lp for _, lp in targets if lp is not None]
+        held = [s for s in active if s.piece is not None]
+        accs, params, lps = [], [], []
+        for slot in held:
+            first, end, local = slot.piece
+            acc = self.acc if self.shards_grads else slot.acc
+            accs.append(acc[local : local + end - first] if self.shards_grads else acc[first:end])
+            staged = self.staging[slot.offset + first : slot.offset + end]
+            if self.has_master:
+                params.append(slot.master)
+                lps.append(staged)
+            else:
+                params.append(staged)
+        return held, accs, params, lps
+
+    def begin_step(self) -> None:
+        """Sharded: stage this rank's pieces of the parameters (param dtype) for the step to
+        update in place and the all-gather to spread (a skipped step leaves them as they were).
+        Padding is left uninitialised: it is gathered but never copied into a parameter."""
+        if self.sharding is None:
+            return
+        self.staging = torch.empty(self.total, dtype=self.dtype, device=self.device)
+        held = [s for s in self.slots if s.piece is not None]
+        if held:
+            torch._foreach_copy_(
+                [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held],
+                [s.param.detach().reshape(-1)[s.piece[0] : s.piece[1]] for s in held],
+            )  # fmt: skip
+
+    def gather_ranges(self) -> list:
+        """Sharded: (whole bucket, this rank's part) views of :attr:`staging`, one per bucket,
+        in the fixed bucket order: the all-gathers that spread the updated parameters."""
+        return [(self.staging[b.start : b.end], self.staging[b.shard_start : b.shard_end]) for b in self.buckets]
+
+    def finish_step(self) -> None:
+        """Sharded, after the all-gathers: copy the gathered parameters into the params."""
+        if self.staging is None:
+            return
+        staging, self.staging = self.staging, None
+        torch._foreach_copy_(
+            [s.param.detach() for s in self.slots],
+            [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in self.slots],
+        )  # fmt: skip
+
+    def shard_grads(self) -> list:
+        """Sharded: 1-D views of the reduced gradient this rank owns (one per bucket), what
+        its share of the window's norm and non-finite flag is computed from."""
+        if self.shards_grads:
+            return [self.acc]
+        return [self.acc[b.shard_start : b.shard_end] for b in self.buckets]
+
+    def param_piece(self, slot: Slot) -> Tensor:
+        """The elements of ``slot``'s parameter (flattened, detached) whose master and state
+        this rank holds: all of them without sharding."""
+        flat = slot.param.detach().reshape(-1)
+        if self.sharding is None:
+            return flat
+        return flat[slot.piece[0] : slot.piece[1]] if slot.piece is not None else flat[:0]
+
+    def state_view(self, slot: Slot, buf: Tensor) -> Tensor:
+        """``buf`` (a slot's master or state view) as ``opt.state`` shows it: shaped like the
+        parameter, or sharded, the 1-D piece this rank holds (possibly empty)."""
+        return buf if self.sharding is not None else buf.view(slot.param.shape)
+
     def ensure_state(self, key: str) -> None:
         """Allocate an optimizer state buffer first needed after construction (momentum turned
         on, amsgrad enabled by editing a param group)."""
         if key not in self.state:
-            buf = torch.zeros_like(self.acc)
-            self.state[key] = buf
+            self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
             for slot in self.slots:
-                slot.state[key] = buf[slot.offset : slot.offset + slot.param.numel()]
+                self._set_views(slot)
 
     def active_index(self, indices: tuple) -> Tensor:
         """A device tensor of slot ``indices`` (a partial active set), made once per distinct

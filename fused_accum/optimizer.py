@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .distributed import WindowReducer
+from .distributed import SHARD_MODES, WindowReducer
 from .flat import LOW_PRECISION, SUPPORTED_DTYPES, FlatGroup, Slot, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
 from .window import GradientWindow
 
@@ -148,6 +148,42 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             wrapping the model in DistributedDataParallel: the fp32 accumulators are averaged
             across it at the end of the window (see :meth:`no_sync`), buckets finished during
             that backward while it still runs.
+        shard: with ``process_group``, shard the fp32 buffers across it (each rank owns one
+            contiguous 1/N part of every bucket of every flat buffer, padded to the same length
+            on every rank; buffers are bytes of fp32 per parameter, N ranks, AdamW):
+
+            - ``None`` (default): replicated. acc 4 + master 4 + state 8 = 16 B (no master for
+              fp32 params: 12 B); one all-reduce of the accumulator per window.
+            - ``"state"`` (ZeRO-1, window-level): the full accumulator per rank, the master and
+              optimizer state only for the local part: 4 + 12/N B (fp32 params: 4 + 8/N). At
+              the window's end one reduce-scatter per bucket (the buckets of the last backward
+              launched while it runs), the fused step on the local part, one all-gather per
+              bucket of the updated parameters in their own dtype (a transient buffer of the
+              params' size). Wire bytes per window: (4 + param bytes) x (N-1)/N per param,
+              against the all-reduce's 8 x (N-1)/N. The window is reduced once: every backward
+              but the last must run under ``no_sync()`` unless ``accum_steps`` says which is
+              last (with ``accum_steps=None`` and no ``no_sync()``, one backward per step).
+            - ``"grads"`` (ZeRO-2): the accumulator is sharded too, 16/N B (fp32 params 12/N):
+              every backward reduce-scatters each bucket (in ``reduce_dtype``) and this rank
+              folds its part into the 1/N fp32 accumulator. ``no_sync()`` has no effect.
+
+            ``max_grad_norm`` and ``skip_nonfinite`` are global (each rank's part of the sum of
+            squares, one all-reduce, no host sync); ``num_items`` is averaged as when
+            replicated. ``.grad``: the group's gradient exists only as shards, so once the
+            window is reduced (``"state"``: after its last backward; ``"grads"``: after every
+            backward) ``.grad`` is a ``fused_accum.window.ShardedGrad`` placeholder whose every
+            use, ``clip_grad_norm_`` included, raises an error pointing to ``max_grad_norm``;
+            before that (``"state"``) it is the local running sum, and after ``step()`` None:
+            the window ends with the step. A GradScaler needs ``.grad`` and cannot be used:
+            use ``skip_nonfinite`` (bf16 needs no scaler). ``opt.state[p]`` and
+            ``state_dict()`` hold this rank's 1-D piece of each parameter's state (possibly
+            empty) with torch's key names; ``load_state_dict`` takes a state dict saved by the
+            same rank of the same layout (same world size, params and ``bucket_cap_mb``).
+            Needs a fused algorithm.
+        reduce_dtype: ``shard="grads"``: the dtype of the per-backward reduce-scatter
+            (``torch.float32`` by default: exact sums; ``torch.bfloat16`` halves the traffic
+            and rounds each micro-batch's gradient, and the partial sums of the collective,
+            to bf16 before the fp32 accumulation).
 
     ``step()`` does not clear ``.grad``, as torch's optimizers do not: call ``zero_grad()``
     to start the next window (every trainer does).
@@ -170,6 +206,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = False,
         process_group=None,
+        shard: Optional[str] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
         **hyperparameters: Any,
     ):
         if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -186,6 +224,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if step_in_backward and process_group is not None:
             raise ValueError("step_in_backward=True steps before the window is reduced across "
                              "process_group: they cannot be combined")
+        if shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
+        if shard is not None and process_group is None:
+            raise ValueError(f"shard={shard!r} needs a process_group to shard across")
+        if shard is not None and not isinstance(optimizer, str):
+            raise ValueError("shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
+                             "class steps whole parameters")  # fmt: skip
+        if reduce_dtype is not None and shard != "grads":
+            raise ValueError("reduce_dtype= applies to shard='grads' only (the window-level "
+                             "reductions are fp32)")  # fmt: skip
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
         if step_in_backward and not isinstance(optimizer, str):
@@ -195,7 +243,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
             backend=backend, bucket_cap_mb=bucket_cap_mb, step_in_backward=step_in_backward,
             max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, process_group=process_group,
-            hyperparameters=dict(hyperparameters),
+            shard=shard, reduce_dtype=reduce_dtype, hyperparameters=dict(hyperparameters),
         )  # fmt: skip
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
@@ -205,7 +253,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._backend_request = backend
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
-        reducer = WindowReducer(process_group) if process_group is not None else None
+        reducer = WindowReducer(process_group, shard, reduce_dtype) if process_group is not None else None
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
             wants_stats=max_grad_norm is not None or skip_nonfinite, reducer=reducer,
@@ -287,6 +335,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 len(window.flat_groups), group_index, [p for p, _ in pairs], [l for _, l in pairs],
                 len(window.slots), dtype, device, self._state_keys(group), self._master_weights,
                 resolved[(device, dtype)], self._bucket_numel,
+                window.reducer.sharding if window.reducer is not None else None,
             )  # fmt: skip
             window.add(flat)
             new_slots.extend(flat.slots)
@@ -373,8 +422,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
         window = self._window
-        if set_to_none:
-            window.discard()
+        if set_to_none or window.reducer is not None and window.reducer.sharding is not None:
+            window.discard()  # (sharded: no full gradient to zero and show)
         else:
             window.flush()
             window.reconcile()
@@ -427,9 +476,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if self._inner is not None:
             self._generic_step(scale, skip)
         else:
+            sharded = window.reducer is not None and window.reducer.sharding is not None
             for flat in window.flat_groups:
                 active = [s for s in flat.slots if s.has_grad]
+                if sharded and active:
+                    flat.begin_step()  # stage this rank's pieces of the params
                 self._fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)
+            if sharded:
+                window.reducer.gather_params(window.flat_groups)  # the updated params, to every rank
         window.after_step()
         window.expose()
         return loss
@@ -537,10 +591,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             for slot in active:
                 if not self.state.get(slot.param):
                     self.state[slot.param] = self._state_views(slot, group)
-        targets = [flat.step_targets(s) for s in active]
-        params = [t for t, _ in targets]
-        lp_params = [lp for _, lp in targets if lp is not None]
-        accs = [s.acc for s in active]
+        held, accs, params, lp_params = flat.step_lists(active)  # sharded: this rank's pieces
+        if held is not active:
+            if not held:
+                return
+            index = flat.active_index(tuple(s.index for s in held))
+            steps = flat.steps.index_select(0, index)
+            active = held
         common = (steps, flat.lr, flat.coef)
         tail = (lp_params, list(grads), 1.0, grads_overwrite, found_inf, flat.backend)
         if self._algorithm == "sgd":
@@ -563,12 +620,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def _state_views(self, slot: Slot, group) -> dict:
         """``opt.state[p]``: torch's state names, as fp32 views of the flat buffers (in-place
         edits go through)."""
-        shape = slot.param.shape
         views = {}
         if ALGORITHMS[self._algorithm].has_step:
             views["step"] = self._window.flat_groups[slot.flat_index].steps[slot.index]
         for key in self._state_keys(group):
-            views[key] = slot.state[key].view(shape)
+            views[key] = self._window.flat_groups[slot.flat_index].state_view(slot, slot.state[key])
         return views
 
     def _generic_step(self, scale, skip) -> None:
@@ -639,8 +695,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 continue
             entry = state.setdefault(index_of[id(p)], {})
             if slot.master is not None:
-                entry["master"] = slot.master.view(p.shape).clone()
-            if slot.has_grad:
+                entry["master"] = window.flat_groups[slot.flat_index].state_view(slot, slot.master).clone()
+            if slot.has_grad and slot.grad_view is not slot.placeholder:  # (sharded: the local sum)
                 entry["accum"] = slot.grad_view.clone()
         state_dict = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -690,12 +746,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _load_param_state(self, slot: Slot, entry: dict) -> None:
         p = slot.param
+        flat = self._window.flat_groups[slot.flat_index]
 
         def fp32(value):
-            return value.detach().to(device=slot.acc.device, dtype=torch.float32).reshape(-1)
+            return value.detach().to(device=flat.device, dtype=torch.float32).reshape(-1)
 
         if slot.master is not None:
-            slot.master.copy_(fp32(entry["master"]) if "master" in entry else p.detach().reshape(-1))
+            slot.master.copy_(fp32(entry["master"]) if "master" in entry else flat.param_piece(slot))
         if "accum" in entry:
             slot.acc.copy_(fp32(entry["accum"]))
             slot.has_grad = True
@@ -710,7 +767,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             return
         if not state:
             return
-        flat = self._window.flat_groups[slot.flat_index]
         group = self.param_groups[flat.group_index]
         for key in self._state_keys(group):
             flat.ensure_state(key)

@@ -22,6 +22,13 @@ its accumulated gradient, and in-place edits (clipping, unscaling) edit the buff
 the norm and non-finite flag come out of its accumulate pass, ``step_in_backward`` steps buckets
 as they complete, and data-parallel buckets are reduced while the backward still runs.
 
+Sharded modes (``shard=``): with ``"state"`` the accumulator is whole, so ``.grad`` shows the
+local fp32 running sum until the window's reduction; the reduction leaves the group's gradient
+only in this rank's part of each bucket, so from then until the step ``.grad`` is a
+:class:`ShardedGrad` placeholder whose every use (``clip_grad_norm_``, ``.sum()``, printing)
+raises an error pointing to ``max_grad_norm``; after the step ``.grad`` is None. With
+``"grads"`` there is never a full gradient: ``.grad`` is the placeholder after every backward.
+
 The window holds its optimizer weakly and the hooks hold the window weakly, so deleting the
 optimizer frees everything at once; a finaliser then removes the hooks.
 """
@@ -54,6 +61,34 @@ def owner(param: Tensor) -> Optional["GradientWindow"]:
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
+
+
+class ShardedGrad(Tensor):
+    """What ``.grad`` shows in a sharded mode when no full gradient exists: a tensor of the
+    parameter's shape, fp32, without storage, whose every operation raises a clear error.
+    (``None`` would make ``clip_grad_norm_`` silently clip nothing.)"""
+
+    @staticmethod
+    def __new__(cls, param: Tensor, mode: str):
+        grad = Tensor._make_wrapper_subclass(cls, param.shape, dtype=torch.float32, device=param.device)
+        grad._mode = mode
+        return grad
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        mode = next(a._mode for a in args if isinstance(a, ShardedGrad)) if args else "state"
+        raise RuntimeError(
+            f"fused_accum (shard={mode!r}): this .grad holds no gradient: the window's gradient is "
+            "reduce-scattered, each rank holding only its shard, so it cannot be read, clipped or "
+            f"unscaled ({func}). Pass max_grad_norm= (and skip_nonfinite=) to the optimizer instead "
+            "of calling clip_grad_norm_ (the global norm is then in opt.last_grad_norm); "
+            "use shard=None to read .grad."
+        )  # fmt: skip
+
+    def __repr__(self):
+        return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
 
 
 class WgradTarget(NamedTuple):
@@ -127,6 +162,7 @@ class GradientWindow:
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
         self._pieces_seen = False  # some slot received two gradients in one micro-batch
+        self._reduced = False  # shard="state": this window was reduce-scattered (no full .grad)
         # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
         # the step takes it as a user-assigned gradient (see _check_native).
         self.native: Optional[bool] = None
@@ -135,6 +171,11 @@ class GradientWindow:
     # --- membership ------------------------------------------------------------------------
 
     def add(self, flat: FlatGroup) -> None:
+        if flat.sharding is not None:
+            for slot in flat.slots:
+                slot.placeholder = ShardedGrad(slot.param, flat.sharding.mode)
+                if flat.shards_grads:
+                    slot.grad_view = slot.placeholder  # there is never a full gradient
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
@@ -199,6 +240,8 @@ class GradientWindow:
     def _before_accumulate(self, key: int) -> None:
         if self.native is not False and self._check_native():
             return
+        if self._reduced:
+            self._reduced_error()
         if self._exposed:
             self.reconcile(before_backward=True)
         slot = self.slots[key]
@@ -233,6 +276,10 @@ class GradientWindow:
         if slot is None or slot.param is not param or self.step_in_backward or self.detached_because:
             return None  # (step_in_backward steps a bucket from its gradients as tensors)
         flat = self.flat_groups[slot.flat_index]
+        if flat.shards_grads:
+            return None  # no full accumulator slice to write into
+        if self._reduced:
+            self._reduced_error()
         bucket = flat.buckets[slot.bucket_index]
         with self._lock:
             self._queue_end_of_backward(arrived=True)
@@ -247,7 +294,13 @@ class GradientWindow:
                 if _complete(bucket):
                     self._fold(flat, bucket, complete=True)
 
-        return WgradTarget(slot.grad_view, overwrite, flat.backend, done)
+        return WgradTarget(slot.full_view if flat.sharding else slot.grad_view, overwrite, flat.backend, done)
+
+    def _reduced_error(self):
+        raise RuntimeError(f"{self._label}: shard='state' reduces once per window and this window was "
+                           "already reduce-scattered; call step() (and zero_grad()) before the next "
+                           "backward, or run all but the window's last backward under opt.no_sync() "
+                           "or with accum_steps set")  # fmt: skip
 
     def _queue_end_of_backward(self, arrived: bool) -> None:
         """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather
@@ -269,8 +322,8 @@ class GradientWindow:
 
     def _syncs(self) -> bool:
         """The backward now running ends with a data-parallel reduction."""
-        if self.reducer is None or self._no_sync:
-            return False
+        if self.reducer is None or self._no_sync or self.reducer.shards_grads:
+            return False  # (shard="grads" reduce-scatters every backward; the step averages)
         return self.accum_steps is None or self._no_sync_used or self.microbatches >= self.accum_steps - 1
 
     def _mark_folded(self, slot: Slot, stats: bool) -> None:
@@ -315,6 +368,13 @@ class GradientWindow:
                 fused_step = self._fused_step()
                 fused_step(flat, slots, flat.coef.fill_(1.0), None, grads, overwrite)
                 continue
+            if flat.shards_grads:  # into the bucket's staging buffer, reduce-scattered after
+                staged = self.reducer.staging_for(flat, bucket)
+                relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
+                ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend)
+                for slot in slots:
+                    self._mark_folded(slot, False)
+                continue
             fresh = [s.folded_in != self.microbatches for s in slots]
             stats = local_stats and all(fresh)
             found_inf, sumsq = self.stats_tensors(flat.device) if stats else (None, None)
@@ -332,7 +392,9 @@ class GradientWindow:
                 slot.folded_in = self.microbatches
         if complete:
             bucket.in_place.clear()
-            if self._syncs():
+            if flat.shards_grads:
+                self.reducer.bucket_staged(self.flat_groups, bucket)
+            elif self._syncs():
                 self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
 
     def flush(self) -> None:
@@ -356,6 +418,9 @@ class GradientWindow:
                 # queue there once that node is done.
                 enclosing.register_hook(lambda *_: self._queue_end_of_backward(arrived))
                 return
+            if arrived and self.reducer is not None and self.reducer.shards_grads:
+                # shard="grads": every bucket is reduce-scattered once per backward, in order
+                self.reducer.scatter_backward(self.flat_groups)
             if arrived:
                 self._count_microbatch()
             self.expose()
@@ -379,9 +444,16 @@ class GradientWindow:
         """Complete the data-parallel reduction of what was added since the last one (if
         anything): afterwards every slot holds the group's gradient."""
         if self.reducer is not None and self._unreduced:
+            if self._reduced:
+                self._reduced_error()
             self.reducer.finish(self.flat_groups)
             self._unreduced = False
             self.invalidate_stats()  # any local norm described local values
+            if self.reducer.sharding is not None and not self.reducer.shards_grads:
+                self._reduced = True  # only this rank's parts hold the group's gradient now
+                for flat in self.flat_groups:
+                    for slot in flat.slots:
+                        slot.grad_view = slot.placeholder
 
     def expose(self) -> None:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
@@ -437,6 +509,9 @@ class GradientWindow:
             self._exposed = not before_backward
 
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
+        if slot.acc is None or self._reduced:
+            raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
+                               "sharded optimizer once its window is reduce-scattered (shard='grads': ever)")  # fmt: skip
         if grad.is_sparse:
             raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
         slot.acc.copy_(grad.reshape(-1))
@@ -463,6 +538,8 @@ class GradientWindow:
     def complete_stats(self) -> dict:
         """device -> (found_inf, sumsq) over every gradient of the window: what the last
         accumulate pass did not see is added here, one ``_foreach_norm`` per flat group."""
+        if self.reducer is not None and self.reducer.sharding is not None:
+            return self._sharded_stats()
         for flat in self.flat_groups:
             missing = [s.acc for s in flat.slots if s.has_grad and not s.in_stats]
             if missing:
@@ -472,6 +549,26 @@ class GradientWindow:
                 for slot in flat.slots:
                     slot.in_stats = slot.in_stats or slot.has_grad
         return {flat.device: self.stats_tensors(flat.device) for flat in self.flat_groups}
+
+    def _sharded_stats(self) -> dict:
+        """Sharded: the sum of squares of this rank's reduced parts, summed over the group with
+        one all-reduce (the non-finite flag follows from a non-finite sum)."""
+        stats = {}
+        for flat in self.flat_groups:
+            found_inf, sumsq = self.stats_tensors(flat.device)
+            if flat.device not in stats:
+                found_inf.zero_()
+                sumsq.zero_()
+                stats[flat.device] = (found_inf, sumsq)
+            parts = [part for part in flat.shard_grads() if part.numel()]
+            if parts:
+                sumsq.add_(torch.stack(torch._foreach_norm(parts)).square().sum())
+        for found_inf, sumsq in stats.values():
+            both = torch.stack([found_inf, sumsq])
+            self.reducer.sum_(both)
+            found_inf.copy_(both[0])
+            sumsq.copy_(both[1])
+        return stats
 
     # --- the window's end ---------------------------------------------------------------------
 
@@ -488,6 +585,21 @@ class GradientWindow:
             slot.stepped = False
             slot.folded_in = -1
         self.invalidate_stats()
+        if self.reducer is not None and self.reducer.sharding is not None:
+            self._end_sharded_window()
+
+    def _end_sharded_window(self) -> None:
+        """Sharded: no full gradient survives the step, so the window ends with it (a backward
+        before ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
+        self._reduced = False
+        self.reducer.new_window()
+        for flat in self.flat_groups:
+            for slot in flat.slots:
+                slot.has_grad = False
+                if slot.param.grad is slot.placeholder:
+                    slot.param.grad = None
+                if not flat.shards_grads:
+                    slot.grad_view = slot.full_view
 
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.

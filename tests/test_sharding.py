@@ -1,0 +1,284 @@
+"""Sharded optimizer state (shard="state", ZeRO-1) and sharded accumulation (shard="grads",
+ZeRO-2): two gloo processes equal one process on the concatenated batch.
+
+One spawn runs every scenario (spawning costs seconds each): each rank trains its own copy of
+the model on its own data and saves its parameters, the last window norm, what ``.grad`` did
+and the bytes of fp32 its flat buffers hold; the parent computes the single-process reference
+with torch.optim and compares. The model's tensor sizes do not divide by the world size, one
+parameter only gets gradients on rank 0, one is split across the ranks' shards, and with tiny
+buckets some slots hold no piece on rank 1 (only padding falls there).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fused_accum
+from fused_accum.window import ShardedGrad
+
+WORLD, K, WINDOWS, CLIP = 2, 3, 3, 0.5
+# Relative error of the parameters, as a whole (||got - want|| / ||want||): the collectives sum
+# the ranks' fp32 accumulators in another order than the reference's single backward.
+REL = 1e-6
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        # 481 elements: split between the ranks' shards; none of the sizes divides by 2 x 64
+        self.body = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 3))
+        self.rank0_only = nn.Linear(13, 3)  # rank 1 never uses it
+
+    def forward(self, x, rank):
+        out = self.body(x)
+        return out + self.rank0_only(x) if rank == 0 else out
+
+
+def data(rank, window, micro):
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * window + micro)
+    n = 4 + 3 * rank  # uneven counts per rank
+    return torch.randn(n, 13, generator=gen), torch.randn(n, 3, generator=gen)
+
+
+def loss_of(model, rank, window, micro, reduction):
+    x, y = data(rank, window, micro)
+    dtype = model.rank0_only.weight.dtype
+    err = ((model(x.to(dtype), rank).float() - y) ** 2).sum(dim=1)
+    return err.mean() / K if reduction == "mean" else err.sum()
+
+
+def items(rank):
+    return sum(4 + 3 * rank for _ in range(K))
+
+
+# name: (shard, algorithm, mean loss + max_grad_norm / sum loss + num_items, bucket_cap_mb, how windows end)
+SCENARIOS = {
+    "state_adamw_clip": ("state", "adamw", "clip", 25.0, "accum_steps"),
+    "state_sgd_items": ("state", "sgd", "items", 1e-5, "no_sync"),
+    "state_adamw_items_small": ("state", "adamw", "items", 1e-5, "accum_steps"),
+    "grads_adamw_clip": ("grads", "adamw", "clip", 1e-5, "accum_steps"),
+    "grads_sgd_items": ("grads", "sgd", "items", 25.0, "none"),
+}
+
+
+def _optimizer(model, shard, algorithm, kind, cap, ends, **extra):
+    common = dict(process_group=dist.group.WORLD, shard=shard, bucket_cap_mb=cap,
+                  accum_steps=K if ends == "accum_steps" else None, **extra)  # fmt: skip
+    if kind == "clip":
+        common["max_grad_norm"] = CLIP
+    if algorithm == "adamw":
+        return fused_accum.AdamW(model.parameters(), lr=1e-2, **common)
+    return fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, **common)
+
+
+def _train(model, opt, rank, kind, ends, windows, log=None):
+    for window in windows:
+        for micro in range(K):
+            last = micro == K - 1
+            context = opt.no_sync() if ends == "no_sync" and not last else contextlib.nullcontext()
+            with context:
+                loss_of(model, rank, window, micro, "mean" if kind == "clip" else "sum").backward()
+            if log is not None and micro == 0:
+                log["grad_type_first"] = type(next(model.parameters()).grad).__name__
+        if log is not None:
+            grad = next(model.parameters()).grad
+            log["grad_type_last"] = type(grad).__name__
+            try:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            except RuntimeError as err:
+                log["clip_error"] = str(err)
+        opt.step(num_items=torch.tensor(float(items(rank))) if kind == "items" else None)
+        if log is not None:
+            log["grad_after_step"] = next(model.parameters()).grad is None
+        opt.zero_grad()
+
+
+def _memory(rank):
+    """fp32 bytes per parameter held by the flat buffers, for a bf16 model (masters kept)."""
+    out = {}
+    for shard in (None, "state", "grads"):
+        for algorithm in ("adamw", "sgd"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).to(torch.bfloat16)
+            kw = dict(process_group=dist.group.WORLD, shard=shard)
+            opt = (fused_accum.AdamW(model.parameters(), **kw) if algorithm == "adamw"
+                   else fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, **kw))  # fmt: skip
+            n = sum(p.numel() for p in model.parameters())
+            out[(shard, algorithm)] = sum(f.nbytes() for f in opt._window.flat_groups) / n
+    return out
+
+
+def _worker(rank, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=WORLD)
+    try:
+        results = {}
+        for name, (shard, algorithm, kind, cap, ends) in SCENARIOS.items():
+            model = Net()
+            opt = _optimizer(model, shard, algorithm, kind, cap, ends)
+            log = {}
+            _train(model, opt, rank, kind, ends, range(WINDOWS), log)
+            norm = opt.last_grad_norm.clone() if opt.last_grad_norm is not None else None
+            results[name] = dict(params=[p.detach().clone() for p in model.parameters()], norm=norm, log=log)
+        # a second reduction in one shard="state" window is refused
+        model = Net()
+        opt = _optimizer(model, "state", "adamw", "clip", 25.0, "none")
+        loss_of(model, rank, 0, 0, "mean").backward()
+        try:
+            loss_of(model, rank, 0, 1, "mean").backward()
+            results["twice"] = None
+        except RuntimeError as err:
+            results["twice"] = str(err)
+        # checkpoint: save this rank's state_dict after one window, load into a new optimizer
+        # over a copy of the model, train the rest: equal to the uninterrupted run
+        for shard in ("state", "grads"):
+            model = Net()
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
+            _train(model, opt, rank, "clip", "accum_steps", range(1))
+            saved = opt.state_dict()
+            copy = Net()
+            copy.load_state_dict(model.state_dict())
+            opt2 = _optimizer(copy, shard, "adamw", "clip", 1e-5, "accum_steps")
+            opt2.load_state_dict(saved)
+            _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
+            results[f"resume_{shard}"] = dict(
+                params=[p.detach().clone() for p in copy.parameters()],
+                state_keys=sorted(saved["state"][0]),
+                shapes=[tuple(v.shape) for k, v in sorted(saved["state"][0].items()) if k != "step"],
+            )  # fmt: skip
+        # bf16 parameters with fp32 masters: the sharded modes against the replicated one
+        for shard in (None, "state", "grads"):
+            model = Net().to(torch.bfloat16)
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
+            _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
+            results[f"bf16_{shard}"] = [p.detach().clone() for p in model.parameters()]
+        results["memory"] = _memory(rank)
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(algorithm, kind, windows=WINDOWS):
+    model = Net()
+    if algorithm == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norm = None
+    for window in range(windows):
+        reduction = "mean" if kind == "clip" else "sum"
+        total = sum(loss_of(model, r, window, m, reduction) for r in range(WORLD) for m in range(K))
+        n_items = sum(items(r) for r in range(WORLD))
+        (total / WORLD if kind == "clip" else total / n_items).backward()
+        if kind == "clip":
+            norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()], norm
+
+
+def _rel(got, want):
+    got = torch.cat([g.reshape(-1) for g in got]).double()
+    want = torch.cat([w.reshape(-1) for w in want]).double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sharding") / "run")
+    mp.spawn(_worker, args=(path,), nprocs=WORLD, join=True)
+    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_ranks_equal_one_process(ranks, name):
+    shard, algorithm, kind, cap, ends = SCENARIOS[name]
+    params, norm = _reference(algorithm, kind)
+    for rank in ranks:
+        got = rank[name]
+        assert _rel(got["params"], params) <= REL
+        if kind == "clip":
+            torch.testing.assert_close(got["norm"], norm, rtol=1e-6, atol=0)
+    for a, b in zip(ranks[0][name]["params"], ranks[1][name]["params"]):
+        assert torch.equal(a, b)  # every rank ends with the same parameters (all-gathered)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_grad_is_a_placeholder_once_reduced(ranks, name):
+    shard = SCENARIOS[name][0]
+    for rank in ranks:
+        log = rank[name]["log"]
+        # shard="state": the local running sum until the window's reduction; "grads": never full
+        assert log["grad_type_first"] == ("Tensor" if shard == "state" else "ShardedGrad")
+        assert log["grad_type_last"] == "ShardedGrad"
+        assert "max_grad_norm" in log["clip_error"]
+        assert log["grad_after_step"]  # the window ends with the step
+
+
+def test_second_reduction_in_a_window_is_refused(ranks):
+    for rank in ranks:
+        assert rank["twice"] is not None and "reduces once per window" in rank["twice"]
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_resume_from_per_rank_state_dict(ranks, shard):
+    uninterrupted = {"state": "state_adamw_clip", "grads": "grads_adamw_clip"}[shard]
+    params, _ = _reference("adamw", "clip")
+    for rank in ranks:
+        got = rank[f"resume_{shard}"]
+        assert _rel(got["params"], params) <= REL
+        assert got["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]  # torch's names
+    # rank 0 holds the first 256 of the 481-element weight's 512 padded elements: a 1-D piece
+    assert ranks[0][f"resume_{shard}"]["shapes"] == [(256,), (256,)]
+    assert ranks[1][f"resume_{shard}"]["shapes"] == [(225,), (225,)]
+    del uninterrupted
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_bf16_params_match_replicated(ranks, shard):
+    # "state": the same fp32 sums (one reduction per window, a + b in either collective) and the
+    # same step on each piece: identical. "grads": each micro-batch is summed over the ranks
+    # before it is accumulated (another order of the same fp32 additions): masters differ in the
+    # last fp32 bits, which can flip a bf16 rounding (1 bf16 ulp, 2**-8 relative) now and then.
+    for rank in ranks:
+        for got, want in zip(rank[f"bf16_{shard}"], rank["bf16_None"]):
+            if shard == "state":
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+        assert _rel(rank[f"bf16_{shard}"], rank["bf16_None"]) <= 1e-3
+
+
+def test_fp32_bytes_per_param(ranks):
+    n = WORLD
+    formulas = {  # bf16 params with fp32 masters: acc 4 + master 4 + state (AdamW 8, SGD momentum 4)
+        (None, "adamw"): 16, ("state", "adamw"): 4 + 12 / n, ("grads", "adamw"): 16 / n,
+        (None, "sgd"): 12, ("state", "sgd"): 4 + 8 / n, ("grads", "sgd"): 12 / n,
+    }  # fmt: skip
+    for rank in ranks:
+        for key, want in formulas.items():
+            # padding (to 64 elements and to 64 x world per bucket) and the step counts: < 0.5%
+            assert want <= rank["memory"][key] <= want * 1.005, (key, rank["memory"][key], want)
+
+
+def test_shard_arguments_are_checked():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs a process_group"):
+        fused_accum.AdamW(model.parameters(), shard="state")
+    with pytest.raises(ValueError, match="shard must be one of"):
+        fused_accum.AdamW(model.parameters(), shard="params")
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        fused_accum.AdamW(model.parameters(), reduce_dtype=torch.bfloat16)
+
+
+def test_sharded_grad_placeholder_raises_clear_error():
+    p = nn.Parameter(torch.zeros(3, 2))
+    p.grad = ShardedGrad(p, "state")
+    with pytest.raises(RuntimeError, match="max_grad_norm"):
+        nn.utils.clip_grad_norm_([p], 1.0)
+    assert "no full gradient" in repr(p.grad)
