@@ -13,6 +13,7 @@ checks what is particular to the extension:
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -275,6 +276,14 @@ def test_empty_lists_and_zero_size_tensors():
     _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
     args, kwargs = _step_args("lion", "cpu", gen, sizes=())
     _step(ext, "lion", args, kwargs)  # nothing to do, and no error
+
+
+@pytest.mark.skipif(shutil.which("nm") is None or not sys.platform.startswith("linux"), reason="needs nm (binutils), Linux")
+def test_extension_is_built_with_openmp():
+    """at::parallel_for is an inline template: without -fopenmp it compiles to a serial loop in
+    _C, silently (issue 11: a second thread gave 1.07x). With it, _C calls libgomp."""
+    symbols = subprocess.run(["nm", "-D", ext._C.__file__], capture_output=True, text=True, check=True).stdout
+    assert "GOMP_parallel" in symbols
 
 
 def test_unavailable_reason_matches_the_build():
