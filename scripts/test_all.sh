@@ -10,7 +10,7 @@ echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, be
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
-TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py -k triton
+TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py -k triton
 
 echo "== C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"
 bash scripts/ctest.sh
