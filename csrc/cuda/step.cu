@@ -18,7 +18,9 @@ using StepTable = Table<6>;
 using AmsgradStepTable = Table<7>;
 
 // 1 pack per thread per iteration: Adam with a fused grad already has 9-10 loads of 16 bytes in
-// flight per thread, and 2 packs would need ~145 registers (spills under any useful bound).
+// flight per thread, and 2 packs would need ~145 registers (spills under any useful bound). A
+// software prefetch of the next pack into registers costs the same registers as the second
+// pack, so none is done; whether an L2 prefetch hint helps is for the GPU sweep to show.
 // Occupancy comes from blocks instead: __launch_bounds__(128, Rule::kMinBlocks) caps a thread at
 // 65536 / (128 * kMinBlocks) registers. Each rule's bound is the largest that compiles without a
 // spill (nvcc 13.0, sm_90, -fmad=false; the gate in scripts/check_cuda_build.sh fails on any):
