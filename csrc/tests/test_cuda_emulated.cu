@@ -82,14 +82,20 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
   // As launch_step in step.cu builds them.
   const cuda::DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha,
                                   t.grad.present(), a.grads_overwrite, a.maximize};
-  const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
-  cuda::for_each_table(t, ops, [&](const cuda::StepTable& table, int chunks) {
+  const auto run = [&](const auto& table, int chunks) {
     ++launches;
     for (int chunk = 0; chunk < chunks; ++chunk)
       for (int thread = 0; thread < cuda::kThreads; ++thread)
         cuda::step_thread<Rule>(table, args, h, chunk, thread);
     return static_cast<const char*>(nullptr);
-  });
+  };
+  if constexpr (Rule::kAmsgrad) {  // amsgrad's max_exp_avg_sq is a 7th operand, last
+    const Operand* const ops[7] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp, &t.state3};
+    cuda::for_each_table(t, ops, run);
+  } else {
+    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
+    cuda::for_each_table(t, ops, run);
+  }
 }
 
 void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
@@ -98,18 +104,22 @@ void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
     case Algo::kSgdPlain: emulate_step<cuda::Sgd>(t, a, kSgdPlainHyper); break;
     case Algo::kAdam: emulate_step<cuda::Adam>(t, a, kAdamHyper); break;
     case Algo::kLion: emulate_step<cuda::Lion>(t, a, kLionHyper); break;
-    case Algo::kAdamAmsgrad: CHECK(false, "amsgrad is not in the CUDA kernels yet"); break;
+    case Algo::kAdamAmsgrad: emulate_step<cuda::AdamAmsgrad>(t, a, kAdamHyper); break;
   }
 }
 
 void test_steps() {
-  // Without amsgrad until step.cu has it (bindings.h refuses it for CUDA meanwhile).
   check_all_steps({1, 7, 1023, kChunk + 1, 3, 5 * kChunk / 2 + 3, 8, 9, 17}, run_emulated_step,
-                  "cuda-emulated", {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kLion});
+                  "cuda-emulated", kAllAlgos);
   launches = 0;
   const int count = cuda::StepTable::kCapacity + 5;  // two launches
   StepCase(sizes_for(count, 5), Algo::kAdam, ParamKind::kMaster, Fused::kAdd, false, 99)
       .run_and_check(run_emulated_step, "cuda-emulated, two tables");
+  CHECK(launches == 2, "launches %d", launches);
+  launches = 0;  // amsgrad's 7-operand table holds fewer tensors
+  const int ams_count = cuda::AmsgradStepTable::kCapacity + 5;
+  StepCase(sizes_for(ams_count, 6), Algo::kAdamAmsgrad, ParamKind::kMaster, Fused::kAdd, false, 98)
+      .run_and_check(run_emulated_step, "cuda-emulated amsgrad, two tables");
   CHECK(launches == 2, "launches %d", launches);
 }
 
