@@ -128,6 +128,20 @@ class WindowReducer:
         for flat in flat_groups:
             flat.finish_step()
 
+    def gather_full(self, flat, buf: Tensor) -> Tensor:
+        """Sharded: the whole of a local (master or state) buffer of ``flat``, in the unsharded
+        layout (``flat.total`` elements), all-gathered from every rank's parts (a collective:
+        every rank calls it, in the same order)."""
+        full = torch.zeros(flat.total, dtype=buf.dtype, device=buf.device)
+        works = []
+        for bucket in flat.buckets:
+            n = bucket.shard_end - bucket.shard_start
+            local = buf[bucket.local_start : bucket.local_start + n]
+            works.append(_all_gather(full[bucket.start : bucket.end], local, group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+        return full
+
     # --- shard="grads": every backward --------------------------------------------------------
 
     @property

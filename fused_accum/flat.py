@@ -299,6 +299,14 @@ class FlatGroup:
             return flat
         return flat[slot.piece[0] : slot.piece[1]] if slot.piece is not None else flat[:0]
 
+    def piece_of(self, slot: Slot, value: Tensor) -> Tensor:
+        """A loaded 1-D ``value`` for ``slot``'s master or state: sharded, a whole parameter's
+        worth (torch's shape, e.g. from ``gathered_state_dict`` or an unsharded optimizer) is cut
+        to this rank's piece; a piece's worth (this rank's own ``state_dict``) is taken as is."""
+        if self.sharding is None or value.numel() != slot.param.numel():
+            return value
+        return value[slot.piece[0] : slot.piece[1]] if slot.piece is not None else value[:0]
+
     def state_view(self, slot: Slot, buf: Tensor) -> Tensor:
         """``buf`` (a slot's master or state view) as ``opt.state`` shows it: shaped like the
         parameter, or sharded, the 1-D piece this rank holds (possibly empty)."""

@@ -165,7 +165,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
               last (with ``accum_steps=None`` and no ``no_sync()``, one backward per step).
             - ``"grads"`` (ZeRO-2): the accumulator is sharded too, 16/N B (fp32 params 12/N):
               every backward reduce-scatters each bucket (in ``reduce_dtype``) and this rank
-              folds its part into the 1/N fp32 accumulator. ``no_sync()`` has no effect.
+              folds its part into the 1/N fp32 accumulator; transient: each bucket's fp32
+              staging buffer from its first gradient to its reduce-scatter (buckets of
+              ``bucket_cap_mb``, launched in order as they complete, the rest at the end of the
+              backward). Wire bytes per window: (reduce_dtype bytes x micro-batches + param
+              bytes) x (N-1)/N.
+              ``no_sync()`` has no effect.
 
             ``max_grad_norm`` and ``skip_nonfinite`` are global (each rank's part of the sum of
             squares, one all-reduce, no host sync); ``num_items`` is averaged as when
@@ -175,10 +180,18 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             use, ``clip_grad_norm_`` included, raises an error pointing to ``max_grad_norm``;
             before that (``"state"``) it is the local running sum, and after ``step()`` None:
             the window ends with the step. A GradScaler needs ``.grad`` and cannot be used:
-            use ``skip_nonfinite`` (bf16 needs no scaler). ``opt.state[p]`` and
+            use ``skip_nonfinite`` (bf16 needs no scaler). Checkpoints: ``opt.state[p]`` and
             ``state_dict()`` hold this rank's 1-D piece of each parameter's state (possibly
-            empty) with torch's key names; ``load_state_dict`` takes a state dict saved by the
-            same rank of the same layout (same world size, params and ``bucket_cap_mb``).
+            empty) with torch's key names, and no accumulated gradient (take them at window
+            boundaries); ``load_state_dict`` takes one saved by the same rank of the same
+            layout (world size, params, ``bucket_cap_mb``), and so do
+            ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
+            ``set_optimizer_state_dict`` (in memory: its storage would keep one rank's pieces,
+            taking plain tensors for replicated ones). To change the world size use
+            :meth:`gathered_state_dict` (a collective: torch's full shapes on every rank),
+            saved with ``torch.save`` or ``dcp.save`` from the ranks; any optimizer over the
+            same params loads it with ``load_state_dict`` (sharded: each rank cuts its piece),
+            and so does a sharded one a torch-shaped state dict of an unsharded optimizer.
             Needs a fused algorithm.
         reduce_dtype: ``shard="grads"``: the dtype of the per-backward reduce-scatter
             (``torch.float32`` by default: exact sums; ``torch.bfloat16`` halves the traffic
@@ -705,11 +718,44 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    def gathered_state_dict(self) -> dict:
+        """Sharded (``shard=``): :meth:`state_dict` with every per-parameter tensor whole, in
+        torch's shape, all-gathered from the ranks' pieces: a collective (call it on every rank;
+        each gets the same dict and holds the whole state transiently). Save it from one rank;
+        :meth:`load_state_dict` of an unsharded optimizer, or of a sharded one of any world size
+        and ``bucket_cap_mb``, loads it (each rank keeps its piece). Without sharding it is
+        :meth:`state_dict`. Take it at a window boundary: a sharded state dict holds no
+        accumulated gradient."""
+        state_dict = self.state_dict()
+        window = self._window
+        if window.reducer is None or window.reducer.sharding is None:
+            return state_dict
+        index_of, start = {}, 0
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"], start):
+                index_of.setdefault(id(p), i)
+            start += len(group["params"])
+        for flat in window.flat_groups:  # the same flat groups and keys, in the same order, on every rank
+            buffers = dict(sorted(flat.state.items()))
+            if flat.master is not None:
+                buffers["master"] = flat.master
+            for key, buf in buffers.items():
+                full = window.reducer.gather_full(flat, buf)
+                for slot in flat.slots:
+                    entry = state_dict["state"].get(index_of[id(slot.param)])
+                    if entry is not None and key in entry:
+                        p = slot.param
+                        entry[key] = full[slot.offset : slot.offset + p.numel()].view(p.shape).clone()
+        return state_dict
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load our own state_dict, or a plain torch SGD/Adam/AdamW one (missing keys default).
 
         Everything is restored in fp32, whatever dtype the saved tensors or the parameters
-        have (torch's own loader would cast state to the parameter's dtype). The four kinds of
+        have (torch's own loader would cast state to the parameter's dtype). Sharded: a
+        tensor with the parameter's number of elements (torch's, an unsharded optimizer's, or
+        :meth:`gathered_state_dict`'s) is cut to this rank's piece; any other is taken as this
+        rank's piece (the same rank's :meth:`state_dict`, same world size and layout). The four kinds of
         state-dict hooks run as in torch; saved ``param_names`` are kept.
         """
         state_dict = state_dict.copy()
@@ -748,8 +794,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         p = slot.param
         flat = self._window.flat_groups[slot.flat_index]
 
-        def fp32(value):
-            return value.detach().to(device=flat.device, dtype=torch.float32).reshape(-1)
+        def fp32(value):  # (sharded: this rank's piece of a whole parameter's value)
+            return flat.piece_of(slot, value.detach().to(device=flat.device, dtype=torch.float32).reshape(-1))
 
         if slot.master is not None:
             slot.master.copy_(fp32(entry["master"]) if "master" in entry else flat.param_piece(slot))

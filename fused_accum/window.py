@@ -163,6 +163,7 @@ class GradientWindow:
         self._unreduced = False  # gradients were added since the last data-parallel reduction
         self._pieces_seen = False  # some slot received two gradients in one micro-batch
         self._reduced = False  # shard="state": this window was reduce-scattered (no full .grad)
+        self._user_staged = False  # shard="grads": user-assigned .grad staged, not yet scattered
         # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
         # the step takes it as a user-assigned gradient (see _check_native).
         self.native: Optional[bool] = None
@@ -443,6 +444,9 @@ class GradientWindow:
     def finish_reduction(self) -> None:
         """Complete the data-parallel reduction of what was added since the last one (if
         anything): afterwards every slot holds the group's gradient."""
+        if self._user_staged:
+            self._user_staged = False
+            self.reducer.scatter_backward(self.flat_groups)
         if self.reducer is not None and self._unreduced:
             if self._reduced:
                 self._reduced_error()
@@ -509,11 +513,24 @@ class GradientWindow:
             self._exposed = not before_backward
 
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
-        if slot.acc is None or self._reduced:
+        if self._reduced:
             raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
-                               "sharded optimizer once its window is reduce-scattered (shard='grads': ever)")  # fmt: skip
+                               "sharded optimizer once its window is reduce-scattered")  # fmt: skip
         if grad.is_sparse:
             raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+        if slot.acc is None:
+            # shard="grads": this rank's gradient, staged in its bucket and reduce-scattered with
+            # the rest of the bucket when the step reduces (every rank must assign its .grad, as
+            # every rank runs every backward)
+            flat = self.flat_groups[slot.flat_index]
+            bucket = flat.buckets[slot.bucket_index]
+            staged = self.reducer.staging_for(flat, bucket)
+            relative = torch.tensor([slot.offset - bucket.start], dtype=torch.int64)
+            ops.accumulate(staged, relative, [grad.detach()], 1.0, False, None, None, flat.backend)
+            slot.has_grad = True
+            slot.in_stats = False
+            self._unreduced = self._user_staged = True
+            return
         slot.acc.copy_(grad.reshape(-1))
         slot.has_grad = True
         slot.in_stats = False

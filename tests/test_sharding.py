@@ -20,6 +20,8 @@ from torch import nn
 
 import fused_accum
 from fused_accum.window import ShardedGrad
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 WORLD, K, WINDOWS, CLIP = 2, 3, 3, 0.5
 # Relative error of the parameters, as a whole (||got - want|| / ||want||): the collectives sum
@@ -157,10 +159,57 @@ def _worker(rank, path):
             opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
             _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
             results[f"bf16_{shard}"] = [p.detach().clone() for p in model.parameters()]
+        # resharding through gathered_state_dict: 2 ranks -> 1 process (checked by the parent)
+        model = Net()
+        opt = _optimizer(model, "state", "adamw", "clip", 1e-5, "accum_steps")
+        _train(model, opt, rank, "clip", "accum_steps", range(1))
+        gathered = opt.gathered_state_dict()
+        results["gathered"] = dict(state_dict=gathered, model=model.state_dict())
+        dcp.save({"optim": gathered, "model": model.state_dict()}, checkpoint_id=f"{path}.dcp")
+        # ... and 1 process -> 2 ranks: each rank runs the single process's first window itself
+        single = Net()
+        single_opt = fused_accum.AdamW(single.parameters(), lr=1e-2, max_grad_norm=CLIP)
+        _single_process(single, single_opt, range(1))
+        model = Net()
+        model.load_state_dict(single.state_dict())
+        opt = _optimizer(model, "grads", "adamw", "clip", 25.0, "accum_steps")
+        opt.load_state_dict(single_opt.state_dict())
+        _train(model, opt, rank, "clip", "accum_steps", range(1, WINDOWS))
+        results["from_one"] = [p.detach().clone() for p in model.parameters()]
+        # torch.distributed.checkpoint's get/set_optimizer_state_dict, same world size: the
+        # per-rank dicts (FQN keys, this rank's pieces) and the gathered one
+        for shard in ("state", "grads"):
+            model = Net()
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
+            _train(model, opt, rank, "clip", "accum_steps", range(1))
+            per_rank, whole = get_optimizer_state_dict(model, opt), opt.gathered_state_dict()
+            ok = []
+            for saved in (per_rank, whole):
+                copy = Net()
+                copy.load_state_dict(model.state_dict())
+                opt2 = _optimizer(copy, shard, "adamw", "clip", 1e-5, "accum_steps")
+                if saved is per_rank:
+                    set_optimizer_state_dict(copy, opt2, saved)  # (runs a zero step first: state is empty)
+                else:
+                    opt2.load_state_dict(saved)
+                _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
+                ok.append([p.detach().clone() for p in copy.parameters()])
+            results[f"dcp_{shard}"] = ok
         results["memory"] = _memory(rank)
+        results["path"] = path
         torch.save(results, f"{path}.rank{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def _single_process(model, opt, windows):
+    """fused_accum without a process group on the concatenated batch (mean loss, clipped by
+    the optimizer's max_grad_norm)."""
+    for window in windows:
+        total = sum(loss_of(model, r, window, m, "mean") for r in range(WORLD) for m in range(K))
+        (total / WORLD).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def _reference(algorithm, kind, windows=WINDOWS):
@@ -252,6 +301,47 @@ def test_bf16_params_match_replicated(ranks, shard):
             else:
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
         assert _rel(rank[f"bf16_{shard}"], rank["bf16_None"]) <= 1e-3
+
+
+def test_gathered_state_dict_reshards(ranks):
+    params, _ = _reference("adamw", "clip")
+    # 2 ranks -> 1 process: the gathered state dict (the same on both ranks) in torch's shapes
+    saved = ranks[0]["gathered"]
+    for key, entry in saved["state_dict"]["state"].items():
+        torch.testing.assert_close(entry, ranks[1]["gathered"]["state_dict"]["state"][key], rtol=0, atol=0)
+    model = Net()
+    model.load_state_dict(saved["model"])
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP)
+    opt.load_state_dict(saved["state_dict"])
+    assert [tuple(opt.state[p]["exp_avg"].shape) for p in model.parameters()] == [tuple(p.shape) for p in model.parameters()]
+    _single_process(model, opt, range(1, WINDOWS))
+    assert _rel(list(model.parameters()), params) <= REL
+    # the same through torch.distributed.checkpoint's storage: saved by 2 ranks, loaded by one
+    # process into a template of the same structure (an optimizer that took one zero step)
+    model = Net()
+    opt = fused_accum.AdamW(model.parameters(), lr=0.0, max_grad_norm=CLIP)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    template = {"optim": opt.state_dict(), "model": model.state_dict()}
+    dcp.load(template, checkpoint_id=ranks[0]["path"] + ".dcp")
+    model.load_state_dict(template["model"])
+    opt.load_state_dict(template["optim"])
+    assert opt.param_groups[0]["lr"] == 1e-2
+    _single_process(model, opt, range(1, WINDOWS))
+    assert _rel(list(model.parameters()), params) <= REL
+    # 1 process -> 2 ranks (shard="grads"): each rank cut its pieces out of the whole state
+    for rank in ranks:
+        assert _rel(rank["from_one"], params) <= REL
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_distributed_checkpoint_same_world_size(ranks, shard):
+    params, _ = _reference("adamw", "clip")
+    for rank in ranks:
+        for got in rank[f"dcp_{shard}"]:  # get/set_optimizer_state_dict, then the gathered dict
+            assert _rel(got, params) <= REL
 
 
 def test_fp32_bytes_per_param(ranks):
