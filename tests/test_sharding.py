@@ -195,6 +195,29 @@ def _worker(rank, path):
                 _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
                 ok.append([p.detach().clone() for p in copy.parameters()])
             results[f"dcp_{shard}"] = ok
+        # Lion, and skip_nonfinite with a NaN on rank 1 only in window 1 (the skip is global):
+        # the sharded modes against the replicated one on the same ranks
+        for shard in (None, "state", "grads"):
+            torch.manual_seed(0)
+            model = Net()
+            opt = fused_accum.Lion(model.parameters(), lr=1e-3, weight_decay=0.1, accum_steps=K,
+                                   process_group=dist.group.WORLD, shard=shard, bucket_cap_mb=1e-5)  # fmt: skip
+            _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
+            results[f"lion_{shard}"] = [p.detach().clone() for p in model.parameters()]
+            model = Net()
+            opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, skip_nonfinite=True,
+                                    process_group=dist.group.WORLD, shard=shard)  # fmt: skip
+            after = []
+            for window in range(WINDOWS):
+                for micro in range(K):
+                    loss = loss_of(model, rank, window, micro, "mean")
+                    if window == 1 and rank == 1 and micro == 0:
+                        loss = loss * float("nan")
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                after.append([p.detach().clone() for p in model.parameters()])
+            results[f"skip_{shard}"] = after
         results["memory"] = _memory(rank)
         results["path"] = path
         torch.save(results, f"{path}.rank{rank}")
@@ -342,6 +365,18 @@ def test_distributed_checkpoint_same_world_size(ranks, shard):
     for rank in ranks:
         for got in rank[f"dcp_{shard}"]:  # get/set_optimizer_state_dict, then the gathered dict
             assert _rel(got, params) <= REL
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_lion_and_global_skip_match_replicated(ranks, shard):
+    for rank in ranks:
+        assert _rel(rank[f"lion_{shard}"], rank["lion_None"]) <= REL
+        after, want = rank[f"skip_{shard}"], rank["skip_None"]
+        for got_window, want_window in zip(after, want):
+            assert _rel(got_window, want_window) <= REL
+        # window 1 had a NaN on rank 1 only: no rank stepped
+        assert all(torch.equal(a, b) for a, b in zip(after[0], after[1]))
+        assert not all(torch.equal(a, b) for a, b in zip(after[1], after[2]))
 
 
 def test_fp32_bytes_per_param(ranks):
