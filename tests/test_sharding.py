@@ -235,7 +235,7 @@ def _single_process(model, opt, windows):
         opt.zero_grad()
 
 
-def _reference(algorithm, kind, windows=WINDOWS):
+def _reference(algorithm, kind, windows=WINDOWS, world=WORLD):
     model = Net()
     if algorithm == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -244,14 +244,44 @@ def _reference(algorithm, kind, windows=WINDOWS):
     norm = None
     for window in range(windows):
         reduction = "mean" if kind == "clip" else "sum"
-        total = sum(loss_of(model, r, window, m, reduction) for r in range(WORLD) for m in range(K))
-        n_items = sum(items(r) for r in range(WORLD))
-        (total / WORLD if kind == "clip" else total / n_items).backward()
+        total = sum(loss_of(model, r, window, m, reduction) for r in range(world) for m in range(K))
+        n_items = sum(items(r) for r in range(world))
+        (total / world if kind == "clip" else total / n_items).backward()
         if kind == "clip":
             norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in model.parameters()], norm
+
+
+FOUR = ["state_adamw_clip", "state_sgd_items", "grads_adamw_clip", "grads_sgd_items"]
+
+
+def _worker_four(rank, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=4)
+    try:
+        results = {}
+        for name in FOUR:
+            shard, algorithm, kind, cap, ends = SCENARIOS[name]
+            model = Net()
+            opt = _optimizer(model, shard, algorithm, kind, cap, ends)
+            _train(model, opt, rank, kind, ends, range(WINDOWS))
+            results[name] = [p.detach().clone() for p in model.parameters()]
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_four_ranks_equal_one_process(tmp_path):
+    path = str(tmp_path / "run4")
+    mp.spawn(_worker_four, args=(path,), nprocs=4, join=True)
+    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(4)]
+    for name in FOUR:
+        shard, algorithm, kind, cap, ends = SCENARIOS[name]
+        params, _ = _reference(algorithm, kind, world=4)
+        for rank in ranks:
+            assert _rel(rank[name], params) <= REL, name
+            assert all(torch.equal(a, b) for a, b in zip(rank[name], ranks[0][name]))
 
 
 def _rel(got, want):
