@@ -195,6 +195,11 @@ def _worker(rank, path):
                 _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
                 ok.append([p.detach().clone() for p in copy.parameters()])
             results[f"dcp_{shard}"] = ok
+        # shard="grads" with bf16 on the wire
+        model = Net()
+        opt = _optimizer(model, "grads", "adamw", "clip", 1e-5, "accum_steps", reduce_dtype=torch.bfloat16)
+        _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
+        results["grads_bf16_wire"] = [p.detach().clone() for p in model.parameters()]
         # Lion, and skip_nonfinite with a NaN on rank 1 only in window 1 (the skip is global):
         # the sharded modes against the replicated one on the same ranks
         for shard in (None, "state", "grads"):
@@ -407,6 +412,14 @@ def test_lion_and_global_skip_match_replicated(ranks, shard):
         # window 1 had a NaN on rank 1 only: no rank stepped
         assert all(torch.equal(a, b) for a, b in zip(after[0], after[1]))
         assert not all(torch.equal(a, b) for a, b in zip(after[1], after[2]))
+
+
+def test_grads_bf16_wire(ranks):
+    # each micro-batch's gradient (and the collective's partial sums) rounded to bf16 (2**-9
+    # relative): close to the reference, and not equal to it (bf16 did go over the wire)
+    params, _ = _reference("adamw", "clip")
+    for rank in ranks:
+        assert 1e-6 < _rel(rank["grads_bf16_wire"], params) <= 1e-2
 
 
 def test_fp32_bytes_per_param(ranks):
