@@ -85,6 +85,24 @@ class WindowReducer:
         # more pass over the buffer, 8 B per param per window).
         self._avg_op = getattr(dist.ReduceOp, "AVG", None) if dist.get_backend(group) == "nccl" else None
         self._works, self._ready, self._launched = [], set(), set()
+        # Finished Works stay referenced from here for a window more (see _settle).
+        self._settled: list = []  # waited during this window
+        self._settled_before: list = []  # waited during the last window
+
+    def _settle(self, works) -> None:
+        """Wait for ``works``, then keep them referenced until the window after next finishes.
+
+        ``wait()`` returns as soon as gloo's worker thread marks a Work complete, but that thread
+        still holds the Work (and through it our tensors) until it takes its next one. If our
+        reference went first, the worker thread would drop the last one and so take the GIL to
+        release the tensors' Python objects; when that happens as the interpreter begins
+        finalizing, CPython ends the thread (``pthread_exit``) inside a noexcept destructor:
+        ``std::terminate``, "terminate called without an active exception", SIGABRT. A window
+        later the worker threads have long let go, and ours is the last reference.
+        """
+        for work in works:
+            work.wait()
+        self._settled.extend(works)
 
     def bucket_ready(self, flat_groups, bucket) -> None:
         """``bucket`` holds its final local values: launch it and any ready ones after it."""
@@ -96,8 +114,8 @@ class WindowReducer:
         the group's gradient (zero where no rank had one)."""
         self._launch(flat_groups, only_ready=False)
         works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        self._settle(works)
+        self._settled_before, self._settled = self._settled, []  # the last window's go now
         for flat in flat_groups:
             if flat.shards_grads:  # every backward's reduce-scatter was a sum (AVG would round each)
                 flat.acc.div_(self.world)
@@ -112,7 +130,7 @@ class WindowReducer:
 
     def sum_(self, value: Tensor) -> Tensor:
         """``value`` replaced by its sum over the group, in place (no host sync)."""
-        dist.all_reduce(value, group=self.group)
+        self._settle([dist.all_reduce(value, group=self.group, async_op=True)])
         return value
 
     def gather_params(self, flat_groups) -> None:
@@ -123,8 +141,7 @@ class WindowReducer:
             if flat.staging is not None:
                 for whole, part in flat.gather_ranges():
                     works.append(_all_gather(whole, part, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+        self._settle(works)
         for flat in flat_groups:
             flat.finish_step()
 
@@ -138,8 +155,7 @@ class WindowReducer:
             n = bucket.shard_end - bucket.shard_start
             local = buf[bucket.local_start : bucket.local_start + n]
             works.append(_all_gather(full[bucket.start : bucket.end], local, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+        self._settle(works)
         return full
 
     # --- shard="grads": every backward --------------------------------------------------------
@@ -152,6 +168,10 @@ class WindowReducer:
         """shard="grads": the fp32 buffer (the bucket's whole range, zeros where no gradient
         arrives) this backward's gradients of ``bucket`` are folded into before its
         reduce-scatter. Freed once the reduce-scatter is done."""
+        if not self._staged and not self._launched:
+            # This backward's first bucket: the last backward's Works (and the staging buffers
+            # they hold) have long been let go by gloo's threads; drop them before allocating.
+            self._settled_before = []
         staged = self._staged.get(id(bucket))
         if staged is None:
             staged = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=flat.device)
@@ -172,13 +192,14 @@ class WindowReducer:
         self._scatter(flat_groups, only_ready=False)
         pending, self._pending = self._pending, []
         for work, part, flat, bucket in pending:
-            work.wait()
+            self._settle([work])
             target = flat.acc[bucket.local_start : bucket.local_start + part.numel()]
             if id(bucket) in self._holds:
                 target.add_(part)
             else:
                 target.copy_(part)  # the window's first: overwrite what the last window left
                 self._holds.add(id(bucket))
+        self._settled_before, self._settled = self._settled, []  # (per backward: staging buffers)
         self._ready, self._launched = set(), set()
 
     def new_window(self) -> None:
@@ -206,14 +227,13 @@ class WindowReducer:
 
     def average_(self, value: Tensor) -> Tensor:
         """``value`` (a 0-d device tensor) replaced by its mean over the group, in place."""
-        dist.all_reduce(value, group=self.group)
+        self._settle([dist.all_reduce(value, group=self.group, async_op=True)])
         return value.div_(self.world)
 
     def reset(self) -> None:
         """Forget a window discarded mid-reduction (its collectives still complete first)."""
         works, self._works = self._works, []
-        for work in works + [entry[0] for entry in self._pending]:
-            work.wait()
+        self._settle(works + [entry[0] for entry in self._pending])
         self._pending, self._staged, self._holds = [], {}, set()
         self._ready, self._launched = set(), set()
 

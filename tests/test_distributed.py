@@ -108,6 +108,12 @@ def _worker(rank, path, scenario):
             n_items = sum(4 + rank for _ in range(K))
             opt.step(num_items=torch.tensor(n_items) if scenario == "sgd_num_items" else None)
             opt.zero_grad()
+        if not scenario.startswith("ddp"):
+            # Waited Works stay referenced from Python a window longer: were ours the first
+            # reference dropped, gloo's worker thread could release the last one, taking the GIL
+            # during interpreter shutdown -> std::terminate (SIGABRT, 2 runs in 25 before).
+            reducer = opt._window.reducer
+            assert reducer._settled or reducer._settled_before
         norm = opt.last_grad_norm if scenario == "adamw" else (norms[-1] if norms else None)
         torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads, "norm": norm},
                    f"{path}.rank{rank}")  # fmt: skip
