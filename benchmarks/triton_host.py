@@ -135,10 +135,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)  # stubs launch nothing; the flag would not matter
-    rows = [floor_row(args.repeat)]
-    for n in args.tensors:
-        rows += measure(n, args.repeat)
+    # Stubs launch nothing, so the interpreter flag must not matter; it is put back afterwards,
+    # since a test process running this in-process interprets kernels in its other tests.
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        rows = [floor_row(args.repeat)]
+        for n in args.tensors:
+            rows += measure(n, args.repeat)
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
     import triton
 
     meta = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), python=platform.python_version(),
