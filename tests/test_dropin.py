@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fused_accum
 from fused_accum import FusedAccumOptimizer
+from lion_reference import LionReference  # tests/lion_reference.py
 
 RTOL = 1e-6
 
@@ -138,26 +139,6 @@ class AlbertNet(nn.Module):
         for _ in range(3):
             h = checkpoint(self._block, h, use_reentrant=True)
         return self.out(h)
-
-
-class LionReference(torch.optim.Optimizer):
-    """Plain-torch Lion from the paper (Chen et al. 2023, Algorithm 2), the oracle for ours."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                update = torch.sign(b1 * m + (1 - b1) * p.grad)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 # --- issue 14, numbered items ---------------------------------------------------------------

@@ -18,6 +18,7 @@ from torch import nn
 
 import fused_accum
 from fused_accum import FusedAccumOptimizer, backends
+from lion_reference import LionReference  # tests/lion_reference.py
 
 BACKENDS = ["reference"]
 if backends.availability("cpu", "cpu") == "":
@@ -50,25 +51,6 @@ def batches(n_steps, k, micro, seed=1, dtype=torch.float32):
 
 def mse_mean(model, x, y):
     return ((model(x) - y) ** 2).mean()
-
-
-class LionReference(torch.optim.Optimizer):
-    """An independent plain-torch Lion, written from the paper's update, to test ours against."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(torch.sign(b1 * m + (1 - b1) * p.grad), alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 ALGOS = {

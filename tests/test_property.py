@@ -25,29 +25,10 @@ from hypothesis import HealthCheck, given, note, settings  # a test dependency: 
 from hypothesis import strategies as st
 
 import fused_accum  # noqa: E402
+from lion_reference import LionReference  # tests/lion_reference.py
 
 RTOL = 1e-6
 D = 5
-
-
-class LionReference(torch.optim.Optimizer):
-    """Plain-torch Lion from the paper (Chen et al. 2023, Algorithm 2)."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                update = torch.sign(b1 * m + (1 - b1) * p.grad)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 class PropNet(nn.Module):
