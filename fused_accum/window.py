@@ -276,6 +276,8 @@ class GradientWindow:
         slot = self._slot_of.get(id(param))
         if slot is None or slot.param is not param or self.step_in_backward or self.detached_because:
             return None  # (step_in_backward steps a bucket from its gradients as tensors)
+        if self.native is not False and self._check_native():
+            return None  # DDP must see the weight's gradient to reduce it
         flat = self.flat_groups[slot.flat_index]
         if flat.shards_grads:
             return None  # no full accumulator slice to write into

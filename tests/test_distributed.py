@@ -54,7 +54,10 @@ def local_loss(model, rank, window, micro, reduction="mean"):
 #   clip_no_sync   process_group, accum_steps=None, opt.no_sync() on all but the last backward
 #   ddp / ddp_no_sync / ddp_bucket_view   the model wrapped in DistributedDataParallel (no
 #                  process_group): the hooks stand aside and DDP reduces; the trainer clips .grad
-SCENARIOS = ["adamw", "sgd_num_items", "clip_every", "clip_no_sync", "ddp", "ddp_no_sync", "ddp_bucket_view"]
+#   ddp_wgrad      DDP over a model whose Linears were converted (fused_accum.nn): under DDP they
+#                  return the ordinary weight gradient, which DDP must see
+SCENARIOS = ["adamw", "sgd_num_items", "clip_every", "clip_no_sync", "ddp", "ddp_no_sync", "ddp_bucket_view",
+             "ddp_wgrad"]
 CLIP = 0.5
 
 
@@ -78,6 +81,8 @@ def _build(scenario, model, rank):
         return model, fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=K, process_group=group)
     if scenario.startswith("clip"):
         return model, fused_accum.AdamW(model.parameters(), lr=1e-2, process_group=group, bucket_cap_mb=1e-4)
+    if scenario == "ddp_wgrad":
+        fused_accum.nn.convert_linears_(model)
     ddp = nn.parallel.DistributedDataParallel(_Ranked(model, rank), find_unused_parameters=True,
                                               gradient_as_bucket_view=scenario == "ddp_bucket_view")  # fmt: skip
     return ddp, fused_accum.AdamW(model.parameters(), lr=1e-2)
