@@ -59,6 +59,18 @@ def _peak_extra_bytes(fn: Callable[[], None], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    return cpu_peak_bytes(fn)
+
+
+def cpu_peak_bytes(fn: Callable[[], None]) -> int:
+    """Peak bytes allocated by the CPU allocator during ``fn()``, above the level at its start.
+
+    torch.profiler with profile_memory=True records every allocation and free that goes
+    through c10's CPU allocator (reportMemoryUsage), including temporaries inside ops and
+    the gradients autograd creates and frees; replaying those events in time order gives the
+    exact live-bytes curve. (sys.getallocatedblocks or RSS would see Python objects or the
+    OS's pages, not tensor storage.) A CPU backward runs on the calling thread, which the
+    profiler observes."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

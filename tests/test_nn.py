@@ -30,6 +30,8 @@ from fused_accum import backends, ops
 from fused_accum.backends import wgrad
 from fused_accum.optimizer import FusedAccumOptimizer
 
+from benchmarks.wgrad import cpu_peak_bytes as _peak_bytes  # the benchmark's measure: one method for both
+
 CPU_BACKENDS = ["reference"] + [n for n in ("cpu", "triton") if backends.availability(n, "cpu") == ""]
 GPU_BACKENDS = (
     ["reference"] + [n for n in ("cuda", "triton") if backends.availability(n, "cuda") == ""]
@@ -528,31 +530,6 @@ def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
     del opts
 
 
-def _peak_bytes(fn) -> int:
-    """Peak bytes allocated by the CPU allocator during ``fn()``, above the level at its start.
-
-    torch.profiler with profile_memory=True records every allocation and free that goes
-    through c10's CPU allocator (reportMemoryUsage), including temporaries inside ops and
-    the gradients autograd creates and frees; replaying those events in time order gives the
-    exact live-bytes curve. (sys.getallocatedblocks or RSS would see Python objects or the
-    OS's pages, not tensor storage.) A CPU backward runs on the calling thread, which the
-    profiler observes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def test_peak_memory_of_backward_drops_by_the_weight_gradients():
     """A bf16 MLP, one bucket (the unfused path holds every bf16 weight gradient until the
     bucket is complete, at the end of the backward): the fused backward's peak is lower by the
@@ -702,7 +679,6 @@ def test_wgrad_benchmark_smoke(tmp_path):
     assert providers == {f"unfused({fold} fold)", "bf16_gemm", "fused:reference", "fused:cpu"}
     assert len(rows) == 3 * len(providers) and all(float(r["ms"]) > 0 and r["git_commit"] for r in rows)
     assert (tmp_path / "wgrad.json").exists()
-
 
 
 @pytest.mark.parametrize("accum_steps", [3, None], ids=["accum_steps", "no-hint"])

@@ -119,6 +119,14 @@ def cpu_temp_bytes(m: int, n_out: int, k_in: int) -> int:
     return 4 * cpu_block_rows(m, n_out, k_in) * (n_out + k_in)
 
 
+def _fp32_gemm(acc: Tensor, g: Tensor, x: Tensor, overwrite: bool) -> None:
+    """fp32 operands: one sgemm into acc (beta = 0 on overwrite, else 1), on any device."""
+    if overwrite:
+        torch.mm(g.t(), x, out=acc)
+    else:
+        acc.addmm_(g.t(), x)
+
+
 def cpu(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
     """fp32 sgemm into acc (beta = 1, or beta = 0 on overwrite); bf16/fp16 upcast in row blocks."""
     g, x = check(acc, grad_output, input)
@@ -130,10 +138,7 @@ def cpu(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> Non
             acc.zero_()
         return
     if g.dtype == torch.float32:
-        if overwrite:
-            torch.mm(g.t(), x, out=acc)
-        else:
-            acc.addmm_(g.t(), x)
+        _fp32_gemm(acc, g, x, overwrite)
         return
     rows = cpu_block_rows(m, *acc.shape)
     for start in range(0, m, rows):
@@ -173,10 +178,7 @@ def cuda(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> No
             acc.zero_()
         return
     if g.dtype == torch.float32:
-        if overwrite:
-            torch.mm(g.t(), x, out=acc)
-        else:
-            acc.addmm_(g.t(), x)
+        _fp32_gemm(acc, g, x, overwrite)
     elif _out_dtype_gemm():
         if overwrite:
             torch.mm(g.t(), x, out_dtype=torch.float32, out=acc)
