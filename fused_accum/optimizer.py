@@ -446,9 +446,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             window.invalidate_stats()
             window.after_step()
             window.expose()
-        for group in self.param_groups:
+        for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
             for p in group["params"]:
-                if p.grad is None or window.slot_for(p) is not None and p.grad is window.slot_for(p).grad_view:
+                slot = window.slot_for(p)
+                if p.grad is None or slot is not None and p.grad is slot.grad_view:
                     continue
                 if set_to_none:
                     p.grad = None
