@@ -113,7 +113,7 @@ def make_batches(cfg: E2EConfig, device: torch.device) -> List[List[Tuple[torch.
     return [[(mb[:, :-1], mb[:, 1:]) for mb in window] for window in tokens]
 
 
-def _best_adamw_flag(device: torch.device) -> str:
+def best_adamw_flag(device: torch.device) -> str:
     """'fused' where torch's fused AdamW runs on this device, else 'foreach'."""
     try:
         probe = torch.zeros(1, device=device, requires_grad=True)
@@ -139,7 +139,7 @@ def _setup(variant: str, model: nn.Module, cfg: E2EConfig, device: torch.device)
 
         # What the optimizer's backend="auto" resolves to (FUSED_ACCUM_BACKEND included).
         return step, f"backend={backends.resolve('auto', device)}"
-    flag = _best_adamw_flag(device)
+    flag = best_adamw_flag(device)
     if variant == "naive_bf16":
         opt = torch.optim.AdamW(params, **hp, **{flag: True})
 
@@ -150,6 +150,15 @@ def _setup(variant: str, model: nn.Module, cfg: E2EConfig, device: torch.device)
         return step, f"AdamW({flag}=True) on bf16 params"
     if variant != "torch_native":
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return fp32_master_adamw(params, hp, flag)
+
+
+def fp32_master_adamw(params, hp: Dict, flag: str = "fused") -> Tuple[Callable[[], None], str]:
+    """PyTorch's best bf16 training step with fp32 accumulation (the torch_native variant, and
+    benchmarks/window.py's native_fp32acc): autograd accumulates fp32 ``.grad`` of the bf16
+    ``params``, ``torch.optim.AdamW(**hp, <flag>=True)`` steps fp32 master copies, which are
+    then copied into the params; ``.grad`` is dropped between windows. Returns (end-of-window
+    step, a note on how)."""
     masters = [p.detach().float() for p in params]
     if hasattr(torch.Tensor, "grad_dtype"):
         for p in params:

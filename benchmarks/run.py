@@ -4,8 +4,13 @@
 Writes to ``--out`` (default ``benchmarks/results``):
   kernels.csv      one row per (operation, workload, gradient dtype, provider)
   end_to_end.csv   one row per training variant
-  results.json     both, with the machine/torch/triton/commit metadata and the copy ceiling
+  cpu_adam.csv     one row per (AdamW op, workload, provider, threads), CPU only
+  window.csv       one row per (model, param dtype, threads, provider): a whole window of k
+                   micro-batches + step + zero_grad, ours against torch's (benchmarks/window.py)
+  results.json     all of them, with the machine/torch/triton/commit metadata and the copy ceiling
   kernels.png      GB/s against size on the flat-gradient sweep, one line per provider
+
+Each CSV is written only when its suite was asked for (``--suite``).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -29,11 +34,11 @@ if str(_ROOT) not in sys.path:  # run as a script (sys.path[0] is benchmarks/) o
 
 import torch  # noqa: E402
 
-from benchmarks import common, end_to_end, kernels  # noqa: E402
+from benchmarks import common, end_to_end, kernels, window  # noqa: E402
 
 DEFAULT_OUT = _ROOT / "benchmarks" / "results"
 CPU_ADAM_THREADS = (1, 2)  # the thread-scaling rows: one process, the same data
-SUITES = ("accumulate", "step", "e2e", "cpu_adam")
+SUITES = ("accumulate", "step", "e2e", "window", "cpu_adam")
 
 
 def make_config(device: torch.device, mode: str) -> Dict:
@@ -56,6 +61,12 @@ def make_config(device: torch.device, mode: str) -> Dict:
             cpu_adam=[kernels.flat(65536)],
             # deepspeed stays out of the tests' run: its first use builds a C++ op for minutes
             cpu_adam_providers=("cpu", "torch_fused"),
+            # one thread: on a loaded 2-core machine a 2-thread window of even these sizes takes
+            # ~0.3-1 s (each parallel op waits for a descheduled thread); the tests time 2
+            # threads on one small cell instead
+            window=window.WindowConfig(accum_steps=2, threads=(1,), rounds=2, warmup_windows=1, param_count=16,
+                                       param_numel=64, gpt_layers=1, gpt_d=16, gpt_heads=2, gpt_vocab=32,
+                                       gpt_seq=8, gpt_micro_batch=1),
         )
     if device.type == "cuda":
         if mode == "quick":
@@ -63,7 +74,7 @@ def make_config(device: torch.device, mode: str) -> Dict:
                 flat_sizes=[2**20, 2**24, 2**28], lists=[kernels.gpt2()], grad_dtypes=[bf16],
                 step_workloads=[kernels.flat(2**24), kernels.gpt2()],
                 timing=common.TimingConfig(samples=5), copy_bytes=2**30, max_rotations=1024,
-                e2e=end_to_end.E2EConfig(n_layers=4, windows=6),
+                e2e=end_to_end.E2EConfig(n_layers=4, windows=6), window=window.WindowConfig(rounds=5),
             )
         return dict(
             flat_sizes=[2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28],
@@ -73,7 +84,7 @@ def make_config(device: torch.device, mode: str) -> Dict:
             step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**28), kernels.gpt2(),
                             kernels.many_small(2048, 65536)],
             timing=common.TimingConfig(samples=10), copy_bytes=2**30, max_rotations=1024,
-            e2e=end_to_end.E2EConfig(),
+            e2e=end_to_end.E2EConfig(), window=window.WindowConfig(rounds=20),
         )
     cpu_e2e = end_to_end.E2EConfig(vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64, micro_batch=4,
                                    windows=5, warmup_windows=1, lr=3e-3)
@@ -88,6 +99,8 @@ def make_config(device: torch.device, mode: str) -> Dict:
             timing=common.TimingConfig(samples=5, warmup_ms=20.0, min_sample_ms=20.0),
             copy_bytes=4 * cache, max_rotations=512, e2e=cpu_e2e,
             cpu_adam=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
+            # one thread, few rounds: about 40 s of the 2 minutes
+            window=window.WindowConfig(threads=(1,), rounds=3),
         )
     return dict(
         flat_sizes=[2**16, 2**20, 2**24, 2**26],
@@ -100,6 +113,8 @@ def make_config(device: torch.device, mode: str) -> Dict:
             vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=128, micro_batch=4, windows=6, warmup_windows=1),
         # issue 11's table: one 1M, 16M and 64M tensor, and GPT-2 small (148 tensors, 124M)
         cpu_adam=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**26), kernels.gpt2()],
+        # issue 11's end-to-end table: both models, fp32 and bf16, 1 and 2 threads (~3 minutes)
+        window=window.WindowConfig(),
     )
 
 
@@ -147,7 +162,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         help="start no new group after S seconds (what ran is still written)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's, or 1 on a CPU whose load average "
-                             "is over half its cores; see _auto_threads)")
+                             "is over half its cores; see _auto_threads); the cpu_adam and window "
+                             "suites time 1 and 2 threads whatever this says")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
     args = parser.parse_args(list(argv))
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
@@ -157,9 +173,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict) -> List[str]:
+def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict, window_rows: Sequence[Dict] = ()) -> List[str]:
     """The last lines printed: per (op, workload) at bf16 on the largest size, our best against
-    torch's best, and the end-to-end rows."""
+    torch's best, and the end-to-end and window rows."""
     lines = [f"copy ceiling: {copy['gbps']:.1f} GB/s"]
     keyed: Dict[tuple, List[Dict]] = {}
     for r in kernel_rows:
@@ -177,21 +193,26 @@ def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict) -> List[
             f"{ours['ms']:9.4f} ms {ours['pct_of_copy']:5.1f}% copy | torch {theirs['provider']:<13} "
             f"{theirs['ms']:9.4f} ms {theirs['pct_of_copy']:5.1f}% copy | {ours['speedup_vs_torch']:.2f}x")
     lines += [end_to_end.format_row(r) for r in e2e_rows]
+    lines += [window.format_row(r) for r in window_rows]
     return lines
 
 
 def write_all(out: Path, meta: Dict, copy: Dict, kernel_rows: List[Dict], e2e_rows: List[Dict],
-              skipped: List[str], plot: bool, cpu_adam_rows: Sequence[Dict] = ()) -> List[Path]:
-    """Write (or rewrite) every result file; returns the paths written."""
+              skipped: List[str], plot: bool, cpu_adam_rows: Sequence[Dict] = (), window_rows: Sequence[Dict] = (),
+              suites: Sequence[str] = SUITES) -> List[Path]:
+    """Write (or rewrite) the result files of ``suites``; returns the paths written. A suite not
+    asked for writes no CSV, so a folder of one suite's results holds only that suite's."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "kernels.csv", out / "end_to_end.csv", out / "results.json"]
-    common.write_csv(paths[0], kernel_rows, meta)
-    common.write_csv(paths[1], e2e_rows, meta)
-    common.write_json(paths[2], {"meta": meta, "copy": copy, "kernels": kernel_rows, "end_to_end": e2e_rows,
-                                 "cpu_adam": list(cpu_adam_rows), "skipped": skipped})
-    if cpu_adam_rows:
-        paths.append(out / "cpu_adam.csv")
-        common.write_csv(paths[-1], list(cpu_adam_rows), meta)
+    paths = [out / "results.json"]
+    common.write_json(paths[0], {"meta": meta, "copy": copy, "kernels": kernel_rows, "end_to_end": e2e_rows,
+                                 "cpu_adam": list(cpu_adam_rows), "window": list(window_rows), "skipped": skipped})
+    csvs = [("kernels.csv", kernel_rows, {"accumulate", "step"} & set(suites)),
+            ("end_to_end.csv", e2e_rows, "e2e" in suites), ("window.csv", window_rows, "window" in suites),
+            ("cpu_adam.csv", cpu_adam_rows, bool(cpu_adam_rows))]
+    for name, rows, asked in csvs:
+        if asked:
+            paths.append(out / name)
+            common.write_csv(paths[-1], list(rows), meta)
     if plot:
         flat_rows = [r for r in kernel_rows if r["workload"] == "flat" and math.isfinite(r["gbps"])]
         title = f"{meta['device_name']} | torch {meta['torch']} | {meta['git_commit'][:10]} | {meta['date_utc']}"
@@ -247,11 +268,14 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
     first = kernels.plan(device, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][:1], cfg["step_workloads"], ops)
     rest = kernels.plan(device, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][1:], [], ops)
     run_e2e = "e2e" in args.suites
+    run_window = "window" in args.suites
     total = sum(len(g.providers) for g in first + rest) + (len(end_to_end.VARIANTS) if run_e2e else 0)
+    total += window.n_rows(cfg["window"]) if run_window else 0
 
     kernel_rows: List[Dict] = []
     e2e_rows: List[Dict] = []
     cpu_adam_rows: List[Dict] = []
+    window_rows: List[Dict] = []
     skipped: List[str] = []
     bar = _progress_bar(total)
     over_budget = lambda: args.time_budget is not None and time.perf_counter() - started > args.time_budget
@@ -273,7 +297,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
 
     try:
         run_groups(first)
-        write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False)
+        write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False, suites=args.suites)
         if run_e2e:
             if over_budget():
                 skipped.append("end_to_end")
@@ -284,7 +308,16 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
                     common.log(end_to_end.format_row(row))
 
                 e2e_rows = end_to_end.run(cfg["e2e"], device, progress=on_row)
-            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False)
+            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False, suites=args.suites)
+        if run_window:
+            def on_window_row(row):
+                bar.update(1)
+                common.log(window.format_row(row))
+
+            window_rows = window.run(cfg["window"], device, progress=on_window_row, over_budget=over_budget,
+                                     skipped=skipped)
+            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False,
+                      window_rows=window_rows, suites=args.suites)
         run_groups(rest)
         if "cpu_adam" in args.suites and device.type == "cpu":
             for workload in cfg["cpu_adam"]:
@@ -305,14 +338,17 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
     copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
     copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True, cpu_adam_rows=cpu_adam_rows)
+    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True, cpu_adam_rows=cpu_adam_rows,
+                      window_rows=window_rows, suites=args.suites)
 
     bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
     # an unavailable optional provider (deepspeed not installed) is a note, not a failure
     bad += [r for r in cpu_adam_rows if not r["ok"] and not r["note"].startswith("unavailable")]
-    print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy)))
+    bad += [r for r in window_rows if not r["ok"]]
+    print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy, window_rows)))
     print(f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
-          f"{len(e2e_rows)} end-to-end rows, {len(skipped)} groups skipped (time budget), "
+          f"{len(e2e_rows)} end-to-end rows, {len(window_rows)} window rows, "
+          f"{len(skipped)} groups skipped (time budget), "
           f"{len(bad)} failed or wrong; {meta['elapsed_s']} s")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if bad else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # benchmarks/ is not installed with the package; bare `pytest` needs this
     sys.path.insert(0, str(REPO))
 
-from benchmarks import common, end_to_end, kernels  # noqa: E402
+from benchmarks import common, end_to_end, kernels, window  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -311,7 +312,7 @@ def test_smoke_run_succeeds_and_writes_every_file(smoke_run):
     rc, out, _, _, _ = smoke_run
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "cpu_adam.csv", "end_to_end.csv", "kernels.csv", "kernels.png", "results.json"]
+        "cpu_adam.csv", "end_to_end.csv", "kernels.csv", "kernels.png", "results.json", "window.csv"]
     assert (out / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -430,6 +431,102 @@ def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
     native_ms = float(rows["torch_native"]["window_ms"])
     for r in rows.values():
         assert float(r["speedup_vs_native"]) == pytest.approx(native_ms / float(r["window_ms"]), rel=1e-9)
+
+
+WINDOW_COLUMNS = [
+    "section", "model", "dtype", "n_tensors", "numel", "accum_steps", "provider", "threads", "window_ms",
+    "ms_min", "ms_max", "ms_q1", "ms_q3", "iqr_pct", "rounds", "speedup_vs_native", "speedup_vs_native_paired",
+    "extra_us_per_param_mb", "check_update_err", "check_loss_rel_diff", "check_loss", "ok", "hooks", "note",
+    "speedup_vs_native_fp32acc", "speedup_vs_native_fp32acc_paired", "thread_scaling",
+    "git_commit", "device_name", "torch", "date_utc"]
+
+
+def test_smoke_window_rows_cover_every_model_dtype_and_provider(smoke_run):
+    """issue 11's end-to-end window: both models, fp32 and bf16, every provider, checked
+    against the reference training, ratios taken from the same run's medians."""
+    _, out, _, _, payload = smoke_run
+    with open(out / "window.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert sorted(reader.fieldnames) == sorted(WINDOW_COLUMNS)
+    assert len(rows) == len(payload["window"]) == 3 + 4 + 3 + 4  # fp32: no native_fp32acc
+    cfg = bench_run.make_config(torch.device("cpu"), "smoke")["window"]
+    labels = [window.model_label(m, cfg) for m in window.MODELS]
+    assert {(r["model"], r["dtype"], r["provider"]) for r in rows} == {
+        (m, d, p) for m in labels for d in ("fp32", "bf16") for p in window.providers_for(d)}
+    assert {r["model"]: int(r["n_tensors"]) for r in rows} == {labels[0]: 16, labels[1]: 1 * 12 + 4}
+    median = {(r["model"], r["dtype"], r["provider"]): float(r["window_ms"]) for r in rows}
+    for r in rows:
+        assert r["ok"] == "True", r
+        assert r["threads"] == "1" and int(r["rounds"]) == 2 and r["section"] == "window"
+        assert float(r["ms_min"]) <= float(r["ms_q1"]) <= float(r["window_ms"]) <= float(r["ms_q3"]) <= float(r["ms_max"])
+        native = median[(r["model"], r["dtype"], "native")]
+        assert float(r["speedup_vs_native"]) == pytest.approx(native / float(r["window_ms"]), rel=1e-9)
+        assert float(r["thread_scaling"]) == 1.0
+        assert r["git_commit"] == payload["meta"]["git_commit"] and r["torch"] == torch.__version__
+        assert (r["speedup_vs_native_fp32acc"] != "") == (r["dtype"] == "bf16")
+    # torch's own accumulation carries no Python hooks; ours (Python or C++ hooks) is named
+    assert all(r["hooks"] == "none/c++" for r in rows if r["provider"].startswith("native"))
+
+
+def _tiny_window(**kw):
+    sizes = dict(accum_steps=2, rounds=3, warmup_windows=1, param_count=8, param_numel=32, gpt_layers=1, gpt_d=16,
+                 gpt_heads=2, gpt_vocab=32, gpt_seq=8, gpt_micro_batch=1)
+    return window.WindowConfig(**{**sizes, **kw})
+
+
+def test_window_times_one_and_two_threads_in_one_process():
+    threads = torch.get_num_threads()
+    cfg = _tiny_window(models=("params",), dtypes=("fp32",), threads=(2, 1))
+    rows = window.run(cfg, torch.device("cpu"))
+    assert torch.get_num_threads() == threads  # restored
+    assert [(r["threads"], r["provider"]) for r in rows] == [
+        (n, p) for n in (1, 2) for p in ("native", "fused_accum", "fused_accum_pyhooks")]  # fewest threads first
+    one = {r["provider"]: r["window_ms"] for r in rows if r["threads"] == 1}
+    for r in rows:
+        assert r["ok"] and r["rounds"] == 3
+        assert r["thread_scaling"] == pytest.approx(one[r["provider"]] / r["window_ms"], rel=1e-12)
+
+
+def test_window_check_fails_a_provider_that_skips_work(monkeypatch):
+    """A provider that drops a micro-batch's gradient is faster and wrong: ok=False."""
+    make_step = window._make_step
+
+    def lazy(provider, params, cfg, device):
+        step, note = make_step(provider, params, cfg, device)
+        if provider != "fused_accum":
+            return step, note
+
+        def step_without_last_grad():
+            for p in params[: len(params) // 2]:
+                p.grad = None  # as if the last micro-batch's hooks never ran for half the params
+            step()
+        return step_without_last_grad, note
+
+    monkeypatch.setattr(window, "_make_step", lazy)
+    rows = window.run(_tiny_window(models=("params",), dtypes=("fp32",), threads=(1,), rounds=1), torch.device("cpu"))
+    by = {r["provider"]: r for r in rows}
+    assert by["native"]["ok"] and by["fused_accum_pyhooks"]["ok"]
+    assert not by["fused_accum"]["ok"] and by["fused_accum"]["check_update_err"] > window.UPDATE_TOL["fp32"]
+    assert "WRONG" in window.format_row(by["fused_accum"])
+
+
+def test_window_pyhooks_provider_sets_the_knob_only_while_building(monkeypatch):
+    import fused_accum
+
+    seen = []
+    real = fused_accum.AdamW
+
+    def recording(*args, **kwargs):
+        seen.append(os.environ.get(window.PYTHON_HOOKS_ENV))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_accum, "AdamW", recording)
+    monkeypatch.delenv(window.PYTHON_HOOKS_ENV, raising=False)
+    params = [torch.nn.Parameter(torch.randn(4))]
+    window._make_step("fused_accum", params, _tiny_window(), torch.device("cpu"))
+    window._make_step("fused_accum_pyhooks", [torch.nn.Parameter(torch.randn(4))], _tiny_window(), torch.device("cpu"))
+    assert seen == [None, "1"] and window.PYTHON_HOOKS_ENV not in os.environ
 
 
 def test_time_budget_skips_groups_but_still_writes(tmp_path):
