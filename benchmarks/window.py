@@ -263,15 +263,21 @@ def prepare_cell(model_name: str, dtype: str, cfg: WindowConfig, device: torch.d
     return Cell(base, providers, models, steps, notes, checks, batches)
 
 
-def time_cell(cell: Cell, threads: int, cfg: WindowConfig, device: torch.device) -> List[Dict]:
+def time_cell(cell: Cell, threads: int, cfg: WindowConfig, device: torch.device,
+              over_budget: Callable[[], bool] = lambda: False) -> List[Dict]:
     """The cell's rows at ``threads`` torch threads (set by the caller)."""
-    samples = _time_rounds(cell.providers, cell.models, cell.steps, cell.batches, cfg, device)
+    samples = _time_rounds(cell.providers, cell.models, cell.steps, cell.batches, cfg, device, over_budget)
     return _rows(cell.base, threads, cell.providers, samples, cell.checks, cell.notes, cfg)
 
 
-def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device) -> Dict[str, List[float]]:
+MIN_ROUNDS = 3  # a time budget cuts a cell's rounds, but not below this many
+
+
+def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device,
+                 over_budget: Callable[[], bool] = lambda: False) -> Dict[str, List[float]]:
     """Per provider, the milliseconds of each timed window. Round r runs the providers in the
-    order rotated by r, so each one goes first, second, ... equally often."""
+    order rotated by r, so each one goes first, second, ... equally often. Past the time budget
+    the rounds stop once MIN_ROUNDS were timed (the rows' ``rounds`` says how many)."""
     gc.collect()
     samples: Dict[str, List[float]] = {p: [] for p in providers}
     n = len(providers)
@@ -284,6 +290,8 @@ def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device) -
             common.synchronize(device)
             if r >= cfg.warmup_windows:
                 samples[provider].append((time.perf_counter() - t0) * 1e3)
+        if r + 1 - cfg.warmup_windows >= MIN_ROUNDS and over_budget():
+            break
     return samples
 
 
@@ -337,7 +345,8 @@ def run(cfg: WindowConfig, device: torch.device, progress: Callable[[Dict], None
     """Every (model, dtype) cell of ``cfg`` at every thread count, all cells at the fewest
     threads first: on a loaded machine the extra threads are what is slow (a parallel op waits
     for a descheduled thread), so a time budget cuts those rows, not the one-thread table. A
-    (threads, cell) that would start over budget is skipped, its label added to ``skipped``."""
+    (threads, cell) that would start over budget is skipped, its label added to ``skipped``;
+    one running when the budget passes stops after MIN_ROUNDS rounds."""
     threads_before = torch.get_num_threads()
     rows: List[Dict] = []
     try:
@@ -350,7 +359,7 @@ def run(cfg: WindowConfig, device: torch.device, progress: Callable[[Dict], None
                     if skipped is not None:
                         skipped.append(f"window {cell.base['model']} {cell.base['dtype']} {n} threads")
                     continue
-                for row in time_cell(cell, n, cfg, device):
+                for row in time_cell(cell, n, cfg, device, over_budget):
                     rows.append(row)
                     progress(row)
     finally:

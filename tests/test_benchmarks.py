@@ -488,6 +488,15 @@ def test_window_times_one_and_two_threads_in_one_process():
         assert r["thread_scaling"] == pytest.approx(one[r["provider"]] / r["window_ms"], rel=1e-12)
 
 
+def test_window_time_budget_cuts_rounds_then_skips_cells():
+    cfg = _tiny_window(models=("params",), dtypes=("fp32", "bf16"), threads=(1,), rounds=10)
+    skipped, answers = [], iter([False])  # within budget when the first cell starts, over it after
+    rows = window.run(cfg, torch.device("cpu"), over_budget=lambda: next(answers, True), skipped=skipped)
+    # the first cell stops after MIN_ROUNDS, the next one does not start
+    assert {r["dtype"] for r in rows} == {"fp32"} and {r["rounds"] for r in rows} == {window.MIN_ROUNDS}
+    assert skipped == ["window params_8x32 bf16 1 threads"]
+
+
 def test_window_check_fails_a_provider_that_skips_work(monkeypatch):
     """A provider that drops a micro-batch's gradient is faster and wrong: ok=False."""
     make_step = window._make_step
