@@ -1,21 +1,27 @@
 """Host time of the Triton backend per call, with the kernels stubbed (issue 10, item 5).
 
 What the Python launcher costs before any GPU work: argument checks, the per-tensor reads
-(address, size, dtype, contiguity), the plan-cache lookup, and on a miss the vectorised table
-build. The kernels are replaced by no-ops, so this runs on any CPU, no GPU or interpreter needed,
-and measures the launcher alone. Goals (issue 10): <= 0.5 ms for a 2,048-tensor accumulate and
+(address, dtype, ...), the plan-cache lookup, and on a miss the vectorised table build. The
+kernels are replaced by no-ops, so this runs on any CPU, no GPU or interpreter needed, and
+measures the launcher alone. Goals (issue 10): <= 0.5 ms for a 2,048-tensor accumulate and
 <= 1 ms for a 2,048-tensor step, on the development CPU.
 
-Rows: accumulate (bf16 grads into the fp32 flat accumulator) and AdamW from acc (fp32 masters
-and bf16 params, 4 state/param lists + accs), for 148 and 2,048 tensors of 256 elements, on a
-plan-cache hit (same addresses as the last call: the optimizer's buffers always, gradients when
-the caching allocator hands the same blocks back) and on a miss (new gradient addresses: tables
-rebuilt). A ``floor`` row times ``tuple(map(Tensor.data_ptr, tensors))`` for 2,048 tensors: the
-cheapest possible per-tensor read, to tell a slow (or busy) CPU from a slow launcher.
+Rows, for 148 and 2,048 tensors of 256 elements, laid out as the optimizer lays them out (64-
+element slices of flat fp32 buffers): accumulate (bf16 gradients into the flat accumulator,
+with the norm and non-finite statistics) and the AdamW, SGD (momentum) and Lion steps from the
+accumulator (fp32 masters and states, bf16 model parameters). Cases:
+- ``plan``: the calls pass ``plan=`` as the optimizer does, the launch tables are cached (same
+  addresses as the last call: the optimizer's buffers always, gradients when the caching
+  allocator hands the same blocks back). The goal rows.
+- ``plan, new``: as ``plan`` but every call has new addresses (accumulate: a fresh set of
+  gradients; steps: of the bf16 parameters), so the tables are rebuilt from the plan.
+- ``no plan``: the same call without ``plan=``, cached tables: every tensor is read.
+A ``floor`` row times ``tuple(map(Tensor.data_ptr, tensors))`` for 2,048 tensors: the cheapest
+per-tensor read, to tell a slow (or busy) CPU from a slow launcher. Each row prints the median
+and the 10th-90th percentile spread of the per-call times.
 
 Usage:  python benchmarks/triton_host.py [--tensors 148 2048] [--repeat 200] [--out DIR]
-Prints one line per row (median and best ms per call, goal, verdict) and, with --out, writes
-triton_host.csv (rows and machine; one file: the GPU check returns at most 8).
+With --out, writes triton_host.csv (rows and machine; one file: the GPU check returns at most 8).
 """
 from __future__ import annotations
 
@@ -33,9 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-GOALS_MS = {"accumulate": 0.5, "adamw": 1.0}  # for 2,048 tensors (issue 10)
+GOALS_MS = {"accumulate": 0.5, "adamw": 1.0, "sgd": 1.0, "lion": 1.0}  # for 2,048 tensors (issue 10)
+GOAL_TENSORS = 2048
+GOAL_CASE = "plan"
 NUMEL = 256
 PAD = 64
+OPS = ("accumulate", "adamw", "sgd", "lion")
+CASES = ("plan", "plan, new", "no plan")
 
 
 class _NoLaunch:
@@ -58,14 +68,17 @@ def stubbed_kernels(tb):
             setattr(tb.kernels, n, k)
 
 
-def _time(fn, repeat: int):
-    fn()  # the first call may build the plan
+def _time(fn, repeat: int, setup=None):
+    """Per-call times in ms of ``fn(setup())`` (setup untimed): median, 10th and 90th percentile."""
+    fn(setup() if setup else None)  # the first call may validate and build the plan
     times = []
     for _ in range(repeat):
+        arg = setup() if setup else None
         t0 = time.perf_counter()
-        fn()
+        fn(arg)
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times)
+    times.sort()
+    return statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10]
 
 
 def measure(n: int, repeat: int):
@@ -73,44 +86,56 @@ def measure(n: int, repeat: int):
 
     gen = torch.Generator().manual_seed(0)
     slot = (NUMEL + PAD - 1) // PAD * PAD
-    acc = torch.randn(n * slot, generator=gen)
+
+    def flat_views():
+        flat = torch.randn(n * slot, generator=gen)
+        return flat, [flat[i * slot : i * slot + NUMEL] for i in range(n)]
+
+    acc, accs = flat_views()
     offsets = torch.arange(n, dtype=torch.int64) * slot
-    grads = [torch.randn(NUMEL, generator=gen).to(torch.bfloat16) for _ in range(n)]
-    accs = [acc[i * slot : i * slot + NUMEL] for i in range(n)]
-    flat = {k: torch.randn(n * slot, generator=gen).abs() for k in ("master", "m", "v")}
-    views = {k: [t[i * slot : i * slot + NUMEL] for i in range(n)] for k, t in flat.items()}
-    lp = [torch.randn(NUMEL, generator=gen).to(torch.bfloat16) for _ in range(n)]
+    masters, ms, vs = flat_views()[1], flat_views()[1], flat_views()[1]
+
+    def bf16_list():
+        return [torch.randn(NUMEL, generator=gen).to(torch.bfloat16) for _ in range(n)]
+
+    grads, lp = bf16_list(), bf16_list()
     steps = torch.full((n,), 3.0)
     lr, coef, found_inf, sumsq = torch.tensor(1e-3), torch.tensor(1.0), torch.zeros(()), torch.zeros(())
-    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    plan = object()  # what the optimizer passes: a token for one set of parameters
 
-    def accumulate_hit():
-        tb.accumulate(acc, offsets, grads, 1.0, False, found_inf, sumsq)
+    def accumulate(grads, plan):
+        tb.accumulate(acc, offsets, grads, 1.0, False, found_inf, sumsq, plan=plan)
 
-    fresh = [[g.clone() for g in grads] for _ in range(2)]  # alternate: every call a new address set
-    calls = [0]
+    def adamw(lp, plan):
+        tb.adam_step(masters, ms, vs, accs, steps, lr, coef, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.01, decoupled=True, maximize=False, lp_params=lp, plan=plan)  # fmt: skip
 
-    def accumulate_miss():
-        calls[0] += 1
-        tb.clear_table_cache()
-        tb.accumulate(acc, offsets, fresh[calls[0] % 2], 1.0, False, found_inf, sumsq)
+    def sgd(lp, plan):
+        tb.sgd_step(masters, ms, accs, steps, lr, coef, momentum=0.9, dampening=0.0, weight_decay=0.01,
+                    nesterov=False, maximize=False, lp_params=lp, plan=plan)  # fmt: skip
 
-    def adamw_hit():
-        tb.adam_step(views["master"], views["m"], views["v"], accs, steps, lr, coef, lp_params=lp,
-                     found_inf=found_inf, **hyper)  # fmt: skip
+    def lion(lp, plan):
+        tb.lion_step(masters, ms, accs, steps, lr, coef, beta1=0.9, beta2=0.99, weight_decay=0.01,
+                     maximize=False, lp_params=lp, plan=plan)  # fmt: skip
 
-    def adamw_miss():
-        tb.clear_table_cache()
-        adamw_hit()
-
+    calls = {"accumulate": (accumulate, grads), "adamw": (adamw, lp), "sgd": (sgd, lp), "lion": (lion, lp)}
     rows = []
     with stubbed_kernels(tb):
-        for op, case, fn in [("accumulate", "hit", accumulate_hit), ("accumulate", "miss", accumulate_miss),
-                             ("adamw", "hit", adamw_hit), ("adamw", "miss", adamw_miss)]:  # fmt: skip
-            median, best = _time(fn, repeat if case == "hit" else max(repeat // 10, 5))
-            goal = GOALS_MS[op] if n == 2048 and case == "hit" else None
-            rows.append(dict(op=op, case=case, tensors=n, median_ms=round(median, 4), best_ms=round(best, 4),
-                             goal_ms=goal, meets_goal=None if goal is None else median <= goal))  # fmt: skip
+        for op in OPS:
+            fn, tensors = calls[op]
+            # "plan, new": a fresh list each call, so every call rebuilds the tables (the list
+            # is made untimed; a pool of two would be cached, as the LRU keeps both)
+            fresh = lambda: [t.clone() for t in tensors]  # noqa: E731
+            for case, run, setup, times in [
+                ("plan", lambda _: fn(tensors, plan), None, repeat),
+                ("plan, new", lambda ts: fn(ts, plan), fresh, max(repeat // 10, 5)),
+                ("no plan", lambda _: fn(tensors, None), None, max(repeat // 4, 5)),
+            ]:  # fmt: skip
+                median, p10, p90 = _time(run, times, setup)
+                goal = GOALS_MS[op] if n == GOAL_TENSORS and case == GOAL_CASE else None
+                rows.append(dict(op=op, case=case, tensors=n, median_ms=round(median, 4), p10_ms=round(p10, 4),
+                                 p90_ms=round(p90, 4), goal_ms=goal,
+                                 meets_goal=None if goal is None else median <= goal))  # fmt: skip
     tb.clear_table_cache()
     return rows
 
@@ -118,15 +143,15 @@ def measure(n: int, repeat: int):
 def floor_row(repeat: int):
     tensors = [torch.zeros(1) for _ in range(2048)]
     ptr = torch.Tensor.data_ptr
-    median, best = _time(lambda: tuple(map(ptr, tensors)), repeat)
+    median, p10, p90 = _time(lambda _: tuple(map(ptr, tensors)), repeat)
     return dict(op="floor: map(data_ptr)", case="-", tensors=2048, median_ms=round(median, 4),
-                best_ms=round(best, 4), goal_ms=None, meets_goal=None)  # fmt: skip
+                p10_ms=round(p10, 4), p90_ms=round(p90, 4), goal_ms=None, meets_goal=None)  # fmt: skip
 
 
 def format_row(r) -> str:
     verdict = "" if r["goal_ms"] is None else (" meets" if r["meets_goal"] else " MISSES") + f" goal {r['goal_ms']} ms"
-    return (f"{r['op']:<22} {r['case']:<5} {r['tensors']:>5} tensors  median {r['median_ms']:8.3f} ms"
-            f"  best {r['best_ms']:8.3f} ms{verdict}")  # fmt: skip
+    return (f"{r['op']:<20} {r['case']:<9} {r['tensors']:>5} tensors  median {r['median_ms']:7.3f} ms"
+            f"  p10-p90 {r['p10_ms']:7.3f}-{r['p90_ms']:7.3f} ms{verdict}")  # fmt: skip
 
 
 def main(argv=None) -> int:

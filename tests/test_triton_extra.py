@@ -407,7 +407,7 @@ def test_triton_step_on_aligned_rows_with_and_without_a_tail_matches_reference(d
     tb.clear_table_cache()
     _call(tb, algo, params, states, lp, accs, steps, lr, coef, grads, False)
     _call(reference, algo, *want, accs, steps, lr, coef, grads, False)
-    (plan,) = tb._table_cache.values()  # the precondition: every row took the vector branch
+    ((_, plan),) = tb._table_cache.values()  # the precondition: every row took the vector branch
     assert [f for _, t, _ in plan.launches for f in _row_flags(t)] == [1] * len(sizes)
     # test_kernels' STEP_TOL: the kernels place the reference's FMAs, so what may differ is
     # beta**step (fp64 by squaring vs pow: ~1e-16 relative before rounding to fp32) - 1e-5
@@ -443,7 +443,7 @@ def test_triton_accumulate_mixes_vector_tail_and_scalar_rows(device):
     tb.clear_table_cache()
     tb.accumulate(flat, offsets, grads, -1.5, False, found_inf, sumsq)
     reference.accumulate(want, offsets, grads, -1.5, False, ref_inf, ref_sumsq)
-    (plan,) = tb._table_cache.values()
+    ((_, plan),) = tb._table_cache.values()
     assert _row_flags(plan.launches[0][1]) == [1 - i % 2 for i in range(len(sizes))]
     assert torch.equal(flat, want)  # same two roundings (no FMA contraction), padding untouched
     assert found_inf.item() == 0.0
@@ -579,6 +579,178 @@ def test_triton_accumulates_past_2_pow_31_elements():
     assert torch.isnan(sumsq)
 
 
+# --- caller plans: plan= (issue 10 item 5) ---------------------------------------------------
+
+
+def _bf16_or_fp32(n, gen, device, bf16):
+    return torch.randn(n, generator=gen).to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_accumulate_with_a_plan_follows_new_gradients_and_dtypes(device):
+    """A window's micro-batches under one plan: every call has new gradient tensors (new
+    addresses), one of them changes dtype between calls, the first call overwrites; then a
+    subset of the slots under another plan, and the accumulator moved under the first plan.
+    Bit-exact against the reference (the kernels round as it does: no FMA contraction) with
+    the statistics of each call."""
+    gen = torch.Generator().manual_seed(41)
+    sizes = [1, 5, 64, 131, 1029, 3]
+    flat, offsets, _ = _flat_views(sizes, device)
+    flat.copy_(torch.randn(flat.numel(), generator=gen))
+    want = flat.clone()
+    plan = object()
+    for call in range(4):
+        grads = [_bf16_or_fp32(n, gen, device, bf16=i != 2 or call % 2) for i, n in enumerate(sizes)]
+        if call == 2:
+            grads[4][7] = float("inf")
+        stats = [torch.zeros((), device=device), torch.full((), 0.25, device=device)]
+        ref_stats = [torch.zeros((), device=device), torch.full((), 0.25, device=device)]
+        tb.accumulate(flat, offsets, grads, 0.75, call == 0, *stats, plan=plan)
+        reference.accumulate(want, offsets, grads, 0.75, call == 0, *ref_stats)
+        assert torch.equal(flat, want), call
+        assert stats[0].item() == ref_stats[0].item() == (call >= 2)  # the inf stays in the sum
+        # summed in another order than the reference's per-slice dots: a few ulp of fp32
+        torch.testing.assert_close(stats[1], ref_stats[1], rtol=2e-5, atol=0.0)
+    # a changed active set: slots 1 and 4 only, as the window passes a partial bucket
+    subset = torch.tensor([offsets[1].item(), offsets[4].item()])
+    grads = [_bf16_or_fp32(sizes[i], gen, device, bf16=True) for i in (1, 4)]
+    tb.accumulate(flat, subset, grads, -2.0, False, plan=object())
+    reference.accumulate(want, subset, grads, -2.0, False)
+    assert torch.equal(flat, want)
+    # the accumulator reallocated (a model moved): its address is part of the plan's key
+    flat2 = flat.clone()
+    grads = [_bf16_or_fp32(n, gen, device, bf16=True) for n in sizes]
+    tb.accumulate(flat2, offsets, grads, 1.0, False, plan=plan)
+    reference.accumulate(want, offsets, grads, 1.0, False)
+    assert torch.equal(flat2, want)
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_plan_checks_its_first_call_and_every_new_dtype(device):
+    """A plan's first call is checked like an unplanned miss (a gradient too big for its slice
+    is refused, and no plan is kept); later calls check each dtype they have not seen."""
+    flat, offsets, _ = _flat_views([5, 9], device)
+    plan = object()
+    with pytest.raises(ValueError, match=r"grads\[1\]"):
+        tb.accumulate(flat, offsets, [torch.ones(5, device=device), torch.ones(200, device=device)], 1.0, False, plan=plan)
+    tb.accumulate(flat, offsets, [torch.ones(5, device=device), torch.ones(9, device=device)], 1.0, True, plan=plan)
+    bad = [torch.ones(5, device=device), torch.ones(9, device=device, dtype=torch.float64)]
+    with pytest.raises(ValueError, match=r"grads\[1\] must be bfloat16, float16 or float32"):
+        tb.accumulate(flat, offsets, bad, 1.0, False, plan=plan)
+    assert flat[:5].tolist() == [1.0] * 5 and flat[64:73].tolist() == [1.0] * 9
+
+
+def _planned_step_inputs(sizes, device, gen):
+    """AdamW's lists as the optimizer passes them: accs, masters and states are views of flat
+    fp32 buffers (64-element slices), the bf16 parameters are the model's own tensors."""
+    flats = [_flat_views(sizes, device) for _ in range(4)]
+    for flat, _, _ in flats:
+        flat.copy_(torch.randn(flat.numel(), generator=gen))
+    flats[3][0].abs_()  # exp_avg_sq >= 0
+    accs, masters, m, v = (views for _, _, views in flats)
+    lp = [torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16) for n in sizes]
+    return accs, masters, m, v, lp
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_adamw_with_a_plan_follows_new_parameters_active_sets_and_moved_buffers(device):
+    """Steps under one plan: new bf16 parameter tensors (the model's, re-read each call); a
+    partial active set under its own plan; the flat buffers reallocated as a whole (the first
+    addresses are checked); the fused last micro-batch with new gradients under its plan. Each
+    against the reference on copies."""
+    gen = torch.Generator().manual_seed(43)
+    sizes = [1, 7, 64, 131, 1029]
+    accs, masters, m, v, lp = _planned_step_inputs(sizes, device, gen)
+    steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32, device=device)
+    lr, coef = torch.tensor(1e-2, device=device), torch.tensor(0.5, device=device)
+    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
+    want = [[t.clone() for t in ts] for ts in (masters, m, v)]
+
+    def step(rows, plan, lp_now, grads=()):
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        wlp = [t.clone() for t in lp_now]
+        tb.adam_step(pick(masters), pick(m), pick(v), pick(accs), steps[rows], lr, coef, lp_params=lp_now,
+                     grads=list(grads), plan=plan, **hyper)  # fmt: skip
+        reference.adam_step(pick(want[0]), pick(want[1]), pick(want[2]), pick(accs), steps[rows], lr, coef,
+                            lp_params=wlp, grads=list(grads), **hyper)  # fmt: skip
+        for got, exp in zip(masters + m + v, want[0] + want[1] + want[2]):
+            # test_kernels' STEP_TOL: beta**step in another order than the reference, 1e-5
+            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+        for got, exp in zip(lp_now, wlp):  # both round the same fp32 master to bf16
+            torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+    every, plan = list(range(len(sizes))), object()
+    step(every, plan, lp)
+    step(every, plan, [t.clone() for t in lp])  # the model's tensors replaced: new addresses
+    step([0, 3, 4], object(), [lp[i] for i in (0, 3, 4)])  # a changed active set
+    # the optimizer's buffers moved as a whole (to_empty, a rehome): same plan, new addresses
+    for xs, ws in ((masters, want[0]), (m, want[1]), (v, want[2]), (accs, None)):
+        moved = _flat_views(sizes, device)
+        for i, x in enumerate(xs):
+            moved[2][i].copy_(x)
+        xs[:] = moved[2]
+    step(every, plan, lp)
+    # the fused last micro-batch: its gradients are new each window, bf16 then fp32
+    fused = object()
+    for bf16 in (True, False):
+        step(every, fused, lp, [_bf16_or_fp32(n, gen, device, bf16) for n in sizes])
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["sgd", "lion"])
+def test_triton_fp32_step_with_a_plan_rereads_the_parameters(device, algo):
+    """fp32 parameters that are their own master (no lp_params) belong to the model: under a
+    plan they are read each call, so new parameter tensors are updated, not the old ones."""
+    gen = torch.Generator().manual_seed(47)
+    sizes = [3, 67, 1025]
+    accs = _flat_views(sizes, device)[2]
+    flat, _, bufs = _flat_views(sizes, device)
+    flat.copy_(torch.randn(flat.numel(), generator=gen))
+    for a in accs:
+        a.copy_(torch.randn(a.numel(), generator=gen))
+    steps = torch.full((len(sizes),), 4.0, device=device)
+    lr, coef = torch.tensor(0.05, device=device), torch.tensor(1.0, device=device)
+    if algo == "sgd":
+        hyper = dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True, maximize=False)
+    else:
+        hyper = dict(beta1=0.9, beta2=0.99, weight_decay=0.01, maximize=True)
+    call = {"sgd": lambda b, *a, **k: b.sgd_step(*a, **k), "lion": lambda b, *a, **k: b.lion_step(*a, **k)}[algo]
+    want_b = [b.clone() for b in bufs]
+    plan = object()
+    for _ in range(2):
+        params = [torch.randn(n, generator=gen).to(device) for n in sizes]  # new tensors each call
+        want_p = [p.clone() for p in params]
+        call(tb, params, bufs, accs, steps, lr, coef, plan=plan, **hyper)
+        call(reference, want_p, want_b, accs, steps, lr, coef, **hyper)
+        for got, exp in zip(params + bufs, want_p + want_b):
+            torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)  # one fp32 update: a few ulp
+
+
+def test_ops_pass_the_plan_to_triton_only():
+    """ops.* take plan= for the eager path: the triton backend receives it, the others never
+    see it (their functions take no such argument), and an op without plan= calls as before."""
+    from fused_accum import ops
+
+    seen = []
+    real = tb.accumulate
+    flat, offsets, _ = _flat_views([3], "cpu")
+    grads = [torch.ones(3)]
+    try:
+        tb.accumulate = lambda *args, **kwargs: seen.append(kwargs)
+        plan = object()
+        ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton", plan=plan)
+        ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton")
+    finally:
+        tb.accumulate = real
+    assert seen == [{"plan": plan}, {}]
+    ops.accumulate(flat, offsets, grads, 2.0, True, None, None, "reference", plan=object())
+    assert flat[:3].tolist() == [2.0, 2.0, 2.0]
+
+
 # --- the host-time benchmark (issue 10 item 5) -----------------------------------------------
 
 
@@ -600,8 +772,11 @@ def test_host_benchmark_runs_every_row_and_restores_the_kernels(tmp_path):
         rows = list(csv.DictReader(f))
     cases = [(r["op"], r["case"], r["tensors"]) for r in rows]
     assert cases == [("floor: map(data_ptr)", "-", "2048")] + [
-        (op, case, str(n)) for n in (16, 2048) for op in ("accumulate", "adamw") for case in ("hit", "miss")
+        (op, case, str(n)) for n in (16, 2048) for op in ("accumulate", "adamw", "sgd", "lion")
+        for case in ("plan", "plan, new", "no plan")
+    ]  # fmt: skip
+    assert all(0 < float(r["p10_ms"]) <= float(r["median_ms"]) <= float(r["p90_ms"]) for r in rows)
+    # the verdict columns are filled exactly for the goal rows (2,048 tensors, planned, cached)
+    assert [(r["op"], r["goal_ms"]) for r in rows if r["goal_ms"]] == [
+        ("accumulate", "0.5"), ("adamw", "1.0"), ("sgd", "1.0"), ("lion", "1.0")
     ]
-    assert all(float(r["median_ms"]) > 0 for r in rows)
-    # the verdict columns are filled exactly for the two goal rows (2,048 tensors, cache hit)
-    assert [r["goal_ms"] for r in rows if r["goal_ms"]] == ["0.5", "1.0"]
