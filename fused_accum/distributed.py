@@ -21,6 +21,11 @@ Sharded modes (``shard=``, see :class:`~fused_accum.flat.Sharding` for the layou
 
 The window's norm and non-finite flag are then sums of per-rank parts: one all-reduce of a
 2-element tensor, on the device (no host sync).
+
+DTensor parameters (FSDP2's ``fully_shard``) bring their own reduction: FSDP2 reduce-scatters
+every micro-batch's gradient into the sharded parameter's ``.grad``. The optimizer then takes
+``.grad`` at the step as under DDP (:func:`ddp_wrapping` says so), and the window's norm and
+non-finite flag, computed from the local shards, are summed over the mesh (:class:`ShardSums`).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .flat import Sharding
+from .flat import Sharding, is_dtensor
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -40,13 +45,20 @@ SHARD_MODES = (None, "state", "grads")
 
 
 def ddp_wrapping(params) -> bool:
-    """Whether a live DistributedDataParallel module manages any of ``params``.
+    """Whether another engine fills and reduces ``.grad`` of any of ``params``: a live
+    DistributedDataParallel module, or DTensor parameters (FSDP2's ``fully_shard``, tensor
+    parallelism). The window's hooks then stand aside and the step takes ``.grad``.
 
     DDP reads each gradient in a hook that runs after ours (on the AccumulateGrad node, while
     ours is the parameter's post-accumulate-grad hook), so it must see autograd's ``.grad``.
-    Asked once per optimizer, at its first backward, and only in a multi-process run: it walks
-    the objects the garbage collector tracks (tens of ms for a large program).
+    FSDP2 runs autograd on unsharded copies and sets the sharded parameter's ``.grad`` (a
+    DTensor) after its reduce-scatter, adding to it on later micro-batches. Asked once per
+    optimizer; for plain parameters only in a multi-process run: it walks the objects the
+    garbage collector tracks (tens of ms for a large program).
     """
+    params = list(params)
+    if any(is_dtensor(p) for p in params):
+        return True
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
     from torch.nn.parallel import DistributedDataParallel
@@ -56,6 +68,40 @@ def ddp_wrapping(params) -> bool:
         isinstance(obj, DistributedDataParallel) and any(id(p) in wanted for p in obj._module_parameters)
         for obj in gc.get_objects()
     )
+
+
+class ShardSums:
+    """Sums a statistic of the local shards of DTensor ``params`` (the window's sum of squares
+    and non-finite count) over the ranks holding the other shards, to the whole parameters':
+    one all-reduce per mesh dimension along which they are sharded (FSDP2: its one dimension;
+    HSDP: the shard dimension, replicas holding equal values).
+
+    Sums only add up when every parameter is split the same way: all DTensors on one mesh,
+    sharded along the same mesh dimensions (plain parameters, held whole by every rank, would
+    be counted once per rank)."""
+
+    def __init__(self, params) -> None:
+        layouts = {(p.device_mesh, tuple(d for d, pl in enumerate(p.placements) if pl.is_shard()))
+                   if is_dtensor(p) else None for p in params}  # fmt: skip
+        if len(layouts) != 1 or None in layouts:
+            raise NotImplementedError(
+                "max_grad_norm= and skip_nonfinite= with DTensor parameters need every trainable "
+                "parameter to be a DTensor on one device mesh, sharded along the same mesh "
+                "dimensions (as fully_shard on the root module leaves them); clip with "
+                "torch.nn.utils.clip_grad_norm_ on .grad instead")  # fmt: skip
+        mesh, dims = layouts.pop()
+        self.groups = [mesh.get_group(d) for d in dims]
+        # The last two calls' tensors and Works stay referenced (see WindowReducer._settle).
+        self._held: list = []
+
+    def sum_(self, value: Tensor) -> Tensor:
+        """``value`` replaced by its sum over the shards, in place (no host sync)."""
+        for group in self.groups:  # one after the other: each sums the last one's result
+            work = dist.all_reduce(value, group=group, async_op=True)
+            work.wait()
+            self._held.append((value, work))
+        self._held = self._held[-2 * len(self.groups):]
+        return value
 
 
 class WindowReducer:

@@ -15,6 +15,11 @@ parts, concatenated in buffer order (``local_numel = total / world`` elements), 
 gets a partial piece, one that lies elsewhere gets none). ``shard="grads"`` shards the
 accumulator the same way. Without sharding the layout is exactly the unsharded one.
 
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) are stored here by their local
+shard (:func:`local_tensor`): the slices, masters and state cover what this rank holds, the step
+updates the local shard in place (FSDP2's own storage), and :meth:`FlatGroup.state_view` wraps
+the state back into DTensors of the parameter's mesh and placements, as torch.optim's is.
+
 This layer knows nothing of hooks, windows or algorithms. It holds no reference cycles (slots
 name their flat group and bucket by index), so an optimizer's buffers are freed the moment the
 optimizer is, without waiting for the cyclic garbage collector.
@@ -22,6 +27,7 @@ optimizer is, without waiting for the cyclic garbage collector.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Optional
 
 import torch
@@ -30,6 +36,22 @@ from torch import Tensor
 ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (about a second):
+    no tensor can be one unless that module was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """What this rank stores of ``t``: a DTensor's local shard (for an FSDP2 parameter, a view
+    of FSDP2's sharded storage, so in-place writes update the parameter), any other tensor itself."""
+    if is_dtensor(t):
+        with torch.no_grad():  # (to_local() is differentiable under grad mode: a plain alias here)
+            return t.to_local()
+    return t
 
 
 def padded_offsets(numels) -> tuple[list[int], int]:
@@ -123,7 +145,7 @@ class FlatGroup:
         self.dtype, self.device, self.backend = dtype, device, backend
         self.sharding = sharding
         self.has_master = dtype in LOW_PRECISION and master_weights
-        numels = [p.numel() for p in params]
+        numels = [local_tensor(p).numel() for p in params]
         members = bucket_members(numels, bucket_numel)
         world = sharding.world if sharding is not None else 1
         # Offsets in registration order; each bucket's end padded to ALIGN * world (a no-op
@@ -177,7 +199,7 @@ class FlatGroup:
 
     def _set_views(self, slot: Slot) -> None:
         """Point ``slot``'s acc / grad_view / master / state at the buffers."""
-        p, off = slot.param, slot.offset
+        p, off = local_tensor(slot.param), slot.offset
         if self.sharding is None:
             window = slice(off, off + p.numel())
             slot.acc = self.acc[window]
@@ -227,7 +249,7 @@ class FlatGroup:
         """(tensor the step updates, low-precision tensor to write or None) for ``slot``."""
         # The param as it is (any strides: a channels_last weight cannot be viewed as 1-D); the
         # backends walk it in logical order, the order of its accumulator slice.
-        param = slot.param.detach()
+        param = local_tensor(slot.param.detach())
         if self.has_master:
             return slot.master, param
         return param, None
@@ -293,11 +315,37 @@ class FlatGroup:
 
     def param_piece(self, slot: Slot) -> Tensor:
         """The elements of ``slot``'s parameter (flattened, detached) whose master and state
-        this rank holds: all of them without sharding."""
-        flat = slot.param.detach().reshape(-1)
+        this rank holds: all of them without sharding (a DTensor's: its local shard)."""
+        flat = local_tensor(slot.param.detach()).reshape(-1)
         if self.sharding is None:
             return flat
         return flat[slot.piece[0] : slot.piece[1]] if slot.piece is not None else flat[:0]
+
+    def local_grad(self, slot: Slot, grad: Tensor) -> Tensor:
+        """A ``.grad`` as this group stores it: for a DTensor parameter, the local shard of its
+        gradient in the parameter's placements (FSDP2's is already; a Partial one from tensor
+        parallelism is reduced first, as torch.optim's DTensor arithmetic would)."""
+        p = slot.param
+        if not is_dtensor(grad):
+            return grad
+        if grad.placements != p.placements or grad.device_mesh != p.device_mesh:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        return local_tensor(grad)
+
+    def local_value(self, slot: Slot, value: Tensor) -> Tensor:
+        """A loaded state value for ``slot`` as this group stores it: a DTensor's local shard
+        (placed as the parameter is); for a DTensor parameter, a plain tensor of the whole
+        parameter's shape (torch's full state dict, an unsharded optimizer's) is cut to this
+        rank's shard without communication; anything else is taken as it is."""
+        p = slot.param
+        if is_dtensor(value):
+            return self.local_grad(slot, value)
+        if is_dtensor(p) and value.shape == p.shape and value.shape != local_tensor(p).shape:
+            from torch.distributed.tensor import distribute_tensor
+
+            # src_data_rank=None: every rank cuts its own shard of the value it holds
+            return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        return value
 
     def piece_of(self, slot: Slot, value: Tensor) -> Tensor:
         """A loaded 1-D ``value`` for ``slot``'s master or state: sharded, a whole parameter's
@@ -309,8 +357,16 @@ class FlatGroup:
 
     def state_view(self, slot: Slot, buf: Tensor) -> Tensor:
         """``buf`` (a slot's master or state view) as ``opt.state`` shows it: shaped like the
-        parameter, or sharded, the 1-D piece this rank holds (possibly empty)."""
-        return buf if self.sharding is not None else buf.view(slot.param.shape)
+        parameter, or sharded, the 1-D piece this rank holds (possibly empty). For a DTensor
+        parameter a DTensor over ``buf`` (no copy: in-place edits go through) with the
+        parameter's mesh, placements and global shape, as torch.optim keeps its state."""
+        if self.sharding is not None:
+            return buf
+        p = slot.param
+        if is_dtensor(p):
+            return type(p).from_local(buf.view(local_tensor(p).shape), p.device_mesh, p.placements,
+                                      run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
+        return buf.view(p.shape)
 
     def ensure_state(self, key: str) -> None:
         """Allocate an optimizer state buffer first needed after construction (momentum turned

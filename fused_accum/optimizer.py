@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .distributed import SHARD_MODES, WindowReducer
-from .flat import LOW_PRECISION, SUPPORTED_DTYPES, FlatGroup, Slot, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
+from .distributed import SHARD_MODES, ShardSums, WindowReducer
+from .flat import LOW_PRECISION, SUPPORTED_DTYPES, FlatGroup, Slot, is_dtensor, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
 from .window import GradientWindow
 
 logger = logging.getLogger("fused_accum")
@@ -275,6 +275,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer
         self._generic_params: dict = {}  # id(param) -> what the inner optimizer steps
+        self._shard_sums: Optional[ShardSums] = None  # DTensor params: sums the window's stats over the mesh
         self._attached = False
         super().__init__(params, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
@@ -352,11 +353,33 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
             window.add(flat)
             new_slots.extend(flat.slots)
+        if any(is_dtensor(s.param) for s in new_slots):
+            self._adopt_dtensors()
         if self._generic_class is not None:
             self._add_generic_params(group, group_index, new_slots)
         if self._attached:
             window.attach(new_slots)
         return new_slots
+
+    def _adopt_dtensors(self) -> None:
+        """DTensor parameters (FSDP2's ``fully_shard``): FSDP2 reduce-scatters every micro-batch's
+        gradient into the sharded parameter's ``.grad`` and adds later micro-batches to it, so the
+        window's hooks stand aside, as under DDP, and the step takes ``.grad``'s local shard.
+        Decided now rather than at the first backward: a step may come first (torch.distributed.
+        checkpoint's ``set_optimizer_state_dict`` steps with zero gradients to make state)."""
+        if self._config["process_group"] is not None:
+            raise ValueError("the parameters are DTensors (FSDP2's fully_shard or tensor parallelism), "
+                             "whose gradients FSDP2 reduces: process_group= and shard= cannot be added")  # fmt: skip
+        if self._generic_class is not None:
+            raise ValueError(f"optimizer={self._generic_class.__name__} cannot step DTensor parameters "
+                             "(it would see local shards as whole parameters); use a fused algorithm "
+                             "(sgd, adam, adamw, lion)")  # fmt: skip
+        # ddp_wrapping says yes for DTensor params, without walking the garbage collector
+        if not self._window._check_native():
+            raise ValueError("DTensor parameters cannot join an optimizer whose plain parameters "
+                             "already took gradients through its hooks")  # fmt: skip
+        if self.max_grad_norm is not None or self.skip_nonfinite:
+            self._shard_sums = ShardSums(s.param for s in self._window.slots)
 
     def _state_keys(self, group) -> tuple:
         if self._algorithm is None:
@@ -527,7 +550,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         for slot in window.slots:
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
-                window.take_user_grad(slot, grad)
+                window.take_user_grad(slot, window.flat_groups[slot.flat_index].local_grad(slot, grad))
             elif grad is None and window.native:
                 slot.has_grad = False  # under DDP .grad is autograd's: None means no gradient
 
@@ -565,6 +588,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             stats = window.complete_stats()
             total = sum(sumsq.to(home) for _, sumsq in stats.values())
             any_inf = sum(flag.to(home) for flag, _ in stats.values())
+            if self._shard_sums is not None:  # DTensor params: the stats of local shards
+                both = self._shard_sums.sum_(torch.stack([total, any_inf]))
+                total, any_inf = both[0], both[1]
             # inf/nan anywhere makes the sum of squares non-finite too
             nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
             norm = total.sqrt() * coef
@@ -710,7 +736,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             entry = state.setdefault(index_of[id(p)], {})
             if slot.master is not None:
                 entry["master"] = window.flat_groups[slot.flat_index].state_view(slot, slot.master).clone()
-            if slot.has_grad and slot.grad_view is not slot.placeholder:  # (sharded: the local sum)
+            # (sharded: the local sum. DTensor params: the window's gradient is FSDP2's .grad, which
+            # a checkpoint does not hold, as with torch.optim; ours is a copy taken by the step)
+            if slot.has_grad and slot.grad_view is not slot.placeholder and not is_dtensor(p):
                 entry["accum"] = slot.grad_view.clone()
         state_dict = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -795,8 +823,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         p = slot.param
         flat = self._window.flat_groups[slot.flat_index]
 
-        def fp32(value):  # (sharded: this rank's piece of a whole parameter's value)
-            return flat.piece_of(slot, value.detach().to(device=flat.device, dtype=torch.float32).reshape(-1))
+        def fp32(value):  # (sharded: this rank's piece of a whole parameter's value; DTensor: its local shard)
+            value = flat.local_value(slot, value.detach())
+            return flat.piece_of(slot, value.to(device=flat.device, dtype=torch.float32).reshape(-1))
 
         if slot.master is not None:
             slot.master.copy_(fp32(entry["master"]) if "master" in entry else flat.param_piece(slot))
