@@ -121,7 +121,7 @@ def _ext_modules():
     # ninja jobs: one per core up to 8 (the 7 sources gain nothing past that); 2 on CI machines.
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
     csrc = lambda *names: [os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))]  # noqa: E731
-    sources = csrc("bindings.cpp", "cpu/*.cpp")
+    sources = csrc("bindings.cpp", "hooks.cpp", "cpu/*.cpp")
     # -fopenmp, as torch's own C++ extensions are built on Linux: without _OPENMP,
     # at::parallel_for (an inline template in torch's headers) runs the whole range on the calling
     # thread. The extension links the libgomp.so.1 that torch already loaded (same soname), so

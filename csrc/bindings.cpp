@@ -1,10 +1,9 @@
 // fused_accum._C: the fused_accum_ext:: operator schemas, their CPU implementations, the argument
-// checks shared with the CUDA implementations (bindings_cuda.cpp), and the Python module stub.
+// checks shared with the CUDA implementations (bindings_cuda.cpp). The Python module itself is in
+// hooks.cpp.
 //
 // Tensors stop here: the checks name the argument and what was expected, strided inputs are made
 // contiguous, and the kernels receive raw pointers (csrc/kernels.h).
-#include <Python.h>  // first, as Python asks: it sets feature macros the C library reads
-
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -254,22 +253,4 @@ TORCH_LIBRARY(fused_accum_ext, m) {
 
 TORCH_LIBRARY_IMPL(fused_accum_ext, CPU, m) {
   fused_accum::binding::register_impls<fused_accum::CpuBackend>(m);
-}
-
-// `import fused_accum._C` loads this library, which registers the ops above. The module itself
-// only says whether the CUDA kernels were compiled in (setup.py defines FA_WITH_CUDA).
-#ifndef FA_WITH_CUDA
-#define FA_WITH_CUDA 0
-#endif
-
-PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "fused_accum._C",
-                               "fused_accum's C++/CUDA kernels, as torch.ops.fused_accum_ext.*",
-                               -1, nullptr};
-  PyObject* m = PyModule_Create(&module);
-  if (m && PyModule_AddIntConstant(m, "built_with_cuda", FA_WITH_CUDA) != 0) {
-    Py_DECREF(m);
-    return nullptr;
-  }
-  return m;
 }

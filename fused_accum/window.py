@@ -3,13 +3,12 @@
 A window is everything between two optimizer steps. While it is open, each parameter's
 gradients are folded into its slice of the flat fp32 accumulator (:mod:`fused_accum.flat`):
 
-1. A tensor pre-hook runs before AccumulateGrad. If ``.grad`` shows our fp32 view (exposed at
-   the end of the last backward), it hides it: else autograd would add the new gradient into
-   the view itself, bypassing the kernels, and we would fold it twice.
-2. Autograd then stores the new gradient as ``p.grad`` in its own dtype (``p.grad_dtype = None``
-   for bf16/fp16 params stops autograd casting it), and a post-accumulate-grad hook moves it to
-   the parameter's bucket. A complete bucket is one ``accumulate_`` call; the window's first
-   gradient of a slice overwrites it, so no zeroing pass is needed.
+1. Hooks on each parameter's AccumulateGrad node (:mod:`fused_accum.arrivals`, in C++ where the
+   extension is built) hide a ``.grad`` showing our fp32 view before autograd could add into it,
+   and take the new gradient (in its own dtype: ``p.grad_dtype = None`` for bf16/fp16 params
+   stops autograd casting it) into the parameter's bucket.
+2. A complete bucket is one ``accumulate_`` call (``_fold``); the window's first gradient of a
+   slice overwrites it, so no zeroing pass is needed.
 3. A callback queued on the autograd engine flushes partial buckets, counts the micro-batch and
    sets every ``p.grad`` that has a gradient to the fp32 running sum (a view of the buffer),
    after every backward, exactly where native accumulation would show a ``.grad``.
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from .arrivals import make_arrivals
 from .distributed import ddp_wrapping
 from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
 
@@ -108,32 +108,24 @@ def wgrad_target(param: Tensor) -> Optional[WgradTarget]:
     return None if window is None else window.wgrad_target(param)
 
 
-def _hide_exposed_grad(window_ref, key: int, grad: Tensor) -> None:
-    """Tensor pre-hook (before AccumulateGrad)."""
+# The hooks' calls into the window (see fused_accum.arrivals). They hold it weakly: no reference
+# cycle through the parameters' autograd nodes, nothing of the optimizer kept alive.
+def _before_backward(window_ref) -> None:
     window = window_ref()
     if window is not None:
-        window._before_accumulate(key)
+        window._before_backward()
 
 
-def _take_grad(window_ref, key: int, param: Tensor) -> None:
-    """Post-accumulate-grad hook."""
+def _queue_end(window_ref) -> None:
     window = window_ref()
     if window is not None:
-        window._receive(key, param)
+        window._queue_end_of_backward(arrived=True)
 
 
-def _complete(bucket: Bucket) -> bool:
-    """Every slot of ``bucket`` has arrived in this backward (as a tensor or in place)."""
-    n = len(bucket.arrived)
-    if bucket.in_place:
-        n += len(bucket.in_place.difference(bucket.arrived))
-    return n == len(bucket.slots)
-
-
-def _remove_handles(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
+def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:
+    window = window_ref()
+    if window is not None:
+        window._bucket_complete(bucket_id, grads)
 
 
 class GradientWindow:
@@ -157,7 +149,11 @@ class GradientWindow:
         self._stats: dict = {}  # device -> (found_inf, sumsq) of the current window
         self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
         self._lock = threading.RLock()
-        self._handles: list = []
+        this = weakref.ref(self)
+        self._arrivals = make_arrivals(functools.partial(_before_backward, this),
+                                       functools.partial(_queue_end, this),
+                                       functools.partial(_bucket_complete, this))  # fmt: skip
+        self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
         self._no_sync = False
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
@@ -167,7 +163,7 @@ class GradientWindow:
         # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
         # the step takes it as a user-assigned gradient (see _check_native).
         self.native: Optional[bool] = None
-        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._finalizer = weakref.finalize(self, self._arrivals.detach_all)
 
     # --- membership ------------------------------------------------------------------------
 
@@ -177,6 +173,13 @@ class GradientWindow:
                 slot.placeholder = ShardedGrad(slot.param, flat.sharding.mode)
                 if flat.shards_grads:
                     slot.grad_view = slot.placeholder  # there is never a full gradient
+        first_bucket = len(self._bucket_ids)
+        self._bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
+        positions = {s.key: (first_bucket + b, pos) for b, bucket in enumerate(flat.buckets)
+                     for pos, s in enumerate(bucket.slots)}  # fmt: skip
+        self._arrivals.extend([len(b.slots) for b in flat.buckets],
+                              [positions[s.key][0] for s in flat.slots],
+                              [positions[s.key][1] for s in flat.slots])  # fmt: skip
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
@@ -204,20 +207,17 @@ class GradientWindow:
             if p.dtype in LOW_PRECISION:
                 # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
                 p.grad_dtype = None
-            # The hooks carry the window weakly and the slot by number: no reference cycle
-            # through the parameter, and nothing of the optimizer kept alive.
-            self._handles.append(p.register_hook(functools.partial(_hide_exposed_grad, this, slot.key)))
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_take_grad, this, slot.key)))
+            self._arrivals.attach(slot.key, p)
 
     def detach(self, reason: str) -> None:
         """Stop taking gradients (autograd fills ``.grad`` natively again) and give up the
         parameters; warns if the window held gradients that are now discarded."""
         if self.detached_because is not None:
             return
-        if any(s.has_grad for s in self.slots) or any(b.arrived for f in self.flat_groups for b in f.buckets):
+        if self.pending():
             warnings.warn(f"{self._label} was detached ({reason}) with gradients accumulated in its "
                           "window: they are discarded", stacklevel=4)  # fmt: skip
-        _remove_handles(self._handles)
+        self._arrivals.detach_all()
         for slot in self.slots:
             if owner(slot.param) is self:
                 del _OWNERS[id(slot.param)]
@@ -236,41 +236,28 @@ class GradientWindow:
         """Decide once, at the first backward, whether the hooks must stand aside for DDP."""
         if self.native is None:
             self.native = self.reducer is None and ddp_wrapping(s.param for s in self.slots)
+            self._arrivals.native = self.native
         return self.native
 
-    def _before_accumulate(self, key: int) -> None:
-        if self.native is not False and self._check_native():
-            return
-        if self._reduced:
-            self._reduced_error()
-        if self._exposed:
-            self.reconcile(before_backward=True)
-        slot = self.slots[key]
-        if slot.param.grad is slot.grad_view:
-            slot.param.grad = None
-            # Re-exposed at the end of this backward, even one that never reaches AccumulateGrad
-            # (torch.autograd.grad runs tensor hooks too).
-            self._queue_end_of_backward(arrived=False)
+    def _before_backward(self) -> None:
+        """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
+        gradient is taken): DDP, a reduce-scattered window, and what the user did to an exposed
+        ``.grad``."""
+        with self._lock:
+            if self._check_native():
+                return
+            if self._reduced:
+                self._reduced_error()
+            if self._exposed:
+                self.reconcile(before_backward=True)
+            self._arrivals.slow = False
 
-    def _receive(self, key: int, param: Tensor) -> None:
-        # The hot path (once per parameter per backward): plain attribute and dict work only;
-        # the rarer checks (sparse, moved, step_in_backward misuse) are made once per bucket.
-        grad = param.grad
-        if grad is None or self.native is not False and self._check_native():
-            return
-        param.grad = None
-        slot = self.slots[key]
-        with self._lock:  # autograd runs one thread per device: buckets may span devices' hooks
-            task = _current_graph_task_id()
-            if self._tasks.get(task) is not True:
-                self._queue_end_of_backward(arrived=True)
-            flat = self.flat_groups[slot.flat_index]
-            bucket = flat.buckets[slot.bucket_index]
-            arrived = bucket.arrived
-            earlier = arrived.get(key)
-            arrived[key] = grad if earlier is None else earlier + grad
-            if len(arrived) == len(bucket.slots) or bucket.in_place and _complete(bucket):
-                self._fold(flat, bucket, complete=True)
+    def _bucket_complete(self, bucket_id: int, grads: list) -> None:
+        """Every slot of a bucket has arrived in this backward: fold them."""
+        with self._lock:
+            flat_index, bucket_index = self._bucket_ids[bucket_id]
+            flat = self.flat_groups[flat_index]
+            self._fold(flat, flat.buckets[bucket_index], grads, complete=True)
 
     def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
         slot = self._slot_of.get(id(param))
@@ -283,7 +270,6 @@ class GradientWindow:
             return None  # no full accumulator slice to write into
         if self._reduced:
             self._reduced_error()
-        bucket = flat.buckets[slot.bucket_index]
         with self._lock:
             self._queue_end_of_backward(arrived=True)
             # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
@@ -292,10 +278,8 @@ class GradientWindow:
 
         def done() -> None:
             with self._lock:
-                self._mark_folded(slot, stats=False)
-                bucket.in_place.add(slot.key)
-                if _complete(bucket):
-                    self._fold(flat, bucket, complete=True)
+                self._mark_folded([slot], stats=False)
+                self._arrivals.arrive_in_place(slot.key)  # may complete the bucket: a fold
 
         return WgradTarget(slot.full_view if flat.sharding else slot.grad_view, overwrite, flat.backend, done)
 
@@ -329,84 +313,100 @@ class GradientWindow:
             return False  # (shard="grads" reduce-scatters every backward; the step averages)
         return self.accum_steps is None or self._no_sync_used or self.microbatches >= self.accum_steps - 1
 
-    def _mark_folded(self, slot: Slot, stats: bool) -> None:
-        if slot.folded_in == self.microbatches:
-            self._pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
-        if slot.in_stats or (slot.folded_in == self.microbatches and stats):
-            self.invalidate_stats()  # its value in the norm/flag is no longer final
-        elif stats:
-            slot.in_stats = True
-        slot.folded_in = self.microbatches
-        slot.has_grad = True
+    def _mark_folded(self, slots: list, stats: bool) -> None:
+        """``slots`` received a gradient in this micro-batch; ``stats``: the fold added it to the
+        window's norm and non-finite flag."""
+        now = self.microbatches
+        stale = False  # a value in the norm/flag is no longer final
+        for slot in slots:
+            if slot.folded_in == now:
+                self._pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
+                stale = True  # (then stats is False: see _fold)
+            elif slot.in_stats:
+                stale = True
+            elif stats:
+                slot.in_stats = True
+            slot.folded_in = now
+            slot.has_grad = True
+        if stale:
+            self.invalidate_stats()
         self._unreduced = True
 
-    def _fold(self, flat: FlatGroup, bucket: Bucket, complete: bool = False) -> None:
-        """One op call per (overwrite, add) kind for the bucket's arrived gradients: an
-        accumulate, or on the last micro-batch with ``step_in_backward`` the fused step."""
-        arrived, bucket.arrived = bucket.arrived, {}
-        in_order = [s for s in bucket.slots if s.key in arrived]  # accumulate takes increasing offsets
-        if self.stepped_in_backward and in_order:
+    def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, complete: bool = False) -> None:
+        """Fold the gradients that arrived for ``bucket`` (``grads`` by position in it, None where
+        nothing arrived as a tensor): one op call per (overwrite, add) kind, an accumulate, or on
+        the window's last micro-batch with ``step_in_backward`` the fused step."""
+        if any(g is None for g in grads):  # (not `None in grads`: that compares tensors with ==)
+            arrived = [(s, g) for s, g in zip(bucket.slots, grads) if g is not None]
+            in_order, grads = [s for s, _ in arrived], [g for _, g in arrived]
+        else:
+            in_order = bucket.slots  # (accumulate takes increasing offsets: bucket order)
+        if in_order:
+            self._fold_arrived(flat, bucket, in_order, grads)
+        if complete:
+            if flat.shards_grads:
+                self.reducer.bucket_staged(self.flat_groups, bucket)
+            elif self._syncs():
+                self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
+
+    def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list) -> None:
+        if self.stepped_in_backward:
             raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
                                f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
-        for slot in in_order:
-            if arrived[slot.key].is_sparse:
+        for slot, grad in zip(in_order, grads):
+            if grad.layout != torch.strided:
                 raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
-        if in_order and arrived[in_order[0].key].device != flat.device:  # the model moved after the optimizer was built
+        if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self._rehome()(flat)
         fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
         # On the window's last backward the values written are final: the same pass adds them
         # to the window's norm and non-finite flag (unless a reduction changes them after).
         local_stats = self._last_backward() and self.wants_stats and not self._syncs()
-        # Partitioned before folding: a fold sets has_grad.
-        kinds = [(True, [s for s in in_order if not s.has_grad]), (False, [s for s in in_order if s.has_grad])]
-        for overwrite, slots in kinds:
-            if not slots:
-                continue
-            grads = [arrived[s.key] for s in slots]
+        # Partitioned before folding (a fold sets has_grad): the window's first gradient of a
+        # slot overwrites it, later ones add. Usually a whole bucket is one kind.
+        first = [not s.has_grad for s in in_order]
+        if all(first) or not any(first):
+            kinds = [(first[0], in_order, grads)]
+        else:
+            kinds = [(kind, [s for s, f in zip(in_order, first) if f is kind],
+                      [g for g, f in zip(grads, first) if f is kind]) for kind in (True, False)]  # fmt: skip
+        for overwrite, slots, kind_grads in kinds:
             if fuse_step:
                 if any(s.stepped for s in slots):
                     raise RuntimeError(f"{self._label}: a parameter received a second gradient after "
                                        "step_in_backward stepped it (a layer reused under several "
                                        "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
                 fused_step = self._fused_step()
-                fused_step(flat, slots, flat.coef.fill_(1.0), None, grads, overwrite)
+                fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
             if flat.shards_grads:  # into the bucket's staging buffer, reduce-scattered after
                 staged = self.reducer.staging_for(flat, bucket)
                 relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
-                ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend)
-                for slot in slots:
-                    self._mark_folded(slot, False)
+                ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend)
+                self._mark_folded(slots, False)
                 continue
-            fresh = [s.folded_in != self.microbatches for s in slots]
-            stats = local_stats and all(fresh)
+            now = self.microbatches
+            stats = local_stats and all(s.folded_in != now for s in slots)
             found_inf, sumsq = self.stats_tensors(flat.device) if stats else (None, None)
             if len(slots) == len(bucket.slots):
                 offsets = bucket.offsets
             else:
                 offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
-            ops.accumulate(flat.acc, offsets, grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
-            for slot in slots:
-                self._mark_folded(slot, stats)
+            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            self._mark_folded(slots, stats)
         if fuse_step:
             for slot in in_order:
                 slot.stepped = True
                 slot.has_grad = False  # stepped from its last gradient: nothing left in the window
                 slot.folded_in = self.microbatches
-        if complete:
-            bucket.in_place.clear()
-            if flat.shards_grads:
-                self.reducer.bucket_staged(self.flat_groups, bucket)
-            elif self._syncs():
-                self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
 
     def flush(self) -> None:
+        """Fold what arrived for buckets this backward did not complete."""
         with self._lock:
-            for flat in self.flat_groups:
-                for bucket in flat.buckets:
-                    if bucket.arrived:
-                        self._fold(flat, bucket)
-                    bucket.in_place.clear()
+            for bucket_id, grads in self._arrivals.take_partial():
+                flat_index, bucket_index = self._bucket_ids[bucket_id]
+                flat = self.flat_groups[flat_index]
+                self._fold(flat, flat.buckets[bucket_index], grads)
 
     # --- end of a backward ----------------------------------------------------------------------
 
@@ -457,6 +457,7 @@ class GradientWindow:
             self.invalidate_stats()  # any local norm described local values
             if self.reducer.sharding is not None and not self.reducer.shards_grads:
                 self._reduced = True  # only this rank's parts hold the group's gradient now
+                self._arrivals.slow = True  # (a backward before the step is an error)
                 for flat in self.flat_groups:
                     for slot in flat.slots:
                         slot.grad_view = slot.placeholder
@@ -466,6 +467,9 @@ class GradientWindow:
         if self.native:
             return  # .grad is autograd's (and DDP's)
         self._exposed = True
+        # The next backward first takes what the user did to .grad (reconcile), and its hooks
+        # then hide the views before autograd could add into them.
+        self._arrivals.slow = self._arrivals.hide = True
         for slot in self.slots:
             p = slot.param
             if slot.has_grad:
@@ -592,7 +596,7 @@ class GradientWindow:
     # --- the window's end ---------------------------------------------------------------------
 
     def pending(self) -> bool:
-        return any(s.has_grad for s in self.slots) or any(b.arrived for f in self.flat_groups for b in f.buckets)
+        return any(s.has_grad for s in self.slots) or self._arrivals.has_arrivals()
 
     def after_step(self) -> None:
         """The optimizer stepped: the next backward starts counting micro-batches anew. The
@@ -623,10 +627,7 @@ class GradientWindow:
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
         from a backward that raised); the next gradient of each slot overwrites it."""
-        for flat in self.flat_groups:
-            for bucket in flat.buckets:
-                bucket.arrived = {}
-                bucket.in_place.clear()
+        self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
         for slot in self.slots:
@@ -634,7 +635,9 @@ class GradientWindow:
                 slot.param.grad = None
 
     def _forget_all(self) -> None:
+        """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
         self._exposed = False
+        self._arrivals.hide = False  # a .grad the user sets now is added to by the next backward
         self._unreduced = False
         if self.reducer is not None:
             self.reducer.reset()

@@ -1,0 +1,308 @@
+// fused_accum._C's Python module, and the per-parameter autograd hooks of a gradient window in C++
+// (fused_accum/arrivals.py has their Python twin and describes what both do).
+//
+// Why C++: the hooks run once per parameter per backward. As Python callables each costs the
+// autograd engine a GIL acquisition and two tensor wraps, several microseconds per parameter, more
+// than torch's own `.grad += g`. Here each is a few pointer operations; Python is called once per
+// complete bucket and once per backward.
+//
+// The hooks are node hooks on each parameter's AccumulateGrad node (which the table keeps alive):
+// unlike tensor hooks they live beside, not instead of, the hooks users register from Python
+// (assigning a tensor's Python hook dict clears its C++ tensor hooks), and, unlike tensor
+// pre-hooks, they run only when AccumulateGrad runs (not for torch.autograd.grad's captures).
+#include <torch/extension.h>
+
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#ifndef FA_WITH_CUDA
+#define FA_WITH_CUDA 0
+#endif
+
+namespace fused_accum {
+namespace {
+
+namespace py = pybind11;
+using torch::autograd::AccumulateGrad;
+using torch::autograd::FunctionPostHook;
+using torch::autograd::FunctionPreHook;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// One bucket's arrivals in the backward now running, by position in the bucket.
+struct BucketArrivals {
+  std::vector<at::Tensor> grads;  // undefined: nothing arrived as a tensor
+  std::vector<char> arrived;      // as a tensor or written in place
+  int64_t count = 0;              // how many positions have arrived
+};
+
+class Arrivals : public std::enable_shared_from_this<Arrivals> {
+ public:
+  Arrivals(py::object before_backward, py::object queue_end, py::object bucket_complete)
+      : before_backward_(std::move(before_backward)),
+        queue_end_(std::move(queue_end)),
+        bucket_complete_(std::move(bucket_complete)) {}
+
+  // New buckets (numbered on from the last) and new slots (keys numbered on from the last), each
+  // slot at a position of a bucket.
+  void extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
+              const std::vector<int64_t>& slot_position) {
+    TORCH_CHECK(slot_bucket.size() == slot_position.size(), "Arrivals.extend: slot tables differ in length");
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t size : bucket_sizes) {
+      TORCH_CHECK(size > 0, "Arrivals.extend: an empty bucket");
+      buckets_.emplace_back();
+      buckets_.back().grads.resize(size);
+      buckets_.back().arrived.assign(size, 0);
+    }
+    for (size_t i = 0; i < slot_bucket.size(); ++i) {
+      const int64_t b = slot_bucket[i], pos = slot_position[i];
+      TORCH_CHECK(b >= 0 && b < (int64_t)buckets_.size() && pos >= 0 &&
+                      pos < (int64_t)buckets_[b].grads.size(),
+                  "Arrivals.extend: slot ", slot_bucket_.size(), " names no bucket position");
+      slot_bucket_.push_back(b);
+      slot_position_.push_back(pos);
+    }
+    nodes_.resize(slot_bucket_.size());
+    hidden_.resize(slot_bucket_.size());
+  }
+
+  // Usually run by Python, with the GIL. A hook that outlived the window's last Python
+  // reference may run it on an autograd thread, without the GIL that releasing Python objects
+  // needs. The hooks are not removed here (this may be inside one of them): they go inert.
+  ~Arrivals() {
+    py::gil_scoped_acquire gil;
+    before_backward_ = py::object();
+    queue_end_ = py::object();
+    bucket_complete_ = py::object();
+  }
+
+  void attach(int64_t key, const at::Tensor& param);
+
+  // The pre-hook: hide a `.grad` that shows the window's running sum, or autograd would add the
+  // new gradient into it itself.
+  void before_accumulate(int64_t key, const at::Tensor& param) {
+    if (standing_aside()) return;
+    if (slow_) {
+      call(before_backward_);
+      if (standing_aside()) return;
+    }
+    if (hide_) {
+      at::Tensor& grad = param.mutable_grad();
+      if (grad.defined()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        hidden_[key] = std::move(grad);
+        grad.reset();
+      }
+    }
+  }
+
+  // The post-hook: take the gradient autograd just stored in `.grad` into its bucket, and show
+  // again what the pre-hook hid (the running sum, which the bucket's fold brings up to date).
+  void receive(int64_t key, const at::Tensor& param) {
+    if (standing_aside()) return;
+    at::Tensor grad = std::move(param.mutable_grad());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      param.mutable_grad() = std::move(hidden_[key]);
+      hidden_[key].reset();
+    }
+    if (!grad.defined()) return;
+    arrive(key, std::move(grad));
+  }
+
+  // A slot whose gradient was written straight into the accumulator (fused weight gradient).
+  void arrive_in_place(int64_t key) { arrive(key, at::Tensor()); }
+
+  // Partly arrived buckets, emptied: [(bucket, grads)] (the end of a backward).
+  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> take_partial() {
+    std::vector<std::pair<int64_t, std::vector<at::Tensor>>> out;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (buckets_[b].count) out.emplace_back(b, take(buckets_[b]));
+    }
+    return out;
+  }
+
+  // Forgets every arrival, and which backward was seen (a backward that raised never ends).
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& bucket : buckets_) take(bucket);
+    for (auto& grad : hidden_) grad.reset();
+    last_task_ = -1;
+  }
+
+  bool has_arrivals() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& bucket : buckets_) {
+      if (bucket.count) return true;
+    }
+    return false;
+  }
+
+  // Hooks stand aside for good (the window was detached); the nodes are let go. The hooks are not
+  // removed from them: this may run inside one of them.
+  void detach_all() {
+    detached_ = true;
+    std::lock_guard<std::mutex> lock(mutex_);
+    nodes_.clear();
+  }
+
+  bool standing_aside() const { return detached_ || native_; }
+
+  // Set from Python (see arrivals.py): the hooks stand aside (DDP owns .grad); the pre-hook asks
+  // Python first; the pre-hook hides a defined .grad.
+  std::atomic<bool> native_{false}, slow_{true}, hide_{false};
+  std::atomic<bool> detached_{false};
+
+ private:
+  void arrive(int64_t key, at::Tensor grad) {
+    const bool in_place = !grad.defined();
+    int64_t complete = -1;
+    std::vector<at::Tensor> grads;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
+      BucketArrivals& bucket = buckets_[slot_bucket_[key]];
+      const int64_t pos = slot_position_[key];
+      if (!in_place) {
+        // A second gradient in one backward (a parameter used inside and outside a reentrant
+        // checkpoint) is summed, as autograd would have summed it into .grad.
+        at::Tensor& held = bucket.grads[pos];
+        held = held.defined() ? held + grad : std::move(grad);
+      }
+      if (!bucket.arrived[pos]) {
+        bucket.arrived[pos] = 1;
+        if (++bucket.count == (int64_t)bucket.arrived.size()) {
+          complete = slot_bucket_[key];
+          grads = take(bucket);
+        }
+      }
+    }
+    // Python is called without the lock held: it may call back (arrive_in_place, clear).
+    if (!in_place) note_task();  // (in place: the caller already told Python)
+    if (complete >= 0) call(bucket_complete_, complete, std::move(grads));
+  }
+
+  // Asks Python to see the end of the backward now running, once per backward.
+  void note_task() {
+    const int task = torch::autograd::get_current_graph_task_id();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (task == last_task_) return;
+      last_task_ = task;
+    }
+    call(queue_end_);
+  }
+
+  static std::vector<at::Tensor> take(BucketArrivals& bucket) {
+    std::vector<at::Tensor> grads(bucket.grads.size());
+    grads.swap(bucket.grads);
+    std::fill(bucket.arrived.begin(), bucket.arrived.end(), 0);
+    bucket.count = 0;
+    return grads;
+  }
+
+  // Calls Python; a Python exception leaves through the autograd engine as torch's own hooks'
+  // do (python_error keeps it across threads) and reaches the caller of backward() unchanged.
+  template <typename... Args>
+  static void call(const py::object& fn, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    try {
+      fn(std::forward<Args>(args)...);
+    } catch (py::error_already_set& err) {
+      err.restore();
+      python_error error;
+      error.persist();
+      throw error;
+    }
+  }
+
+  std::vector<int64_t> slot_bucket_, slot_position_;
+  py::object before_backward_, queue_end_, bucket_complete_;
+  std::vector<BucketArrivals> buckets_;
+  std::vector<c10::intrusive_ptr<Node>> nodes_;  // by slot: the AccumulateGrad nodes we hook
+  std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
+  std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
+  int last_task_ = -1;  // the graph task whose end Python was last asked to see
+};
+
+struct HideExposedGrad : public FunctionPreHook {
+  HideExposedGrad(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
+      : arrivals(std::move(arrivals)), node(node), key(key) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (auto table = arrivals.lock()) table->before_accumulate(key, node->variable);
+    return grads;
+  }
+  std::weak_ptr<Arrivals> arrivals;
+  AccumulateGrad* node;  // owns this hook, so outlives it
+  int64_t key;
+};
+
+struct TakeGrad : public FunctionPostHook {
+  TakeGrad(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
+      : arrivals(std::move(arrivals)), node(node), key(key) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    if (auto table = arrivals.lock()) table->receive(key, node->variable);
+    return outputs;
+  }
+  std::weak_ptr<Arrivals> arrivals;
+  AccumulateGrad* node;
+  int64_t key;
+};
+
+void Arrivals::attach(int64_t key, const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!detached_, "Arrivals.attach: detached");
+  TORCH_CHECK(key >= 0 && key < (int64_t)nodes_.size(), "Arrivals.attach: no slot ", key);
+  TORCH_CHECK(param.requires_grad() && param.is_leaf(),
+              "Arrivals.attach: the parameter must be a leaf that requires grad");
+  TORCH_CHECK(!nodes_[key], "Arrivals.attach: slot ", key, " is already hooked");
+  c10::intrusive_ptr<Node> node = torch::autograd::impl::grad_accumulator(param);
+  auto* accumulate = dynamic_cast<AccumulateGrad*>(node.get());
+  TORCH_CHECK(accumulate != nullptr, "Arrivals.attach: the parameter has no AccumulateGrad node");
+  node->add_pre_hook(std::make_unique<HideExposedGrad>(weak_from_this(), accumulate, key));
+  node->add_post_hook(std::make_unique<TakeGrad>(weak_from_this(), accumulate, key));
+  // Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt, without
+  // our hooks, by the next forward. Holding it keeps the hooks (DDP's reducer does the same).
+  nodes_[key] = std::move(node);
+}
+
+}  // namespace
+}  // namespace fused_accum
+
+// `import fused_accum._C` loads this library, which also registers the fused_accum_ext:: operators
+// (bindings.cpp). The module says whether the CUDA kernels were compiled in (setup.py defines
+// FA_WITH_CUDA) and holds the C++ hooks.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using fused_accum::Arrivals;
+  m.doc() = "fused_accum's C++/CUDA kernels (as torch.ops.fused_accum_ext.*) and C++ autograd hooks";
+  m.attr("built_with_cuda") = FA_WITH_CUDA;
+  py::class_<Arrivals, std::shared_ptr<Arrivals>>(m, "Arrivals")
+      .def(py::init<py::object, py::object, py::object>(), py::arg("before_backward"),
+           py::arg("queue_end"), py::arg("bucket_complete"))
+      .def("extend", &Arrivals::extend)
+      .def("attach", &Arrivals::attach)
+      .def("detach_all", &Arrivals::detach_all)
+      .def("arrive_in_place", &Arrivals::arrive_in_place)
+      .def("take_partial", &Arrivals::take_partial)
+      .def("clear", &Arrivals::clear)
+      .def("has_arrivals", &Arrivals::has_arrivals)
+      .def_property(
+          "native", [](Arrivals& a) { return a.native_.load(); },
+          [](Arrivals& a, bool v) { a.native_ = v; })
+      .def_property(
+          "slow", [](Arrivals& a) { return a.slow_.load(); }, [](Arrivals& a, bool v) { a.slow_ = v; })
+      .def_property(
+          "hide", [](Arrivals& a) { return a.hide_.load(); }, [](Arrivals& a, bool v) { a.hide_ = v; });
+}

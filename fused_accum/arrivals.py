@@ -1,0 +1,192 @@
+"""Which gradients have arrived in the backward now running: the per-parameter autograd hooks.
+
+Two hooks sit on each parameter's AccumulateGrad node (the node that stores a leaf's ``.grad``):
+
+* a pre-hook, before the node runs. While ``hide`` is set (the window's fp32 running sums are
+  showing as ``.grad``) it hides a defined ``.grad``: else autograd would add the new gradient
+  into the running sum itself, bypassing the kernels, and it would be folded twice. While
+  ``slow`` is set it first calls ``before_backward()`` (the window's once-per-backward checks).
+* a post-hook, after the node stored the gradient in ``.grad`` (in its own dtype: the window sets
+  ``grad_dtype = None`` on bf16/fp16 parameters). It takes that gradient into the parameter's
+  place in its bucket and shows the hidden ``.grad`` again (brought up to date when the bucket
+  is folded). When every parameter of a bucket has arrived it calls
+  ``bucket_complete(bucket, grads)``, grads in bucket order (None for one written in place).
+
+The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
+While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
+hooks do nothing and autograd accumulates ``.grad`` as usual.
+
+Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
+``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
+change the gradient first), and next to them.
+
+There are two implementations of this contract. ``fused_accum._C.Arrivals`` (csrc/hooks.cpp)
+runs the hooks in C++: a few pointer operations per parameter, Python only once per bucket and
+per backward. :class:`PythonArrivals` is its twin in Python, used without the extension or when
+``FUSED_ACCUM_PYTHON_HOOKS=1`` (several microseconds per parameter: the engine takes the GIL and
+wraps tensors for each call).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+from typing import Callable
+
+import torch
+
+from .backends import ext
+
+logger = logging.getLogger("fused_accum")
+
+_current_graph_task_id = torch._C._current_graph_task_id
+
+
+def make_arrivals(before_backward: Callable, queue_end: Callable, bucket_complete: Callable):
+    """The C++ hooks where the extension is built, else the Python ones."""
+    if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
+        return PythonArrivals(before_backward, queue_end, bucket_complete)
+    if ext._C is None or not hasattr(ext._C, "Arrivals"):
+        return PythonArrivals(before_backward, queue_end, bucket_complete)
+    return ext._C.Arrivals(before_backward, queue_end, bucket_complete)
+
+
+class _Bucket:
+    __slots__ = ("grads", "arrived", "count")
+
+    def __init__(self, size: int):
+        self.grads = [None] * size  # by position: the gradient that arrived as a tensor
+        self.arrived = [False] * size  # as a tensor or written in place
+        self.count = 0
+
+    def take(self) -> list:
+        grads = self.grads
+        self.grads = [None] * len(grads)
+        self.arrived = [False] * len(grads)
+        self.count = 0
+        return grads
+
+
+def _pre_hook(arrivals_ref, param_ref, key, grad_outputs):
+    arrivals, param = arrivals_ref(), param_ref()
+    if arrivals is not None and param is not None:
+        arrivals._before_accumulate(key, param)
+
+
+def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
+    arrivals, param = arrivals_ref(), param_ref()
+    if arrivals is not None and param is not None:
+        arrivals._receive(key, param)
+
+
+class PythonArrivals:
+    """``fused_accum._C.Arrivals`` in Python (see the module's docstring)."""
+
+    def __init__(self, before_backward: Callable, queue_end: Callable, bucket_complete: Callable):
+        self._before_backward = before_backward
+        self._queue_end = queue_end
+        self._bucket_complete = bucket_complete
+        self.native = False
+        self.slow = True
+        self.hide = False
+        self._detached = False
+        self._buckets: list = []
+        self._slot_bucket: list = []
+        self._slot_position: list = []
+        self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
+        self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
+        self._handles: list = []
+        self._lock = threading.Lock()
+        self._last_task = -1  # the graph task whose end the window was last asked to see
+
+    def extend(self, bucket_sizes, slot_bucket, slot_position) -> None:
+        with self._lock:
+            self._buckets.extend(_Bucket(size) for size in bucket_sizes)
+            self._slot_bucket.extend(slot_bucket)
+            self._slot_position.extend(slot_position)
+
+    def attach(self, key: int, param: torch.Tensor) -> None:
+        if key in self._nodes:
+            raise RuntimeError(f"Arrivals.attach: slot {key} is already hooked")
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        this, param_ref = weakref.ref(self), weakref.ref(param)
+        self._handles.append(node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)))
+        self._handles.append(node.register_hook(functools.partial(_post_hook, this, param_ref, key)))
+        # Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt,
+        # without our hooks, by the next forward. Holding it keeps the hooks.
+        self._nodes[key] = node
+
+    def detach_all(self) -> None:
+        self._detached = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._nodes.clear()
+
+    def _standing_aside(self) -> bool:
+        return self._detached or self.native
+
+    def _before_accumulate(self, key: int, param) -> None:
+        if self._standing_aside():
+            return
+        if self.slow:
+            self._before_backward()
+            if self._standing_aside():
+                return
+        if self.hide and param.grad is not None:
+            self._hidden[key] = param.grad
+            param.grad = None
+
+    def _receive(self, key: int, param) -> None:
+        if self._standing_aside():
+            return
+        grad = param.grad
+        param.grad = self._hidden.pop(key, None)
+        if grad is not None:
+            self._arrive(key, grad)
+
+    def arrive_in_place(self, key: int) -> None:
+        self._arrive(key, None)
+
+    def _arrive(self, key: int, grad) -> None:
+        complete = None
+        with self._lock:
+            index = self._slot_bucket[key]
+            bucket, position = self._buckets[index], self._slot_position[key]
+            if grad is not None:
+                held = bucket.grads[position]
+                bucket.grads[position] = grad if held is None else held + grad
+            if not bucket.arrived[position]:
+                bucket.arrived[position] = True
+                bucket.count += 1
+                if bucket.count == len(bucket.arrived):
+                    complete = (index, bucket.take())
+        if grad is not None:
+            self._note_task()  # (in place: the caller already told the window)
+        if complete is not None:
+            self._bucket_complete(*complete)
+
+    def _note_task(self) -> None:
+        task = _current_graph_task_id()
+        with self._lock:
+            if task == self._last_task:
+                return
+            self._last_task = task
+        self._queue_end()
+
+    def take_partial(self) -> list:
+        with self._lock:
+            return [(i, b.take()) for i, b in enumerate(self._buckets) if b.count]
+
+    def clear(self) -> None:
+        with self._lock:
+            for bucket in self._buckets:
+                bucket.take()
+            self._hidden.clear()
+            self._last_task = -1
+
+    def has_arrivals(self) -> bool:
+        with self._lock:
+            return any(b.count for b in self._buckets)
