@@ -8,6 +8,7 @@ or the token-weighted sum for num_items) with torch.optim and compares.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -169,3 +170,48 @@ def test_process_group_needs_initialised_distributed():
     with pytest.raises(RuntimeError, match="not initialized"):
         fused_accum.SGD(nn.Linear(2, 2).parameters(), lr=0.1, process_group=object())
 
+
+
+# --- stress: many short runs in a row -----------------------------------------------------------
+
+STRESS_RUNS = 50
+STRESS_DEADLINE_S = 60  # per run; a run takes ~0.5 s here (the first ~5 s: the server starts)
+
+
+def _short_run(rank, path, run):
+    """One minimal window pair on 2 ranks, cycling through the three modes: init, train,
+    destroy and exit are what a hang (a collective issued out of order) or an abort at exit (a
+    gloo Work outliving the interpreter, see WindowReducer._settle) would break."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}.init{run}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(rank)
+        model = nn.Linear(5, 3)
+        opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=2, max_grad_norm=1.0,
+                                process_group=dist.group.WORLD, shard=(None, "state", "grads")[run % 3])  # fmt: skip
+        for _ in range(2):
+            for _ in range(2):
+                model(torch.randn(4, 5)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fifty_short_runs_neither_hang_nor_abort(tmp_path):
+    # forkserver: every rank is a fresh process (its own interpreter exit, as spawn gives),
+    # forked from a server that imported torch once: spawn would import it 100 times (~3 s
+    # each), and torch._dynamo (~2.5 s, imported by torch.optim's first add_param_group) too
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fused_accum"])
+    path = str(tmp_path / "stress")
+    for run in range(STRESS_RUNS):
+        context = mp.start_processes(_short_run, args=(path, run), nprocs=WORLD, join=False, start_method="forkserver")
+        deadline = time.monotonic() + STRESS_DEADLINE_S
+        # join raises if a rank raised or died from a signal (SIGABRT at exit included)
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"run {run} of {STRESS_RUNS} hung for {STRESS_DEADLINE_S} s")
