@@ -154,6 +154,9 @@ class GradientWindow:
                                        functools.partial(_queue_end, this),
                                        functools.partial(_bucket_complete, this))  # fmt: skip
         self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
+        # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
+        # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
+        self._plans: list = []
         self._no_sync = False
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
@@ -175,6 +178,7 @@ class GradientWindow:
                     slot.grad_view = slot.placeholder  # there is never a full gradient
         first_bucket = len(self._bucket_ids)
         self._bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
+        self._plans.extend(object() for _ in flat.buckets)
         positions = {s.key: (first_bucket + b, pos) for b, bucket in enumerate(flat.buckets)
                      for pos, s in enumerate(bucket.slots)}  # fmt: skip
         self._arrivals.extend([len(b.slots) for b in flat.buckets],
@@ -257,7 +261,7 @@ class GradientWindow:
         with self._lock:
             flat_index, bucket_index = self._bucket_ids[bucket_id]
             flat = self.flat_groups[flat_index]
-            self._fold(flat, flat.buckets[bucket_index], grads, complete=True)
+            self._fold(flat, flat.buckets[bucket_index], grads, self._plans[bucket_id], complete=True)
 
     def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
         slot = self._slot_of.get(id(param))
@@ -332,7 +336,7 @@ class GradientWindow:
             self.invalidate_stats()
         self._unreduced = True
 
-    def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, complete: bool = False) -> None:
+    def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, plan, complete: bool = False) -> None:
         """Fold the gradients that arrived for ``bucket`` (``grads`` by position in it, None where
         nothing arrived as a tensor): one op call per (overwrite, add) kind, an accumulate, or on
         the window's last micro-batch with ``step_in_backward`` the fused step."""
@@ -342,14 +346,14 @@ class GradientWindow:
         else:
             in_order = bucket.slots  # (accumulate takes increasing offsets: bucket order)
         if in_order:
-            self._fold_arrived(flat, bucket, in_order, grads)
+            self._fold_arrived(flat, bucket, in_order, grads, plan)
         if complete:
             if flat.shards_grads:
                 self.reducer.bucket_staged(self.flat_groups, bucket)
             elif self._syncs():
                 self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
 
-    def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list) -> None:
+    def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list, plan) -> None:
         if self.stepped_in_backward:
             raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
                                f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
@@ -382,7 +386,7 @@ class GradientWindow:
             if flat.shards_grads:  # into the bucket's staging buffer, reduce-scattered after
                 staged = self.reducer.staging_for(flat, bucket)
                 relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
-                ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend)
+                ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
                 self._mark_folded(slots, False)
                 continue
             now = self.microbatches
@@ -392,7 +396,7 @@ class GradientWindow:
                 offsets = bucket.offsets
             else:
                 offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
-            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, found_inf, sumsq, flat.backend)
+            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, found_inf, sumsq, flat.backend, plan=plan)
             self._mark_folded(slots, stats)
         if fuse_step:
             for slot in in_order:
@@ -406,7 +410,7 @@ class GradientWindow:
             for bucket_id, grads in self._arrivals.take_partial():
                 flat_index, bucket_index = self._bucket_ids[bucket_id]
                 flat = self.flat_groups[flat_index]
-                self._fold(flat, flat.buckets[bucket_index], grads)
+                self._fold(flat, flat.buckets[bucket_index], grads, self._plans[bucket_id])
 
     # --- end of a backward ----------------------------------------------------------------------
 

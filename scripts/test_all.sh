@@ -8,6 +8,10 @@ PY=.venv/bin/python
 echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
 "$PY" -m pytest -q tests --ignore=tests/integration
 
+# The C++ hooks (fused_accum._C.Arrivals) ran above; their Python twin keeps the same contract.
+echo "== pytest: the drop-in contract again on the Python hooks (FUSED_ACCUM_PYTHON_HOOKS=1)"
+FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py
+
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
 TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py -k triton

@@ -1,0 +1,193 @@
+"""The per-parameter hooks (fused_accum/arrivals.py): the C++ ones of fused_accum._C and their
+Python twin keep one contract, checked here against torch's own ``.grad`` accumulation.
+
+Every test runs on both implementations (``hooks`` fixture). The rest of the suite runs on the
+C++ hooks where the extension is built; scripts/test_all.sh runs the drop-in tests on the Python
+ones too.
+"""
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fused_accum
+from fused_accum import arrivals
+from fused_accum.backends import ext
+
+HAVE_CPP = ext._C is not None and hasattr(ext._C, "Arrivals")
+
+
+@pytest.fixture(params=["cpp", "python"])
+def hooks(request, monkeypatch):
+    if request.param == "cpp":
+        if not HAVE_CPP:
+            pytest.skip("fused_accum._C is not built")
+        monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    else:
+        monkeypatch.setenv("FUSED_ACCUM_PYTHON_HOOKS", "1")
+    return request.param
+
+
+def _kind(opt) -> str:
+    return "python" if isinstance(opt._window._arrivals, arrivals.PythonArrivals) else "cpp"
+
+
+def _pair(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    a = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)).to(dtype)
+    b = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5)).to(dtype)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 7, generator=g) for _ in range(n)]
+
+
+def test_the_implementation_chosen_is_the_one_asked_for(hooks):
+    a, _ = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
+    assert _kind(opt) == hooks
+
+
+def test_windows_match_torch_accumulation(hooks):
+    # Small buckets (50 floats), so a backward completes several. Plain SGD: ours and torch's
+    # round its update alike, so the models stay equal and so do their gradients, bit for bit.
+    a, b = _pair()
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, bucket_cap_mb=50 * 4 / 2**20)
+    assert len(ours._window._bucket_ids) > 1
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+    for window in range(3):
+        for x in _batches(3, seed=window):
+            a(x).square().mean().backward()
+            b(x).square().mean().backward()
+            for p, q in zip(a.parameters(), b.parameters()):
+                # fp32 sums of the same fp32 gradients in the same order: equal bit for bit
+                assert torch.equal(p.grad, q.grad)
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_tensor_hook_registered_after_the_optimizer_still_runs_first(hooks):
+    # Native semantics: tensor hooks change the gradient before it is accumulated.
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.1)
+    for p in list(a.parameters()) + list(b.parameters()):
+        p.register_hook(lambda g: 3 * g)
+    for x in _batches(2):
+        a(x).sum().backward()
+        b(x).sum().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)  # 3*g1 + 3*g2 either way
+    assert opt.microbatches == 2
+
+
+def test_a_post_accumulate_grad_hook_registered_after_still_runs_every_backward(hooks):
+    a, _ = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
+    seen = []
+    weight = a[0].weight
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    xs = _batches(2)
+    for x in xs:
+        a(x).sum().backward()
+    assert len(seen) == 2 and opt.microbatches == 2
+    # It sees this backward's gradient (autograd's .grad at that moment), as it would natively.
+    torch.manual_seed(0)
+    _, fresh = _pair()
+    fresh(xs[1]).sum().backward()
+    torch.testing.assert_close(seen[1], fresh[0].weight.grad, rtol=0, atol=0)
+
+
+def test_autograd_grad_leaves_the_window_alone(hooks):
+    a, _ = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
+    x = _batches(1)[0]
+    a(x).sum().backward()
+    before = [p.grad.clone() for p in a.parameters()]
+    grads = torch.autograd.grad(a(x).sum(), list(a.parameters()))
+    for p, g, old in zip(a.parameters(), grads, before):
+        assert torch.equal(p.grad, old)
+        torch.testing.assert_close(g, old, rtol=0, atol=0)  # the same micro-batch again
+    assert opt.microbatches == 1
+
+
+def test_after_remove_hooks_autograd_accumulates_natively(hooks):
+    a, b = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
+    opt.remove_hooks()
+    for x in _batches(2):
+        a(x).sum().backward()
+        b(x).sum().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
+    with pytest.raises(RuntimeError, match="can no longer step"):
+        opt.step()
+
+
+def test_a_deleted_optimizer_leaves_native_accumulation(hooks):
+    a, b = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
+    x = _batches(1)[0]
+    a(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        del opt
+        gc.collect()
+    for p in a.parameters():
+        p.grad = None
+    for x in _batches(2):
+        a(x).sum().backward()
+        b(x).sum().backward()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_newer_optimizer_takes_the_gradients(hooks):
+    a, b = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = fused_accum.AdamW(a.parameters(), lr=1e-3)
+        new = fused_accum.SGD(a.parameters(), lr=1e-3)
+    for x in _batches(2):
+        a(x).sum().backward()
+        b(x).sum().backward()
+    assert new.microbatches == 2
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="can no longer step"):
+        old.step()
+
+
+def test_an_error_raised_in_the_window_reaches_the_caller_of_backward(hooks):
+    a, _ = _pair()
+    opt = fused_accum.AdamW(a.parameters(), lr=1e-3, accum_steps=1, step_in_backward=True)
+    x = _batches(1)[0]
+    a(x).sum().backward()  # the window's last backward: stepped in it
+    with pytest.raises(RuntimeError, match="step_in_backward already stepped"):
+        a(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    a(x).sum().backward()  # and the window works again after the error
+    assert opt.microbatches == 1
+
+
+def test_bf16_gradients_are_accumulated_in_fp32(hooks):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(37, dtype=torch.bfloat16))
+    opt = fused_accum.AdamW([p], lr=1e-3)
+    xs = [torch.randn(37, dtype=torch.bfloat16) for _ in range(4)]
+    for x in xs:
+        (p * x).sum().backward()
+    assert p.grad.dtype == torch.float32
+    # d/dp (p*x).sum() = x: the fp32 sum of the bf16 inputs, exactly (each bf16 is exact in fp32,
+    # and four 8-bit-mantissa values sum exactly well within fp32's 24 bits)
+    assert torch.equal(p.grad, torch.stack([x.float() for x in xs]).sum(0))
+    assert opt.microbatches == 4
