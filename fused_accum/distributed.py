@@ -134,6 +134,7 @@ class WindowReducer:
         # Finished Works stay referenced from here for a window more (see _settle).
         self._settled: list = []  # waited during this window
         self._settled_before: list = []  # waited during the last window
+        self._mesh = None  # sharded checkpoints: the group as a 1-D DeviceMesh (see state_rows)
 
     def _settle(self, works) -> None:
         """Wait for ``works``, then keep them referenced until the window after next finishes.
@@ -190,6 +191,25 @@ class WindowReducer:
         self._settle(works)
         for flat in flat_groups:
             flat.finish_step()
+
+    def state_rows(self, flat, slot, piece: Tensor) -> Tensor:
+        """Sharded, for checkpoints: ``slot``'s 1-D ``piece`` (this rank's, of a master or state)
+        as a DTensor of shape (world, longest piece) sharded by rows over the group, this rank's
+        row holding its piece (zero padded). The ranks' pieces of a parameter have different
+        lengths (where bucket parts split it), which no even DTensor sharding of the parameter
+        expresses; rows are even, so torch.distributed.checkpoint saves each rank's piece (a
+        plain tensor would be taken for a replicated one: one rank's piece for all) and loads it
+        back at the same world size and layout. No communication."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, device_type=flat.device.type)
+        longest = max(flat.piece_lengths(slot))
+        row = torch.zeros(1, longest, dtype=piece.dtype, device=piece.device)
+        row[0, : piece.numel()] = piece
+        return DTensor.from_local(row, self._mesh, [Shard(0)], run_check=False,
+                                  shape=(self.world, longest), stride=(longest, 1))  # fmt: skip
 
     def gather_full(self, flat, buf: Tensor) -> Tensor:
         """Sharded: the whole of a local (master or state) buffer of ``flat``, in the unsharded

@@ -332,12 +332,21 @@ class FlatGroup:
             grad = grad.redistribute(p.device_mesh, p.placements)
         return local_tensor(grad)
 
+    def piece_lengths(self, slot: Slot) -> list:
+        """Sharded: how many elements of ``slot``'s parameter each rank's piece holds (by rank)."""
+        bucket, n = self.buckets[slot.bucket_index], local_tensor(slot.param).numel()
+        part = (bucket.end - bucket.start) // self.sharding.world
+        starts = [bucket.start + r * part for r in range(self.sharding.world)]
+        return [max(0, min(slot.offset + n, s + part) - max(slot.offset, s)) for s in starts]
+
     def local_value(self, slot: Slot, value: Tensor) -> Tensor:
         """A loaded state value for ``slot`` as this group stores it: a DTensor's local shard
         (placed as the parameter is); for a DTensor parameter, a plain tensor of the whole
         parameter's shape (torch's full state dict, an unsharded optimizer's) is cut to this
         rank's shard without communication; anything else is taken as it is."""
         p = slot.param
+        if is_dtensor(value) and self.sharding is not None:  # this rank's row (see state_rows)
+            return local_tensor(value).reshape(-1)[: self.piece_lengths(slot)[self.sharding.rank]]
         if is_dtensor(value):
             return self.local_grad(slot, value)
         if is_dtensor(p) and value.shape == p.shape and value.shape != local_tensor(p).shape:

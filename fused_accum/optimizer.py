@@ -180,14 +180,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             use, ``clip_grad_norm_`` included, raises an error pointing to ``max_grad_norm``;
             before that (``"state"``) it is the local running sum, and after ``step()`` None:
             the window ends with the step. A GradScaler needs ``.grad`` and cannot be used:
-            use ``skip_nonfinite`` (bf16 needs no scaler). Checkpoints: ``opt.state[p]`` and
-            ``state_dict()`` hold this rank's 1-D piece of each parameter's state (possibly
-            empty) with torch's key names, and no accumulated gradient (take them at window
-            boundaries); ``load_state_dict`` takes one saved by the same rank of the same
-            layout (world size, params, ``bucket_cap_mb``), and so do
-            ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` /
-            ``set_optimizer_state_dict`` (in memory: its storage would keep one rank's pieces,
-            taking plain tensors for replicated ones). To change the world size use
+            use ``skip_nonfinite`` (bf16 needs no scaler). Checkpoints: ``opt.state[p]`` holds
+            this rank's 1-D piece of each parameter's state (possibly empty) with torch's key
+            names; ``state_dict()`` holds each piece as this rank's row of a DTensor of shape
+            (world, longest piece) over the group (rows: the ranks' pieces differ in length),
+            and no accumulated gradient (take it at window boundaries). ``load_state_dict``
+            takes one saved by the same rank of the same layout (world size, params,
+            ``bucket_cap_mb``), and so do ``torch.distributed.checkpoint``'s ``dcp.save`` /
+            ``dcp.load`` (every rank's rows are stored) with ``get_optimizer_state_dict`` /
+            ``set_optimizer_state_dict``. To change the world size use
             :meth:`gathered_state_dict` (a collective: torch's full shapes on every rank),
             saved with ``torch.save`` or ``dcp.save`` from the ranks; any optimizer over the
             same params loads it with ``load_state_dict`` (sharded: each rank cuts its piece),
@@ -740,6 +741,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # a checkpoint does not hold, as with torch.optim; ours is a copy taken by the step)
             if slot.has_grad and slot.grad_view is not slot.placeholder and not is_dtensor(p):
                 entry["accum"] = slot.grad_view.clone()
+        if window.reducer is not None and window.reducer.sharding is not None:
+            # each rank's pieces as rows of DTensors, so torch.distributed.checkpoint keeps them all
+            for slot in window.slots:
+                entry = state.get(index_of[id(slot.param)], {})
+                for key, value in entry.items():
+                    if key != "accum" and isinstance(value, Tensor) and value.dim() == 1:
+                        entry[key] = window.reducer.state_rows(window.flat_groups[slot.flat_index], slot, value)
         state_dict = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)

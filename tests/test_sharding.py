@@ -151,7 +151,8 @@ def _worker(rank, path):
             results[f"resume_{shard}"] = dict(
                 params=[p.detach().clone() for p in copy.parameters()],
                 state_keys=sorted(saved["state"][0]),
-                shapes=[tuple(v.shape) for k, v in sorted(saved["state"][0].items()) if k != "step"],
+                shapes=[(type(v).__name__, tuple(v.shape), tuple(v.to_local().shape))
+                        for k, v in sorted(saved["state"][0].items()) if k != "step"],  # fmt: skip
             )  # fmt: skip
         # bf16 parameters with fp32 masters: the sharded modes against the replicated one
         for shard in (None, "state", "grads"):
@@ -195,6 +196,21 @@ def _worker(rank, path):
                 _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
                 ok.append([p.detach().clone() for p in copy.parameters()])
             results[f"dcp_{shard}"] = ok
+            # ... and through dcp's storage: saved by both ranks, loaded by both into a fresh
+            # optimizer (whose template get_optimizer_state_dict makes with a zero step)
+            dcp.save({"model": model.state_dict(), "optim": per_rank}, checkpoint_id=f"{path}.rank_dicts_{shard}")
+            _train(model, opt, rank, "clip", "accum_steps", range(1, WINDOWS))  # uninterrupted
+            copy = Net()
+            opt2 = _optimizer(copy, shard, "adamw", "clip", 1e-5, "accum_steps")
+            template = {"model": copy.state_dict(), "optim": get_optimizer_state_dict(copy, opt2)}
+            dcp.load(template, checkpoint_id=f"{path}.rank_dicts_{shard}")
+            copy.load_state_dict(template["model"])
+            set_optimizer_state_dict(copy, opt2, template["optim"])
+            _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
+            results[f"dcp_storage_{shard}"] = dict(
+                resumed=[p.detach().clone() for p in copy.parameters()],
+                uninterrupted=[p.detach().clone() for p in model.parameters()],
+            )  # fmt: skip
         # shard="grads" with bf16 on the wire
         model = Net()
         opt = _optimizer(model, "grads", "adamw", "clip", 1e-5, "accum_steps", reduce_dtype=torch.bfloat16)
@@ -340,9 +356,10 @@ def test_resume_from_per_rank_state_dict(ranks, shard):
         got = rank[f"resume_{shard}"]
         assert _rel(got["params"], params) <= REL
         assert got["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]  # torch's names
-    # rank 0 holds the first 256 of the 481-element weight's 512 padded elements: a 1-D piece
-    assert ranks[0][f"resume_{shard}"]["shapes"] == [(256,), (256,)]
-    assert ranks[1][f"resume_{shard}"]["shapes"] == [(225,), (225,)]
+    # rank 0 holds the first 256 of the 481-element weight's 512 padded elements, rank 1 the
+    # other 225: saved as the ranks' rows of a (2, 256) DTensor
+    for rank in ranks:
+        assert rank[f"resume_{shard}"]["shapes"] == [("DTensor", (2, 256), (1, 256))] * 2
     del uninterrupted
 
 
@@ -400,6 +417,13 @@ def test_distributed_checkpoint_same_world_size(ranks, shard):
     for rank in ranks:
         for got in rank[f"dcp_{shard}"]:  # get/set_optimizer_state_dict, then the gathered dict
             assert _rel(got, params) <= REL
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_dcp_save_load_of_per_rank_state_resumes_bit_exactly(ranks, shard):
+    for rank in ranks:
+        got = rank[f"dcp_storage_{shard}"]
+        assert all(torch.equal(a, b) for a, b in zip(got["resumed"], got["uninterrupted"]))
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])
