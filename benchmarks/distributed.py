@@ -1,6 +1,8 @@
 """Data parallel and sharded modes, per window: bytes on the wire, time in collectives, fp32
 bytes per parameter held, for replicated / shard="state" / shard="grads" against DDP + torch
-AdamW (with ``no_sync()`` on all but the last micro-batch).
+AdamW (with ``no_sync()`` on all but the last micro-batch), and FSDP2 (``fully_shard`` on every
+Linear, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) with torch's AdamW and
+with ours.
 
     python benchmarks/distributed.py [--world 2] [--width 512] [--layers 4] [--accum 4] [--dtype bf16]
 
@@ -32,13 +34,13 @@ class _Counter:
     def __init__(self, world):
         self.world, self.bytes, self.seconds = world, 0, 0.0
 
-    def wrap(self, fn, which, factor=1):
-        """``fn`` counted: ``args[which]`` is the whole buffer; ``factor`` 2 for an all-reduce
-        (a ring all-reduce moves its buffer twice: reduce-scatter + all-gather)."""
+    def wrap(self, fn, which, factor=1, keyword=None):
+        """``fn`` counted: ``args[which]`` (or ``kwargs[keyword]``) is the whole buffer; ``factor``
+        2 for an all-reduce (a ring all-reduce moves its buffer twice: reduce-scatter + all-gather)."""
 
         def call(*args, **kwargs):
             t0 = time.perf_counter()
-            tensor = args[which] if len(args) > which else None
+            tensor = args[which] if len(args) > which else kwargs.get(keyword)
             if tensor is not None:
                 self.bytes += factor * tensor.numel() * tensor.element_size() * (self.world - 1) // self.world
             work = fn(*args, **kwargs)
@@ -73,11 +75,27 @@ def _worker(rank, args, init):
     fa_dist._reduce_scatter = counter.wrap(fa_dist._reduce_scatter, 1)  # input: the whole bucket
     fa_dist._all_gather = counter.wrap(fa_dist._all_gather, 0)  # output: the whole bucket
     dist.all_reduce = counter.wrap(dist.all_reduce, 0, factor=2)  # (this process's module: DDP's C++ reducer is not counted)
+    # FSDP2's all-gathers (forward and backward: output, the unsharded params) and reduce-scatters
+    dist.all_gather_single = counter.wrap(dist.all_gather_single, 0, keyword="output_tensor")
+    dist.reduce_scatter_single = counter.wrap(dist.reduce_scatter_single, 1, keyword="input")
     rows = []
-    for mode in ("ddp", "replicated", "state", "grads"):
+    for mode in ("ddp", "replicated", "state", "grads", "fsdp2+torch", "fsdp2"):
         model = _model(args, device)
         n = sum(p.numel() for p in model.parameters())
-        if mode == "ddp":
+        if mode.startswith("fsdp2"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh(device.type, (args.world,))
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            wrapped = fully_shard(model, mesh=mesh, mp_policy=policy)
+            if mode == "fsdp2":
+                opt = fused_accum.AdamW(model.parameters(), lr=1e-4, accum_steps=args.accum, max_grad_norm=1.0)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        elif mode == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:
@@ -96,7 +114,7 @@ def _worker(rank, args, init):
                 ctx = wrapped.no_sync() if mode == "ddp" and not last else torch.enable_grad()
                 with ctx:
                     wrapped(x).float().square().mean().backward()
-            if mode == "ddp":
+            if mode in ("ddp", "fsdp2+torch"):
                 nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
@@ -112,8 +130,13 @@ def _worker(rank, args, init):
             held += sum(p.numel() * p.element_size() for p in model.parameters())  # .grad
             held += sum(p.numel() * p.element_size() for p in model.parameters())  # DDP's flat buckets
             wire = [2 * n * next(model.parameters()).element_size() * (args.world - 1) // args.world] * len(times)
+        elif mode == "fsdp2+torch":  # AdamW state + sharded .grad, local shards, param dtype
+            held = sum(s.to_local().numel() * s.element_size() for st in opt.state.values() for s in st.values() if s.dim())
+            held += sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         else:
             held = sum(f.nbytes() for f in opt._window.flat_groups)
+            if mode == "fsdp2":  # + FSDP2's sharded .grad, which the step copies from
+                held += sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         rows.append((mode, n, statistics.median(times), statistics.median(wire), statistics.median(coll), held))
     if rank == 0:
         print(f"world {args.world} ({args.backend}), {args.layers} x Linear({args.width}), {args.dtype} params, "
@@ -124,6 +147,8 @@ def _worker(rank, args, init):
         print("DDP: wire bytes from its bucket sizes; B/param = AdamW state + .grad + DDP buckets (param dtype).")
         print("fused_accum: B/param = fp32 flat buffers (accumulator, master, state, step counts);")
         print("shard='state'/'grads' also allocate a transient all-gather buffer of the params' size at the step.")
+        print("fsdp2: wire = FSDP2's all-gathers (forward + backward, bf16) and fp32 reduce-scatters, every")
+        print("micro-batch; B/param = the optimizer's (torch: param dtype; ours: fp32) + FSDP2's sharded .grad.")
     dist.destroy_process_group()
 
 
