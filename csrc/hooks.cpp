@@ -53,10 +53,11 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
         bucket_complete_(std::move(bucket_complete)) {}
 
   // New buckets (numbered on from the last) and new slots (keys numbered on from the last), each
-  // slot at a position of a bucket.
+  // slot at a position of a bucket, with the parameter's name for errors.
   void extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
-              const std::vector<int64_t>& slot_position) {
-    TORCH_CHECK(slot_bucket.size() == slot_position.size(), "Arrivals.extend: slot tables differ in length");
+              const std::vector<int64_t>& slot_position, const std::vector<std::string>& names) {
+    TORCH_CHECK(slot_bucket.size() == slot_position.size() && names.size() == slot_bucket.size(),
+                "Arrivals.extend: slot tables differ in length");
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t size : bucket_sizes) {
       TORCH_CHECK(size > 0, "Arrivals.extend: an empty bucket");
@@ -71,6 +72,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
                   "Arrivals.extend: slot ", slot_bucket_.size(), " names no bucket position");
       slot_bucket_.push_back(b);
       slot_position_.push_back(pos);
+      names_.push_back(names[i]);
     }
     nodes_.resize(slot_bucket_.size());
     hidden_.resize(slot_bucket_.size());
@@ -117,6 +119,8 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       hidden_[key].reset();
     }
     if (!grad.defined()) return;
+    TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
+                " received a sparse gradient; sparse gradients are not supported");
     arrive(key, std::move(grad));
   }
 
@@ -228,6 +232,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   }
 
   std::vector<int64_t> slot_bucket_, slot_position_;
+  std::vector<std::string> names_;
   py::object before_backward_, queue_end_, bucket_complete_;
   std::vector<BucketArrivals> buckets_;
   std::vector<c10::intrusive_ptr<Node>> nodes_;  // by slot: the AccumulateGrad nodes we hook

@@ -8,8 +8,8 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   ``slow`` is set it first calls ``before_backward()`` (the window's once-per-backward checks).
 * a post-hook, after the node stored the gradient in ``.grad`` (in its own dtype: the window sets
   ``grad_dtype = None`` on bf16/fp16 parameters). It takes that gradient into the parameter's
-  place in its bucket and shows the hidden ``.grad`` again (brought up to date when the bucket
-  is folded). When every parameter of a bucket has arrived it calls
+  place in its bucket (a sparse one is an error) and shows the hidden ``.grad`` again (brought
+  up to date when the bucket is folded). When every parameter of a bucket has arrived it calls
   ``bucket_complete(bucket, grads)``, grads in bucket order (None for one written in place).
 
 The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
@@ -95,17 +95,19 @@ class PythonArrivals:
         self._buckets: list = []
         self._slot_bucket: list = []
         self._slot_position: list = []
+        self._names: list = []  # by key, for errors
         self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
         self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
         self._handles: list = []
         self._lock = threading.Lock()
         self._last_task = -1  # the graph task whose end the window was last asked to see
 
-    def extend(self, bucket_sizes, slot_bucket, slot_position) -> None:
+    def extend(self, bucket_sizes, slot_bucket, slot_position, names) -> None:
         with self._lock:
             self._buckets.extend(_Bucket(size) for size in bucket_sizes)
             self._slot_bucket.extend(slot_bucket)
             self._slot_position.extend(slot_position)
+            self._names.extend(names)
 
     def attach(self, key: int, param: torch.Tensor) -> None:
         if key in self._nodes:
@@ -144,8 +146,11 @@ class PythonArrivals:
             return
         grad = param.grad
         param.grad = self._hidden.pop(key, None)
-        if grad is not None:
-            self._arrive(key, grad)
+        if grad is None:
+            return
+        if grad.layout != torch.strided:
+            raise RuntimeError(f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported")
+        self._arrive(key, grad)
 
     def arrive_in_place(self, key: int) -> None:
         self._arrive(key, None)

@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from . import ops
 from .arrivals import make_arrivals
@@ -78,7 +79,9 @@ class ShardedGrad(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        mode = next(a._mode for a in args if isinstance(a, ShardedGrad)) if args else "state"
+        # (GradScaler passes them in a list: look through nested arguments)
+        leaves = tree_leaves((args, kwargs))
+        mode = next((a._mode for a in leaves if isinstance(a, ShardedGrad)), "state")
         raise RuntimeError(
             f"fused_accum (shard={mode!r}): this .grad holds no gradient: the window's gradient is "
             "reduce-scattered, each rank holding only its shard, so it cannot be read, clipped or "
@@ -183,7 +186,8 @@ class GradientWindow:
                      for pos, s in enumerate(bucket.slots)}  # fmt: skip
         self._arrivals.extend([len(b.slots) for b in flat.buckets],
                               [positions[s.key][0] for s in flat.slots],
-                              [positions[s.key][1] for s in flat.slots])  # fmt: skip
+                              [positions[s.key][1] for s in flat.slots],
+                              [s.name for s in flat.slots])  # fmt: skip
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
@@ -357,9 +361,6 @@ class GradientWindow:
         if self.stepped_in_backward:
             raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
                                f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
-        for slot, grad in zip(in_order, grads):
-            if grad.layout != torch.strided:
-                raise RuntimeError(f"parameter {slot.name} received a sparse gradient; sparse gradients are not supported")
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self._rehome()(flat)
         fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
