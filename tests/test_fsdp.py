@@ -144,6 +144,9 @@ def _worker(rank, path):
                     first = [full(mine), full(theirs)]
             results[name] = dict(ours=full(mine), torch=full(theirs), first=first, log=logs[0], norm=ours.last_grad_norm,
                                  torch_norm=logs[1].get("torch_norm"), foreach=full(models[2]) if fp32 else None)  # fmt: skip
+            # the fp32 slices cover this rank's local shards, no more
+            results[name]["held"] = (sum(s.acc.numel() for s in ours._window.slots),
+                                     sum(p.numel() for p in mine.parameters()))  # fmt: skip
             state = ours.state[mine.out.weight]
             results[name]["state"] = {k: (type(v).__name__, tuple(v.shape)) for k, v in state.items()}
             saved = ours.state_dict()["state"]
@@ -257,6 +260,13 @@ def test_bf16_params_close_to_torch_and_closer_to_fp32(ranks, name):
         got = rank[name]
         assert rel(got["ours"], got["torch"]) <= 1e-2
         assert rel(got["ours"], rank["oracle"]) <= 0.7 * rel(got["torch"], rank["oracle"])
+
+
+def test_buffers_cover_the_local_shards(ranks):
+    for name in SCENARIOS:
+        held = [rank[name]["held"][0] for rank in ranks]
+        assert sum(held) == ranks[0][name]["held"][1]  # the ranks' shards: every element once
+        assert min(held) > 0
 
 
 def test_grad_and_state_are_dtensors(ranks):
