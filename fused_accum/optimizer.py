@@ -199,6 +199,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             and rounds each micro-batch's gradient, and the partial sums of the collective,
             to bf16 before the fp32 accumulation).
 
+    FSDP2 (``fully_shard``): build the optimizer after ``fully_shard``, over its DTensor
+    parameters, without ``process_group``/``shard``. FSDP2 reduce-scatters each micro-batch into
+    the sharded parameter's ``.grad`` and sums micro-batches there (in the parameter's dtype;
+    under ``set_requires_gradient_sync(False)`` unsharded, in its ``reduce_dtype``); ``.grad``
+    stays FSDP2's and ``step()`` takes its local shard into buffers that cover the local shards
+    only: fp32 masters and state per rank, updated in place in FSDP2's sharded storage.
+    ``max_grad_norm``/``skip_nonfinite`` are global over the mesh; ``opt.state`` and
+    ``state_dict()`` hold DTensors, as torch.optim's do on FSDP2.
+
     ``step()`` does not clear ``.grad``, as torch's optimizers do not: call ``zero_grad()``
     to start the next window (every trainer does).
     """
