@@ -297,3 +297,37 @@ def test_refusals_say_why(ranks):
         assert "FSDP2 reduces" in errors["process_group"]
         assert "local shards as whole parameters" in errors["generic"]
         assert "one device mesh" in errors["mixed_clip"]
+
+
+def _worker_hsdp(rank, path):
+    """HSDP on 4 ranks: a (replicate 2, shard 2) mesh. The clip norm sums the local shards over
+    the shard dimension only (the replicas hold equal values)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        models = []
+        for _ in range(2):
+            model = Net()
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=BF16_COMPUTE)
+            models.append(fully_shard(model, mesh=mesh, mp_policy=BF16_COMPUTE))
+        ours = fused_accum.AdamW(models[0].parameters(), accum_steps=K, max_grad_norm=CLIP, **HYPER)
+        ref = torch.optim.AdamW(models[1].parameters(), fused=True, **HYPER)
+        log = {}
+        train(models[0], ours, rank, [0])
+        train(models[1], ref, rank, [0], clip=CLIP, log=log)
+        torch.save(dict(ours=full(models[0]), torch=full(models[1]), norm=ours.last_grad_norm,
+                        torch_norm=log["torch_norm"]), f"{path}.rank{rank}")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_clip_norm_sums_over_the_shard_dimension_only(tmp_path):
+    path = str(tmp_path / "hsdp")
+    mp.spawn(_worker_hsdp, args=(path,), nprocs=4, join=True)
+    for r in range(4):
+        got = torch.load(f"{path}.rank{r}", weights_only=False)
+        assert got["torch_norm"] > CLIP
+        torch.testing.assert_close(got["norm"], got["torch_norm"], rtol=1e-6, atol=0)  # (as above)
+        assert rel(got["ours"], got["torch"]) <= FIRST_REL  # one window: as the first of the others
