@@ -18,6 +18,9 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -43,7 +46,20 @@ struct BucketArrivals {
   std::vector<at::Tensor> grads;  // undefined: nothing arrived as a tensor
   std::vector<char> arrived;      // as a tensor or written in place
   int64_t count = 0;              // how many positions have arrived
+  // Set by grant_fast for this backward: when complete (every gradient a tensor, on acc's
+  // device), fold here with accumulate_(acc, offsets, grads, 1, add) and do not call Python.
+  bool fast = false;
+  at::Tensor acc, offsets;
 };
+
+// fused_accum_ext::accumulate_ (bindings.cpp), through the dispatcher: CPU or CUDA by device.
+void add_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fused_accum_ext::accumulate_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, at::TensorList, double, bool,
+                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  op.call(acc, offsets, grads, 1.0, /*overwrite=*/false, std::nullopt, std::nullopt);
+}
 
 class Arrivals : public std::enable_shared_from_this<Arrivals> {
  public:
@@ -137,10 +153,36 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     return out;
   }
 
+  // The window's common micro-batch (not its last, every slot of the bucket already holding
+  // this window's gradient, no reduction, no fused step, the extension's backend) needs nothing
+  // of Python: the window grants it per bucket for the backward about to run.
+  void grant_fast(const std::vector<int64_t>& buckets, const std::vector<at::Tensor>& accs,
+                  const std::vector<at::Tensor>& offsets) {
+    TORCH_CHECK(buckets.size() == accs.size() && accs.size() == offsets.size(),
+                "Arrivals.grant_fast: lists differ in length");
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      TORCH_CHECK(buckets[i] >= 0 && buckets[i] < (int64_t)buckets_.size(), "Arrivals.grant_fast: no bucket ",
+                  buckets[i]);
+      BucketArrivals& bucket = buckets_[buckets[i]];
+      bucket.fast = true;
+      bucket.acc = accs[i];
+      bucket.offsets = offsets[i];
+    }
+  }
+
+  void revoke_fast() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& bucket : buckets_) revoke(bucket);
+  }
+
   // Forgets every arrival, and which backward was seen (a backward that raised never ends).
   void clear() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& bucket : buckets_) take(bucket);
+    for (auto& bucket : buckets_) {
+      take(bucket);
+      revoke(bucket);
+    }
     for (auto& grad : hidden_) grad.reset();
     last_task_ = -1;
   }
@@ -173,6 +215,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     const bool in_place = !grad.defined();
     int64_t complete = -1;
     std::vector<at::Tensor> grads;
+    at::Tensor fast_acc, fast_offsets;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
@@ -189,12 +232,24 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
         if (++bucket.count == (int64_t)bucket.arrived.size()) {
           complete = slot_bucket_[key];
           grads = take(bucket);
+          const bool fast = bucket.fast && std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+            return g.defined() && g.device() == bucket.acc.device();
+          });
+          if (fast) {
+            fast_acc = bucket.acc;
+            fast_offsets = bucket.offsets;
+          }
+          revoke(bucket);  // once per backward: a second completion (reentrant pieces) is Python's
         }
       }
     }
     // Python is called without the lock held: it may call back (arrive_in_place, clear).
     if (!in_place) note_task();  // (in place: the caller already told Python)
-    if (complete >= 0) call(bucket_complete_, complete, std::move(grads));
+    if (fast_acc.defined()) {
+      add_into(fast_acc, fast_offsets, grads);
+    } else if (complete >= 0) {
+      call(bucket_complete_, complete, std::move(grads));
+    }
   }
 
   // Asks Python to see the end of the backward now running, once per backward.
@@ -206,6 +261,12 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       last_task_ = task;
     }
     call(queue_end_);
+  }
+
+  static void revoke(BucketArrivals& bucket) {
+    bucket.fast = false;
+    bucket.acc.reset();
+    bucket.offsets.reset();
   }
 
   static std::vector<at::Tensor> take(BucketArrivals& bucket) {
@@ -302,6 +363,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arrive_in_place", &Arrivals::arrive_in_place)
       .def("take_partial", &Arrivals::take_partial)
       .def("clear", &Arrivals::clear)
+      .def("grant_fast", &Arrivals::grant_fast)
+      .def("revoke_fast", &Arrivals::revoke_fast)
       .def("has_arrivals", &Arrivals::has_arrivals)
       .def_property(
           "native", [](Arrivals& a) { return a.native_.load(); },

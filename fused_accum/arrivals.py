@@ -13,6 +13,9 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   ``bucket_complete(bucket, grads)``, grads in bucket order (None for one written in place).
 
 The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
+``grant_fast(buckets, accs, offsets)`` lets the listed buckets, for the backward about to run,
+fold themselves when complete (``accumulate_(acc, offsets, grads, 1, add)``) without calling
+``bucket_complete``: the window grants it for its common micro-batches, which need nothing else.
 While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
 hooks do nothing and autograd accumulates ``.grad`` as usual.
 
@@ -180,6 +183,13 @@ class PythonArrivals:
                 return
             self._last_task = task
         self._queue_end()
+
+    def grant_fast(self, buckets, accs, offsets) -> None:
+        """Accepted and ignored: every bucket goes through ``bucket_complete`` (a fold called
+        from Python saves nothing by skipping Python)."""
+
+    def revoke_fast(self) -> None:
+        pass
 
     def take_partial(self) -> list:
         with self._lock:

@@ -51,6 +51,9 @@ from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
+# The backends whose accumulate_ the C++ hooks can call themselves (fused_accum._C's operators).
+FAST_FOLD_BACKENDS = ("cpu", "cuda")
+
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
 # because tensors compare element-wise, not by identity.
 _OWNERS: dict = {}
@@ -259,6 +262,27 @@ class GradientWindow:
             if self._exposed:
                 self.reconcile(before_backward=True)
             self._arrivals.slow = False
+            self._grant_fast_folds()
+
+    def _grant_fast_folds(self) -> None:
+        """Let the hooks fold, without calling back, the buckets of the backward about to run
+        whose fold is a plain add (see fused_accum.arrivals): the window's middle micro-batches.
+        Whatever the fold would record in Python is then already true: every slot holds this
+        window's gradient (an add, not an overwrite), none is in the window's norm yet, and no
+        reduction or fused step reads what this fold adds."""
+        self._arrivals.revoke_fast()
+        if self.reducer is not None or self.step_in_backward or self._last_backward():
+            return
+        buckets, accs, offsets = [], [], []
+        for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
+            flat = self.flat_groups[flat_index]
+            bucket = flat.buckets[bucket_index]
+            if flat.backend in FAST_FOLD_BACKENDS and all(s.has_grad and not s.in_stats for s in bucket.slots):
+                buckets.append(bucket_id)
+                accs.append(flat.acc)
+                offsets.append(bucket.offsets)
+        if buckets:
+            self._arrivals.grant_fast(buckets, accs, offsets)
 
     def _bucket_complete(self, bucket_id: int, grads: list) -> None:
         """Every slot of a bucket has arrived in this backward: fold them."""
@@ -418,6 +442,7 @@ class GradientWindow:
     def _end_of_backward(self, task: int) -> None:
         with self._lock:
             arrived = self._tasks.pop(task, False)
+            self._arrivals.revoke_fast()  # granted for this backward only
             self.flush()
             enclosing = torch._C._current_autograd_node()
             if enclosing is not None:

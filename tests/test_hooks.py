@@ -191,3 +191,48 @@ def test_bf16_gradients_are_accumulated_in_fp32(hooks):
     # and four 8-bit-mantissa values sum exactly well within fp32's 24 bits)
     assert torch.equal(p.grad, torch.stack([x.float() for x in xs]).sum(0))
     assert opt.microbatches == 4
+
+
+def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, monkeypatch):
+    # With accum_steps=4: the first backward overwrites and the last one fuses the norm, so both
+    # fold in Python; the C++ hooks fold the two in between themselves (the Python twin never
+    # does). The gradients are torch's either way, bit for bit.
+    a, b = _pair()
+    # lr=0: the parameters stay equal to b's, which no optimizer steps
+    opt = fused_accum.AdamW(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9,
+                            bucket_cap_mb=50 * 4 / 2**20)
+    n_buckets = len(opt._window._bucket_ids)
+    calls = []
+    original = type(opt._window)._bucket_complete
+    monkeypatch.setattr(type(opt._window), "_bucket_complete",
+                        lambda self, *args: (calls.append(args[0]), original(self, *args)))
+    per_backward = []
+    for window in range(2):
+        for x in _batches(4, seed=window):
+            before = len(calls)
+            a(x).square().mean().backward()
+            b(x).square().mean().backward()
+            per_backward.append(len(calls) - before)
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p.grad, q.grad)
+        norm = torch.cat([q.grad.reshape(-1) for q in b.parameters()]).norm()
+        opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, norm, rtol=1e-6, atol=0)  # summation order
+        opt.zero_grad()
+        for q in b.parameters():
+            q.grad = None
+    middle = 0 if hooks == "cpp" else n_buckets
+    assert per_backward == [n_buckets, middle, middle, n_buckets] * 2
+
+
+def test_a_backward_past_accum_steps_after_the_norm_was_taken_invalidates_it(hooks):
+    # The norm fused into the last pass describes values a further backward changes: it must be
+    # recomputed (a fast fold may not skip that).
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.0, accum_steps=2, max_grad_norm=1e9)
+    for x in _batches(4):
+        a(x).sum().backward()
+        b(x).sum().backward()
+    opt.step()
+    norm = torch.cat([q.grad.reshape(-1) for q in b.parameters()]).norm()
+    torch.testing.assert_close(opt.last_grad_norm, norm, rtol=1e-6, atol=0)
