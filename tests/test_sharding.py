@@ -239,6 +239,19 @@ def _worker(rank, path):
                 opt.zero_grad()
                 after.append([p.detach().clone() for p in model.parameters()])
             results[f"skip_{shard}"] = after
+        # GradScaler reads .grad to unscale it and find infs: in the sharded modes a clear error
+        # (use skip_nonfinite, or bf16 without a scaler), not a silently wrong step
+        for shard in ("state", "grads"):
+            model = Net()
+            opt = _optimizer(model, shard, "adamw", "clip", 25.0, "accum_steps")
+            scaler = torch.amp.GradScaler("cpu")
+            for micro in range(K):
+                scaler.scale(loss_of(model, rank, 0, micro, "mean")).backward()
+            try:
+                scaler.step(opt)
+                results[f"scaler_{shard}"] = None
+            except RuntimeError as err:
+                results[f"scaler_{shard}"] = str(err)
         results["memory"] = _memory(rank)
         results["path"] = path
         torch.save(results, f"{path}.rank{rank}")
@@ -436,6 +449,13 @@ def test_lion_and_global_skip_match_replicated(ranks, shard):
         # window 1 had a NaN on rank 1 only: no rank stepped
         assert all(torch.equal(a, b) for a, b in zip(after[0], after[1]))
         assert not all(torch.equal(a, b) for a, b in zip(after[1], after[2]))
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_grad_scaler_is_refused_with_a_clear_error(ranks, shard):
+    for rank in ranks:
+        message = rank[f"scaler_{shard}"]
+        assert message is not None and "skip_nonfinite" in message and "unscaled" in message
 
 
 def test_grads_bf16_wire(ranks):
