@@ -155,12 +155,14 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 
 def _hook_kind(params: Sequence[torch.Tensor]) -> str:
-    """'python' when the params carry Python tensor or post-accumulate-grad hooks, else
-    'none/c++' (torch's own accumulation, or hooks registered from C++, which Python cannot
-    see)."""
-    python = any(getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)
-                 for p in params)
-    return "python" if python else "none/c++"
+    """Which hooks take the params' gradients: 'c++' or 'python' (a fused_accum optimizer's,
+    fused_accum.arrivals), or 'none' (torch's own accumulation)."""
+    from fused_accum import arrivals, window
+
+    owner = window.owner(params[0]) if params else None
+    if owner is None:
+        return "none"
+    return "python" if isinstance(owner._arrivals, arrivals.PythonArrivals) else "c++"
 
 
 def _make_step(provider: str, params: List[torch.Tensor], cfg: WindowConfig,

@@ -465,8 +465,12 @@ def test_smoke_window_rows_cover_every_model_dtype_and_provider(smoke_run):
         assert float(r["thread_scaling"]) == 1.0
         assert r["git_commit"] == payload["meta"]["git_commit"] and r["torch"] == torch.__version__
         assert (r["speedup_vs_native_fp32acc"] != "") == (r["dtype"] == "bf16")
-    # torch's own accumulation carries no Python hooks; ours (Python or C++ hooks) is named
-    assert all(r["hooks"] == "none/c++" for r in rows if r["provider"].startswith("native"))
+    # torch's own accumulation has no hooks; ours names which hooks took the gradients
+    from fused_accum.backends import ext
+
+    ours = "c++" if ext._C is not None else "python"
+    expected = {"native": "none", "native_fp32acc": "none", "fused_accum": ours, "fused_accum_pyhooks": "python"}
+    assert all(r["hooks"] == expected[r["provider"]] for r in rows), [(r["provider"], r["hooks"]) for r in rows]
 
 
 def _tiny_window(**kw):
