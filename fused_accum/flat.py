@@ -143,6 +143,7 @@ class FlatGroup:
                  master_weights, backend, bucket_numel, sharding: Optional[Sharding] = None):  # fmt: skip
         self.index, self.group_index = index, group_index
         self.dtype, self.device, self.backend = dtype, device, backend
+        self.plan = object()  # names this group's buffers to the Triton backend's plan cache (ops plan=)
         self.sharding = sharding
         self.has_master = dtype in LOW_PRECISION and master_weights
         numels = [local_tensor(p).numel() for p in params]
@@ -239,6 +240,7 @@ class FlatGroup:
         if self.master is not None:
             self.master = torch.zeros_like(self.master, device=device)
         self._index_cache = {}
+        self.plan = object()  # new buffers: a new launch plan
         for slot in self.slots:
             self._set_views(slot)
             if slot.master is not None:

@@ -650,11 +650,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             active = held
         common = (steps, flat.lr, flat.coef)
         tail = (lp_params, list(grads), 1.0, grads_overwrite, found_inf, flat.backend)
+        # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
+        # of this flat group's buffers; what changes their layout (the active set, the lists
+        # passed) is in the key.
+        everyone = len(active) == len(flat.slots)
+        layout = (None if everyone else tuple(s.index for s in active), len(grads), grads_overwrite)
         if self._algorithm == "sgd":
             momentum = group["momentum"]
             bufs = [s.state["momentum_buffer"] for s in active] if momentum != 0 else []
             ops.sgd_step(params, bufs, accs, *common, momentum, group["dampening"],
-                         group["weight_decay"], group["nesterov"], group["maximize"], *tail)  # fmt: skip
+                         group["weight_decay"], group["nesterov"], group["maximize"], *tail,
+                         plan=(flat.plan, layout, bool(bufs)))  # fmt: skip
             return
         beta1, beta2 = (_scalar(b) for b in group["betas"])
         exp_avgs = [s.state["exp_avg"] for s in active]
@@ -662,10 +668,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             maxes = [s.state["max_exp_avg_sq"] for s in active] if group["amsgrad"] else []
             ops.adam_step(params, exp_avgs, [s.state["exp_avg_sq"] for s in active], maxes, accs, *common,
                           beta1, beta2, group["eps"], group["weight_decay"], self._algorithm == "adamw",
-                          group["maximize"], *tail)  # fmt: skip
+                          group["maximize"], *tail, plan=(flat.plan, layout, bool(maxes)))  # fmt: skip
         else:
             ops.lion_step(params, exp_avgs, accs, *common, beta1, beta2, group["weight_decay"],
-                          group["maximize"], *tail)  # fmt: skip
+                          group["maximize"], *tail, plan=(flat.plan, layout))  # fmt: skip
 
     def _state_views(self, slot: Slot, group) -> dict:
         """``opt.state[p]``: torch's state names, as fp32 views of the flat buffers (in-place
