@@ -205,6 +205,12 @@ class FlatGroup:
             window = slice(off, off + p.numel())
             slot.acc = self.acc[window]
             slot.grad_view = slot.acc.view(p.shape)
+            if is_dtensor(slot.param):  # FSDP2: .grad is a DTensor over this rank's fp32 slice
+                from torch.distributed.tensor import DTensor
+
+                q = slot.param
+                slot.grad_view = DTensor.from_local(slot.grad_view, q.device_mesh, q.placements, run_check=False,
+                                                    shape=q.shape, stride=q.stride())  # fmt: skip
             slot.master = self.master[window] if self.has_master else None
             slot.state = {key: buf[window] for key, buf in self.state.items()}
             return

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from . import ops
 from .arrivals import make_arrivals
 from .distributed import ddp_wrapping
-from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot
+from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot, is_dtensor
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
@@ -134,6 +134,19 @@ def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:
         window._bucket_complete(bucket_id, grads)
 
 
+def _detach_all(arrivals, handles: list) -> None:
+    arrivals.detach_all()
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _fsdp_grad(window_ref, key: int, param: Tensor) -> None:
+    window = window_ref()
+    if window is not None:
+        window._fsdp_grad(key)
+
+
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
 
@@ -160,6 +173,7 @@ class GradientWindow:
                                        functools.partial(_queue_end, this),
                                        functools.partial(_bucket_complete, this))  # fmt: skip
         self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
+        self._handles: list = []  # of the Python hooks on FSDP2 (DTensor) parameters
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
         self._plans: list = []
@@ -172,7 +186,7 @@ class GradientWindow:
         # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
         # the step takes it as a user-assigned gradient (see _check_native).
         self.native: Optional[bool] = None
-        self._finalizer = weakref.finalize(self, self._arrivals.detach_all)
+        self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     # --- membership ------------------------------------------------------------------------
 
@@ -219,6 +233,11 @@ class GradientWindow:
                 # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
                 p.grad_dtype = None
             self._arrivals.attach(slot.key, p)
+            if is_dtensor(p):
+                # FSDP2 runs autograd on unsharded copies: these hooks never see a gradient.
+                # It calls the sharded parameter's post-accumulate-grad hooks after each
+                # reduce-scatter, once .grad is set or added to (see _fsdp_grad).
+                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_fsdp_grad, this, slot.key)))
 
     def detach(self, reason: str) -> None:
         """Stop taking gradients (autograd fills ``.grad`` natively again) and give up the
@@ -228,7 +247,7 @@ class GradientWindow:
         if self.pending():
             warnings.warn(f"{self._label} was detached ({reason}) with gradients accumulated in its "
                           "window: they are discarded", stacklevel=4)  # fmt: skip
-        self._arrivals.detach_all()
+        _detach_all(self._arrivals, self._handles)
         for slot in self.slots:
             if owner(slot.param) is self:
                 del _OWNERS[id(slot.param)]
@@ -283,6 +302,24 @@ class GradientWindow:
                 offsets.append(bucket.offsets)
         if buckets:
             self._arrivals.grant_fast(buckets, accs, offsets)
+
+    def _fsdp_grad(self, key: int) -> None:
+        """FSDP2 reduce-scattered a micro-batch into a DTensor parameter's ``.grad``. A fresh
+        ``.grad`` (FSDP2 sets one only where ``.grad`` was None: the window's first gradient) is
+        copied into the parameter's fp32 slice and replaced by the fp32 DTensor over that slice,
+        so FSDP2 adds the next micro-batches into it (``.grad._local_tensor += g``): the
+        accumulation is fp32 whatever the parameter's dtype."""
+        slot = self.slots[key]
+        grad = slot.param.grad
+        if grad is None or self.detached_because is not None:
+            return
+        with self._lock:
+            if grad is not slot.grad_view:
+                local = self.flat_groups[slot.flat_index].local_grad(slot, grad)
+                slot.acc.copy_(local.reshape(-1))
+                slot.param.grad = slot.grad_view
+            slot.has_grad = True
+            slot.in_stats = False
 
     def _bucket_complete(self, bucket_id: int, grads: list) -> None:
         """Every slot of a bucket has arrived in this backward: fold them."""
