@@ -201,10 +201,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     FSDP2 (``fully_shard``): build the optimizer after ``fully_shard``, over its DTensor
     parameters, without ``process_group``/``shard``. FSDP2 reduce-scatters each micro-batch into
-    the sharded parameter's ``.grad`` and sums micro-batches there (in the parameter's dtype;
-    under ``set_requires_gradient_sync(False)`` unsharded, in its ``reduce_dtype``); ``.grad``
-    stays FSDP2's and ``step()`` takes its local shard into buffers that cover the local shards
-    only: fp32 masters and state per rank, updated in place in FSDP2's sharded storage.
+    the sharded parameter's ``.grad``; the window then shows an fp32 DTensor over the
+    parameter's slice of the accumulator as ``.grad``, into which FSDP2 adds the later
+    micro-batches (fp32 sums whatever the parameter's dtype; under
+    ``set_requires_gradient_sync(False)`` FSDP2 sums unsharded, in its ``reduce_dtype``, and
+    hands over once). The buffers cover the local shards only: fp32 masters and state per rank,
+    updated in place in FSDP2's sharded storage.
     ``max_grad_norm``/``skip_nonfinite`` are global over the mesh; ``opt.state`` and
     ``state_dict()`` hold DTensors, as torch.optim's do on FSDP2.
 
@@ -373,8 +375,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _adopt_dtensors(self) -> None:
         """DTensor parameters (FSDP2's ``fully_shard``): FSDP2 reduce-scatters every micro-batch's
-        gradient into the sharded parameter's ``.grad`` and adds later micro-batches to it, so the
-        window's hooks stand aside, as under DDP, and the step takes ``.grad``'s local shard.
+        gradient into the sharded parameter's ``.grad``, so the window's autograd hooks stand
+        aside, as under DDP; its FSDP2 hook (``GradientWindow._fsdp_grad``) keeps ``.grad`` an
+        fp32 DTensor over the accumulator, and the step takes ``.grad`` as it finds it.
         Decided now rather than at the first backward: a step may come first (torch.distributed.
         checkpoint's ``set_optimizer_state_dict`` steps with zero gradients to make state)."""
         if self._config["process_group"] is not None:
@@ -752,8 +755,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             entry = state.setdefault(index_of[id(p)], {})
             if slot.master is not None:
                 entry["master"] = window.flat_groups[slot.flat_index].state_view(slot, slot.master).clone()
-            # (sharded: the local sum. DTensor params: the window's gradient is FSDP2's .grad, which
-            # a checkpoint does not hold, as with torch.optim; ours is a copy taken by the step)
+            # (sharded: the local sum. DTensor params: the window's gradient is the .grad FSDP2
+            # adds into, which a checkpoint does not hold, as with torch.optim)
             if slot.has_grad and slot.grad_view is not slot.placeholder and not is_dtensor(p):
                 entry["accum"] = slot.grad_view.clone()
         if window.reducer is not None and window.reducer.sharding is not None:
