@@ -31,6 +31,7 @@ from fused_accum.backends import wgrad
 from fused_accum.optimizer import FusedAccumOptimizer
 
 from benchmarks.wgrad import cpu_peak_bytes as _peak_bytes  # the benchmark's measure: one method for both
+from dispatch_record import RecordOps  # tests/dispatch_record.py
 
 CPU_BACKENDS = ["reference"] + [n for n in ("cpu", "triton") if backends.availability(n, "cpu") == ""]
 GPU_BACKENDS = (
@@ -209,21 +210,10 @@ def test_op_traces_under_torch_compile_without_graph_break():
 
 
 def test_eager_wgrad_calls_skip_the_custom_op_wrapper():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     acc, g, x = torch.zeros(3, 2), torch.ones(4, 3), torch.ones(4, 2)
-    with Record() as eager:
+    with RecordOps() as eager:
         ops.wgrad_accumulate(acc, g, x, True, "reference")
-    with Record() as wrapped:
+    with RecordOps() as wrapped:
         ops.wgrad_accumulate_(acc, g, x, False, "reference")
     assert not any(op.startswith("fused_accum.") for op in eager.ops), eager.ops
     assert "fused_accum.wgrad_accumulate_.default" in wrapped.ops

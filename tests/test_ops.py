@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fused_accum import ops
+from dispatch_record import RecordOps  # tests/dispatch_record.py
 
 
 def _adam_args(n=5, with_grads=False):
@@ -68,21 +69,10 @@ def test_compiled_step_has_no_graph_break():
 def test_eager_calls_skip_the_custom_op_wrapper():
     """Eager calls go straight to the backend (the wrapper costs ~30 us a call); a dispatch
     mode records which ops reach the dispatcher."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     acc, offsets, grad = torch.zeros(3), torch.zeros(1, dtype=torch.int64), torch.ones(3)
-    with Record() as eager:
+    with RecordOps() as eager:
         ops.accumulate(acc, offsets, [grad], 2.0, True, None, None, "reference")
-    with Record() as wrapped:
+    with RecordOps() as wrapped:
         ops.accumulate_(acc, offsets, [grad], 2.0, True, None, None, "reference")
     assert not any(op.startswith("fused_accum.") for op in eager.ops), eager.ops
     assert "fused_accum.accumulate_.default" in wrapped.ops  # the mode does see custom ops
