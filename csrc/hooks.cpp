@@ -129,19 +129,15 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   void receive(int64_t key, const at::Tensor& param) {
     if (standing_aside()) return;
     at::Tensor grad = std::move(param.mutable_grad());
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      param.mutable_grad() = std::move(hidden_[key]);
-      hidden_[key].reset();
+    if (grad.defined()) {
+      TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
+                  " received a sparse gradient; sparse gradients are not supported");
     }
-    if (!grad.defined()) return;
-    TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
-                " received a sparse gradient; sparse gradients are not supported");
-    arrive(key, std::move(grad));
+    arrive(key, std::move(grad), &param);
   }
 
   // A slot whose gradient was written straight into the accumulator (fused weight gradient).
-  void arrive_in_place(int64_t key) { arrive(key, at::Tensor()); }
+  void arrive_in_place(int64_t key) { arrive(key, at::Tensor(), nullptr); }
 
   // Partly arrived buckets, emptied: [(bucket, grads)] (the end of a backward).
   std::vector<std::pair<int64_t, std::vector<at::Tensor>>> take_partial() {
@@ -211,14 +207,25 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::atomic<bool> detached_{false};
 
  private:
-  void arrive(int64_t key, at::Tensor grad) {
-    const bool in_place = !grad.defined();
+  // One lock per arrival (the hot path): `param` given (the post-hook), its hidden .grad is shown
+  // again and an undefined `grad` is no arrival; not given, the slot was written in place.
+  void arrive(int64_t key, at::Tensor grad, const at::Tensor* param) {
+    const bool in_place = param == nullptr;
+    const int task = in_place ? -1 : torch::autograd::get_current_graph_task_id();
+    bool new_task = false;
     int64_t complete = -1;
     std::vector<at::Tensor> grads;
     at::Tensor fast_acc, fast_offsets;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
+      if (!in_place) {
+        param->mutable_grad() = std::move(hidden_[key]);
+        hidden_[key].reset();
+        if (!grad.defined()) return;
+        new_task = task != last_task_;  // (in place: the caller told Python itself)
+        last_task_ = task;
+      }
       BucketArrivals& bucket = buckets_[slot_bucket_[key]];
       const int64_t pos = slot_position_[key];
       if (!in_place) {
@@ -244,23 +251,13 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       }
     }
     // Python is called without the lock held: it may call back (arrive_in_place, clear).
-    if (!in_place) note_task();  // (in place: the caller already told Python)
+    // The first gradient of a backward asks Python to see that backward's end.
+    if (new_task) call(queue_end_);
     if (fast_acc.defined()) {
       add_into(fast_acc, fast_offsets, grads);
     } else if (complete >= 0) {
       call(bucket_complete_, complete, std::move(grads));
     }
-  }
-
-  // Asks Python to see the end of the backward now running, once per backward.
-  void note_task() {
-    const int task = torch::autograd::get_current_graph_task_id();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (task == last_task_) return;
-      last_task_ = task;
-    }
-    call(queue_end_);
   }
 
   static void revoke(BucketArrivals& bucket) {
