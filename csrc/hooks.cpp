@@ -92,6 +92,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     }
     nodes_.resize(slot_bucket_.size());
     hidden_.resize(slot_bucket_.size());
+    shown_.resize(slot_bucket_.size());
   }
 
   // Usually run by Python, with the GIL. A hook that outlived the window's last Python
@@ -106,38 +107,60 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   void attach(int64_t key, const at::Tensor& param);
 
-  // The pre-hook: hide a `.grad` that shows the window's running sum, or autograd would add the
-  // new gradient into it itself.
-  void before_accumulate(int64_t key, const at::Tensor& param) {
-    if (standing_aside()) return;
+  // The pre-hook. Usually it takes the gradient into its bucket itself and hands AccumulateGrad
+  // an undefined one, which the node skips: `.grad` is not touched (it keeps showing the running
+  // sum), and autograd neither detaches nor stores anything. AccumulateGrad must run where it
+  // does more than store the gradient: a user's post-accumulate-grad hook reads `.grad`, a
+  // double backward keeps the gradient's graph, a non-strided or zero tensor needs its handling,
+  // a parameter that no longer requires grad drops it. There the pre-hook hides a `.grad` that
+  // shows the running sum (else autograd would add into it), and the post-hook takes what
+  // AccumulateGrad stored.
+  variable_list before_accumulate(int64_t key, AccumulateGrad& node, const variable_list& grads) {
+    if (standing_aside()) return grads;
     if (slow_) {
       call(before_backward_);
-      if (standing_aside()) return;
+      if (standing_aside()) return grads;
+    }
+    if (grads.size() != 1 || !grads[0].defined()) return grads;
+    const at::Tensor& param = node.variable;
+    const at::Tensor& grad = grads[0];
+    const bool plain = grad.layout() == at::kStrided && !grad._is_zerotensor() && param.requires_grad() &&
+                       !at::GradMode::is_enabled() && !node.tensor_post_acc_grad_hooks();
+    if (plain) {
+      arrive(key, grad);
+      return variable_list(1);
     }
     if (hide_) {
-      at::Tensor& grad = param.mutable_grad();
-      if (grad.defined()) {
+      at::Tensor& shown = param.mutable_grad();
+      if (shown.defined()) {
         std::lock_guard<std::mutex> lock(mutex_);
-        hidden_[key] = std::move(grad);
-        grad.reset();
+        hidden_[key] = std::move(shown);
+        shown.reset();
       }
     }
+    return grads;
   }
 
-  // The post-hook: take the gradient autograd just stored in `.grad` into its bucket, and show
-  // again what the pre-hook hid (the running sum, which the bucket's fold brings up to date).
-  void receive(int64_t key, const at::Tensor& param) {
+  // The post-hook, after AccumulateGrad ran on a gradient the pre-hook left to it: take what it
+  // stored in `.grad` into the bucket, and show again what the pre-hook hid (the running sum,
+  // which the bucket's fold brings up to date).
+  void after_accumulate(int64_t key, const at::Tensor& param) {
     if (standing_aside()) return;
-    at::Tensor grad = std::move(param.mutable_grad());
-    if (grad.defined()) {
-      TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
-                  " received a sparse gradient; sparse gradients are not supported");
+    at::Tensor grad;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      grad = std::move(param.mutable_grad());
+      param.mutable_grad() = std::move(hidden_[key]);
+      hidden_[key].reset();
     }
-    arrive(key, std::move(grad), &param);
+    if (!grad.defined()) return;  // (dropped: the parameter no longer requires grad)
+    TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
+                " received a sparse gradient; sparse gradients are not supported");
+    arrive(key, std::move(grad));
   }
 
   // A slot whose gradient was written straight into the accumulator (fused weight gradient).
-  void arrive_in_place(int64_t key) { arrive(key, at::Tensor(), nullptr); }
+  void arrive_in_place(int64_t key) { arrive(key, at::Tensor()); }
 
   // Partly arrived buckets, emptied: [(bucket, grads)] (the end of a backward).
   std::vector<std::pair<int64_t, std::vector<at::Tensor>>> take_partial() {
@@ -183,6 +206,41 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     last_task_ = -1;
   }
 
+  // The window's `.grad` exposure (fused_accum.window.expose), here because it touches every
+  // parameter once per backward: `.grad` = views[key] where show[key]; else None where it was that
+  // view. What is shown is remembered for changed().
+  void expose(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& show) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (detached_) return;  // (the nodes are let go)
+    TORCH_CHECK(views.size() == nodes_.size() && show.size() == nodes_.size(),
+                "Arrivals.expose: expected one view and one flag per slot");
+    for (size_t key = 0; key < nodes_.size(); ++key) {
+      if (!nodes_[key]) continue;
+      at::Tensor& grad = static_cast<AccumulateGrad*>(nodes_[key].get())->variable.mutable_grad();
+      const at::Tensor view = views[key].value_or(at::Tensor());
+      if (show[key] && view.defined()) {
+        if (!grad.is_same(view)) grad = view;
+        shown_[key] = view;
+      } else {
+        if (view.defined() && grad.is_same(view)) grad.reset();
+        shown_[key].reset();
+      }
+    }
+  }
+
+  // The keys whose `.grad` is no longer what expose() showed (the user cleared or replaced it).
+  std::vector<int64_t> changed() {
+    std::vector<int64_t> out;
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t key = 0; key < nodes_.size(); ++key) {
+      if (!nodes_[key]) continue;
+      if (!static_cast<AccumulateGrad*>(nodes_[key].get())->variable.grad().is_same(shown_[key])) {
+        out.push_back(key);
+      }
+    }
+    return out;
+  }
+
   bool has_arrivals() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& bucket : buckets_) {
@@ -207,10 +265,9 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::atomic<bool> detached_{false};
 
  private:
-  // One lock per arrival (the hot path): `param` given (the post-hook), its hidden .grad is shown
-  // again and an undefined `grad` is no arrival; not given, the slot was written in place.
-  void arrive(int64_t key, at::Tensor grad, const at::Tensor* param) {
-    const bool in_place = param == nullptr;
+  // One lock per arrival (the hot path). An undefined `grad`: the slot was written in place.
+  void arrive(int64_t key, at::Tensor grad) {
+    const bool in_place = !grad.defined();
     const int task = in_place ? -1 : torch::autograd::get_current_graph_task_id();
     bool new_task = false;
     int64_t complete = -1;
@@ -220,9 +277,6 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       std::lock_guard<std::mutex> lock(mutex_);
       TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
       if (!in_place) {
-        param->mutable_grad() = std::move(hidden_[key]);
-        hidden_[key].reset();
-        if (!grad.defined()) return;
         new_task = task != last_task_;  // (in place: the caller told Python itself)
         last_task_ = task;
       }
@@ -295,15 +349,16 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::vector<BucketArrivals> buckets_;
   std::vector<c10::intrusive_ptr<Node>> nodes_;  // by slot: the AccumulateGrad nodes we hook
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
+  std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
 };
 
-struct HideExposedGrad : public FunctionPreHook {
-  HideExposedGrad(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
+struct TakeGradBefore : public FunctionPreHook {
+  TakeGradBefore(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
       : arrivals(std::move(arrivals)), node(node), key(key) {}
   variable_list operator()(const variable_list& grads) override {
-    if (auto table = arrivals.lock()) table->before_accumulate(key, node->variable);
+    if (auto table = arrivals.lock()) return table->before_accumulate(key, *node, grads);
     return grads;
   }
   std::weak_ptr<Arrivals> arrivals;
@@ -311,11 +366,14 @@ struct HideExposedGrad : public FunctionPreHook {
   int64_t key;
 };
 
-struct TakeGrad : public FunctionPostHook {
-  TakeGrad(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
+struct TakeGradAfter : public FunctionPostHook {
+  TakeGradAfter(std::weak_ptr<Arrivals> arrivals, AccumulateGrad* node, int64_t key)
       : arrivals(std::move(arrivals)), node(node), key(key) {}
-  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
-    if (auto table = arrivals.lock()) table->receive(key, node->variable);
+  variable_list operator()(const variable_list& outputs, const variable_list& inputs) override {
+    // An undefined input: the pre-hook took the gradient (or there was none): nothing to do.
+    if (inputs.size() == 1 && inputs[0].defined()) {
+      if (auto table = arrivals.lock()) table->after_accumulate(key, node->variable);
+    }
     return outputs;
   }
   std::weak_ptr<Arrivals> arrivals;
@@ -333,8 +391,8 @@ void Arrivals::attach(int64_t key, const at::Tensor& param) {
   c10::intrusive_ptr<Node> node = torch::autograd::impl::grad_accumulator(param);
   auto* accumulate = dynamic_cast<AccumulateGrad*>(node.get());
   TORCH_CHECK(accumulate != nullptr, "Arrivals.attach: the parameter has no AccumulateGrad node");
-  node->add_pre_hook(std::make_unique<HideExposedGrad>(weak_from_this(), accumulate, key));
-  node->add_post_hook(std::make_unique<TakeGrad>(weak_from_this(), accumulate, key));
+  node->add_pre_hook(std::make_unique<TakeGradBefore>(weak_from_this(), accumulate, key));
+  node->add_post_hook(std::make_unique<TakeGradAfter>(weak_from_this(), accumulate, key));
   // Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt, without
   // our hooks, by the next forward. Holding it keeps the hooks (DDP's reducer does the same).
   nodes_[key] = std::move(node);
@@ -363,6 +421,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("grant_fast", &Arrivals::grant_fast)
       .def("revoke_fast", &Arrivals::revoke_fast)
       .def("has_arrivals", &Arrivals::has_arrivals)
+      .def("expose", &Arrivals::expose)
+      .def("changed", &Arrivals::changed)
       .def_property(
           "native", [](Arrivals& a) { return a.native_.load(); },
           [](Arrivals& a, bool v) { a.native_ = v; })

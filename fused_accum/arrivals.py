@@ -2,15 +2,22 @@
 
 Two hooks sit on each parameter's AccumulateGrad node (the node that stores a leaf's ``.grad``):
 
-* a pre-hook, before the node runs. While ``hide`` is set (the window's fp32 running sums are
-  showing as ``.grad``) it hides a defined ``.grad``: else autograd would add the new gradient
-  into the running sum itself, bypassing the kernels, and it would be folded twice. While
-  ``slow`` is set it first calls ``before_backward()`` (the window's once-per-backward checks).
-* a post-hook, after the node stored the gradient in ``.grad`` (in its own dtype: the window sets
-  ``grad_dtype = None`` on bf16/fp16 parameters). It takes that gradient into the parameter's
-  place in its bucket (a sparse one is an error) and shows the hidden ``.grad`` again (brought
-  up to date when the bucket is folded). When every parameter of a bucket has arrived it calls
-  ``bucket_complete(bucket, grads)``, grads in bucket order (None for one written in place).
+* a pre-hook, before the node runs. While ``slow`` is set it first calls ``before_backward()``
+  (the window's once-per-backward checks). It then usually takes the gradient into the
+  parameter's place in its bucket itself and hands the node an undefined gradient, which
+  AccumulateGrad skips: ``.grad`` is left alone (it keeps showing the window's fp32 running sum)
+  and autograd stores nothing. Where AccumulateGrad must run (a user's post-accumulate-grad hook
+  reads ``.grad``; a double backward keeps the gradient's graph; a sparse or zero tensor; a
+  parameter that no longer requires grad) the pre-hook leaves it the gradient, and while
+  ``hide`` is set (the running sums are showing) hides a defined ``.grad``: else autograd would
+  add the new gradient into the running sum itself, and it would be folded twice.
+* a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
+  sets ``grad_dtype = None`` on bf16/fp16 parameters). It takes it into the bucket (a sparse one
+  is an error) and shows the hidden ``.grad`` again (brought up to date when the bucket is
+  folded).
+
+When every parameter of a bucket has arrived the hooks call ``bucket_complete(bucket, grads)``,
+grads in bucket order (None for one written in place).
 
 The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
 ``grant_fast(buckets, accs, offsets)`` lets the listed buckets, for the backward about to run,
@@ -75,13 +82,16 @@ class _Bucket:
 def _pre_hook(arrivals_ref, param_ref, key, grad_outputs):
     arrivals, param = arrivals_ref(), param_ref()
     if arrivals is not None and param is not None:
-        arrivals._before_accumulate(key, param)
+        return arrivals._before_accumulate(key, param, grad_outputs)
+    return None
 
 
 def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
+    if grad_outputs[0] is None:
+        return  # the pre-hook took the gradient (or there was none)
     arrivals, param = arrivals_ref(), param_ref()
     if arrivals is not None and param is not None:
-        arrivals._receive(key, param)
+        arrivals._after_accumulate(key, param)
 
 
 class PythonArrivals:
@@ -101,6 +111,7 @@ class PythonArrivals:
         self._names: list = []  # by key, for errors
         self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
         self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
+        self._shown: dict = {}  # key -> what expose() set .grad to
         self._handles: list = []
         self._lock = threading.Lock()
         self._last_task = -1  # the graph task whose end the window was last asked to see
@@ -133,24 +144,35 @@ class PythonArrivals:
     def _standing_aside(self) -> bool:
         return self._detached or self.native
 
-    def _before_accumulate(self, key: int, param) -> None:
+    def _before_accumulate(self, key: int, param, grads):
         if self._standing_aside():
-            return
+            return None
         if self.slow:
             self._before_backward()
             if self._standing_aside():
-                return
+                return None
+        grad = grads[0]
+        if grad is None:
+            return None
+        plain = (grad.layout == torch.strided and not grad._is_zerotensor() and param.requires_grad
+                 and not torch.is_grad_enabled() and not param._post_accumulate_grad_hooks)  # fmt: skip
+        if plain:
+            self._arrive(key, grad)
+            return (None,)
         if self.hide and param.grad is not None:
-            self._hidden[key] = param.grad
+            with self._lock:
+                self._hidden[key] = param.grad
             param.grad = None
+        return None
 
-    def _receive(self, key: int, param) -> None:
+    def _after_accumulate(self, key: int, param) -> None:
         if self._standing_aside():
             return
         grad = param.grad
-        param.grad = self._hidden.pop(key, None)
+        with self._lock:
+            param.grad = self._hidden.pop(key, None)
         if grad is None:
-            return
+            return  # (dropped: the parameter no longer requires grad)
         if grad.layout != torch.strided:
             raise RuntimeError(f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported")
         self._arrive(key, grad)
@@ -201,6 +223,23 @@ class PythonArrivals:
                 bucket.take()
             self._hidden.clear()
             self._last_task = -1
+
+    def expose(self, views: list, show: list) -> None:
+        with self._lock:
+            for key, node in self._nodes.items():
+                param, view = node.variable, views[key]
+                if show[key] and view is not None:
+                    if param.grad is not view:
+                        param.grad = view
+                    self._shown[key] = view
+                else:
+                    if view is not None and param.grad is view:
+                        param.grad = None
+                    self._shown.pop(key, None)
+
+    def changed(self) -> list:
+        with self._lock:
+            return [key for key, node in self._nodes.items() if node.variable.grad is not self._shown.get(key)]
 
     def has_arrivals(self) -> bool:
         with self._lock:

@@ -537,13 +537,8 @@ class GradientWindow:
         # The next backward first takes what the user did to .grad (reconcile), and its hooks
         # then hide the views before autograd could add into them.
         self._arrivals.slow = self._arrivals.hide = True
-        for slot in self.slots:
-            p = slot.param
-            if slot.has_grad:
-                if p.grad is not slot.grad_view:
-                    p.grad = slot.grad_view
-            elif p.grad is slot.grad_view:
-                p.grad = None
+        # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
+        self._arrivals.expose([s.grad_view for s in self.slots], [s.has_grad for s in self.slots])
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -567,7 +562,8 @@ class GradientWindow:
             if not self._exposed:
                 return
             changed = False
-            for slot in self.slots:
+            for key in self._arrivals.changed():  # the .grad no longer what expose() showed
+                slot = self.slots[key]
                 grad = slot.param.grad
                 if grad is slot.grad_view:
                     continue

@@ -106,6 +106,24 @@ def test_a_post_accumulate_grad_hook_registered_after_still_runs_every_backward(
     torch.testing.assert_close(seen[1], fresh[0].weight.grad, rtol=0, atol=0)
 
 
+def test_gradients_that_go_through_accumulate_grad_sum_like_the_rest(hooks):
+    # The pre-hook takes most gradients itself; a parameter with a post-accumulate-grad hook (it
+    # reads .grad) and any backward with create_graph=True leave them to AccumulateGrad, and the
+    # post-hook takes them from .grad. Mixed in one bucket and one window, the sums are torch's,
+    # bit for bit (fp32 sums of the same gradients in the same order).
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.1)
+    for model in (a, b):
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    for i, x in enumerate(_batches(4)):
+        for model in (a, b):
+            model(x).square().sum().backward(create_graph=i == 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert p.grad.grad_fn is None  # our running sum, not autograd's differentiable one
+        torch.testing.assert_close(p.grad, q.grad.detach(), rtol=0, atol=0)
+    assert opt.microbatches == 4
+
+
 def test_autograd_grad_leaves_the_window_alone(hooks):
     a, _ = _pair()
     opt = fused_accum.AdamW(a.parameters(), lr=1e-3)
