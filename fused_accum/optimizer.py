@@ -616,6 +616,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         skip = {d: bad.to(d) for d in devices} if bad is not None else None
         return scale, skip
 
+    @torch.no_grad()  # (also when a backward steps: step_in_backward, create_graph=True)
     def _fused_step(self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(),
                     grads_overwrite=False) -> None:  # fmt: skip
         """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
