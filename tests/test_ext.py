@@ -431,3 +431,18 @@ def test_cuda_rejects_mixed_devices_by_name():
     args[4] = args[4].cpu()  # lr
     with pytest.raises(RuntimeError, match=r"sgd_step_: lr is on cpu, expected cuda:0"):
         _step(ext, "sgd", args, kwargs)
+
+
+def test_addresses_and_dtypes_reads_what_python_reads():
+    # The Triton backend keys its launch plans by this (fused_accum/backends/triton.py): equal
+    # reads must mean equal addresses and dtypes, and a changed dtype a changed read.
+    import numpy as np
+
+    base = torch.randn(300)
+    tensors = [base[5:40], torch.randn(7, dtype=torch.bfloat16), torch.randn(3, 4).t(), torch.randn(1).half()]
+    pairs = np.frombuffer(ext._C.addresses_and_dtypes(tensors), dtype=np.int64).reshape(-1, 2)
+    assert pairs[:, 0].tolist() == [t.data_ptr() for t in tensors]
+    codes = pairs[:, 1].tolist()
+    assert codes[0] == codes[2] and len({codes[0], codes[1], codes[3]}) == 3  # fp32, bf16, fp16
+    with pytest.raises(TypeError):  # not a tensor: refused at the binding
+        ext._C.addresses_and_dtypes([None])

@@ -51,7 +51,7 @@ from torch import Tensor
 import triton  # an ImportError here makes the backend unavailable (see backends._load)
 import triton.language as tl
 
-from . import reference
+from . import ext, reference
 from . import triton_kernels as kernels
 
 # One program owns a chunk of one tensor, walked in BLOCK steps. BLOCK = 1024 with 4 warps is
@@ -110,6 +110,18 @@ _numel = Tensor.numel
 _is_contiguous = Tensor.is_contiguous
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
+
+
+def _addresses_and_dtypes(tensors: List[Tensor]):
+    """What a plan hit is keyed by: every tensor's address and dtype. One C++ pass where the
+    extension is built (fused_accum._C.addresses_and_dtypes, ~0.05 us per tensor), else two
+    Python reads (~0.14 us per tensor each: together more than a 2,048-tensor call's budget)."""
+    if _read_in_cpp is not None:
+        return _read_in_cpp(tensors)
+    return tuple(map(_data_ptr, tensors)), tuple(map(_dtype, tensors))
+
+
+_read_in_cpp = getattr(ext._C, "addresses_and_dtypes", None)
 
 
 def unavailable_reason(name: str) -> str:
@@ -528,11 +540,10 @@ def accumulate(
         where = _Key("accumulate", plan, device, acc.data_ptr(), acc.numel(), offsets.numpy().tobytes())
         template = _template(where, lambda: _accumulate_template(acc, offsets, grads))
     if template is not None:
-        ptrs = tuple(map(_data_ptr, grads))
-        dtypes = tuple(map(_dtype, grads))
-        key = _Key(where, _stream(device), _config(), ptrs, dtypes)
+        key = _Key(where, _stream(device), _config(), _addresses_and_dtypes(grads))
         launch = _lookup(key, capturing)
         if launch is None:
+            ptrs, dtypes = tuple(map(_data_ptr, grads)), tuple(map(_dtype, grads))
             _check_dtypes("grads", grads, dtypes)
             launch = _accumulate_plan(device, acc.data_ptr(), template.columns["starts"], ptrs,
                                       template.numels, dtypes, capturing)  # fmt: skip
