@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import Tensor
@@ -91,7 +91,11 @@ def bucket_members(numels, bucket_numel) -> list:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Slot:
-    """One parameter's place in its flat group, and its state in the current window."""
+    """One parameter's place in its flat group, and its state in the current window.
+
+    Every assignment to ``has_grad``, ``in_stats`` or ``grad_view`` (what the window's ``.grad``
+    exposure and its fast-fold grants are decided from) is counted in ``Slot.assignments``: a
+    window that sees the count unchanged since it last decided need not decide again."""
 
     param: Tensor
     name: str
@@ -100,13 +104,13 @@ class Slot:
     index: int  # position in the flat group (and in its ``steps`` vector)
     offset: int  # where its slice of the flat buffers starts
     acc: Tensor  # 1-D fp32 view of the accumulator
-    grad_view: Tensor  # the same memory shaped like the param: what ``.grad`` is set to
+    _grad_view: Tensor  # (grad_view) the same memory shaped like the param: what ``.grad`` is set to
     master: Optional[Tensor]  # 1-D fp32 master copy, for low-precision params with master weights
     state: dict  # optimizer state name -> 1-D fp32 view
     bucket_index: int = 0
     # --- the window (owned by fused_accum.window) ---
-    has_grad: bool = False  # the accumulator slice holds this window's gradient
-    in_stats: bool = False  # its final value is already in the window's norm / non-finite flag
+    _has_grad: bool = False  # (has_grad) the accumulator slice holds this window's gradient
+    _in_stats: bool = False  # (in_stats) its final value is already in the window's norm / non-finite flag
     folded_in: int = -1  # the micro-batch in which it was last folded (to spot a second piece)
     stepped: bool = False  # step_in_backward already applied its update this window
     # --- sharded modes ---
@@ -115,6 +119,35 @@ class Slot:
     piece: Optional[tuple] = None
     full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param (shard="state")
     placeholder: Optional[Tensor] = None  # sharded: the ShardedGrad shown as .grad when no full gradient exists
+
+    assignments: ClassVar[int] = 0
+
+    @property
+    def has_grad(self) -> bool:
+        return self._has_grad
+
+    @has_grad.setter
+    def has_grad(self, value: bool) -> None:
+        self._has_grad = value
+        Slot.assignments += 1
+
+    @property
+    def in_stats(self) -> bool:
+        return self._in_stats
+
+    @in_stats.setter
+    def in_stats(self, value: bool) -> None:
+        self._in_stats = value
+        Slot.assignments += 1
+
+    @property
+    def grad_view(self) -> Tensor:
+        return self._grad_view
+
+    @grad_view.setter
+    def grad_view(self, value: Tensor) -> None:
+        self._grad_view = value
+        Slot.assignments += 1
 
 
 @dataclasses.dataclass(eq=False)

@@ -177,6 +177,11 @@ class GradientWindow:
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
         self._plans: list = []
+        # Slot.assignments when .grad was last exposed, and when the fast folds were last decided
+        # (what was decided then holds while no slot's has_grad, in_stats or view is set)
+        self._exposed_at: Optional[int] = None
+        self._granted_at: Optional[int] = None
+        self._granted: tuple = ([], [], [])
         self._no_sync = False
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
@@ -196,6 +201,7 @@ class GradientWindow:
                 slot.placeholder = ShardedGrad(slot.param, flat.sharding.mode)
                 if flat.shards_grads:
                     slot.grad_view = slot.placeholder  # there is never a full gradient
+        self._exposed_at = self._granted_at = None  # new slots: decide again
         first_bucket = len(self._bucket_ids)
         self._bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
         self._plans.extend(object() for _ in flat.buckets)
@@ -292,16 +298,19 @@ class GradientWindow:
         self._arrivals.revoke_fast()
         if self.reducer is not None or self.step_in_backward or self._last_backward():
             return
-        buckets, accs, offsets = [], [], []
-        for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
-            flat = self.flat_groups[flat_index]
-            bucket = flat.buckets[bucket_index]
-            if flat.backend in FAST_FOLD_BACKENDS and all(s.has_grad and not s.in_stats for s in bucket.slots):
-                buckets.append(bucket_id)
-                accs.append(flat.acc)
-                offsets.append(bucket.offsets)
-        if buckets:
-            self._arrivals.grant_fast(buckets, accs, offsets)
+        if self._granted_at != Slot.assignments:  # (else no slot's has_grad/in_stats/view changed)
+            buckets, accs, offsets = [], [], []
+            for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
+                flat = self.flat_groups[flat_index]
+                bucket = flat.buckets[bucket_index]
+                if flat.backend in FAST_FOLD_BACKENDS and all(s.has_grad and not s.in_stats for s in bucket.slots):
+                    buckets.append(bucket_id)
+                    accs.append(flat.acc)
+                    offsets.append(bucket.offsets)
+            self._granted = (buckets, accs, offsets)
+            self._granted_at = Slot.assignments
+        if self._granted[0]:
+            self._arrivals.grant_fast(*self._granted)
 
     def _fsdp_grad(self, key: int) -> None:
         """FSDP2 reduce-scattered a micro-batch into a DTensor parameter's ``.grad``. A fresh
@@ -537,8 +546,14 @@ class GradientWindow:
         # The next backward first takes what the user did to .grad (reconcile), and its hooks
         # then hide the views before autograd could add into them.
         self._arrivals.slow = self._arrivals.hide = True
+        if self._exposed_at == Slot.assignments:
+            # No slot's has_grad or view was set since the last exposure, so .grad shows it
+            # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
+            # .grad as they found it. A middle micro-batch saves a pass over every parameter.
+            return
         # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
         self._arrivals.expose([s.grad_view for s in self.slots], [s.has_grad for s in self.slots])
+        self._exposed_at = Slot.assignments
 
     @contextlib.contextmanager
     def no_sync(self):

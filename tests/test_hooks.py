@@ -243,6 +243,34 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
     assert per_backward == [n_buckets, middle, middle, n_buckets] * 2
 
 
+def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
+    # The window re-exposes .grad and re-grants fast folds only when a slot's state changed
+    # (Slot.assignments): clearing, replacing, editing in place and stepping between the
+    # middle micro-batches must each still show torch's .grad after the next backward.
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.0, accum_steps=6)  # lr=0: a and b stay equal
+    ref = torch.optim.SGD(b.parameters(), lr=0.0)
+    between = [
+        lambda m: None,
+        lambda m: setattr(m[0].weight, "grad", None),  # cleared: the next gradient starts anew
+        lambda m: setattr(m[2].bias, "grad", torch.randn(5, generator=torch.Generator().manual_seed(9))),
+        lambda m: m[0].bias.grad.mul_(0.5),  # in place: through to the sum
+        lambda m: None,
+    ]
+    for i, x in enumerate(_batches(6, seed=3)):
+        if i:
+            for model in (a, b):
+                between[i - 1](model)
+        if i == 4:
+            opt.step()  # mid-window: .grad keeps showing the sums, the next backward adds
+            ref.step()
+        a(x).square().sum().backward()
+        b(x).square().sum().backward()
+        for p, q in zip(a.parameters(), b.parameters()):
+            # fp32 sums of the same gradients in the same order: bit for bit
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 def test_a_backward_past_accum_steps_after_the_norm_was_taken_invalidates_it(hooks):
     # The norm fused into the last pass describes values a further backward changes: it must be
     # recomputed (a fast fold may not skip that).
