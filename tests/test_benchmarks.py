@@ -607,3 +607,13 @@ def test_smoke_run_on_cuda(tmp_path):
     assert set(kernels.our_backends(torch.device("cuda"))) <= providers
     # device_check.sh builds the extension first: a failed CUDA build must not pass unseen
     assert {"cuda", "triton"} <= providers, providers
+
+
+def test_window_phases_times_every_backward_and_the_step_for_both_providers():
+    from benchmarks import window_phases
+
+    times = window_phases.phases("gpt2", torch.float32, rounds=2)
+    k = window.WindowConfig().accum_steps
+    assert set(times) == set(window_phases.PROVIDERS)
+    for rows in times.values():
+        assert len(rows) == 2 and all(len(row) == k + 1 and min(row) > 0 for row in rows)
