@@ -291,13 +291,16 @@ class GradientWindow:
 
     def _grant_fast_folds(self) -> None:
         """Let the hooks fold, without calling back, the buckets of the backward about to run
-        whose fold is a plain add (see fused_accum.arrivals): the window's middle micro-batches.
+        whose fold is a plain add (see fused_accum.arrivals): the window's middle micro-batches,
+        and its last one unless that one takes the norm.
         Whatever the fold would record in Python is then already true: every slot holds this
         window's gradient (an add, not an overwrite), none is in the window's norm yet, and no
         reduction or fused step reads what this fold adds."""
         self._arrivals.revoke_fast()
-        if self.reducer is not None or self.step_in_backward or self._last_backward():
+        if self.reducer is not None or self.step_in_backward:
             return
+        if self._last_backward() and self.wants_stats:
+            return  # its fold also adds the final values to the window's norm and flag
         if self._granted_at != Slot.assignments:  # (else no slot's has_grad/in_stats/view changed)
             buckets, accs, offsets = [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
