@@ -228,6 +228,18 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     }
   }
 
+  // Every hooked parameter's `.grad` becomes None (zero_grad()). False when detached (the nodes
+  // are let go): the caller clears them itself.
+  bool clear_grads() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (detached_) return false;
+    for (size_t key = 0; key < nodes_.size(); ++key) {
+      if (nodes_[key]) static_cast<AccumulateGrad*>(nodes_[key].get())->variable.mutable_grad().reset();
+      shown_[key].reset();
+    }
+    return true;
+  }
+
   // The keys whose `.grad` is no longer what expose() showed (the user cleared or replaced it).
   std::vector<int64_t> changed() {
     std::vector<int64_t> out;
@@ -438,6 +450,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_arrivals", &Arrivals::has_arrivals)
       .def("expose", &Arrivals::expose)
       .def("changed", &Arrivals::changed)
+      .def("clear_grads", &Arrivals::clear_grads)
       .def_property(
           "native", [](Arrivals& a) { return a.native_.load(); },
           [](Arrivals& a, bool v) { a.native_ = v; })

@@ -26,6 +26,12 @@ fold themselves when complete (``accumulate_(acc, offsets, grads, 1, add)``) wit
 While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
 hooks do nothing and autograd accumulates ``.grad`` as usual.
 
+The table also does the window's per-parameter ``.grad`` work, which runs once per backward
+and would otherwise be a Python loop over every parameter: ``expose(views, show)`` sets each
+``.grad`` to its view (or clears one that showed it) and remembers what it set; ``changed()``
+lists the keys whose ``.grad`` is no longer that (what the user did); ``clear_grads()`` clears
+them all (``zero_grad()``), returning False once detached.
+
 Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
 ``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
 change the gradient first), and next to them.
@@ -236,6 +242,15 @@ class PythonArrivals:
                     if view is not None and param.grad is view:
                         param.grad = None
                     self._shown.pop(key, None)
+
+    def clear_grads(self) -> bool:
+        if self._detached:
+            return False
+        with self._lock:
+            for node in self._nodes.values():
+                node.variable.grad = None
+            self._shown.clear()
+        return True
 
     def changed(self) -> list:
         with self._lock:

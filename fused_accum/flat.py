@@ -111,7 +111,7 @@ class Slot:
     # --- the window (owned by fused_accum.window) ---
     _has_grad: bool = False  # (has_grad) the accumulator slice holds this window's gradient
     _in_stats: bool = False  # (in_stats) its final value is already in the window's norm / non-finite flag
-    folded_in: int = -1  # the micro-batch in which it was last folded (to spot a second piece)
+    folded_in: int = -1  # the backward (window._backwards) that last folded it (to spot a second piece)
     stepped: bool = False  # step_in_backward already applied its update this window
     # --- sharded modes ---
     # (first, end, local offset): elements [first, end) of the flattened parameter are this

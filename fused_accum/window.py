@@ -162,6 +162,9 @@ class GradientWindow:
         self.slots: list[Slot] = []  # by key
         self._slot_of: dict = {}  # id(param) -> slot
         self.microbatches = 0
+        # Backward passes counted over the window's life, never reset: what Slot.folded_in
+        # holds, so a new window needs no pass to reset it
+        self._backwards = 0
         self.stepped_in_backward = False
         self.detached_because: Optional[str] = None
         self._exposed = False  # .grad currently shows the window (see reconcile)
@@ -397,7 +400,7 @@ class GradientWindow:
     def _mark_folded(self, slots: list, stats: bool) -> None:
         """``slots`` received a gradient in this micro-batch; ``stats``: the fold added it to the
         window's norm and non-finite flag."""
-        now = self.microbatches
+        now = self._backwards
         stale = False  # a value in the norm/flag is no longer final
         for slot in slots:
             if slot.folded_in == now:
@@ -463,7 +466,7 @@ class GradientWindow:
                 ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
                 self._mark_folded(slots, False)
                 continue
-            now = self.microbatches
+            now = self._backwards
             stats = local_stats and all(s.folded_in != now for s in slots)
             found_inf, sumsq = self.stats_tensors(flat.device) if stats else (None, None)
             if len(slots) == len(bucket.slots):
@@ -476,7 +479,7 @@ class GradientWindow:
             for slot in in_order:
                 slot.stepped = True
                 slot.has_grad = False  # stepped from its last gradient: nothing left in the window
-                slot.folded_in = self.microbatches
+                slot.folded_in = self._backwards
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
@@ -510,6 +513,7 @@ class GradientWindow:
     def _count_microbatch(self) -> None:
         syncs = self._syncs()
         self.microbatches += 1
+        self._backwards += 1
         if self.step_in_backward and self.microbatches == self.accum_steps and not self._pieces_seen:
             # Slots whose gradients all came before the last micro-batch step here; the rest
             # were stepped as their buckets completed. step() then only ends the window.
@@ -634,7 +638,8 @@ class GradientWindow:
     def invalidate_stats(self) -> None:
         """Forget the window's norm and non-finite flag; the step recomputes them from the buffers."""
         for slot in self.slots:
-            slot.in_stats = False
+            if slot.in_stats:  # (an assignment counts: see Slot.assignments)
+                slot.in_stats = False
         for found_inf, sumsq in self._stats.values():
             found_inf.zero_()
             sumsq.zero_()
@@ -685,9 +690,9 @@ class GradientWindow:
         until ``zero_grad()``); a backward before ``zero_grad()`` adds to them."""
         self.microbatches = 0
         self.stepped_in_backward = False
-        for slot in self.slots:
-            slot.stepped = False
-            slot.folded_in = -1
+        if self.step_in_backward:
+            for slot in self.slots:
+                slot.stepped = False
         self.invalidate_stats()
         if self.reducer is not None and self.reducer.sharding is not None:
             self._end_sharded_window()
@@ -711,8 +716,8 @@ class GradientWindow:
         self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
-        for slot in self.slots:
-            if slot.param.grad is slot.grad_view or slot.param.grad is not None:
+        if not self._arrivals.clear_grads():  # (in one C++ pass where it can)
+            for slot in self.slots:
                 slot.param.grad = None
 
     def _forget_all(self) -> None:
