@@ -47,18 +47,19 @@ struct BucketArrivals {
   std::vector<char> arrived;      // as a tensor or written in place
   int64_t count = 0;              // how many positions have arrived
   // Set by grant_fast for this backward: when complete (every gradient a tensor, on acc's
-  // device), fold here with accumulate_(acc, offsets, grads, 1, add) and do not call Python.
+  // device), fold here with accumulate_(acc, offsets, grads, 1, overwrite) and do not call Python.
   bool fast = false;
+  bool overwrite = false;  // (the window's first gradients: copied, and listed for take_overwritten)
   at::Tensor acc, offsets;
 };
 
 // fused_accum_ext::accumulate_ (bindings.cpp), through the dispatcher: CPU or CUDA by device.
-void add_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads) {
+void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads, bool overwrite) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused_accum_ext::accumulate_", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, at::TensorList, double, bool,
                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-  op.call(acc, offsets, grads, 1.0, /*overwrite=*/false, std::nullopt, std::nullopt);
+  op.call(acc, offsets, grads, 1.0, overwrite, std::nullopt, std::nullopt);
 }
 
 class Arrivals : public std::enable_shared_from_this<Arrivals> {
@@ -172,12 +173,12 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     return out;
   }
 
-  // The window's common micro-batch (not its last, every slot of the bucket already holding
-  // this window's gradient, no reduction, no fused step, the extension's backend) needs nothing
-  // of Python: the window grants it per bucket for the backward about to run.
+  // A fold that needs nothing of Python (no norm, no reduction, no fused step, the extension's
+  // backend; an add where every slot of the bucket holds this window's gradient, an overwrite
+  // where none does) is granted per bucket by the window for the backward about to run.
   void grant_fast(const std::vector<int64_t>& buckets, const std::vector<at::Tensor>& accs,
-                  const std::vector<at::Tensor>& offsets) {
-    TORCH_CHECK(buckets.size() == accs.size() && accs.size() == offsets.size(),
+                  const std::vector<at::Tensor>& offsets, const std::vector<bool>& overwrite) {
+    TORCH_CHECK(buckets.size() == accs.size() && accs.size() == offsets.size() && offsets.size() == overwrite.size(),
                 "Arrivals.grant_fast: lists differ in length");
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t i = 0; i < buckets.size(); ++i) {
@@ -185,6 +186,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
                   buckets[i]);
       BucketArrivals& bucket = buckets_[buckets[i]];
       bucket.fast = true;
+      bucket.overwrite = overwrite[i];
       bucket.acc = accs[i];
       bucket.offsets = offsets[i];
     }
@@ -195,6 +197,15 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     for (auto& bucket : buckets_) revoke(bucket);
   }
 
+  // The buckets overwritten by a granted fold since the last call: their slots now hold the
+  // window's first gradient, which the window records (it cannot be told from inside a hook).
+  std::vector<int64_t> take_overwritten() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<int64_t> out;
+    out.swap(overwritten_);
+    return out;
+  }
+
   // Forgets every arrival, and which backward was seen (a backward that raised never ends).
   void clear() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -203,6 +214,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       revoke(bucket);
     }
     for (auto& grad : hidden_) grad.reset();
+    overwritten_.clear();
     last_task_ = -1;
   }
 
@@ -285,6 +297,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     int64_t complete = -1;
     std::vector<at::Tensor> grads;
     at::Tensor fast_acc, fast_offsets;
+    bool fast_overwrite = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
@@ -311,6 +324,8 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
           if (fast) {
             fast_acc = bucket.acc;
             fast_offsets = bucket.offsets;
+            fast_overwrite = bucket.overwrite;
+            if (fast_overwrite) overwritten_.push_back(complete);
           }
           revoke(bucket);  // once per backward: a second completion (reentrant pieces) is Python's
         }
@@ -320,7 +335,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     // The first gradient of a backward asks Python to see that backward's end.
     if (new_task) call(queue_end_);
     if (fast_acc.defined()) {
-      add_into(fast_acc, fast_offsets, grads);
+      fold_into(fast_acc, fast_offsets, grads, fast_overwrite);
     } else if (complete >= 0) {
       call(bucket_complete_, complete, std::move(grads));
     }
@@ -328,6 +343,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   static void revoke(BucketArrivals& bucket) {
     bucket.fast = false;
+    bucket.overwrite = false;
     bucket.acc.reset();
     bucket.offsets.reset();
   }
@@ -364,6 +380,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
+  std::vector<int64_t> overwritten_;  // see take_overwritten
 };
 
 struct TakeGradBefore : public FunctionPreHook {
@@ -447,6 +464,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &Arrivals::clear)
       .def("grant_fast", &Arrivals::grant_fast)
       .def("revoke_fast", &Arrivals::revoke_fast)
+      .def("take_overwritten", &Arrivals::take_overwritten)
       .def("has_arrivals", &Arrivals::has_arrivals)
       .def("expose", &Arrivals::expose)
       .def("changed", &Arrivals::changed)

@@ -20,9 +20,11 @@ When every parameter of a bucket has arrived the hooks call ``bucket_complete(bu
 grads in bucket order (None for one written in place).
 
 The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
-``grant_fast(buckets, accs, offsets)`` lets the listed buckets, for the backward about to run,
-fold themselves when complete (``accumulate_(acc, offsets, grads, 1, add)``) without calling
-``bucket_complete``: the window grants it for its common micro-batches, which need nothing else.
+``grant_fast(buckets, accs, offsets, overwrite)`` lets the listed buckets, for the backward about
+to run, fold themselves when complete (``accumulate_(acc, offsets, grads, 1, overwrite)``)
+without calling ``bucket_complete``: the window grants it where the fold needs nothing else of
+Python. ``take_overwritten()`` then lists the buckets an overwrite filled, for the window to
+record.
 While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
 hooks do nothing and autograd accumulates ``.grad`` as usual.
 
@@ -212,12 +214,15 @@ class PythonArrivals:
             self._last_task = task
         self._queue_end()
 
-    def grant_fast(self, buckets, accs, offsets) -> None:
+    def grant_fast(self, buckets, accs, offsets, overwrite) -> None:
         """Accepted and ignored: every bucket goes through ``bucket_complete`` (a fold called
         from Python saves nothing by skipping Python)."""
 
     def revoke_fast(self) -> None:
         pass
+
+    def take_overwritten(self) -> list:
+        return []  # (nothing is granted)
 
     def take_partial(self) -> list:
         with self._lock:

@@ -184,7 +184,7 @@ class GradientWindow:
         # (what was decided then holds while no slot's has_grad, in_stats or view is set)
         self._exposed_at: Optional[int] = None
         self._granted_at: Optional[int] = None
-        self._granted: tuple = ([], [], [])
+        self._granted: tuple = ([], [], [], [])
         self._no_sync = False
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last data-parallel reduction
@@ -285,6 +285,7 @@ class GradientWindow:
         with self._lock:
             if self._check_native():
                 return
+            self._take_fast_overwrites()  # (of a backward that raised before its end)
             if self._reduced:
                 self._reduced_error()
             if self._exposed:
@@ -294,29 +295,42 @@ class GradientWindow:
 
     def _grant_fast_folds(self) -> None:
         """Let the hooks fold, without calling back, the buckets of the backward about to run
-        whose fold is a plain add (see fused_accum.arrivals): the window's middle micro-batches,
-        and its last one unless that one takes the norm.
-        Whatever the fold would record in Python is then already true: every slot holds this
-        window's gradient (an add, not an overwrite), none is in the window's norm yet, and no
-        reduction or fused step reads what this fold adds."""
+        whose fold needs nothing of Python (see fused_accum.arrivals): an add where every slot
+        holds this window's gradient (the middle micro-batches, and the last unless it takes
+        the norm), an overwrite where none does (the first). No slot may be in the window's
+        norm yet, and no reduction or fused step may read what the fold writes. An add records
+        nothing in Python; the slots an overwrite fills are recorded after it (see
+        _take_fast_overwrites)."""
         self._arrivals.revoke_fast()
         if self.reducer is not None or self.step_in_backward:
             return
         if self._last_backward() and self.wants_stats:
             return  # its fold also adds the final values to the window's norm and flag
         if self._granted_at != Slot.assignments:  # (else no slot's has_grad/in_stats/view changed)
-            buckets, accs, offsets = [], [], []
+            buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
                 flat = self.flat_groups[flat_index]
                 bucket = flat.buckets[bucket_index]
-                if flat.backend in FAST_FOLD_BACKENDS and all(s.has_grad and not s.in_stats for s in bucket.slots):
+                if flat.backend not in FAST_FOLD_BACKENDS or any(s.in_stats for s in bucket.slots):
+                    continue
+                held = [s.has_grad for s in bucket.slots]
+                if all(held) or not any(held):
                     buckets.append(bucket_id)
                     accs.append(flat.acc)
                     offsets.append(bucket.offsets)
-            self._granted = (buckets, accs, offsets)
+                    overwrite.append(not held[0])
+            self._granted = (buckets, accs, offsets, overwrite)
             self._granted_at = Slot.assignments
         if self._granted[0]:
             self._arrivals.grant_fast(*self._granted)
+
+    def _take_fast_overwrites(self) -> None:
+        """Record what the hooks' granted overwrites filled: first of all in every Python
+        callback of a backward (a later gradient of those slots must be added, not written
+        over) and at its end."""
+        for bucket_id in self._arrivals.take_overwritten():
+            flat_index, bucket_index = self._bucket_ids[bucket_id]
+            self._mark_folded(self.flat_groups[flat_index].buckets[bucket_index].slots, stats=False)
 
     def _fsdp_grad(self, key: int) -> None:
         """FSDP2 reduce-scattered a micro-batch into a DTensor parameter's ``.grad``. A fresh
@@ -339,6 +353,7 @@ class GradientWindow:
     def _bucket_complete(self, bucket_id: int, grads: list) -> None:
         """Every slot of a bucket has arrived in this backward: fold them."""
         with self._lock:
+            self._take_fast_overwrites()
             flat_index, bucket_index = self._bucket_ids[bucket_id]
             flat = self.flat_groups[flat_index]
             self._fold(flat, flat.buckets[bucket_index], grads, self._plans[bucket_id], complete=True)
@@ -355,6 +370,7 @@ class GradientWindow:
         if self._reduced:
             self._reduced_error()
         with self._lock:
+            self._take_fast_overwrites()
             self._queue_end_of_backward(arrived=True)
             # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
             # folded later with add: has_grad is set by done() before that can happen.
@@ -484,6 +500,7 @@ class GradientWindow:
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
         with self._lock:
+            self._take_fast_overwrites()
             for bucket_id, grads in self._arrivals.take_partial():
                 flat_index, bucket_index = self._bucket_ids[bucket_id]
                 flat = self.flat_groups[flat_index]

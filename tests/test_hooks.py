@@ -213,10 +213,10 @@ def test_bf16_gradients_are_accumulated_in_fp32(hooks):
 
 @pytest.mark.parametrize("clip", [True, False])
 def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, monkeypatch, clip):
-    # With accum_steps=4: the first backward overwrites, so it folds in Python; with clipping the
-    # last one fuses the norm and folds in Python too, without it the last one is a plain add.
-    # The C++ hooks fold the plain adds themselves (the Python twin never does). The gradients
-    # are torch's either way, bit for bit.
+    # With accum_steps=4: the first backward overwrites, the middle ones add, and so does the
+    # last one without clipping; with clipping the last one also takes the norm, which is
+    # Python's. The C++ hooks fold the rest themselves (the Python twin never does). The
+    # gradients are torch's either way, bit for bit.
     a, b = _pair()
     # lr=0: the parameters stay equal to b's, which no optimizer steps
     opt = fused_accum.AdamW(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9 if clip else None,
@@ -242,9 +242,9 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
         opt.zero_grad()
         for q in b.parameters():
             q.grad = None
-    middle = 0 if hooks == "cpp" else n_buckets
-    last = n_buckets if clip else middle
-    assert per_backward == [n_buckets, middle, middle, last] * 2
+    in_hooks = 0 if hooks == "cpp" else n_buckets
+    last = n_buckets if clip else in_hooks
+    assert per_backward == [in_hooks, in_hooks, in_hooks, last] * 2
 
 
 def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
