@@ -27,6 +27,7 @@ optimizer is, without waiting for the cyclic garbage collector.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 from typing import ClassVar, Optional
 
@@ -89,6 +90,17 @@ def bucket_members(numels, bucket_numel) -> list:
     return buckets
 
 
+def _counted(stored: str) -> property:
+    """A Slot attribute kept in the field ``stored``, each assignment counted in
+    ``Slot.assignments`` (the getter is a C attrgetter: these are read in per-slot loops)."""
+
+    def assign(slot, value) -> None:
+        setattr(slot, stored, value)
+        Slot.assignments += 1
+
+    return property(operator.attrgetter(stored), assign)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Slot:
     """One parameter's place in its flat group, and its state in the current window.
@@ -121,33 +133,9 @@ class Slot:
     placeholder: Optional[Tensor] = None  # sharded: the ShardedGrad shown as .grad when no full gradient exists
 
     assignments: ClassVar[int] = 0
-
-    @property
-    def has_grad(self) -> bool:
-        return self._has_grad
-
-    @has_grad.setter
-    def has_grad(self, value: bool) -> None:
-        self._has_grad = value
-        Slot.assignments += 1
-
-    @property
-    def in_stats(self) -> bool:
-        return self._in_stats
-
-    @in_stats.setter
-    def in_stats(self, value: bool) -> None:
-        self._in_stats = value
-        Slot.assignments += 1
-
-    @property
-    def grad_view(self) -> Tensor:
-        return self._grad_view
-
-    @grad_view.setter
-    def grad_view(self, value: Tensor) -> None:
-        self._grad_view = value
-        Slot.assignments += 1
+    has_grad = _counted("_has_grad")
+    in_stats = _counted("_in_stats")
+    grad_view = _counted("_grad_view")
 
 
 @dataclasses.dataclass(eq=False)
