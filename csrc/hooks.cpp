@@ -228,7 +228,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
                 "Arrivals.expose: expected one view and one flag per slot");
     for (size_t key = 0; key < nodes_.size(); ++key) {
       if (!nodes_[key]) continue;
-      at::Tensor& grad = static_cast<AccumulateGrad*>(nodes_[key].get())->variable.mutable_grad();
+      at::Tensor& grad = param_of(key).mutable_grad();
       const at::Tensor view = views[key].value_or(at::Tensor());
       if (show[key] && view.defined()) {
         if (!grad.is_same(view)) grad = view;
@@ -246,7 +246,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     std::lock_guard<std::mutex> lock(mutex_);
     if (detached_) return false;
     for (size_t key = 0; key < nodes_.size(); ++key) {
-      if (nodes_[key]) static_cast<AccumulateGrad*>(nodes_[key].get())->variable.mutable_grad().reset();
+      if (nodes_[key]) param_of(key).mutable_grad().reset();
       shown_[key].reset();
     }
     return true;
@@ -258,7 +258,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t key = 0; key < nodes_.size(); ++key) {
       if (!nodes_[key]) continue;
-      if (!static_cast<AccumulateGrad*>(nodes_[key].get())->variable.grad().is_same(shown_[key])) {
+      if (!param_of(key).grad().is_same(shown_[key])) {
         out.push_back(key);
       }
     }
@@ -289,6 +289,11 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::atomic<bool> detached_{false};
 
  private:
+  // The parameter of a hooked slot (its AccumulateGrad node holds it).
+  const at::Tensor& param_of(size_t key) const {
+    return static_cast<const AccumulateGrad*>(nodes_[key].get())->variable;
+  }
+
   // One lock per arrival (the hot path). An undefined `grad`: the slot was written in place.
   void arrive(int64_t key, at::Tensor grad) {
     const bool in_place = !grad.defined();
