@@ -4,7 +4,8 @@
 // Why C++: the hooks run once per parameter per backward. As Python callables each costs the
 // autograd engine a GIL acquisition and two tensor wraps, several microseconds per parameter, more
 // than torch's own `.grad += g`. Here each is a few pointer operations; Python is called once per
-// complete bucket and once per backward.
+// complete bucket and once per backward, and not at all in the middle backwards of a window
+// (quiet backwards: arm_quiet).
 //
 // The hooks are node hooks on each parameter's AccumulateGrad node (which the table keeps alive):
 // unlike tensor hooks they live beside, not instead of, the hooks users register from Python
@@ -13,6 +14,7 @@
 #include <torch/extension.h>
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -22,6 +24,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -51,6 +55,7 @@ struct BucketArrivals {
   bool fast = false;
   bool overwrite = false;  // (the window's first gradients: copied, and listed for take_overwritten)
   at::Tensor acc, offsets;
+  int folded_task = -1;  // the backward (graph task) whose gradients the grant last folded
 };
 
 // fused_accum_ext::accumulate_ (bindings.cpp), through the dispatcher: CPU or CUDA by device.
@@ -101,6 +106,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   // needs. The hooks are not removed here (this may be inside one of them): they go inert.
   ~Arrivals() {
     py::gil_scoped_acquire gil;
+    changes_object_ = py::object();
     before_backward_ = py::object();
     queue_end_ = py::object();
     bucket_complete_ = py::object();
@@ -119,7 +125,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   variable_list before_accumulate(int64_t key, AccumulateGrad& node, const variable_list& grads) {
     if (standing_aside()) return grads;
     if (slow_) {
-      call(before_backward_);
+      if (!start_quietly()) call(before_backward_);
       if (standing_aside()) return grads;
     }
     if (grads.size() != 1 || !grads[0].defined()) return grads;
@@ -216,6 +222,8 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     for (auto& grad : hidden_) grad.reset();
     overwritten_.clear();
     last_task_ = -1;
+    quiet_left_ = 0;
+    quiet_clean_ = false;  // (a quiet backward still running hands its end to Python)
   }
 
   // The window's `.grad` exposure (fused_accum.window.expose), here because it touches every
@@ -254,15 +262,8 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   // The keys whose `.grad` is no longer what expose() showed (the user cleared or replaced it).
   std::vector<int64_t> changed() {
-    std::vector<int64_t> out;
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t key = 0; key < nodes_.size(); ++key) {
-      if (!nodes_[key]) continue;
-      if (!param_of(key).grad().is_same(shown_[key])) {
-        out.push_back(key);
-      }
-    }
-    return out;
+    return changed_locked(false);
   }
 
   bool has_arrivals() {
@@ -271,6 +272,34 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       if (bucket.count) return true;
     }
     return false;
+  }
+
+  // --- quiet backwards (see arrivals.py) ---
+
+  // The next `budget` backwards may run without Python while `*changes` (the window's counter of
+  // what its decisions depend on, an int64 buffer) keeps its present value.
+  void arm_quiet(int64_t budget, const py::buffer& changes) {
+    const py::buffer_info info = changes.request();
+    TORCH_CHECK(info.itemsize == sizeof(int64_t) && info.size == 1 && info.format == py::format_descriptor<int64_t>::format(),
+                "Arrivals.arm_quiet: changes must be one int64");
+    std::lock_guard<std::mutex> lock(mutex_);
+    changes_object_ = changes;  // (keeps the buffer alive)
+    changes_ = static_cast<const int64_t*>(info.ptr);
+    armed_at_ = *changes_;
+    quiet_left_ = budget;
+  }
+
+  // Backwards that ended quietly since the last call (the window adds them to its counts).
+  int64_t take_quiet_backwards() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(quiet_done_, 0);
+  }
+
+  // The window queued its own end callback for the backward now running (it is not quiet).
+  void python_seen() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    quiet_clean_ = false;
+    python_task_ = torch::autograd::get_current_graph_task_id();
   }
 
   // Hooks stand aside for good (the window was detached); the nodes are let go. The hooks are not
@@ -294,6 +323,70 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     return static_cast<const AccumulateGrad*>(nodes_[key].get())->variable;
   }
 
+  // The keys whose `.grad` is not what expose() showed; with `any`, stops at the first.
+  std::vector<int64_t> changed_locked(bool any) {
+    std::vector<int64_t> out;
+    for (size_t key = 0; key < nodes_.size(); ++key) {
+      if (nodes_[key] && !param_of(key).grad().is_same(shown_[key])) {
+        out.push_back(key);
+        if (any) break;
+      }
+    }
+    return out;
+  }
+
+  // At the first gradient of a backward (while `slow_`): true if it runs quietly, having checked
+  // here what the window's before_backward would (nothing it decided from changed, no `.grad`
+  // the user changed, nothing left over from a backward that raised, not a double backward); it
+  // then sees its own end (end_quietly). False: the window's before_backward is to run.
+  bool start_quietly() {
+    if (quiet_left_ <= 0 || at::GradMode::is_enabled()) return false;
+    const int task = torch::autograd::get_current_graph_task_id();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const bool ready = quiet_left_ > 0 && *changes_ == armed_at_ && task != python_task_ &&
+                         overwritten_.empty() &&
+                         std::none_of(buckets_.begin(), buckets_.end(), [](const BucketArrivals& b) { return b.count; }) &&
+                         changed_locked(true).empty();
+      if (!ready) {
+        quiet_left_ = 0;  // (the window arms again at the end of the backward it runs)
+        return false;
+      }
+      quiet_task_ = task;
+      quiet_clean_ = true;
+      last_task_ = task;  // (arrive() does not ask Python to see this backward's end)
+      slow_ = false;
+    }
+    std::weak_ptr<Arrivals> weak = weak_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
+      if (auto table = weak.lock()) table->end_quietly(task);
+    });
+    return true;
+  }
+
+  // The end of a backward started quietly. If it stayed so (every bucket complete and folded
+  // here, no other backward inside it, Python not called) it is only counted, and the next
+  // backward is checked again (`slow_`); else its end is handed to the window (queue_end), as
+  // though its first gradient had asked. The grants stay for the next quiet backward.
+  void end_quietly(int task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (standing_aside() || task != quiet_task_) return;
+      quiet_task_ = -1;
+      if (task == python_task_) return;  // the window's own end callback ends it
+      const bool quiet = quiet_clean_ && !torch::autograd::get_current_node() &&
+                         std::none_of(buckets_.begin(), buckets_.end(), [](const BucketArrivals& b) { return b.count; });
+      if (quiet) {
+        ++quiet_done_;
+        --quiet_left_;
+        slow_ = true;
+        return;
+      }
+      quiet_left_ = 0;
+    }
+    call(queue_end_);
+  }
+
   // One lock per arrival (the hot path). An undefined `grad`: the slot was written in place.
   void arrive(int64_t key, at::Tensor grad) {
     const bool in_place = !grad.defined();
@@ -309,6 +402,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       if (!in_place) {
         new_task = task != last_task_;  // (in place: the caller told Python itself)
         last_task_ = task;
+        if (new_task && quiet_task_ >= 0) quiet_clean_ = false;  // a backward inside a quiet one
       }
       BucketArrivals& bucket = buckets_[slot_bucket_[key]];
       const int64_t pos = slot_position_[key];
@@ -323,16 +417,23 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
         if (++bucket.count == (int64_t)bucket.arrived.size()) {
           complete = slot_bucket_[key];
           grads = take(bucket);
-          const bool fast = bucket.fast && std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
-            return g.defined() && g.device() == bucket.acc.device();
-          });
+          // Once per backward: a second completion (reentrant pieces) is Python's.
+          const bool fast = bucket.fast && bucket.folded_task != task &&
+                            std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+                              return g.defined() && g.device() == bucket.acc.device();
+                            });
           if (fast) {
             fast_acc = bucket.acc;
             fast_offsets = bucket.offsets;
             fast_overwrite = bucket.overwrite;
-            if (fast_overwrite) overwritten_.push_back(complete);
+            bucket.folded_task = task;
+            if (fast_overwrite) {
+              overwritten_.push_back(complete);
+              revoke(bucket);  // the window's first gradients: the next backward adds
+            }
+          } else {
+            quiet_clean_ = false;
           }
-          revoke(bucket);  // once per backward: a second completion (reentrant pieces) is Python's
         }
       }
     }
@@ -348,6 +449,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   static void revoke(BucketArrivals& bucket) {
     bucket.fast = false;
+    bucket.folded_task = -1;
     bucket.overwrite = false;
     bucket.acc.reset();
     bucket.offsets.reset();
@@ -386,6 +488,17 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
   std::vector<int64_t> overwritten_;  // see take_overwritten
+  // Quiet backwards: how many more may run; the backward running quietly (-1: none) and whether
+  // it still needs nothing of Python; the last backward the window queued its own end for; how
+  // many ended quietly since take_quiet_backwards; the window's counter and its value at arming.
+  std::atomic<int64_t> quiet_left_{0};
+  int quiet_task_ = -1;
+  bool quiet_clean_ = false;
+  int python_task_ = -1;
+  int64_t quiet_done_ = 0;
+  py::object changes_object_;
+  const int64_t* changes_ = nullptr;
+  int64_t armed_at_ = 0;
 };
 
 struct TakeGradBefore : public FunctionPreHook {
@@ -474,6 +587,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("expose", &Arrivals::expose)
       .def("changed", &Arrivals::changed)
       .def("clear_grads", &Arrivals::clear_grads)
+      .def("arm_quiet", &Arrivals::arm_quiet)
+      .def("take_quiet_backwards", &Arrivals::take_quiet_backwards)
+      .def("python_seen", &Arrivals::python_seen)
       .def_property(
           "native", [](Arrivals& a) { return a.native_.load(); },
           [](Arrivals& a, bool v) { a.native_ = v; })

@@ -28,6 +28,18 @@ record.
 While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
 hooks do nothing and autograd accumulates ``.grad`` as usual.
 
+Quiet backwards. An add grant stays until the window revokes it (an overwrite is used once), and
+``arm_quiet(budget, changes)`` lets the next ``budget`` backwards run without calling Python at
+all: at the first gradient (instead of ``before_backward()``) the table checks what the window
+would (``changes``, the window's int64 counter of what its decisions depend on, still holds the
+value it had at arming; no ``.grad`` changed since it was exposed; nothing left over from a
+backward that raised; not a double backward) and queues its own end callback. A backward that
+stays quiet (every bucket folded by its grant, no backward nested in it, Python not called) is
+only counted, for ``take_quiet_backwards()``. One that does not hands its end to the window at
+the end (``queue_end()``); the window says ``python_seen()`` when it queues its own end for the
+backward now running, which then ends there. The window arms at the end of each backward it
+ends, for the middle micro-batches of a window.
+
 The table also does the window's per-parameter ``.grad`` work, which runs once per backward
 and would otherwise be a Python loop over every parameter: ``expose(views, show)`` sets each
 ``.grad`` to its view (or clears one that showed it) and remembers what it set; ``changed()``
@@ -223,6 +235,16 @@ class PythonArrivals:
 
     def take_overwritten(self) -> list:
         return []  # (nothing is granted)
+
+    def arm_quiet(self, budget, changes) -> None:
+        """Accepted and ignored: every backward calls the window (quiet backwards save the
+        Python of the window's callbacks, which these hooks pay per parameter anyway)."""
+
+    def take_quiet_backwards(self) -> int:
+        return 0
+
+    def python_seen(self) -> None:
+        pass
 
     def take_partial(self) -> list:
         with self._lock:

@@ -26,10 +26,11 @@ optimizer is, without waiting for the cyclic garbage collector.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import operator
 import sys
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -90,13 +91,21 @@ def bucket_members(numels, bucket_numel) -> list:
     return buckets
 
 
+# What a gradient window decides once and then reuses (the ``.grad`` exposure, the fast-fold
+# grants, whether a backward may run without Python) depends on every slot's has_grad, in_stats
+# and grad_view: every assignment to one of them adds one here, and a decision taken at a value
+# holds while it stays. An int64 in an array because the C++ hooks read it too, at the start of
+# a backward, without the GIL (fused_accum.arrivals).
+CHANGES = array.array("q", [0])
+
+
 def _counted(stored: str) -> property:
-    """A Slot attribute kept in the field ``stored``, each assignment counted in
-    ``Slot.assignments`` (the getter is a C attrgetter: these are read in per-slot loops)."""
+    """A Slot attribute kept in the field ``stored``, each assignment counted in ``CHANGES``
+    (the getter is a C attrgetter: these are read in per-slot loops)."""
 
     def assign(slot, value) -> None:
         setattr(slot, stored, value)
-        Slot.assignments += 1
+        CHANGES[0] += 1
 
     return property(operator.attrgetter(stored), assign)
 
@@ -106,8 +115,8 @@ class Slot:
     """One parameter's place in its flat group, and its state in the current window.
 
     Every assignment to ``has_grad``, ``in_stats`` or ``grad_view`` (what the window's ``.grad``
-    exposure and its fast-fold grants are decided from) is counted in ``Slot.assignments``: a
-    window that sees the count unchanged since it last decided need not decide again."""
+    exposure and its fast-fold grants are decided from) is counted in ``CHANGES``: a window that
+    sees the count unchanged since it last decided need not decide again."""
 
     param: Tensor
     name: str
@@ -132,7 +141,6 @@ class Slot:
     full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param (shard="state")
     placeholder: Optional[Tensor] = None  # sharded: the ShardedGrad shown as .grad when no full gradient exists
 
-    assignments: ClassVar[int] = 0
     has_grad = _counted("_has_grad")
     in_stats = _counted("_in_stats")
     grad_view = _counted("_grad_view")

@@ -47,12 +47,13 @@ from torch.utils._pytree import tree_leaves
 from . import ops
 from .arrivals import make_arrivals
 from .distributed import ddp_wrapping
-from .flat import LOW_PRECISION, Bucket, FlatGroup, Slot, is_dtensor
+from .flat import CHANGES, LOW_PRECISION, Bucket, FlatGroup, Slot, is_dtensor
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
 # The backends whose accumulate_ the C++ hooks can call themselves (fused_accum._C's operators).
 FAST_FOLD_BACKENDS = ("cpu", "cuda")
+_UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
 # because tensors compare element-wise, not by identity.
@@ -161,10 +162,9 @@ class GradientWindow:
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
         self._slot_of: dict = {}  # id(param) -> slot
-        self.microbatches = 0
-        # Backward passes counted over the window's life, never reset: what Slot.folded_in
-        # holds, so a new window needs no pass to reset it
-        self._backwards = 0
+        # (microbatches and _backwards add the backwards the hooks ran quietly: see _arm_quiet)
+        self._microbatches = 0
+        self._backward_count = 0
         self.stepped_in_backward = False
         self.detached_because: Optional[str] = None
         self._exposed = False  # .grad currently shows the window (see reconcile)
@@ -180,8 +180,8 @@ class GradientWindow:
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
         self._plans: list = []
-        # Slot.assignments when .grad was last exposed, and when the fast folds were last decided
-        # (what was decided then holds while no slot's has_grad, in_stats or view is set)
+        # CHANGES when .grad was last exposed, and when the fast folds were last decided (what was
+        # decided then holds while no slot's has_grad, in_stats or view is set)
         self._exposed_at: Optional[int] = None
         self._granted_at: Optional[int] = None
         self._granted: tuple = ([], [], [], [])
@@ -293,20 +293,20 @@ class GradientWindow:
             self._arrivals.slow = False
             self._grant_fast_folds()
 
-    def _grant_fast_folds(self) -> None:
+    def _grant_fast_folds(self) -> bool:
         """Let the hooks fold, without calling back, the buckets of the backward about to run
         whose fold needs nothing of Python (see fused_accum.arrivals): an add where every slot
         holds this window's gradient (the middle micro-batches, and the last unless it takes
         the norm), an overwrite where none does (the first). No slot may be in the window's
         norm yet, and no reduction or fused step may read what the fold writes. An add records
         nothing in Python; the slots an overwrite fills are recorded after it (see
-        _take_fast_overwrites)."""
+        _take_fast_overwrites). True when every bucket is granted an add."""
         self._arrivals.revoke_fast()
         if self.reducer is not None or self.step_in_backward:
-            return
+            return False
         if self._last_backward() and self.wants_stats:
-            return  # its fold also adds the final values to the window's norm and flag
-        if self._granted_at != Slot.assignments:  # (else no slot's has_grad/in_stats/view changed)
+            return False  # its fold also adds the final values to the window's norm and flag
+        if self._granted_at != CHANGES[0]:  # (else no slot's has_grad/in_stats/view changed)
             buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
                 flat = self.flat_groups[flat_index]
@@ -320,9 +320,11 @@ class GradientWindow:
                     offsets.append(bucket.offsets)
                     overwrite.append(not held[0])
             self._granted = (buckets, accs, offsets, overwrite)
-            self._granted_at = Slot.assignments
-        if self._granted[0]:
+            self._granted_at = CHANGES[0]
+        buckets, _, _, overwrite = self._granted
+        if buckets:
             self._arrivals.grant_fast(*self._granted)
+        return len(buckets) == len(self._bucket_ids) and not any(overwrite)
 
     def _take_fast_overwrites(self) -> None:
         """Record what the hooks' granted overwrites filled: first of all in every Python
@@ -398,8 +400,53 @@ class GradientWindow:
         if seen is None:
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
             self._tasks[task] = arrived
+            self._arrivals.python_seen()  # (this backward is not quiet: this callback ends it)
         elif arrived and not seen:
             self._tasks[task] = True
+
+    # --- counting ---------------------------------------------------------------------------
+
+    @property
+    def microbatches(self) -> int:
+        """Backward passes in this window."""
+        self._count_quiet()
+        return self._microbatches
+
+    @microbatches.setter
+    def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
+        self._count_quiet()
+        self._microbatches = value
+        self._arrivals.arm_quiet(0, CHANGES)  # (which backward is the last may have moved)
+
+    @property
+    def _backwards(self) -> int:
+        """Backward passes counted over the window's life, never reset: what Slot.folded_in
+        holds, so a new window needs no pass to reset it."""
+        self._count_quiet()
+        return self._backward_count
+
+    def _count_quiet(self) -> None:
+        quiet = self._arrivals.take_quiet_backwards()
+        if quiet:
+            self._microbatches += quiet
+            self._backward_count += quiet
+
+    def _arm_quiet(self) -> None:
+        """At the end of a backward: let the C++ hooks run the next ones without calling Python
+        while each would do nothing here but count (fused_accum.arrivals): every bucket is
+        granted an add (no norm to take, no reduction, no fused step), up to the window's last
+        backward where that one takes the norm, as long as ``CHANGES`` keeps its value (no
+        slot's state was set from Python since) and the count is not set."""
+        if self.native or self.reducer is not None or self.step_in_backward:
+            return
+        if not self._grant_fast_folds():  # (for the next backward: the count is already up)
+            return
+        if self.wants_stats and self.accum_steps is not None:
+            budget = self.accum_steps - 1 - self._microbatches
+        else:
+            budget = _UNLIMITED
+        if budget > 0:
+            self._arrivals.arm_quiet(budget, CHANGES)
 
     # --- folding ----------------------------------------------------------------------------
 
@@ -526,11 +573,13 @@ class GradientWindow:
             if arrived:
                 self._count_microbatch()
             self.expose()
+            self._arm_quiet()
 
     def _count_microbatch(self) -> None:
         syncs = self._syncs()
-        self.microbatches += 1
-        self._backwards += 1
+        self._count_quiet()
+        self._microbatches += 1
+        self._backward_count += 1
         if self.step_in_backward and self.microbatches == self.accum_steps and not self._pieces_seen:
             # Slots whose gradients all came before the last micro-batch step here; the rest
             # were stepped as their buckets completed. step() then only ends the window.
@@ -570,14 +619,14 @@ class GradientWindow:
         # The next backward first takes what the user did to .grad (reconcile), and its hooks
         # then hide the views before autograd could add into them.
         self._arrivals.slow = self._arrivals.hide = True
-        if self._exposed_at == Slot.assignments:
+        if self._exposed_at == CHANGES[0]:
             # No slot's has_grad or view was set since the last exposure, so .grad shows it
             # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
             # .grad as they found it. A middle micro-batch saves a pass over every parameter.
             return
         # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
         self._arrivals.expose([s.grad_view for s in self.slots], [s.has_grad for s in self.slots])
-        self._exposed_at = Slot.assignments
+        self._exposed_at = CHANGES[0]
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -249,8 +249,9 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
 
 def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
     # The window re-exposes .grad and re-grants fast folds only when a slot's state changed
-    # (Slot.assignments): clearing, replacing, editing in place and stepping between the
-    # middle micro-batches must each still show torch's .grad after the next backward.
+    # (flat.CHANGES), and the C++ hooks run middle backwards without Python only while nothing
+    # did: clearing, replacing, editing in place and stepping between the middle micro-batches
+    # must each still show torch's .grad after the next backward.
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.0, accum_steps=6)  # lr=0: a and b stay equal
     ref = torch.optim.SGD(b.parameters(), lr=0.0)
@@ -326,3 +327,135 @@ def test_a_backward_past_accum_steps_after_the_norm_was_taken_invalidates_it(hoo
     opt.step()
     norm = torch.cat([q.grad.reshape(-1) for q in b.parameters()]).norm()
     torch.testing.assert_close(opt.last_grad_norm, norm, rtol=1e-6, atol=0)
+
+
+def _python_calls(monkeypatch, opt) -> list:
+    """Counts the window's calls from the hooks (its once-per-backward callbacks)."""
+    calls = []
+    cls = type(opt._window)
+    for name in ("_before_backward", "_queue_end_of_backward", "_end_of_backward", "_bucket_complete"):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_middle_backwards_run_without_python_and_still_count(monkeypatch, clip):
+    # After the window's first backward the C++ hooks run the next ones alone (quiet): they
+    # check what Python would, fold and count, and call nothing, up to the last backward of
+    # the window where that one takes the norm. The count, the gradients and the step are
+    # torch's all the same.
+    if not HAVE_CPP:
+        pytest.skip("fused_accum._C is not built")
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    a, b = _pair()
+    # plain SGD: ours and torch's round its update alike, so the models stay equal
+    opt = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=4, max_grad_norm=1e9 if clip else None,
+                          bucket_cap_mb=50 * 4 / 2**20)
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+    calls = _python_calls(monkeypatch, opt)
+    per_backward = []
+    for window in range(3):
+        for i, x in enumerate(_batches(4, seed=window)):
+            before = len(calls)
+            a(x).square().mean().backward()
+            per_backward.append(len(calls) - before > 0)
+            b(x).square().mean().backward()
+            assert opt.microbatches == i + 1
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p.grad, q.grad)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    assert per_backward == [True, False, False, clip] * 3
+
+
+def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradient(monkeypatch):
+    # Armed after the first backward, the third one leaves the last layer out: the one bucket
+    # never completes, so that backward cannot end quietly. Its end goes to the window, which
+    # folds what arrived (so .grad shows it at once, as torch's does) and counts it once.
+    if not HAVE_CPP:
+        pytest.skip("fused_accum._C is not built")
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.0)
+    assert len(opt._window._bucket_ids) == 1
+    calls = _python_calls(monkeypatch, opt)
+    per_backward = []
+    for i, x in enumerate(_batches(5)):
+        before = len(calls)
+        for model in (a, b):
+            (model[0](x) if i == 2 else model(x)).square().sum().backward()
+        per_backward.append(len(calls) - before > 0)
+        assert opt.microbatches == i + 1
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the same fp32 adds
+    assert per_backward == [True, False, True, False, False]
+
+
+def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(monkeypatch):
+    # checkpoint(use_reentrant=True) runs a second backward inside the first: the outer one
+    # cannot stay quiet; the window sees the outer end and counts one micro-batch per backward.
+    from torch.utils.checkpoint import checkpoint
+
+    if not HAVE_CPP:
+        pytest.skip("fused_accum._C is not built")
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.0)
+    for i, x in enumerate(_batches(4)):
+        for model in (a, b):
+            h = model[0](x)
+            h = checkpoint(model[1:], h, use_reentrant=True) if i == 2 else model[1:](h)
+            h.square().sum().backward()
+        assert opt.microbatches == i + 1
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("restart", ["step", "load_state_dict"])
+def test_the_last_backward_is_found_after_the_count_was_set(monkeypatch, restart):
+    # Quiet backwards are armed up to the window's last backward (which takes the norm). A step
+    # mid-window starts the count anew; a checkpoint loaded mid-window sets it back, with the
+    # sums it saved. The count, the gradients and the norm stay torch's.
+    if not HAVE_CPP:
+        pytest.skip("fused_accum._C is not built")
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    a, b = _pair()
+    opt = fused_accum.SGD(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9)
+    xs = iter(_batches(8))
+
+    def backward():
+        x = next(xs)
+        a(x).square().sum().backward()
+        b(x).square().sum().backward()
+
+    backward()
+    backward()
+    if restart == "step":
+        opt.step()  # lr=0: .grad keeps its sums, the next backward adds; the count starts anew
+        left = 4
+    else:
+        state, saved = opt.state_dict(), [q.grad.clone() for q in b.parameters()]
+        backward()
+        opt.load_state_dict(state)
+        for q, g in zip(b.parameters(), saved):
+            q.grad = g
+        left = 2
+    assert opt.microbatches == 4 - left
+    for _ in range(left):
+        backward()
+    assert opt.microbatches == 4
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the same fp32 adds
+    norm = torch.cat([q.grad.reshape(-1) for q in b.parameters()]).norm()
+    opt.step()
+    torch.testing.assert_close(opt.last_grad_norm, norm, rtol=1e-6, atol=0)  # summation order
