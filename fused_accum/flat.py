@@ -110,6 +110,19 @@ def _counted(stored: str) -> property:
     return property(operator.attrgetter(stored), assign)
 
 
+def assign_all(slots, name: str, value) -> None:
+    """``slot.<name> = value`` for every slot of ``slots`` (a counted attribute), counted once:
+    the per-parameter loops of a window's first backward and of ``zero_grad()``."""
+    stored = "_" + name
+    for slot in slots:
+        setattr(slot, stored, value)
+    CHANGES[0] += 1
+
+
+# C-level getters, for the per-slot loops that read these
+HAS_GRAD, IN_STATS, GRAD_VIEW = (operator.attrgetter(f"_{n}") for n in ("has_grad", "in_stats", "grad_view"))
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Slot:
     """One parameter's place in its flat group, and its state in the current window.

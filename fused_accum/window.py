@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from . import ops
 from .arrivals import make_arrivals
 from .distributed import ddp_wrapping
-from .flat import CHANGES, LOW_PRECISION, Bucket, FlatGroup, Slot, is_dtensor
+from .flat import CHANGES, GRAD_VIEW, HAS_GRAD, IN_STATS, LOW_PRECISION, Bucket, FlatGroup, Slot, assign_all, is_dtensor
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
@@ -311,9 +311,9 @@ class GradientWindow:
             for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
                 flat = self.flat_groups[flat_index]
                 bucket = flat.buckets[bucket_index]
-                if flat.backend not in FAST_FOLD_BACKENDS or any(s.in_stats for s in bucket.slots):
+                if flat.backend not in FAST_FOLD_BACKENDS or any(map(IN_STATS, bucket.slots)):
                     continue
-                held = [s.has_grad for s in bucket.slots]
+                held = list(map(HAS_GRAD, bucket.slots))
                 if all(held) or not any(held):
                     buckets.append(bucket_id)
                     accs.append(flat.acc)
@@ -474,7 +474,7 @@ class GradientWindow:
             elif stats:
                 slot.in_stats = True
             slot.folded_in = now
-            slot.has_grad = True
+        assign_all(slots, "has_grad", True)
         if stale:
             self.invalidate_stats()
         self._unreduced = True
@@ -625,7 +625,7 @@ class GradientWindow:
             # .grad as they found it. A middle micro-batch saves a pass over every parameter.
             return
         # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
-        self._arrivals.expose([s.grad_view for s in self.slots], [s.has_grad for s in self.slots])
+        self._arrivals.expose(list(map(GRAD_VIEW, self.slots)), list(map(HAS_GRAD, self.slots)))
         self._exposed_at = CHANGES[0]
 
     @contextlib.contextmanager
@@ -793,6 +793,5 @@ class GradientWindow:
         self._unreduced = False
         if self.reducer is not None:
             self.reducer.reset()
-        for slot in self.slots:
-            slot.has_grad = False
+        assign_all(self.slots, "has_grad", False)
         self.after_step()
