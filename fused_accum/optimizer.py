@@ -134,6 +134,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         backend: ``"auto"``, ``"reference"``, ``"triton"``, ``"cpu"`` or ``"cuda"``; see
             :mod:`fused_accum.backends`. ``FUSED_ACCUM_BACKEND`` overrides ``"auto"``.
         bucket_cap_mb: size of the gradient buckets folded by one op call, in MB of fp32.
+            Default: 25 (as DDP's), but 0.5 for parameters on the CPU without a process group,
+            so that a bucket is folded while its gradients are still in the core's cache
+            (chosen by the parameters' device when the optimizer is built; see the README).
         step_in_backward: fuse the last micro-batch with the step (needs ``accum_steps``):
             each bucket of the window's last backward runs accumulate + step in one pass
             (32 instead of 10 + 30 bytes per bf16 parameter for AdamW), and ``step()`` only
@@ -226,7 +229,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         accum_steps: Optional[int] = None,
         master_weights: Optional[bool] = None,
         backend: str = "auto",
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         step_in_backward: bool = False,
         max_grad_norm: Optional[float] = None,
         skip_nonfinite: bool = False,
@@ -239,7 +242,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             raise ValueError(f"accum_steps must be a positive int or None, got {accum_steps!r}")
         if backend != "auto" and backend not in backends.NAMES:
             raise ValueError(f"backend must be 'auto' or one of {backends.NAMES}, got {backend!r}")
-        if not bucket_cap_mb > 0:
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         if step_in_backward and accum_steps is None:
             raise ValueError("step_in_backward=True needs accum_steps: the last micro-batch must be known")
@@ -277,7 +280,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
         self._master_weights = True if master_weights is None else bool(master_weights)
         self._backend_request = backend
-        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20 / 4))
+        self._bucket_cap_mb = bucket_cap_mb
         reducer = WindowReducer(process_group, shard, reduce_dtype) if process_group is not None else None
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
@@ -345,6 +348,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 self._frozen.append((p, group_index, label))
         self._make_flat_groups(group_index, trainable)
 
+    def _bucket_numel(self, device: torch.device) -> int:
+        """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""
+        cap = self._bucket_cap_mb
+        if cap is None:
+            # On a CPU the fold reads the bucket's gradients back: at 0.5 MB they are still in
+            # the core's L2 cache (GPT-2 layout, d = 64, window_phases: a window's backwards
+            # 1-2 ms faster than with 25 MB). Data-parallel buckets keep DDP's size: each is a
+            # collective, and sharded checkpoints are laid out by them.
+            cap = 0.5 if device.type == "cpu" and self._window.reducer is None else 25.0
+        return max(1, int(cap * 2**20 / 4))
+
     def _make_flat_groups(self, group_index: int, members: list) -> list:
         """Buffers for ``members`` ((param, label) pairs of one param group), one flat group per
         (device, dtype); hooks too once the optimizer is built. Returns the new slots."""
@@ -360,7 +374,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             flat = FlatGroup(
                 len(window.flat_groups), group_index, [p for p, _ in pairs], [l for _, l in pairs],
                 len(window.slots), dtype, device, self._state_keys(group), self._master_weights,
-                resolved[(device, dtype)], self._bucket_numel,
+                resolved[(device, dtype)], self._bucket_numel(device),
                 window.reducer.sharding if window.reducer is not None else None,
             )  # fmt: skip
             window.add(flat)

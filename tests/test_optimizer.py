@@ -831,3 +831,16 @@ def test_on_cuda_bf16_model_matches_fp32_large_batch(backend, step_in_backward):
         torch.testing.assert_close(p.float(), q, rtol=0.05, atol=0.02)
     master = opt.state_dict()["state"][0]["master"]
     assert master.is_cuda and torch.equal(next(ours.parameters()), master.to(torch.bfloat16))
+
+
+def test_cpu_buckets_default_to_half_a_megabyte_and_an_explicit_cap_wins():
+    # On the CPU a bucket is folded while its gradients are still in the core's cache: 0.5 MB
+    # of fp32 by default (DDP's 25 MB otherwise). Two 512 x 512 weights (1 MB each) and biases.
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    sizes = lambda opt: [b.end - b.start for f in opt._window.flat_groups for b in f.buckets]  # noqa: E731
+    small = fused_accum.AdamW(model.parameters(), lr=1e-3)
+    assert sizes(small) == [512 * 512 + 512] * 2  # a bucket closes once it holds 0.5 MB: a layer each
+    whole = fused_accum.AdamW(model.parameters(), lr=1e-3, bucket_cap_mb=25)
+    assert len(sizes(whole)) == 1
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        fused_accum.AdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0)
