@@ -344,6 +344,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     const int task = torch::autograd::get_current_graph_task_id();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (!slow_) return true;  // (another device's thread started this backward quietly)
       const bool ready = quiet_left_ > 0 && *changes_ == armed_at_ && task != python_task_ &&
                          overwritten_.empty() &&
                          std::none_of(buckets_.begin(), buckets_.end(), [](const BucketArrivals& b) { return b.count; }) &&
