@@ -188,6 +188,7 @@ class FlatGroup:
         self.plan = object()  # names this group's buffers to the Triton backend's plan cache (ops plan=)
         self.sharding = sharding
         self.has_master = dtype in LOW_PRECISION and master_weights
+        self.has_dtensors = any(is_dtensor(p) for p in params)  # (FSDP2's: the step takes their local shards)
         numels = [local_tensor(p).numel() for p in params]
         members = bucket_members(numels, bucket_numel)
         world = sharding.world if sharding is not None else 1
@@ -295,17 +296,6 @@ class FlatGroup:
                 slot.master.copy_(self.param_piece(slot))
             slot.has_grad = slot.in_stats = False
 
-    def step_targets(self, slot: Slot):
-        """(tensor the step updates, low-precision tensor to write or None) for ``slot``."""
-        # The param as it is (any strides: a channels_last weight cannot be viewed as 1-D); the
-        # backends walk it in logical order, the order of its accumulator slice. Passed as is,
-        # not detached (the step runs under no_grad, as torch's fused optimizers pass theirs):
-        # a detach per parameter per step costs a microsecond each.
-        param = local_tensor(slot.param)
-        if self.has_master:
-            return slot.master, param
-        return param, None
-
     def step_lists(self, active: list) -> tuple:
         """(slots, accs, params, lp_params) the step op takes for ``active`` slots: without
         sharding, every active slot whole; sharded, the active slots holding a piece here, with
@@ -313,8 +303,13 @@ class FlatGroup:
         (lp target: the piece of :attr:`staging`) or, without a master, the staging piece
         itself. Sharded steps run between :meth:`begin_step` and :meth:`finish_step`."""
         if self.sharding is None:
-            targets = [self.step_targets(s) for s in active]
-            return active, [s.acc for s in active], [t for t, _ in targets], [lp for _, lp in targets if lp is not None]
+            # Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
+            # the backends walk it in logical order, the order of its accumulator slice. Passed
+            # as is, not detached (the step runs under no_grad, as torch's fused optimizers pass
+            # theirs): a detach per parameter per step costs a microsecond each.
+            params = [local_tensor(s.param) for s in active] if self.has_dtensors else [s.param for s in active]
+            accs = [s.acc for s in active]
+            return (active, accs, [s.master for s in active], params) if self.has_master else (active, accs, params, [])
         held = [s for s in active if s.piece is not None]
         accs, params, lps = [], [], []
         for slot in held:

@@ -498,8 +498,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             window.expose()
         for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 slot = window.slot_for(p)
-                if p.grad is None or slot is not None and p.grad is slot.grad_view:
+                if slot is not None and p.grad is slot.grad_view:
                     continue
                 if set_to_none:
                     p.grad = None
