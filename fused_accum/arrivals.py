@@ -51,8 +51,8 @@ Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not
 change the gradient first), and next to them.
 
 There are two implementations of this contract. ``fused_accum._C.Arrivals`` (csrc/hooks.cpp)
-runs the hooks in C++: a few pointer operations per parameter, Python only once per bucket and
-per backward. :class:`PythonArrivals` is its twin in Python, used without the extension or when
+runs the hooks in C++: a few pointer operations per parameter, Python at most once per bucket
+and per backward, and not at all in a quiet one. :class:`PythonArrivals` is its twin in Python, used without the extension or when
 ``FUSED_ACCUM_PYTHON_HOOKS=1`` (several microseconds per parameter: the engine takes the GIL and
 wraps tensors for each call).
 """
