@@ -30,6 +30,14 @@ def hooks(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def cpp_hooks(monkeypatch):
+    """The C++ hooks only: what the Python twin does not have (quiet backwards)."""
+    if not HAVE_CPP:
+        pytest.skip("fused_accum._C is not built")
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+
+
 def _kind(opt) -> str:
     return "python" if isinstance(opt._window._arrivals, arrivals.PythonArrivals) else "cpp"
 
@@ -345,14 +353,11 @@ def _python_calls(monkeypatch, opt) -> list:
 
 
 @pytest.mark.parametrize("clip", [True, False])
-def test_middle_backwards_run_without_python_and_still_count(monkeypatch, clip):
+def test_middle_backwards_run_without_python_and_still_count(cpp_hooks, monkeypatch, clip):
     # After the window's first backward the C++ hooks run the next ones alone (quiet): they
     # check what Python would, fold and count, and call nothing, up to the last backward of
     # the window where that one takes the norm. The count, the gradients and the step are
     # torch's all the same.
-    if not HAVE_CPP:
-        pytest.skip("fused_accum._C is not built")
-    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
     a, b = _pair()
     # plain SGD: ours and torch's round its update alike, so the models stay equal
     opt = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=4, max_grad_norm=1e9 if clip else None,
@@ -378,13 +383,10 @@ def test_middle_backwards_run_without_python_and_still_count(monkeypatch, clip):
     assert per_backward == [True, False, False, clip] * 3
 
 
-def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradient(monkeypatch):
+def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradient(cpp_hooks, monkeypatch):
     # Armed after the first backward, the third one leaves the last layer out: the one bucket
     # never completes, so that backward cannot end quietly. Its end goes to the window, which
     # folds what arrived (so .grad shows it at once, as torch's does) and counts it once.
-    if not HAVE_CPP:
-        pytest.skip("fused_accum._C is not built")
-    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.0)
     assert len(opt._window._bucket_ids) == 1
@@ -401,14 +403,11 @@ def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradie
     assert per_backward == [True, False, True, False, False]
 
 
-def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(monkeypatch):
+def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(cpp_hooks):
     # checkpoint(use_reentrant=True) runs a second backward inside the first: the outer one
     # cannot stay quiet; the window sees the outer end and counts one micro-batch per backward.
     from torch.utils.checkpoint import checkpoint
 
-    if not HAVE_CPP:
-        pytest.skip("fused_accum._C is not built")
-    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.0)
     for i, x in enumerate(_batches(4)):
@@ -422,13 +421,10 @@ def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(monkeypatch)
 
 
 @pytest.mark.parametrize("restart", ["step", "load_state_dict"])
-def test_the_last_backward_is_found_after_the_count_was_set(monkeypatch, restart):
+def test_the_last_backward_is_found_after_the_count_was_set(cpp_hooks, restart):
     # Quiet backwards are armed up to the window's last backward (which takes the norm). A step
     # mid-window starts the count anew; a checkpoint loaded mid-window sets it back, with the
     # sums it saved. The count, the gradients and the norm stay torch's.
-    if not HAVE_CPP:
-        pytest.skip("fused_accum._C is not built")
-    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9)
     xs = iter(_batches(8))
