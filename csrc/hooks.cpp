@@ -483,7 +483,10 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::vector<std::string> names_;
   py::object before_backward_, queue_end_, bucket_complete_;
   std::vector<BucketArrivals> buckets_;
-  std::vector<c10::intrusive_ptr<Node>> nodes_;  // by slot: the AccumulateGrad nodes we hook
+  // by slot: the AccumulateGrad nodes we hook. The pointer type is whatever grad_accumulator()
+  // returns: std::shared_ptr<Node> up to torch 2.12, c10::intrusive_ptr<Node> from 2.13 on.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> nodes_;
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
   std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
@@ -536,7 +539,7 @@ void Arrivals::attach(int64_t key, const at::Tensor& param) {
   TORCH_CHECK(param.requires_grad() && param.is_leaf(),
               "Arrivals.attach: the parameter must be a leaf that requires grad");
   TORCH_CHECK(!nodes_[key], "Arrivals.attach: slot ", key, " is already hooked");
-  c10::intrusive_ptr<Node> node = torch::autograd::impl::grad_accumulator(param);
+  NodePtr node = torch::autograd::impl::grad_accumulator(param);
   auto* accumulate = dynamic_cast<AccumulateGrad*>(node.get());
   TORCH_CHECK(accumulate != nullptr, "Arrivals.attach: the parameter has no AccumulateGrad node");
   node->add_pre_hook(std::make_unique<TakeGradBefore>(weak_from_this(), accumulate, key));
