@@ -114,6 +114,13 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   void attach(int64_t key, const at::Tensor& param);
 
+  // The keys whose parameter (`params`, by key: the Python objects the optimizer holds) has
+  // another AccumulateGrad node than the one hooked, hooked again on the new node. A `.data`
+  // that changed device or dtype (model.to(...)) makes autograd build a new node, without our
+  // hooks, at the next forward (asking for it here builds it now, and the forward then uses
+  // that one); torch.utils.swap_tensors gives the object another tensor, with its own node.
+  std::vector<int64_t> rehook(const std::vector<at::Tensor>& params);
+
   // The pre-hook. Usually it takes the gradient into its bucket itself and hands AccumulateGrad
   // an undefined one, which the node skips: `.grad` is not touched (it keeps showing the running
   // sum), and autograd neither detaches nor stores anything. AccumulateGrad must run where it
@@ -487,6 +494,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   // returns: std::shared_ptr<Node> up to torch 2.12, c10::intrusive_ptr<Node> from 2.13 on.
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> nodes_;
+  void hook_locked(int64_t key, NodePtr node);  // (with mutex_ held)
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
   std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
@@ -540,13 +548,35 @@ void Arrivals::attach(int64_t key, const at::Tensor& param) {
               "Arrivals.attach: the parameter must be a leaf that requires grad");
   TORCH_CHECK(!nodes_[key], "Arrivals.attach: slot ", key, " is already hooked");
   NodePtr node = torch::autograd::impl::grad_accumulator(param);
-  auto* accumulate = dynamic_cast<AccumulateGrad*>(node.get());
-  TORCH_CHECK(accumulate != nullptr, "Arrivals.attach: the parameter has no AccumulateGrad node");
+  TORCH_CHECK(dynamic_cast<AccumulateGrad*>(node.get()) != nullptr,
+              "Arrivals.attach: the parameter has no AccumulateGrad node");
+  hook_locked(key, std::move(node));
+}
+
+void Arrivals::hook_locked(int64_t key, NodePtr node) {
+  auto* accumulate = static_cast<AccumulateGrad*>(node.get());
   node->add_pre_hook(std::make_unique<TakeGradBefore>(weak_from_this(), accumulate, key));
   node->add_post_hook(std::make_unique<TakeGradAfter>(weak_from_this(), accumulate, key));
   // Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt, without
   // our hooks, by the next forward. Holding it keeps the hooks (DDP's reducer does the same).
   nodes_[key] = std::move(node);
+}
+
+std::vector<int64_t> Arrivals::rehook(const std::vector<at::Tensor>& params) {
+  std::vector<int64_t> moved;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (detached_) return moved;
+  TORCH_CHECK(params.size() == nodes_.size(), "Arrivals.rehook: expected one parameter per slot");
+  for (size_t key = 0; key < nodes_.size(); ++key) {
+    if (!nodes_[key]) continue;
+    const at::Tensor& param = params[key];
+    if (!param.requires_grad() || !param.is_leaf()) continue;
+    NodePtr now = torch::autograd::impl::grad_accumulator(param);
+    if (!now || now.get() == nodes_[key].get() || dynamic_cast<AccumulateGrad*>(now.get()) == nullptr) continue;
+    hook_locked(static_cast<int64_t>(key), std::move(now));
+    moved.push_back(static_cast<int64_t>(key));
+  }
+  return moved;
 }
 
 // What the Triton backend's launch-plan cache keys a call by (fused_accum/backends/triton.py):
@@ -580,6 +610,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("queue_end"), py::arg("bucket_complete"))
       .def("extend", &Arrivals::extend)
       .def("attach", &Arrivals::attach)
+      .def("rehook", &Arrivals::rehook)
       .def("detach_all", &Arrivals::detach_all)
       .def("arrive_in_place", &Arrivals::arrive_in_place)
       .def("take_partial", &Arrivals::take_partial)

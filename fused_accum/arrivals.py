@@ -44,7 +44,10 @@ The table also does the window's per-parameter ``.grad`` work, which runs once p
 and would otherwise be a Python loop over every parameter: ``expose(views, show)`` sets each
 ``.grad`` to its view (or clears one that showed it) and remembers what it set; ``changed()``
 lists the keys whose ``.grad`` is no longer that (what the user did); ``clear_grads()`` clears
-them all (``zero_grad()``), returning False once detached.
+them all (``zero_grad()``), returning False once detached. ``rehook(params)`` hooks again, and lists,
+the parameters whose AccumulateGrad node is not the hooked one any more (a ``.data`` moved to
+another device or dtype by ``model.to(...)``, or a tensor swapped in by ``swap_tensors``), which
+the old hooks would never see again.
 
 Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
 ``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
@@ -146,13 +149,29 @@ class PythonArrivals:
     def attach(self, key: int, param: torch.Tensor) -> None:
         if key in self._nodes:
             raise RuntimeError(f"Arrivals.attach: slot {key} is already hooked")
-        node = torch.autograd.graph.get_gradient_edge(param).node
+        self._hook(key, param, torch.autograd.graph.get_gradient_edge(param).node)
+
+    def _hook(self, key: int, param: torch.Tensor, node) -> None:
         this, param_ref = weakref.ref(self), weakref.ref(param)
         self._handles.append(node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)))
         self._handles.append(node.register_hook(functools.partial(_post_hook, this, param_ref, key)))
         # Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt,
         # without our hooks, by the next forward. Holding it keeps the hooks.
         self._nodes[key] = node
+
+    def rehook(self, params: list) -> list:
+        if self._detached:
+            return []
+        moved = []
+        for key, node in list(self._nodes.items()):
+            param = params[key]
+            if not (param.requires_grad and param.is_leaf):
+                continue
+            now = torch.autograd.graph.get_gradient_edge(param).node
+            if now is not node:
+                self._hook(key, param, now)
+                moved.append(key)
+        return moved
 
     def detach_all(self) -> None:
         self._detached = True

@@ -187,6 +187,7 @@ class FlatGroup:
         self.dtype, self.device, self.backend = dtype, device, backend
         self.plan = object()  # names this group's buffers to the Triton backend's plan cache (ops plan=)
         self.sharding = sharding
+        self.master_weights = master_weights
         self.has_master = dtype in LOW_PRECISION and master_weights
         self.has_dtensors = any(is_dtensor(p) for p in params)  # (FSDP2's: the step takes their local shards)
         numels = [local_tensor(p).numel() for p in params]
@@ -236,6 +237,8 @@ class FlatGroup:
             self._set_views(slot)
             if slot.master is not None:
                 slot.master.copy_(self.param_piece(slot))
+        self._master_versions: Optional[list] = None  # the params' versions when the masters matched them
+        self.masters_written()
 
     @property
     def shards_grads(self) -> bool:
@@ -276,18 +279,21 @@ class FlatGroup:
         slot.state = {key: buf[part] for key, buf in self.state.items()}
 
     def rehome(self, device, backend) -> None:
-        """The parameters moved (``model.to(device)``, or ``to_empty`` after building on the
-        meta device): move the buffers after them. State and step counts move as they are
-        (zeros when they were on the meta device); masters are copied from the parameters."""
+        """The parameters moved or were cast (``model.to(device)``, ``model.to(torch.bfloat16)``,
+        or ``to_empty`` after building on the meta device): move the buffers after them. State
+        and step counts move as they are (zeros when they were on the meta device); masters are
+        copied from the parameters (a cast to bf16/fp16 gains one, a cast to fp32 drops it)."""
+
         def move(t):
             return torch.zeros_like(t, device=device) if t.is_meta else t.to(device)
 
         self.device, self.backend = device, backend
+        self.dtype = self.slots[0].param.dtype
+        self.has_master = self.dtype in LOW_PRECISION and self.master_weights
         self.acc = torch.zeros_like(self.acc, device=device)  # no gradient survives a move
         self.state = {key: move(buf) for key, buf in self.state.items()}
         self.steps, self.lr, self.coef, self.one = (move(t) for t in (self.steps, self.lr, self.coef, self.one))
-        if self.master is not None:
-            self.master = torch.zeros_like(self.master, device=device)
+        self.master = torch.zeros(self.local_numel, dtype=torch.float32, device=device) if self.has_master else None
         self._index_cache = {}
         self.plan = object()  # new buffers: a new launch plan
         for slot in self.slots:
@@ -295,6 +301,35 @@ class FlatGroup:
             if slot.master is not None:
                 slot.master.copy_(self.param_piece(slot))
             slot.has_grad = slot.in_stats = False
+        self.masters_written()
+
+    def refresh_masters(self) -> None:
+        """Re-read the fp32 master of every low-precision parameter written from outside since
+        the optimizer last wrote it (``model.load_state_dict``, ``p.clamp_()``, ``nn.init``, an
+        EMA swap: any in-place write moves the parameter's version counter). Without this the
+        next step would write the stale master back over the user's weights. Called before
+        anything reads the masters; one list comparison when nothing changed. Edits through
+        ``p.data`` bypass the version counter, as they bypass autograd's own checks."""
+        if not self.has_master:
+            return
+        versions = [s.param._version for s in self.slots]
+        if versions == self._master_versions:
+            return
+        if self._master_versions is not None:
+            for slot, now, then in zip(self.slots, versions, self._master_versions):
+                if now == then or slot.master is None:
+                    continue
+                # A write of the values the master already rounds to (a checkpoint of the same
+                # step, an EMA swapped back) keeps the master's precision.
+                param = self.param_piece(slot)
+                if not torch.equal(param, slot.master.to(param.dtype)):
+                    slot.master.copy_(param)
+        self._master_versions = versions
+
+    def masters_written(self) -> None:
+        """The optimizer just wrote the parameters from their masters: they agree again."""
+        if self.has_master:
+            self._master_versions = [s.param._version for s in self.slots]
 
     def step_lists(self, active: list) -> tuple:
         """(slots, accs, params, lp_params) the step op takes for ``active`` slots: without
@@ -424,13 +459,15 @@ class FlatGroup:
                                       run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
         return buf.view(p.shape)
 
-    def ensure_state(self, key: str) -> None:
+    def ensure_state(self, key: str) -> bool:
         """Allocate an optimizer state buffer first needed after construction (momentum turned
-        on, amsgrad enabled by editing a param group)."""
-        if key not in self.state:
-            self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
-            for slot in self.slots:
-                self._set_views(slot)
+        on, amsgrad enabled by editing a param group); True when it was allocated now."""
+        if key in self.state:
+            return False
+        self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
+        for slot in self.slots:
+            self._set_views(slot)
+        return True
 
     def active_index(self, indices: tuple) -> Tensor:
         """A device tensor of slot ``indices`` (a partial active set), made once per distinct

@@ -104,6 +104,35 @@ def _scalar(value) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
+class StateEntry(dict):
+    """``opt.state[p]`` as the optimizer shows it: torch's state names -> views of the flat
+    buffers. It remembers whether the user assigned or removed a key since (``edited``), so the
+    step reads the entry back instead of stepping from buffers the user replaced."""
+
+    __slots__ = ("edited",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.edited = False
+
+    def _edit(method):  # noqa: N805 (a decorator of the class body)
+        def edited(self, *args, **kwargs):
+            self.edited = True
+            return method(self, *args, **kwargs)
+
+        return edited
+
+    __setitem__ = _edit(dict.__setitem__)
+    __delitem__ = _edit(dict.__delitem__)
+    __ior__ = _edit(dict.__ior__)
+    pop = _edit(dict.pop)
+    popitem = _edit(dict.popitem)
+    clear = _edit(dict.clear)
+    update = _edit(dict.update)
+    setdefault = _edit(dict.setdefault)
+    del _edit
+
+
 def _param_label(group_index, j, param, names):
     if names is not None:
         return repr(names[j])
@@ -292,6 +321,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._generic_params: dict = {}  # id(param) -> what the inner optimizer steps
         self._shard_sums: Optional[ShardSums] = None  # DTensor params: sums the window's stats over the mesh
         self._attached = False
+        self._shown_state: dict = {}  # slot key -> the StateEntry last put in opt.state
         super().__init__(params, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
         # detached) only once every group has been accepted.
@@ -485,6 +515,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
         window = self._window
+        if not window.native:
+            window.follow_moved_params()
         if set_to_none or window.reducer is not None and window.reducer.sharding is not None:
             window.discard()  # (sharded: no full gradient to zero and show)
         else:
@@ -533,12 +565,21 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if num_items is not None:
                 raise ValueError("step_in_backward=True already stepped during backward; "
                                  "num_items cannot apply (normalise the loss instead)")
+            # Parameters unfrozen during the window were not hooked: their gradients are in
+            # .grad, natively; they join here and step now (their later windows step in backward).
+            self._adopt_unfrozen()
+            for flat in window.flat_groups:
+                self._fused_step(flat, [s for s in flat.slots if s.has_grad], flat.one)
+                flat.masters_written()
             window.after_step()
+            window.expose()
             return loss
         window.reconcile()
         self._take_user_grads()
         window.finish_reduction()
         scale, skip = self._window_scale(num_items)
+        for flat in window.flat_groups:
+            flat.refresh_masters()  # the user may have written the params since the last step
         if self._inner is not None:
             self._generic_step(scale, skip)
         else:
@@ -550,6 +591,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 self._fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)
             if sharded:
                 window.reducer.gather_params(window.flat_groups)  # the updated params, to every rank
+        for flat in window.flat_groups:
+            flat.masters_written()
         window.after_step()
         window.expose()
         return loss
@@ -566,14 +609,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         group = self.param_groups[flat.group_index]
         for slot in flat.slots:
             if self.state.get(slot.param):
-                self.state[slot.param] = self._state_views(slot, group)
+                self._show_state(slot, group)
 
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
         self._adopt_unfrozen()
         window = self._window
+        window.follow_moved_params()
         for flat in window.flat_groups:
-            moved = flat.slots[0].param.device != flat.device
+            param = flat.slots[0].param
+            moved = param.device != flat.device or param.dtype != flat.dtype
             if moved or flat.device.type == "meta" and any(s.param.grad is not None for s in flat.slots):
                 self._rehome(flat)
         for slot in window.slots:
@@ -613,6 +658,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if isinstance(found_inf, Tensor):
             flag = (found_inf.to(home) > 0).float()
             bad = flag if bad is None else torch.maximum(bad, flag)
+            if grad_scale is None:
+                # GradScaler passes no scale after its unscale_(opt), which divided .grad in place
+                # with an op that leaves the version counter alone (torch 2.13's
+                # _amp_foreach_non_finite_check_and_unscale_): the last pass's norm is stale.
+                window.invalidate_stats()
         if self.max_grad_norm is not None or self.skip_nonfinite:
             stats = window.complete_stats()
             total = sum(sumsq.to(home) for _, sumsq in stats.values())
@@ -655,12 +705,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             index = flat.active_index(tuple(s.index for s in active))
             flat.steps.index_add_(0, index, increment.expand(len(active)))
             steps = flat.steps.index_select(0, index)
-        for key in self._state_keys(group):
-            flat.ensure_state(key)
-        if flat.state or ALGORITHMS[self._algorithm].has_step:  # torch keeps no entry without state
-            for slot in active:
-                if not self.state.get(slot.param):
-                    self.state[slot.param] = self._state_views(slot, group)
         held, accs, params, lp_params = flat.step_lists(active)  # sharded: this rank's pieces
         if held is not active:
             if not held:
@@ -693,10 +737,41 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             ops.lion_step(params, exp_avgs, accs, *common, beta1, beta2, group["weight_decay"],
                           group["maximize"], *tail, plan=(flat.plan, layout))  # fmt: skip
 
+    def _take_user_state(self, flat: FlatGroup, active: list, group) -> None:
+        """Before a step: allocate state turned on since the last one, and take what the user
+        did to ``opt.state`` (an entry deleted, cleared or replaced by ``{}`` starts afresh, as
+        torch's would; tensors assigned into it become the state) before the kernels read the
+        buffers. Step counts change here, before the step adds to them."""
+        for key in self._state_keys(group):
+            if flat.ensure_state(key):
+                if key == "momentum_buffer":
+                    # torch's buffer starts as a copy of the gradient at its first step with
+                    # momentum (the kernels' first step: a step count of 1), not at the first step.
+                    flat.steps.zero_()
+                for slot in flat.slots:  # show the new buffer too
+                    if self._shown_state.get(slot.key) is not None:
+                        self._show_state(slot, group)
+        if not (flat.state or ALGORITHMS[self._algorithm].has_step):
+            return  # torch keeps no entry without state
+        shown = self._shown_state
+        for slot in active:
+            entry = self.state.get(slot.param)
+            mine = shown.get(slot.key)
+            if entry is not None and entry is mine and not entry.edited:
+                continue
+            if mine is not None or entry:  # (no entry yet and none shown: the slot's first step)
+                self._load_slot_state(slot, dict(entry or {}))
+            self._show_state(slot, group)
+
+    def _show_state(self, slot: Slot, group) -> None:
+        entry = self._state_views(slot, group)
+        self.state[slot.param] = entry
+        self._shown_state[slot.key] = entry
+
     def _state_views(self, slot: Slot, group) -> dict:
         """``opt.state[p]``: torch's state names, as fp32 views of the flat buffers (in-place
         edits go through)."""
-        views = {}
+        views = StateEntry()
         if ALGORITHMS[self._algorithm].has_step:
             views["step"] = self._window.flat_groups[slot.flat_index].steps[slot.index]
         for key in self._state_keys(group):
@@ -750,6 +825,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window = self._window
         window.flush()
         window.reconcile()
+        for flat in window.flat_groups:
+            flat.refresh_masters()  # a checkpoint holds the weights the model has now
         index_of, groups, start = {}, [], 0
         for group in self.param_groups:  # torch's numbering: by position, a duplicate keeps its first
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -858,6 +935,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         for key, value in saved_state.items():
             if key not in id_to_param:  # not a parameter's: kept as is, as torch does
                 self.state[key] = value
+        for flat in window.flat_groups:
+            flat.masters_written()  # the masters are the checkpoint's now
         window.expose()  # the gradients the checkpoint held show in .grad, as they did when saved
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -884,8 +963,18 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             }  # fmt: skip
             self.state[p] = self._inner.state[target]
             return
-        if not state:
-            return
+        if state:
+            self._load_slot_state(slot, state)
+
+    def _load_slot_state(self, slot: Slot, state: dict) -> None:
+        """One slot's optimizer state from torch-named values (a missing one starts at zero, and
+        an empty ``state`` at step 0, as torch's would), shown in ``opt.state``."""
+        flat = self._window.flat_groups[slot.flat_index]
+
+        def fp32(value):  # (sharded: this rank's piece of a whole parameter's value; DTensor: its local shard)
+            value = flat.local_value(slot, value.detach())
+            return flat.piece_of(slot, value.to(device=flat.device, dtype=torch.float32).reshape(-1))
+
         group = self.param_groups[flat.group_index]
         for key in self._state_keys(group):
             flat.ensure_state(key)
@@ -900,7 +989,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 view.zero_()
             else:
                 view.copy_(fp32(value))
-        self.state[p] = self._state_views(slot, group)
+        self._show_state(slot, group)
 
     # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
 

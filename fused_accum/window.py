@@ -60,6 +60,39 @@ _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to
 _OWNERS: dict = {}
 
 
+_FOREIGN_STEP_HOOK = None  # torch.optim's global step pre-hook, registered at the first attach
+
+
+def _is_fused(optimizer, depth: int = 4) -> bool:
+    """Whether ``optimizer`` is one of ours, or a trainer's wrapper around one (Accelerate's
+    AcceleratedOptimizer and its kind keep the wrapped one in ``.optimizer``)."""
+    for _ in range(depth):
+        if optimizer is None:
+            return False
+        if isinstance(getattr(optimizer, "_window", None), GradientWindow):
+            return True
+        optimizer = getattr(optimizer, "optimizer", None)
+    return False
+
+
+def _foreign_step(optimizer, args, kwargs) -> None:
+    """Before any torch.optim optimizer steps: one that is not ours, over parameters a live
+    window owns, takes them over (the newest owner wins; torch.optim gives no hook at an
+    optimizer's construction, so its first step is the first moment it can be seen). The
+    window hands it the accumulated gradients as ``.grad`` in the parameters' own dtype, which
+    torch's kernels require, and stands aside."""
+    if not _OWNERS or _is_fused(optimizer):
+        return
+    windows = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            window = owner(p)
+            if window is not None:
+                windows[id(window)] = window
+    for window in windows.values():
+        window.hand_over(f"{type(optimizer).__name__} at {id(optimizer):#x} stepped its parameters")
+
+
 def owner(param: Tensor) -> Optional["GradientWindow"]:
     """The live window hooked to ``param``, or None."""
     entry = _OWNERS.get(id(param))
@@ -161,6 +194,7 @@ class GradientWindow:
         self._label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
+        self._params: list = []  # by key: the parameters (what rehook is asked about)
         self._slot_of: dict = {}  # id(param) -> slot
         # (microbatches and _backwards add the backwards the hooks ran quietly: see _arm_quiet)
         self._microbatches = 0
@@ -194,6 +228,7 @@ class GradientWindow:
         # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
         # the step takes it as a user-assigned gradient (see _check_native).
         self.native: Optional[bool] = None
+        self._stats_versions: list = []  # the accumulators' versions when the last backward ended
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     # --- membership ------------------------------------------------------------------------
@@ -216,6 +251,7 @@ class GradientWindow:
                               [s.name for s in flat.slots])  # fmt: skip
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
+        self._params.extend(s.param for s in flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
 
     def slot_for(self, param: Tensor) -> Optional[Slot]:
@@ -225,6 +261,11 @@ class GradientWindow:
     def attach(self, slots: list) -> None:
         """Hook ``slots`` and own their parameters; a live window that owned any of them is
         detached first (the newest optimizer over a parameter wins)."""
+        global _FOREIGN_STEP_HOOK
+        if _FOREIGN_STEP_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _FOREIGN_STEP_HOOK = register_optimizer_step_pre_hook(_foreign_step)
         older = {owner(s.param) for s in slots} - {None, self}
         for window in older:
             window.detach(f"a newer optimizer took over its parameters ({self._label})")
@@ -264,6 +305,20 @@ class GradientWindow:
                 slot.param.grad = None
         self.detached_because = reason
 
+    def hand_over(self, reason: str) -> None:
+        """Detach, leaving each accumulated gradient in ``.grad`` as autograd would have it
+        (a tensor of the parameter's dtype), for another optimizer to step."""
+        with self._lock:
+            self.flush()
+            self.reconcile()
+            for slot in self.slots:
+                p = slot.param
+                if slot.has_grad and p.grad is slot.grad_view and slot.grad_view is not slot.placeholder:
+                    p.grad = slot.grad_view.to(p.dtype, copy=True)
+                    slot.has_grad = False
+            self._arrivals.clear()
+            self.detach(reason)
+
     def check_attached(self) -> None:
         if self.detached_because is not None:
             raise RuntimeError(f"{self._label} can no longer step: {self.detached_because}. "
@@ -278,6 +333,26 @@ class GradientWindow:
             self._arrivals.native = self.native
         return self.native
 
+    def follow_moved_params(self) -> None:
+        """Hook again the parameters whose AccumulateGrad node autograd replaced (their ``.data``
+        moved or was cast after the optimizer was built: ``model.to(...)``, Accelerate's
+        ``prepare``; or ``torch.utils.swap_tensors`` gave them other tensors), and move their flat groups after them. Without it their
+        gradients would accumulate natively, in their own dtype, for good. Asked at each
+        ``step()``, ``zero_grad()`` and backward start: one C++ pass over the nodes."""
+        moved = self._arrivals.rehook(self._params)
+        if not moved:
+            return
+        for key in moved:
+            param = self.slots[key].param
+            if param.dtype in LOW_PRECISION:
+                param.grad_dtype = None  # (a cast gives the parameter torch's default again)
+        for index in sorted({self.slots[key].flat_index for key in moved}):
+            flat = self.flat_groups[index]
+            param = flat.slots[0].param
+            if param.device != flat.device or param.dtype != flat.dtype:
+                self._rehome()(flat)
+        self._exposed_at = self._granted_at = None  # new views and nodes: decide again
+
     def _before_backward(self) -> None:
         """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
         gradient is taken): DDP, a reduce-scattered window, and what the user did to an exposed
@@ -285,11 +360,17 @@ class GradientWindow:
         with self._lock:
             if self._check_native():
                 return
+            self.follow_moved_params()
             self._take_fast_overwrites()  # (of a backward that raised before its end)
             if self._reduced:
                 self._reduced_error()
             if self._exposed:
                 self.reconcile(before_backward=True)
+            else:
+                self._take_assigned_grads()
+            if self.step_in_backward:  # (every backward comes here: nothing is granted)
+                for flat in self.flat_groups:
+                    flat.refresh_masters()  # this backward may step from them
             self._arrivals.slow = False
             self._grant_fast_folds()
 
@@ -574,6 +655,7 @@ class GradientWindow:
                 self._count_microbatch()
             self.expose()
             self._arm_quiet()
+            self._stats_versions = self._acc_versions()
 
     def _count_microbatch(self) -> None:
         syncs = self._syncs()
@@ -588,6 +670,8 @@ class GradientWindow:
                 fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
             for slot in self.slots:
                 slot.has_grad = False
+            for flat in self.flat_groups:
+                flat.masters_written()
             self.stepped_in_backward = True
         elif syncs:
             self.finish_reduction()
@@ -669,6 +753,17 @@ class GradientWindow:
                 self.invalidate_stats()  # the norm/flag described values that are gone
             self._exposed = not before_backward
 
+    def _take_assigned_grads(self) -> None:
+        """At a window's first backward: a ``.grad`` the user assigned since the window began
+        (after ``zero_grad()``, or before any backward) is where native accumulation would add
+        this backward's gradient: it becomes the slot's sum so far."""
+        for key in self._arrivals.changed():  # (nothing is shown: every defined .grad is the user's)
+            slot = self.slots[key]
+            grad = slot.param.grad
+            if grad is not None and grad is not slot.grad_view:
+                self.take_user_grad(slot, self.flat_groups[slot.flat_index].local_grad(slot, grad))
+                slot.param.grad = None  # the next gradient is added by our kernels
+
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
         if self._reduced:
             raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
@@ -710,11 +805,20 @@ class GradientWindow:
             found_inf.zero_()
             sumsq.zero_()
 
+    def _acc_versions(self) -> list:
+        # Every .grad view shares its buffer's version counter, which any in-place write moves.
+        return [flat.acc._version for flat in self.flat_groups]
+
     def complete_stats(self) -> dict:
         """device -> (found_inf, sumsq) over every gradient of the window: what the last
-        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group."""
+        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group. A
+        ``.grad`` edited in place since the last backward ended (``scaler.unscale_``,
+        ``clip_grad_value_``, ``nan_to_num_``) moved its buffer's version counter: the values
+        the last pass saw are gone, so everything is taken again from the buffers."""
         if self.reducer is not None and self.reducer.sharding is not None:
             return self._sharded_stats()
+        if self._acc_versions() != self._stats_versions:
+            self.invalidate_stats()
         for flat in self.flat_groups:
             missing = [s.acc for s in flat.slots if s.has_grad and not s.in_stats]
             if missing:

@@ -1,0 +1,398 @@
+"""What users do to a model between steps, against torch.optim doing the same (issue 22).
+
+Every cache the optimizer keeps (the fp32 master of a bf16 parameter, the window's norm and
+non-finite flag, ``opt.state``'s views, the window's start) is edited here from outside, the way
+a user or a trainer edits it, and the result is compared with torch.optim on a twin model fed
+the same data with native ``.grad`` accumulation.
+
+Tolerances: fp32 parameters within RTOL = 1e-6 relative (the sums are formed in torch's order,
+so a correct step is a few ulp off; a stale master, a stale norm or a lost gradient is >= 1e-3).
+bf16 parameters are compared with torch's optimizer stepping an fp32 copy of them (what our
+master is) from the same bf16 gradients summed in fp32, then rounded to bf16: within one bf16
+ulp of the largest element (at most 2**-7 of it), since a one-ulp fp32 difference in the
+master can round either way. A stale master is off by the whole edit (>= 1e-1).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fused_accum
+
+RTOL = 1e-6
+BF16_RTOL = 2.0**-7
+
+
+def rel_err(actual, expected) -> float:
+    a, e = actual.detach().double(), expected.detach().double()
+    assert a.shape == e.shape
+    diff = (a - e).abs().max().item()
+    scale = e.abs().max().item()
+    return 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
+
+
+def assert_close(ours: nn.Module, ref: nn.Module, rtol=RTOL):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        err = rel_err(p, q.to(p.dtype) if p.dtype != q.dtype else q)
+        assert err <= rtol, f"parameter {name}: relative error {err:.3g} > {rtol:g}"
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def batches(n, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, generator=gen).to(dtype), torch.randn(4, 3, generator=gen).to(dtype)) for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return (model(x) - y).float().square().mean()
+
+
+class Bf16Reference:
+    """torch.optim over an fp32 copy of a bf16 model (the master), fed that bf16 model's own
+    gradients (native bf16 backward on a twin) summed in fp32: what fused_accum's bf16 params with
+    fp32 masters must equal after rounding."""
+
+    def __init__(self, model_bf16: nn.Module, opt_cls, **hyper):
+        self.twin = copy.deepcopy(model_bf16)  # computes the bf16 gradients
+        self.master = copy.deepcopy(model_bf16).float()
+        self.opt = opt_cls(self.master.parameters(), **hyper)
+
+    def backward(self, batch):
+        for p in self.twin.parameters():
+            p.grad = None
+        loss_of(self.twin, batch).backward()
+        for p, m in zip(self.twin.parameters(), self.master.parameters()):
+            g = p.grad.float()
+            m.grad = g if m.grad is None else m.grad + g
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(self.twin.parameters(), self.master.parameters()):
+                p.copy_(m)
+
+    def edit(self, fn):
+        """Apply an in-place edit to the model's weights, as the user does to ours."""
+        with torch.no_grad():
+            for p, m in zip(self.twin.parameters(), self.master.parameters()):
+                fn(p)
+                m.copy_(p)
+
+
+# --- the fp32 master of a bf16 parameter (item 1) -----------------------------------------
+
+
+@pytest.mark.parametrize("edit", ["load_state_dict", "clamp_", "nn.init", "ema_swap"])
+def test_in_place_edits_of_bf16_params_are_kept_by_the_next_step(edit):
+    model = mlp(0, torch.bfloat16)
+    other = mlp(7, torch.bfloat16)  # "pretrained" weights
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-3, accum_steps=2)
+    ref = Bf16Reference(model, torch.optim.AdamW, lr=1e-3, fused=True)  # (our kernels follow fused=True)
+    data = iter(batches(8, dtype=torch.bfloat16))
+
+    def window():
+        for _ in range(2):
+            batch = next(data)
+            loss_of(model, batch).backward()
+            ref.backward(batch)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+
+    window()
+    if edit == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+        ref.twin.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            for m, p in zip(ref.master.parameters(), ref.twin.parameters()):
+                m.copy_(p)
+    elif edit == "clamp_":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.01, 0.01)
+        ref.edit(lambda p: p.clamp_(-0.01, 0.01))
+    elif edit == "nn.init":
+        torch.manual_seed(3)
+        nn.init.normal_(model[0].weight)
+        torch.manual_seed(3)
+        ref.edit(lambda p: nn.init.normal_(p) if p.shape == model[0].weight.shape else None)
+    else:  # evaluate with other weights, then swap back: the master keeps its fp32 precision
+        saved = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), other.parameters()):
+                p.copy_(q)
+            for p, s in zip(model.parameters(), saved):
+                p.copy_(s)
+    window()
+    window()
+    assert_close(model, ref.master, BF16_RTOL)
+    if edit == "clamp_":  # torch: at most 0.01 + two steps of about lr
+        assert max(p.abs().max().item() for p in model.parameters()) <= 0.0125
+
+
+def test_optimizer_checkpoint_then_model_checkpoint_keeps_the_exact_master():
+    """Resuming in either order: the model's bf16 weights are the checkpoint's, which the saved
+    fp32 master rounds to, so the master stays the saved one, bit for bit."""
+    model = mlp(0, torch.bfloat16)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2)
+    for batch in batches(3, dtype=torch.bfloat16):
+        loss_of(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    fresh = mlp(5, torch.bfloat16)
+    fresh_opt = fused_accum.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt.load_state_dict(saved_opt)
+    fresh.load_state_dict(saved_model)  # after the optimizer's: bumps every param's version
+    state = fresh_opt.state_dict()["state"]
+    for i in range(len(list(fresh.parameters()))):
+        assert torch.equal(state[i]["master"], saved_opt["state"][i]["master"])
+
+
+# --- the window's norm and non-finite flag (item 3) ---------------------------------------
+
+
+def _sgd_pair(**ours_kwargs):
+    model, ref = mlp(0), mlp(0)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, **ours_kwargs)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, ref, ref_opt
+
+
+def test_grad_scaler_unscale_then_step_clips_the_unscaled_gradient():
+    """scaler.unscale_(opt) after the last backward, then scaler.step(opt): max_grad_norm must
+    see the unscaled .grad, not the scaled sums its last accumulate pass saw (256x off)."""
+    k = 3
+    model, opt, ref, ref_opt = _sgd_pair(accum_steps=k, max_grad_norm=0.05)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in range(2)]
+    data = batches(2 * k)
+    for w in range(2):
+        for batch in data[w * k : (w + 1) * k]:
+            scalers[0].scale(loss_of(model, batch)).backward()
+            scalers[1].scale(loss_of(ref, batch)).backward()
+        scalers[0].unscale_(opt)
+        scalers[1].unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        for scaler, o in zip(scalers, (opt, ref_opt)):
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    assert_close(model, ref)
+
+
+@pytest.mark.parametrize("edit", ["clip_grad_value_", "mul_"])
+def test_grad_edits_after_the_last_backward_reach_the_clip(edit):
+    k = 2
+    model, opt, ref, ref_opt = _sgd_pair(accum_steps=k, max_grad_norm=0.05)
+    for w, batch in enumerate(batches(2 * k)):
+        loss_of(model, batch).backward()
+        loss_of(ref, batch).backward()
+        if w % k == k - 1:
+            for m in (model, ref):
+                if edit == "clip_grad_value_":
+                    torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+                else:
+                    for p in m.parameters():
+                        p.grad.mul_(0.25)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    assert_close(model, ref)
+
+
+def test_a_repaired_nonfinite_gradient_is_not_skipped():
+    """skip_nonfinite=True, a NaN in one element of the last micro-batch's gradient, repaired by
+    the user with nan_to_num_ before step(): the step is taken, as torch takes it on the repaired
+    .grad (the non-finite flag of the last accumulate pass describes values that are gone)."""
+    k = 2
+    model, opt, ref, ref_opt = _sgd_pair(accum_steps=k, skip_nonfinite=True)
+    poison = torch.zeros(16)
+    poison[3] = float("nan")  # d/d bias of (bias * poison).sum(): NaN in element 3 only
+    data = batches(2)
+    for m in (model, ref):
+        loss_of(m, data[0]).backward()
+        (loss_of(m, data[1]) + (m[0].bias * poison).sum()).backward()
+        assert m[0].bias.grad.isnan().sum() == 1
+        for p in m.parameters():
+            p.grad.nan_to_num_(nan=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    ref_opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert_close(model, ref)
+
+
+# --- opt.state as the user edits it (items 8 and 10) ----------------------------------------
+
+
+@pytest.mark.parametrize("reset", ["del", "empty", "clear", "new_dict", "assign_tensor"])
+def test_resetting_optimizer_state_restarts_it_as_torch_does(reset):
+    model, ref = mlp(0), mlp(0)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(5)
+    for i, batch in enumerate(data):
+        if i == 2:
+            for o, m in ((opt, model), (ref_opt, ref)):
+                p = m[0].weight
+                if reset == "del":
+                    del o.state[p]
+                elif reset == "empty":
+                    o.state[p] = {}
+                elif reset == "clear":
+                    o.state.clear()
+                elif reset == "new_dict":
+                    o.state = type(ref_opt.state)(dict)
+                else:
+                    o.state[p]["exp_avg"] = torch.full_like(p, 0.5, dtype=torch.float32)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_close(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
+        assert rel_err(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"]) <= RTOL
+
+
+@pytest.mark.parametrize("dampening", [0.0, 0.5])
+def test_sgd_momentum_switched_on_later_starts_its_buffer_from_the_gradient(dampening):
+    model, ref = mlp(0), mlp(0)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, batch in enumerate(batches(4)):
+        if i == 2:
+            for o in (opt, ref_opt):
+                o.param_groups[0].update(momentum=0.9, dampening=dampening)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_close(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"]) <= RTOL
+
+
+# --- the window's start (item 9) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["at_start", "after_zero_grad"])
+def test_a_grad_assigned_before_the_first_backward_is_added_to(when):
+    model, opt, ref, ref_opt = _sgd_pair()
+    data = batches(3)
+    if when == "after_zero_grad":
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_of(m, data[0]).backward()
+            o.step()
+            o.zero_grad()
+    gen = torch.Generator().manual_seed(9)
+    assigned = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+    for m in (model, ref):
+        m[2].bias.grad = assigned[3].clone()
+    for m, o in ((model, opt), (ref, ref_opt)):
+        loss_of(m, data[1]).backward()
+        loss_of(m, data[2]).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) <= RTOL
+    opt.step()
+    ref_opt.step()
+    assert_close(model, ref)
+
+
+# --- a model moved or cast after the optimizer was built (item 2) ---------------------------
+
+
+def test_a_model_cast_to_bf16_after_the_optimizer_keeps_fused_fp32_accumulation():
+    """model.to(torch.bfloat16) after building the optimizer replaces every AccumulateGrad node:
+    the next zero_grad() hooks the new ones, the flat groups gain fp32 masters, and training
+    equals torch's AdamW over fp32 masters of the bf16 weights."""
+    model = mlp(0)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-3, accum_steps=2)
+    params = list(model.parameters())
+    model.to(torch.bfloat16)
+    assert all(p is q for p, q in zip(params, model.parameters()))  # (what the optimizer holds)
+    opt.zero_grad()
+    ref = Bf16Reference(model, torch.optim.AdamW, lr=1e-3, fused=True)
+    data = iter(batches(6, dtype=torch.bfloat16))
+    for _ in range(3):
+        for j in range(2):
+            batch = next(data)
+            loss_of(model, batch).backward()
+            ref.backward(batch)
+            assert opt.microbatches == j + 1  # the hooks took the gradient
+            assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    assert_close(model, ref.master, BF16_RTOL)
+
+
+def test_a_model_moved_without_zero_grad_is_fused_again_from_its_next_window():
+    model = mlp(0)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1)
+    model.to(torch.bfloat16)  # (no device but the CPU here: a cast replaces the nodes as a move does)
+    data = batches(4, dtype=torch.bfloat16)
+    loss_of(model, data[0]).backward()  # the stale nodes: autograd accumulates natively
+    assert model[0].weight.grad.dtype == torch.bfloat16 and opt.microbatches == 0
+    opt.step()  # takes the native .grad, hooks the new nodes
+    opt.zero_grad()
+    loss_of(model, data[1]).backward()
+    assert model[0].weight.grad.dtype == torch.float32 and opt.microbatches == 1
+
+
+# --- step_in_backward and gradual unfreezing (item 6) ---------------------------------------
+
+
+def test_step_in_backward_trains_a_parameter_unfrozen_later():
+    model, ref = mlp(0), mlp(0)
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=2, step_in_backward=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    data = batches(6)
+    for w in range(3):
+        if w == 1:
+            for m in (model, ref):
+                m[0].weight.requires_grad_(True)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            for batch in data[2 * w : 2 * w + 2]:
+                loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert_close(model, ref)
+
+
+# --- another optimizer over the same parameters (item 13) -----------------------------------
+
+
+def test_a_torch_optimizer_over_hooked_bf16_params_takes_them_over():
+    model = mlp(0, torch.bfloat16)
+    fused = fused_accum.AdamW(model.parameters(), lr=1e-2)
+    data = batches(3, dtype=torch.bfloat16)
+    loss_of(model, data[0]).backward()
+    loss_of(model, data[1]).backward()
+    sums = [fused.accumulated_grad(p).clone() for p in model.parameters()]
+    twin = copy.deepcopy(model)
+    for q, g in zip(twin.parameters(), sums):
+        q.grad = g.to(torch.bfloat16)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch_opt.step()  # was: "expected dtype BFloat16 for end"
+    torch.optim.AdamW(twin.parameters(), lr=1e-2).step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    torch_opt.zero_grad()
+    loss_of(model, data[2]).backward()  # autograd's own accumulation again
+    assert model[0].weight.grad.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="can no longer step"):
+        fused.step()
