@@ -39,12 +39,23 @@ void check_f32(const at::Tensor& t, const char* op, const char* name, size_t i) 
               t.scalar_type());
 }
 
-// A one-element float32 tensor on `device` (lr, coef, found_inf, sumsq).
+// A one-element float32 tensor on `device` (coef, found_inf, sumsq).
 void check_scalar(const at::Tensor& t, const char* op, const char* name, const at::Device& device) {
   TORCH_CHECK(t.defined() && t.numel() == 1 && t.scalar_type() == at::kFloat, op, ": ", name,
               " must be a one-element float32 tensor, got ", t.scalar_type(), " of shape ",
               t.sizes());
   TORCH_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device,
+              " (the device of the tensor lists)");
+}
+
+// lr: a one-element float64 tensor (the optimizer's: a Python float lr keeps every bit, as
+// torch's fused optimizers take it) or float32 (widened to double, exactly, by prepare_step).
+void check_lr(const at::Tensor& t, const char* op, const at::Device& device) {
+  TORCH_CHECK(t.defined() && t.numel() == 1 &&
+                  (t.scalar_type() == at::kDouble || t.scalar_type() == at::kFloat),
+              op, ": lr must be a one-element float64 or float32 tensor, got ", t.scalar_type(),
+              " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, op, ": lr is on ", t.device(), ", expected ", device,
               " (the device of the tensor lists)");
 }
 
@@ -130,7 +141,7 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
   TORCH_CHECK(t.grads.empty() || t.grads.size() == n, op, ": grads has ", t.grads.size(),
               " tensors, expected 0 (no fused micro-batch) or ", n, " (one per param)");
   call.device = n > 0 ? t.params[0].device() : t.lr.device();
-  check_scalar(t.lr, op, "lr", call.device);
+  check_lr(t.lr, op, call.device);
   check_scalar(t.coef, op, "coef", call.device);
   if (t.found_inf) check_scalar(*t.found_inf, op, "found_inf", call.device);
   TORCH_CHECK(t.steps.dim() == 1 && t.steps.numel() == static_cast<int64_t>(n) &&
@@ -140,7 +151,14 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
               t.steps.sizes());
   TORCH_CHECK(t.steps.device() == call.device, op, ": steps is on ", t.steps.device(),
               ", expected ", call.device);
-  args.lr = t.lr.data_ptr<float>();
+  // The kernels read a double (kernels.h). A float32 lr is widened on its device (a copy
+  // enqueued on the current stream: no host sync, and capturable in a CUDA graph).
+  if (t.lr.scalar_type() == at::kDouble) {
+    args.lr = t.lr.data_ptr<double>();
+  } else {
+    call.keep_alive.push_back(t.lr.to(at::kDouble));
+    args.lr = call.keep_alive.back().data_ptr<double>();
+  }
   args.coef = t.coef.data_ptr<float>();
   args.steps = t.steps.data_ptr<float>();
   args.found_inf = t.found_inf ? t.found_inf->data_ptr<float>() : nullptr;

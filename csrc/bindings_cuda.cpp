@@ -2,8 +2,9 @@
 // checks as on the CPU (bindings.h), then a launch on the current stream of the tensors' device.
 // Nothing here waits for the GPU: lr, coef, steps and found_inf are read by the kernels, and no
 // host memory is copied to the device (the tables are kernel parameters), so every op can be
-// captured in a CUDA graph; the only allocation, accumulate's norm workspace, comes from torch's
-// caching allocator (a graph's private pool during capture).
+// captured in a CUDA graph; the allocations (accumulate's norm workspace, the float64 copy of a
+// float32 lr, contiguous copies of strided tensors) come from torch's caching allocator (a graph's
+// private pool during capture).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -52,9 +52,10 @@ struct AccumulateArgs {
 };
 
 // Device scalars of every step: read where the kernel runs, so a new lr or coef neither syncs
-// the host nor recompiles a captured graph.
+// the host nor recompiles a captured graph. lr is a double, as torch's fused optimizers take it
+// (math.h: the per-tensor scalars start from it); the binding widens a float32 lr tensor.
 struct StepArgs {
-  const float* lr;
+  const double* lr;
   const float* coef;
   const float* steps;      // indexed by TensorLists::index
   const float* found_inf;  // may be null

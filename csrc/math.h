@@ -10,9 +10,13 @@
 // expression is contracted behind our back (nvcc contracts by default: build with -fmad=false).
 //
 // Per-tensor quantities (Adam's bias corrections and step size, the decoupled decay factor, SGD's
-// first-step flag) are computed once per tensor by the *_scalars() functions, in double as torch
-// does, then rounded to float once. Per-element hyperparameters are floats: torch's kernels (and
-// the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
+// -lr and first-step flag, Lion's lr and decay factor) are computed once per tensor by the
+// *_scalars() functions, in double as torch does, then rounded to float once. They start from
+// lr as a double: torch's fused CPU optimizers take lr as a double (a tensor lr as
+// lr.item<double>()). An lr rounded to fp32 first rounds twice: at lr = 1e-3 and beta1 = 0.9,
+// Adam's step size is then 1 ulp away in 70 of the first 1,000 steps (all before step 160, while
+// the bias correction is not yet 1 in double). Per-element hyperparameters are floats: torch's
+// kernels (and the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
 //
 // No dependency beyond <math.h>: the standalone unit tests (csrc/tests) compile this header with
 // the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
@@ -78,7 +82,8 @@ inline SgdHyper sgd_hyper(double momentum, double dampening, double weight_decay
   return {float(momentum), float(1.0 - dampening), float(weight_decay), nesterov};
 }
 
-FA_HD SgdScalars sgd_scalars(float lr, float step) { return {-lr, step == 1.0f}; }
+// torch's fused SGD rounds its double -lr to fp32 (negation commutes with rounding).
+FA_HD SgdScalars sgd_scalars(double lr, float step) { return {float(-lr), step == 1.0f}; }
 
 // Updates param (fp32 value) and, when momentum != 0, the momentum buffer:
 //   g += wd * p;  buf = g (first step) or momentum * buf + (1 - dampening) * g;
@@ -137,13 +142,13 @@ inline AdamHyper adam_hyper(double beta1, double beta2, double eps, double weigh
 // In double, rounded to float once, as torch's fused kernel: in fp32, 1 - beta2^step alone is off
 // by up to 6e-8 relative at step 1 and its error grows with the step count (0.999^step in fp32
 // loses ~log2(step) bits), which made every step differ from torch by ~5e-6 relative.
-FA_HD AdamScalars adam_scalars(float lr, float step, const AdamHyper& h) {
+FA_HD AdamScalars adam_scalars(double lr, float step, const AdamHyper& h) {
   const double bias_correction1 = 1.0 - pow(h.beta1_d, double(step));
   const double bias_correction2 = 1.0 - pow(h.beta2_d, double(step));
   AdamScalars s;
-  s.neg_step_size = float(-(double(lr) / bias_correction1));
+  s.neg_step_size = float(-(lr / bias_correction1));
   s.bias_correction2_sqrt = float(sqrt(bias_correction2));
-  s.decay_factor = h.decoupled ? float(1.0 - double(lr) * h.weight_decay_d) : 1.0f;
+  s.decay_factor = h.decoupled ? float(1.0 - lr * h.weight_decay_d) : 1.0f;
   return s;
 }
 
@@ -243,8 +248,10 @@ inline LionHyper lion_hyper(double beta1, double beta2, double weight_decay) {
           float(1.0 - beta2), float(weight_decay), weight_decay};
 }
 
-FA_HD LionScalars lion_scalars(float lr, const LionHyper& h) {
-  return {lr, float(1.0 - double(lr) * h.weight_decay_d)};
+// From the double lr, as lucidrains' torch ops take a Python float lr: p.add_(update, alpha=-lr)
+// rounds it to fp32, p.mul_(1 - lr * wd) forms the factor in double.
+FA_HD LionScalars lion_scalars(double lr, const LionHyper& h) {
+  return {float(lr), float(1.0 - lr * h.weight_decay_d)};
 }
 
 // torch.sign: -1, 0 or +1 (0 for 0, which copysign would not give).

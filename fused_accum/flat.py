@@ -211,7 +211,8 @@ class FlatGroup:
         self.master = torch.zeros(local, **fp32) if self.has_master else None
         self.state = {key: torch.zeros(local, **fp32) for key in state_keys}
         self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
-        self.lr = torch.zeros((), **fp32)
+        # float64, as torch's fused optimizers take lr: a Python float lr keeps every bit
+        self.lr = torch.zeros((), dtype=torch.float64, device=device)
         self.coef = torch.ones((), **fp32)
         self.one = torch.ones((), **fp32)
         self.staging: Optional[Tensor] = None  # sharded: the params' all-gather buffer during a step

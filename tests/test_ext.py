@@ -67,7 +67,9 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
     states = [[s.abs() for s in _flat_views(sizes, device, gen)] for _ in range(n_state)]
     accs = _flat_views(sizes, device, gen)
     steps = torch.tensor([1.0 + 3 * i for i in range(len(sizes))], device=device)
-    lr, coef = torch.tensor(0.01, device=device), torch.tensor(0.5, device=device)
+    # lr as the optimizer passes it: float64 (test_cuda_step_captures_... also passes float32)
+    lr = torch.tensor(0.01, dtype=torch.float64, device=device)
+    coef = torch.tensor(0.5, device=device)
     kwargs = dict(
         lp_params=[torch.zeros(n, device=device, dtype=(torch.bfloat16, torch.float16)[i % 2]) for i, n in enumerate(sizes)] if lp else [],
         grads=[_randn(n, torch.bfloat16, device, gen) for n in sizes] if fused else [],
@@ -213,7 +215,8 @@ STEP_ERRORS = {
     "param dtype": ("adam", lambda a, kw: a[0].__setitem__(1, a[0][1].double()), r"params\[1\] must be float32, bfloat16 or float16, got Double"),
     "steps shape": ("adam", _set(4, torch.ones(2)), r"steps must be a contiguous 1-D float32 tensor of 3 step counts"),
     "steps dtype": ("lion", _set(3, torch.ones(3, dtype=torch.float64)), r"steps must be a contiguous 1-D float32 tensor"),
-    "lr dtype": ("adam", _set(5, torch.tensor(0.1, dtype=torch.float64)), r"adam_step_: lr must be a one-element float32 tensor, got Double"),
+    "lr dtype": ("adam", _set(5, torch.tensor(0.1, dtype=torch.float16)), r"adam_step_: lr must be a one-element float64 or float32 tensor, got Half"),
+    "lr shape": ("lion", _set(4, torch.ones(2, dtype=torch.float64)), r"lion_step_: lr must be a one-element float64 or float32 tensor, got Double of shape \[2\]"),
     "coef shape": ("sgd", _set(5, torch.ones(2)), r"coef must be a one-element float32 tensor"),
     "lp length": ("adam", lambda a, kw: kw["lp_params"].pop(), r"lp_params has 2 tensors, expected 0 \(none\) or 3"),
     "lp dtype": ("sgd", lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)), r"lp_params\[0\] must be float32, bfloat16 or float16, got Char"),
@@ -393,12 +396,14 @@ def test_cuda_tensor_of_more_than_2_31_elements():
 
 
 @gpu
-def test_cuda_step_captures_in_a_graph_and_reads_lr_on_device():
-    """No host sync: the step captures into a CUDA graph, and a replay reads the current lr."""
+@pytest.mark.parametrize("lr_dtype", [torch.float64, torch.float32])
+def test_cuda_step_captures_in_a_graph_and_reads_lr_on_device(lr_dtype):
+    """No host sync: the step captures into a CUDA graph, and a replay reads the current lr. Also
+    with a float32 lr, which the binding widens to float64 by a copy that the graph captures."""
     _cuda_backends()
     gen = torch.Generator().manual_seed(12)
     args, kwargs = _step_args("adam", "cuda", gen, sizes=(1000, 33))
-    lr = args[5]
+    args[5] = lr = args[5].to(lr_dtype)
     start = _clone_tree((args, kwargs))
     _step(ext, "adam", args, kwargs)  # warm-up (loads the kernel) before capture
     torch.cuda.synchronize()

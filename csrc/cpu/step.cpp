@@ -131,7 +131,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
 void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
                   const ParallelFor& pf) {
   using namespace cpu;
-  const float lr = *a.lr;
+  const double lr = *a.lr;
   step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, float* p) {
     float* buf = t.state1.present() ? at_f32(t.state1, i, offset) : nullptr;
     sgd_block(g, c, p, buf, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));

@@ -32,7 +32,7 @@ static_assert(kChunk % kStepStride == 0, "a chunk is a whole number of iteration
 
 // What every block of a step reads: StepArgs, plus whether a micro-batch gradient is fused.
 struct DeviceStepArgs {
-  const float* lr;
+  const double* lr;
   const float* coef;
   const float* steps;
   const float* found_inf;
@@ -48,7 +48,7 @@ struct Sgd {
   static constexpr int kStates = 1;  // the momentum buffer; absent when momentum == 0
   static constexpr bool kAmsgrad = false;
   static constexpr int kMinBlocks = 6;
-  FA_HD static Scalars scalars(float lr, float step, const Hyper&) { return math::sgd_scalars(lr, step); }
+  FA_HD static Scalars scalars(double lr, float step, const Hyper&) { return math::sgd_scalars(lr, step); }
   FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
                            const Scalars& s) {
     math::sgd_update(g, p, s1, h, s);
@@ -61,7 +61,7 @@ struct Adam {
   static constexpr int kStates = 2;  // exp_avg, exp_avg_sq
   static constexpr bool kAmsgrad = false;
   static constexpr int kMinBlocks = 5;
-  FA_HD static Scalars scalars(float lr, float step, const Hyper& h) {
+  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
     return math::adam_scalars(lr, step, h);
   }
   FA_HD static void update(float g, float& p, float& s1, float& s2, float& s3, bool amsgrad,
@@ -84,7 +84,7 @@ struct Lion {
   static constexpr int kStates = 1;  // exp_avg
   static constexpr bool kAmsgrad = false;
   static constexpr int kMinBlocks = 6;
-  FA_HD static Scalars scalars(float lr, float, const Hyper& h) { return math::lion_scalars(lr, h); }
+  FA_HD static Scalars scalars(double lr, float, const Hyper& h) { return math::lion_scalars(lr, h); }
   FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
                            const Scalars& s) {
     math::lion_update(g, p, s1, h, s);

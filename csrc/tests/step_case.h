@@ -41,7 +41,8 @@ struct StepCase {
   Flat acc, master, s1, s2, s3;
   Mixed param16, grad, lp;
   std::vector<float> steps;
-  float lr = 0.01f, coef = 0.25f, found_inf, grad_alpha = 0.5f;
+  double lr = 0.01;  // a double, as the kernels take it; not exact in fp32
+  float coef = 0.25f, found_inf, grad_alpha = 0.5f;
 
   StepCase(std::vector<int64_t> sizes_, Algo a, ParamKind k, Fused f, bool found_, unsigned seed)
       : sizes(sizes_), algo(a), kind(k), fused(f), found(found_), rng(seed), acc(sizes, rng),

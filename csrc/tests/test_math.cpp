@@ -40,24 +40,24 @@ void test_effective_grad() {
 void test_sgd() {
   const SgdHyper h = sgd_hyper(0.9, 0.1, 0.01, false);
   float p = 2.0f, buf = 123.0f;
-  sgd_update(0.5f, p, buf, h, sgd_scalars(0.1f, 1.0f));
+  sgd_update(0.5f, p, buf, h, sgd_scalars(0.1, 1.0f));
   const double g = 0.5 + 0.01 * 2.0;  // weight decay folded into g
   CHECK(close(buf, g), "first step: buf = g, got %g", buf);
   CHECK(close(p, 2.0 - 0.1 * g), "p = p - lr*buf, got %g", p);
   const float buf1 = buf, p1 = p;
-  sgd_update(0.5f, p, buf, h, sgd_scalars(0.1f, 2.0f));
+  sgd_update(0.5f, p, buf, h, sgd_scalars(0.1, 2.0f));
   const double g2 = 0.5 + 0.01 * p1, buf2 = 0.9 * buf1 + 0.9 * g2;
   CHECK(close(buf, buf2), "buf = m*buf + (1-d)*g, got %g want %g", buf, buf2);
   CHECK(close(p, p1 - 0.1 * buf2), "got %g", p);
 
   const SgdHyper nesterov = sgd_hyper(0.9, 0.0, 0.0, true);
   p = 1.0f, buf = 1.0f;
-  sgd_update(0.5f, p, buf, nesterov, sgd_scalars(0.1f, 3.0f));
+  sgd_update(0.5f, p, buf, nesterov, sgd_scalars(0.1, 3.0f));
   CHECK(close(buf, 0.9 + 0.5) && close(p, 1.0 - 0.1 * (0.5 + 0.9 * 1.4)), "nesterov");
 
   const SgdHyper plain = sgd_hyper(0.0, 0.0, 0.0, false);
   p = 1.0f, buf = 7.0f;
-  sgd_update(0.5f, p, buf, plain, sgd_scalars(0.1f, 1.0f));
+  sgd_update(0.5f, p, buf, plain, sgd_scalars(0.1, 1.0f));
   CHECK(buf == 7.0f && close(p, 0.95), "no momentum: buffer untouched");
 }
 
@@ -66,7 +66,7 @@ void test_adam() {
     const double b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01, lr = 0.001, step = 3;
     const AdamHyper h = adam_hyper(b1, b2, eps, wd, decoupled);
     float p = 0.7f, m = 0.2f, v = 0.05f;
-    adam_update(0.3f, p, m, v, h, adam_scalars(float(lr), float(step), h));
+    adam_update(0.3f, p, m, v, h, adam_scalars(lr, float(step), h));
     double pd = 0.7, g = 0.3;
     if (decoupled) pd *= 1 - lr * wd;
     else g += wd * 0.7;
@@ -87,7 +87,7 @@ void test_adam_eps() {
   const AdamHyper h = adam_hyper(b1, b2, eps, 0.0, false);
   float p = 1.0f, m = 0.0f, v = 0.0f;
   const float g = 1e-6f / std::sqrt(1 - b2);  // v after the step: (1 - b2) g^2 = 1e-12
-  adam_update(g, p, m, v, h, adam_scalars(float(lr), 1.0f, h));
+  adam_update(g, p, m, v, h, adam_scalars(lr, 1.0f, h));
   const double vd = (1 - b2) * double(g) * g, md = (1 - b1) * double(g);
   const double want = 1.0 - lr / (1 - b1) * md / (std::sqrt(vd) / std::sqrt(1 - b2) + eps);
   CHECK(close(v, vd, 1e-6, 0.0), "v %g want %g", v, vd);
@@ -99,25 +99,29 @@ void test_adam_eps() {
 
 // The per-tensor scalars are computed in double (issue 14 item 7): at step 1000 with beta2 =
 // 0.999, 1 - beta2^step in fp32 (powf) is off by ~1e-5 relative; in double, rounded once, the
-// result is the float nearest the exact value.
+// result is the float nearest the exact value. They start from the double lr, as torch's fused
+// Adam (issue 22 item 16): lr = 1e-3 rounded to fp32 first gives a step size 1 ulp away at step 1.
 void test_adam_scalars_double() {
   const AdamHyper h = adam_hyper(0.9, 0.999, 1e-8, 0.1, true);
+  const double lr = 1e-3;
   for (float step : {1.0f, 10.0f, 1000.0f, 123457.0f}) {
-    const AdamScalars s = adam_scalars(1e-3f, step, h);
-    const double lr = double(1e-3f);
+    const AdamScalars s = adam_scalars(lr, step, h);
     const float want_step = float(-(lr / (1 - std::pow(0.9, double(step)))));
     const float want_bc2 = float(std::sqrt(1 - std::pow(0.999, double(step))));
     CHECK(s.neg_step_size == want_step, "step %g: step size %.9g want %.9g", step, s.neg_step_size, want_step);
     CHECK(s.bias_correction2_sqrt == want_bc2, "step %g: bc2 %.9g want %.9g", step, s.bias_correction2_sqrt, want_bc2);
     CHECK(s.decay_factor == float(1.0 - lr * 0.1), "decay factor from double");
   }
+  const float from_float_lr = adam_scalars(double(float(lr)), 1.0f, h).neg_step_size;
+  CHECK(adam_scalars(lr, 1.0f, h).neg_step_size != from_float_lr,
+        "the case cannot tell a double lr from one rounded to fp32");
 }
 
 // amsgrad: the running max is taken after exp_avg_sq's update, written, and used in the
 // denominator; a smaller new v leaves the max (and so a smaller step than plain Adam).
 void test_adam_amsgrad() {
   const AdamHyper h = adam_hyper(0.9, 0.99, 1e-8, 0.0, false);
-  const AdamScalars s = adam_scalars(0.01f, 5.0f, h);
+  const AdamScalars s = adam_scalars(0.01, 5.0f, h);
   float p = 1.0f, m = 0.1f, v = 0.01f, max_v = 0.5f;
   float p_plain = p, m_plain = m, v_plain = v;
   adam_update_amsgrad(0.2f, p, m, v, max_v, h, s);
@@ -145,7 +149,7 @@ void test_lion() {
         "torch.sign");
   const LionHyper h = lion_hyper(0.9, 0.99, 0.1);
   float p = 1.0f, m = -0.5f;
-  lion_update(0.2f, p, m, h, lion_scalars(0.01f, h));
+  lion_update(0.2f, p, m, h, lion_scalars(0.01, h));
   // direction = sign(-0.45 + 0.02) = -1
   CHECK(close(p, 1.0 * (1 - 0.01 * 0.1) + 0.01), "p got %.9g", p);
   CHECK(close(m, -0.5 * 0.99 + 0.2 * 0.01), "m got %.9g", m);
@@ -154,7 +158,7 @@ void test_lion() {
   // sign(-0.09 + 0.08) = -1, an m updated first (-0.01) would give sign(-0.009 + 0.08) = +1.
   const LionHyper order = lion_hyper(0.9, 0.9, 0.0);
   p = 1.0f, m = -0.1f;
-  lion_update(0.8f, p, m, order, lion_scalars(0.01f, order));
+  lion_update(0.8f, p, m, order, lion_scalars(0.01, order));
   CHECK(close(p, 1.01), "sign from the old momentum: p got %.9g", p);
   CHECK(close(m, -0.1 * 0.9 + 0.8 * 0.1), "m got %.9g", m);
 }

@@ -23,8 +23,13 @@ Conventions shared by all ops (and so by all backends):
   to their dtype after the update; an empty ``lp_params`` means there are none.
 - Optimizer state tensors (``exp_avgs``, ``exp_avg_sqs``, ``momentum_bufs``) are fp32.
 - ``steps`` is a 1-D fp32 tensor with the step count of each tensor in the list, already
-  counting this step (so 1 on the first step). ``lr`` and ``coef`` are 0-d fp32 device tensors:
-  the step reads them on the device, so changing them neither recompiles nor syncs the host.
+  counting this step (so 1 on the first step). ``lr`` and ``coef`` are one-element device
+  tensors: the step reads them on the device, so changing them neither recompiles nor syncs the
+  host. ``coef`` is fp32; ``lr`` is fp64 (what the optimizer passes) or fp32, and the step treats
+  it as the double it holds, as torch's fused optimizers take lr (a tensor lr as
+  ``lr.item<double>()``): every scalar derived from it (SGD's -lr, Adam's step size and decay
+  factor, Lion's lr and decay factor) is formed in double and rounded to fp32 once, so a Python
+  float lr not exact in fp32 (1e-3) steps as torch's does.
 - ``coef`` multiplies the accumulated gradient before use: normalisation (1/num_items),
   loss-scale unscaling and clipping folded into one scalar.
 - ``found_inf`` is a 0-d fp32 tensor, 0 or 1. When it is non-zero the step changes nothing.
@@ -142,6 +147,17 @@ def _f32(x: Tensor) -> Tensor:
     return x.to(torch.float32)
 
 
+def _lr(lr: Tensor) -> Tensor:
+    """The step's lr as a float64 tensor (exact for an fp32 one), after the check every backend
+    makes (the C++ binding's check_lr, the triton launcher's)."""
+    if lr.dtype not in (torch.float64, torch.float32) or lr.numel() != 1:
+        raise ValueError(
+            f"lr must be a one-element float64 or float32 tensor, got {lr.dtype} with "
+            f"{lr.numel()} elements"
+        )
+    return lr.double()
+
+
 def _commit(found_inf, pairs):
     """Write each (destination, new value) pair unless found_inf is set (no host sync)."""
     for dst, new in pairs:
@@ -175,6 +191,7 @@ def sgd_step(
     a tensor is on its first step when its ``steps`` entry is 1. Each ``+`` of a product is one
     fused multiply-add where torch's fused CPU SGD has one, so fp32 params match it bit for bit.
     """
+    neg_lr = _f32(-_lr(lr))  # torch's fused SGD: its double -lr rounded to fp32
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
@@ -188,7 +205,7 @@ def sgd_step(
             new_buf = torch.where(first, g, _fma(g, 1 - dampening, buf * momentum))
             writes.append((buf, new_buf))
             g = _fma(new_buf, momentum, g) if nesterov else new_buf
-        new_p = _fma(g, -lr, p32)
+        new_p = _fma(g, neg_lr, p32)
         writes.append((p, new_p))
         if lp_params:
             writes.append((lp_params[i], new_p))
@@ -227,6 +244,7 @@ def adam_step(
     the decoupled decay factor in float64, rounded to fp32 once; ``exp_avg`` by ``lerp``;
     ``exp_avg_sq`` and coupled weight decay by fused multiply-adds; two divides.
     """
+    lr = _lr(lr)
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
@@ -234,7 +252,7 @@ def adam_step(
         step = steps[i].double()
         if weight_decay != 0:
             if decoupled:
-                p32 = p32 * _f32(1 - lr.double() * weight_decay)
+                p32 = p32 * _f32(1 - lr * weight_decay)
             else:
                 g = _fma(p32, weight_decay, g)
         m = torch.lerp(exp_avgs[i], g, 1 - beta1)
@@ -243,7 +261,7 @@ def adam_step(
         if max_exp_avg_sqs:
             v = torch.maximum(max_exp_avg_sqs[i], v)
             writes.append((max_exp_avg_sqs[i], v))
-        neg_step_size = _f32(-lr.double() / (1 - beta1**step))
+        neg_step_size = _f32(-lr / (1 - beta1**step))
         bias_correction2_sqrt = _f32(torch.sqrt(1 - beta2**step))
         denom = _sqrt(v) / bias_correction2_sqrt + eps
         new_p = p32 + (neg_step_size * m) / denom
@@ -279,13 +297,17 @@ def lion_step(
     the same shape of arguments.
     """
     del steps
+    lr = _lr(lr)
+    # lucidrains' ops with a Python float lr: add_(alpha=-lr) rounds lr to fp32, the decay
+    # factor 1 - lr * weight_decay is formed in double
+    lr32, decay = _f32(lr), _f32(1 - lr * weight_decay)
     for i, p in enumerate(params):
         grad = grads[i] if grads else None
         g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
-        p32 = p.reshape(-1).float() * _f32(1 - lr.double() * weight_decay)
+        p32 = p.reshape(-1).float() * decay
         m = exp_avgs[i]
         direction = torch.sign(_fma(g, 1 - beta1, m * beta1))
-        new_p = p32 - lr * direction  # direction is -1, 0 or 1: the product is exact
+        new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
         new_m = _fma(g, 1 - beta2, m * beta2)
         writes = [(m, new_m), (p, new_p)]
         if lp_params:

@@ -710,7 +710,14 @@ def _step(
     if n == 0:
         return
     device = _device_of(accs[0])
-    _check_scalar("lr", lr, device)
+    if lr.dtype not in (torch.float64, torch.float32) or lr.numel() != 1 or lr.device != device:
+        raise ValueError(
+            f"lr must be a one-element float64 or float32 tensor on {device}, "
+            f"got {lr.dtype} with {lr.numel()} elements on {lr.device}"
+        )
+    # The kernels read a double (torch's fused optimizers take lr as one): an fp32 lr is widened
+    # on its device, exactly (no host sync, capturable), rather than compiling a second variant.
+    lr = lr if lr.dtype == torch.float64 else lr.to(torch.float64)
     _check_scalar("coef", coef, device)
     _check_scalar("found_inf", found_inf, device)
     # exactly one step count per tensor, as the C++ binding requires (a longer tensor would

@@ -305,6 +305,9 @@ def reduce_stats_kernel(
 # --- optimizer steps -------------------------------------------------------------------------
 # Scalar hyper-parameters that the reference computes in Python double (1 - beta1, 1 - dampening)
 # arrive precomputed as kernel arguments, so they round to fp32 exactly as the reference's do.
+# ``lr_ptr`` points to an fp64 scalar (the launcher widens an fp32 lr, so one compiled variant
+# serves both): the scalars derived from lr are formed in double, once per program, and rounded
+# to fp32 once, as torch's fused optimizers and the reference do.
 # Each kernel is a two-way branch on the row's alignment into its ``_*_chunk`` body, and each
 # body walks its vector blocks, then (aligned rows) its scalar tail, through one ``_*_block``.
 
@@ -335,7 +338,7 @@ def sgd_kernel(
 
 @triton.jit
 def _sgd_block(
-    row, idx, mask, lr, coef, first_step, grad_alpha, momentum, one_minus_dampening, weight_decay,
+    row, idx, mask, neg_lr, coef, first_step, grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
@@ -359,7 +362,7 @@ def _sgd_block(
             g = tl.fma(new_buf, momentum, g)
         else:
             g = new_buf
-    _store_param(row, idx, mask, tl.fma(g, -lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+    _store_param(row, idx, mask, tl.fma(g, neg_lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
 
 
 @triton.jit
@@ -373,19 +376,19 @@ def _sgd_chunk(
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    lr = tl.load(lr_ptr)
+    neg_lr = (-tl.load(lr_ptr)).to(tl.float32)  # torch's fused SGD: its double -lr, in fp32
     coef = tl.load(coef_ptr)
     first_step = tl.load(steps + tl.load(row + INDEX)) == 1.0
     for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
-        _sgd_block(row, idx, idx < body_end, lr, coef, first_step,
+        _sgd_block(row, idx, idx < body_end, neg_lr, coef, first_step,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
                    MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, ALIGNED)
     if ALIGNED:
         if body_end < end:
             idx = body_end + tl.arange(0, VEC)
-            _sgd_block(row, idx, idx < end, lr, coef, first_step,
+            _sgd_block(row, idx, idx < end, neg_lr, coef, first_step,
                        grad_alpha, momentum, one_minus_dampening, weight_decay,
                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
                        MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, False)
@@ -469,13 +472,12 @@ def _adam_chunk(
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    lr = tl.load(lr_ptr)
+    lr64 = tl.load(lr_ptr)
     coef = tl.load(coef_ptr)
     step = tl.load(steps + tl.load(row + INDEX))
-    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double
+    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double lr,
     # betas and weight decay and the step count), rounded to fp32 once: -lr / (1 - beta1**step),
     # sqrt(1 - beta2**step), 1 - lr * weight_decay. Once per program: fp64 speed does not matter.
-    lr64 = lr.to(tl.float64)
     neg_step_size = (-(lr64 / (1.0 - _pow_whole(_double(beta1_bits), step)))).to(tl.float32)
     # fp64 tl.sqrt is IEEE-rounded (sqrt.rn.f64); only fp32's is approximate
     bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_bits), step)).to(tl.float32)
@@ -551,9 +553,12 @@ def _lion_chunk(
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    lr = tl.load(lr_ptr)
+    lr64 = tl.load(lr_ptr)
     coef = tl.load(coef_ptr)
-    decay = (1.0 - lr.to(tl.float64) * _double(weight_decay_bits)).to(tl.float32)
+    # as the reference (lucidrains' ops with a Python float lr): lr rounded to fp32, the decay
+    # factor formed in double
+    lr = lr64.to(tl.float32)
+    decay = (1.0 - lr64 * _double(weight_decay_bits)).to(tl.float32)
     for off in range(start, body_end, BLOCK):
         idx = _block(off, BLOCK)
         _lion_block(row, idx, idx < body_end, lr, coef, decay, grad_alpha, beta1, beta2,
