@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -246,9 +247,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     to start the next window (every trainer does).
     """
 
-    # torch.amp.GradScaler hands over grad_scale and found_inf: the unscale is folded into the
-    # step's coefficient and the skip happens on the device.
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's flag for "step() takes GradScaler's grad_scale and found_inf": True when
+        torch.amp.GradScaler asks (the unscale folds into the step's coefficient and an inf skips
+        the step on the device: no unscale pass, no host sync). Anyone else reads False: Lightning
+        reads the flag as "this optimizer cannot be clipped" and refuses gradient_clip_val for
+        it, even under bf16-mixed where there is no scaler; with False its fp16 path unscales
+        .grad first (then clips) and GradScaler.step still hands the step found_inf."""
+        return sys._getframe(1).f_globals.get("__name__") == "torch.amp.grad_scaler"
 
     def __init__(
         self,
@@ -691,12 +698,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         group = self.param_groups[flat.group_index]
         lr = group["lr"]
         if isinstance(lr, Tensor):
-            # device to device: no host sync, capturable; an fp32 lr is exact in float64
-            flat.lr.copy_(lr.detach().reshape(()))
+            flat.lr.copy_(lr.detach().reshape(()))  # device to device: no host sync, capturable
         else:
-            flat.lr.fill_(float(lr))  # float64: every bit of the Python float, as torch takes it
+            flat.lr.fill_(float(lr))
         if coef is not flat.coef:
             flat.coef.copy_(coef)
+        self._take_user_state(flat, active, group)
         # A skipped step does not count (as torch's GradScaler skips the step call itself).
         increment = flat.one if found_inf is None else 1 - found_inf
         if len(active) == len(flat.slots):

@@ -396,3 +396,31 @@ def test_a_torch_optimizer_over_hooked_bf16_params_takes_them_over():
     assert model[0].weight.grad.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="can no longer step"):
         fused.step()
+
+
+# --- GradScaler stays fused, and nothing else is told the optimizer cannot be clipped (item 11)
+
+
+def test_only_grad_scaler_is_told_that_the_step_unscales():
+    opt = fused_accum.AdamW(mlp(0).parameters())
+    assert getattr(opt, "_step_supports_amp_scaling", False) is False  # e.g. Lightning's check
+
+    class Spy(torch.amp.GradScaler):
+        unscaled = 0
+
+        def unscale_(self, optimizer):
+            Spy.unscaled += 1
+            return super().unscale_(optimizer)
+
+    model, ref = mlp(0), mlp(0)
+    opt = fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    scalers = [Spy("cpu", init_scale=1024.0), torch.amp.GradScaler("cpu", init_scale=1024.0)]
+    for batch in batches(3):
+        for m, o, scaler in ((model, opt, scalers[0]), (ref, ref_opt, scalers[1])):
+            scaler.scale(loss_of(m, batch)).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    assert Spy.unscaled == 0  # the fused path: GradScaler never unscaled .grad itself
+    assert_close(model, ref)

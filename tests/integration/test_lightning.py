@@ -58,11 +58,11 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def trainer(tmp_path, max_epochs=EPOCHS) -> "L.Trainer":
+def trainer(tmp_path, max_epochs=EPOCHS, precision="32-true") -> "L.Trainer":
     return L.Trainer(
         max_epochs=max_epochs, accumulate_grad_batches=K, gradient_clip_val=CLIP, gradient_clip_algorithm="norm",
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0,
+        enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0, precision=precision,
     )  # fmt: skip
 
 
@@ -75,9 +75,9 @@ def result(model: TinyRegressor, t: "L.Trainer", norms=None, **extra) -> Run:
     )  # fmt: skip
 
 
-def fit(kind: str, tmp_path) -> Run:
+def fit(kind: str, tmp_path, precision="32-true") -> Run:
     model = TinyRegressor(kind)
-    t = trainer(tmp_path / kind)
+    t = trainer(tmp_path / kind, precision=precision)
     t.fit(model, train_dataloaders=data())
     return result(model, t)
 
@@ -87,6 +87,16 @@ def test_accumulate_grad_batches_clip(tmp_path, kind):
     reference = fit("torch", tmp_path)
     check_reference_sane(reference, STEPS)
     compare(reference, fit(kind, tmp_path), f"Lightning fit(accumulate_grad_batches=4, gradient_clip_val), {kind}")
+
+
+def test_bf16_mixed_with_gradient_clip_val(tmp_path):
+    """The default recipe of many fine-tuning scripts: Lightning refuses gradient_clip_val for an
+    optimizer that says it unscales in step() (issue 22 item 11), though bf16-mixed has no
+    scaler; ours says so to GradScaler only."""
+    reference = fit("torch", tmp_path / "torch", precision="bf16-mixed")
+    check_reference_sane(reference, STEPS)
+    compare(reference, fit("fused", tmp_path / "fused", precision="bf16-mixed"),
+            "Lightning fit(precision='bf16-mixed', accumulate_grad_batches=4, gradient_clip_val)")  # fmt: skip
 
 
 # lr_find's optimizer steps: 10 epochs of 3 windows. Its callback records the loss only at
