@@ -698,9 +698,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         group = self.param_groups[flat.group_index]
         lr = group["lr"]
         if isinstance(lr, Tensor):
-            flat.lr.copy_(lr.detach().reshape(()))  # device to device: no host sync, capturable
+            # device to device: no host sync, capturable; an fp32 lr is exact in float64
+            flat.lr.copy_(lr.detach().reshape(()))
         else:
-            flat.lr.fill_(float(lr))
+            flat.lr.fill_(float(lr))  # float64: every bit of the Python float, as torch takes it
         if coef is not flat.coef:
             flat.coef.copy_(coef)
         self._take_user_state(flat, active, group)
