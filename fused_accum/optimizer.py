@@ -466,6 +466,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         try:
             if self._inner is None:
                 self._inner = self._generic_class([dict(params=inner_params, **hyper)])
+                self._inner._fused_accum_inner = True  # ours: its steps take nothing over (window.py)
             elif len(self._inner.param_groups) > group_index:  # an unfrozen parameter joins its group
                 self._inner.param_groups[group_index]["params"].extend(inner_params)
             else:

@@ -69,8 +69,8 @@ def _is_fused(optimizer, depth: int = 4) -> bool:
     for _ in range(depth):
         if optimizer is None:
             return False
-        if isinstance(getattr(optimizer, "_window", None), GradientWindow):
-            return True
+        if isinstance(getattr(optimizer, "_window", None), GradientWindow) or getattr(optimizer, "_fused_accum_inner", False):
+            return True  # (the second: the torch.optim optimizer the generic path steps with)
         optimizer = getattr(optimizer, "optimizer", None)
     return False
 
