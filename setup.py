@@ -1,7 +1,11 @@
 """Installs fused_accum and builds its C++/CUDA extension, fused_accum._C.
 
-`pip install --no-build-isolation --no-deps -e .` (what ./run does) builds the extension in place
-against the torch already installed. The CPU kernels are always built; the CUDA kernels are built
+`pip install --no-build-isolation .` (or `--no-deps -e .`, what ./run does) builds the extension
+against the torch already installed; a plain `pip install .` builds in an isolated environment
+without torch and stops with one line saying so. Next to the extension the build writes
+fused_accum/_C.build.json, the torch it was built against, which fused_accum.backends.ext reads
+before loading the extension (a C++ ABI mismatch otherwise shows up as an undefined symbol, or
+worse). The CPU kernels are always built; the CUDA kernels are built
 when both nvcc and a CUDA build of torch are present. That is decided from the toolkit and
 torch.version.cuda, never from torch.cuda.is_available(): CI compiles the CUDA kernels on machines
 without a GPU.
@@ -16,6 +20,7 @@ Environment:
   MAX_JOBS                    parallel compile jobs (default: one per core, at most 8)
 """
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -29,8 +34,28 @@ CUDA_ARCHS = ("80", "90")
 DEFAULT_CUDA_HOME = "/usr/local/cuda"  # torch's last guess too  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
 
 
+# pip builds in an isolated environment by default, which has no torch (pyproject.toml cannot ask
+# for one: pip would download a CUDA build of several GB, and the extension must match the torch
+# the user runs anyway). Said in one line, as flash-attn and apex do, instead of a traceback.
+NO_TORCH = (
+    "fused_accum builds its C++ extension against the torch you have installed, which pip's build "
+    "isolation hides: run `pip install --no-build-isolation .` (torch installed first; the same flag for "
+    "pip wheel and git+URL installs; FUSED_ACCUM_NO_EXT=1 builds no extension)"
+)
+# Written next to fused_accum._C: the torch it was compiled against (read by backends/ext.py).
+BUILD_RECORD = "_C.build.json"
+
+
 def _log(msg):
     print(f"[fused_accum setup] {msg}", file=sys.stderr)
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(NO_TORCH) from None
+    return torch
 
 
 def _toolkit_root(nvcc):
@@ -71,7 +96,7 @@ def _cuda_plan():
     mode = os.environ.get("FUSED_ACCUM_BUILD_CUDA", "")
     if mode == "0":
         return False, None, "FUSED_ACCUM_BUILD_CUDA=0"
-    import torch
+    torch = _import_torch()
 
     home, why = _cuda_home()
     if home and torch.version.cuda is None:
@@ -93,17 +118,38 @@ def _nvidia_wheel_dirs():
     return (inc if os.path.isdir(inc) else None), (lib if os.path.isdir(lib) else None)
 
 
-def _build_ext_class(cpp_extension, tag):
+def _build_ext_class(cpp_extension, tag, record):
     """BuildExtension with a fixed build folder: pip install -e builds in a fresh temporary folder
     each time, which recompiles everything (~20 s for the CPU kernels on 2 cores); a fixed one lets
-    ninja recompile only what changed. `tag` keeps objects of different torch/CUDA builds apart."""
+    ninja recompile only what changed. `tag` keeps objects of different torch/CUDA builds apart.
+    After the build, `record` (the torch built against) is written next to each extension: in
+    build_lib for a wheel, in the source tree for an in-place or editable build."""
 
     class BuildExt(cpp_extension.BuildExtension.with_options(use_ninja=True)):
         def finalize_options(self):
             super().finalize_options()
             self.build_temp = os.path.join(ROOT, "build", f"ext-{tag}")
 
+        def run(self):
+            super().run()  # setuptools builds in build_lib, then copies to the source if inplace
+            for ext in self.extensions:
+                path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), BUILD_RECORD)
+                with open(path, "w") as f:
+                    json.dump(record, f, indent=1)
+                    f.write("\n")
+                _log(f"recorded the torch built against in {os.path.relpath(path, ROOT)}: torch {record['torch']}")
+
     return BuildExt
+
+
+def _build_record(torch, cuda_kernels):
+    return {
+        "torch": str(torch.__version__),
+        "torch_git": torch.version.git_version,
+        "torch_cuda": torch.version.cuda,
+        "cxx11_abi": bool(torch.compiled_with_cxx11_abi()),
+        "cuda_kernels": cuda_kernels,
+    }
 
 
 def _ext_modules():
@@ -115,7 +161,7 @@ def _ext_modules():
         # cpp_extension reads CUDA_HOME when imported: set it first, or it guesses from the
         # nvcc on PATH and takes /usr/local for /usr/local/bin/nvcc.
         os.environ["CUDA_HOME"] = cuda_home
-    import torch
+    torch = _import_torch()
     from torch.utils import cpp_extension
 
     # ninja jobs: one per core up to 8 (the 7 sources gain nothing past that); 2 on CI machines.
@@ -140,7 +186,8 @@ def _ext_modules():
         ext = cpp_extension.CppExtension(
             "fused_accum._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
         )
-        return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}")}
+        record = _build_record(torch, cuda_kernels=False)
+        return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}", record)}
 
     _log(f"building the CPU and CUDA kernels with {cuda_home}/bin/nvcc")
     sources += csrc("bindings_cuda.cpp", "cuda/*.cu")
@@ -166,7 +213,8 @@ def _ext_modules():
         if runtime:
             ext.libraries = [":" + os.path.basename(runtime[0]) if l == "cudart" else l for l in ext.libraries]
             ext.library_dirs.append(lib_dir)
-    return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}-cuda")}
+    record = _build_record(torch, cuda_kernels=True)
+    return [ext], {"build_ext": _build_ext_class(cpp_extension, f"torch{torch.__version__}-cuda", record)}
 
 
 ext_modules, cmdclass = _ext_modules()

@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# fused_accum installed as a new user installs it, from a fresh venv that holds only torch:
+#   1. `pip install .` (pip's default build isolation: the build cannot import torch) fails with
+#      setup.py's one line saying what to type, not a traceback ending in ModuleNotFoundError;
+#   2. `pip wheel --no-build-isolation .` builds a wheel holding fused_accum/_C*.so and
+#      fused_accum/_C.build.json, which names the torch it was built against;
+#   3. that wheel, installed and imported away from the source tree, loads _C with no warning and
+#      an AdamW step on the cpu backend equals the reference backend's;
+#   4. the same install with a record that names another torch: exactly one RuntimeWarning,
+#      naming both versions and the rebuild command; _C is not loaded, and the package still
+#      steps on the reference backend;
+#   5. where scripts/check_cuda_build.sh left its torch 2.11 venv: the wheel built against
+#      2.13 imported next to torch 2.11 (a real difference) gives the same one warning.
+# Called by scripts/test_all.sh. The venv is made fresh in build/install-check/venv on each run
+# (torch==2.13.0 from the local CPU wheel: ~25 s; never an unpinned torch, which would be a
+# CUDA build of several GB). The wheel is built from a copy of the tree in build/install-check/src
+# at a fixed path, whose ninja objects are kept: a rerun recompiles only what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK=$ROOT/build/install-check
+VENV=$WORK/venv
+SRC=$WORK/src
+TORCH_PIN=torch==2.13.0
+TORCH211_VENV=${FUSED_ACCUM_TORCH211_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fused_accum/venv-torch2.11.0-cu130}
+start=$SECONDS
+export PYTHONWARNINGS="ignore:Failed to initialize NumPy:UserWarning"  # torch without numpy: noise here
+
+fail() { echo "[check_install] FAIL: $*"; exit 1; }
+# pip's notes about this machine's package mirrors are noise here
+pip_quiet() { "$VENV/bin/python" -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+
+mkdir -p "$WORK"
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+pip_quiet install -q "$TORCH_PIN" ninja
+"$VENV/bin/python" -c "import torch" || fail "torch did not install in the fresh venv"
+
+# A copy of the tree as a clone would have it (tracked and untracked-but-not-ignored files), its
+# build/ kept between runs; tar keeps the files' times, so ninja sees unchanged sources as such.
+mkdir -p "$SRC"
+find "$SRC" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$SRC"
+cd "$SRC"
+
+# 1. pip install . without the flag
+set +e
+out=$("$VENV/bin/python" -m pip install --no-deps . 2>&1)
+rc=$?
+set -e
+out=$(grep -v "^WARNING: Location" <<<"$out")
+[[ $rc -ne 0 ]] || fail "pip install . (isolated) succeeded: it cannot have built the extension against torch"
+if grep -qE "Traceback|ModuleNotFoundError" <<<"$out" || ! grep -q "\[1 lines of output\]" <<<"$out" \
+    || ! grep -q 'run `pip install --no-build-isolation .`' <<<"$out"; then
+  echo "$out"
+  fail "pip install . must end in setup.py's one line saying what to type (above: what it printed)"
+fi
+echo "[check_install] 1. pip install . (isolated) stops with one line: $(grep -o 'fused_accum builds.*' <<<"$out" | head -n 1)"
+
+# 2. pip wheel --no-build-isolation
+rm -rf "$WORK/dist"
+pip_quiet wheel -q --no-build-isolation --no-deps -w "$WORK/dist" . >"$WORK/wheel.log"
+wheel=$(ls "$WORK"/dist/fused_accum-*.whl 2>/dev/null | head -n 1)
+[[ -n $wheel ]] || { cat "$WORK/wheel.log"; fail "pip wheel --no-build-isolation built no wheel"; }
+cd "$WORK"  # from here on nothing may import fused_accum from the source tree
+
+# 3. the wheel installed: _C loads, no warning, and steps as the reference does
+pip_quiet install -q --no-deps "$wheel"
+"$VENV/bin/python" - "$wheel" <<'PY' || fail "the installed wheel does not load or run its extension (above)"
+import json, sys, warnings, zipfile
+
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert any(n.startswith("fused_accum/_C") and n.endswith(".so") for n in names), names
+record = json.loads(zipfile.ZipFile(sys.argv[1]).read("fused_accum/_C.build.json"))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch
+    import fused_accum
+    from fused_accum.backends import ext
+assert not [w for w in caught if "fused_accum" in str(w.message)], [str(w.message) for w in caught]
+
+assert "site-packages" in fused_accum.__file__, fused_accum.__file__
+assert record["torch"] == torch.__version__, (record, torch.__version__)
+assert ext._C is not None, ext.unavailable_reason("cpu")
+
+
+def steps(backend):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = fused_accum.AdamW([p], lr=1e-2, accum_steps=2, backend=backend)
+    for i in range(4):
+        ((p * (i + 1)) ** 2).sum().backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+    return p.detach()
+
+
+# the same fp32 math in the same order (csrc/math.h is the reference's update rule): 1e-6
+# relative allows a differently rounded power of the betas and nothing more
+torch.testing.assert_close(steps("cpu"), steps("reference"), rtol=1e-6, atol=1e-7)
+print(f"[check_install] 2-3. wheel built against torch {record['torch']}; installed, _C loads, "
+      "an AdamW window on the cpu backend equals the reference's")
+PY
+
+# 4. a record naming another torch, in the installed copy
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp "$site/fused_accum/_C.build.json" "$WORK/record.json"
+"$VENV/bin/python" - "$site/fused_accum/_C.build.json" <<'PY'
+import json, sys
+record = json.load(open(sys.argv[1]))
+record["torch"] = "2.12.0+cpu"
+json.dump(record, open(sys.argv[1], "w"))
+PY
+MISMATCH_CHECK=$(cat <<'PY'
+import sys, warnings
+
+built = sys.argv[1]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch
+    import fused_accum
+    from fused_accum.backends import ext
+ours = [w for w in caught if "fused_accum._C" in str(w.message)]
+assert len(ours) == 1, [str(w.message) for w in caught]
+message = str(ours[0].message)
+assert ours[0].category is RuntimeWarning
+for needed in (built, torch.__version__, "pip install --no-build-isolation"):
+    assert needed in message, (needed, message)
+assert ext._C is None and ext.unavailable_reason("cpu") == message
+p = torch.nn.Parameter(torch.randn(100))
+opt = fused_accum.AdamW([p], lr=1e-2, backend="auto")
+before = p.detach().clone()
+(p ** 2).sum().backward()
+opt.step()
+assert not torch.equal(p.detach(), before)
+print(f"[check_install] torch {torch.__version__} with an extension built against {built}: one warning, "
+      f"_C not loaded, steps on the reference backend:\n    {message}")
+PY
+)
+"$VENV/bin/python" -c "$MISMATCH_CHECK" 2.12.0+cpu || fail "a recorded torch that differs is not said clearly (above)"
+cp "$WORK/record.json" "$site/fused_accum/_C.build.json"
+
+# 5. the same wheel next to a real torch 2.11 (its CUDA build; no GPU needed to import it)
+if [[ -x $TORCH211_VENV/bin/python ]]; then
+  rm -rf "$WORK/t211"
+  pip_quiet install -q --no-deps --target "$WORK/t211" "$wheel"
+  built=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
+  PYTHONPATH=$WORK/t211 "$TORCH211_VENV/bin/python" -c "$MISMATCH_CHECK" "$built" \
+    || fail "the wheel built against torch $built is not refused clearly next to torch 2.11 (above)"
+else
+  echo "[check_install] 5. skipped: no torch 2.11 venv at $TORCH211_VENV (scripts/check_cuda_build.sh makes it)"
+fi
+echo "[check_install] OK in $((SECONDS - start)) s"
