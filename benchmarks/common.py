@@ -424,16 +424,59 @@ def _columns(rows: Iterable[Dict[str, Any]]) -> List[str]:
     return list(columns)
 
 
+def _stamp(meta: Dict[str, Any]) -> Dict[str, Any]:
+    return {"git_commit": meta.get("git_commit"), "device_name": meta.get("device_name"),
+            "torch": meta.get("torch"), "date_utc": meta.get("date_utc")}
+
+
+def _replace_atomically(path: Path, write: Callable[[Any], None], newline: Optional[str] = None) -> None:
+    """Write to a temporary file beside ``path``, then rename: a run killed mid-write (a stage
+    of benchmarks/device_check.sh at its time limit) leaves the previous complete file, never
+    half of one."""
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w", newline=newline) as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 def write_csv(path: Path, rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> None:
     """CSV of ``rows``, each row stamped with the commit, device and date so a CSV alone says
-    where its numbers came from."""
-    stamp = {"git_commit": meta.get("git_commit"), "device_name": meta.get("device_name"),
-             "torch": meta.get("torch"), "date_utc": meta.get("date_utc")}
-    stamped = [{**row, **stamp} for row in rows]
-    with open(path, "w", newline="") as f:
+    where its numbers came from. Rewritten whole (atomically): callers rewrite it as rows come."""
+    stamp = _stamp(meta)
+
+    def write(f):
         writer = csv.DictWriter(f, fieldnames=_columns(rows) + list(stamp))
         writer.writeheader()
-        writer.writerows(stamped)
+        writer.writerows({**row, **stamp} for row in rows)
+
+    _replace_atomically(Path(path), write, newline="")
+
+
+class CsvAppender:
+    """A CSV written one row at a time, flushed after each, so a benchmark stopped at its time
+    limit leaves the header and every row measured so far. The columns are the first row's
+    (plus the ``meta`` stamp of :func:`write_csv`); a later row with other keys is a bug and
+    raises. Nothing is written until the first row: no rows, no file."""
+
+    def __init__(self, path: Path, meta: Optional[Dict[str, Any]] = None):
+        self.path = Path(path)
+        self.stamp = _stamp(meta) if meta is not None else {}
+        self._file = None
+        self._writer = None
+
+    def add(self, row: Dict[str, Any]) -> None:
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", newline="")
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row) + list(self.stamp))
+            self._writer.writeheader()
+        self._writer.writerow({**row, **self.stamp})
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _json_safe(value):
@@ -447,9 +490,11 @@ def _json_safe(value):
 
 
 def write_json(path: Path, payload: Dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    def write(f):
         json.dump(_json_safe(payload), f, indent=1, allow_nan=False)
         f.write("\n")
+
+    _replace_atomically(Path(path), write)
 
 
 def plot_gbps(path: Path, rows: List[Dict[str, Any]], copy_gbps: float, title: str) -> bool:

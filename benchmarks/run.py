@@ -10,7 +10,10 @@ Writes to ``--out`` (default ``benchmarks/results``):
   results.json     all of them, with the machine/torch/triton/commit metadata and the copy ceiling
   kernels.png      GB/s against size on the flat-gradient sweep, one line per provider
 
-Each CSV is written only when its suite was asked for (``--suite``).
+Each CSV is written only when its suite was asked for (``--suite``), and rewritten (atomically)
+after every group, so a run stopped at a time limit keeps what it measured; an interrupt (SIGINT,
+as ``timeout -s INT`` sends) ends the run early and still writes the files. ``--no-plot`` leaves
+kernels.png out (benchmarks/device_check.sh: at most 8 files come back from a lent GPU).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -165,6 +168,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                              "is over half its cores; see _auto_threads); the cpu_adam and window "
                              "suites time 1 and 2 threads whatever this says")
     parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
+    parser.add_argument("--no-plot", action="store_true", help="write no kernels.png")
     args = parser.parse_args(list(argv))
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     unknown = sorted(set(args.suites) - set(SUITES))
@@ -294,7 +298,9 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
             for row in rows:
                 common.log(kernels.format_row(row))
             kernel_rows.extend(rows)
+            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False, suites=args.suites)
 
+    interrupted = False
     try:
         run_groups(first)
         write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False, suites=args.suites)
@@ -330,16 +336,27 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
                     for row in rows:
                         common.log(kernels.format_cpu_adam_row(row))
                     cpu_adam_rows.extend(rows)
+    except KeyboardInterrupt:  # a time limit's SIGINT: keep what was measured, skip the rest
+        interrupted = True
+        common.log("interrupted: writing what was measured")
     finally:
         bar.close()
 
-    # The copy again at the end: how far the machine drifted during the run (other load,
-    # clocks), the yardstick for which differences are noise.
-    copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
-    copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
+    if interrupted:  # no second copy: the signal says time is up
+        copies = {"start": copy}
+        meta["interrupted"] = True
+    else:
+        # The copy again at the end: how far the machine drifted during the run (other load,
+        # clocks), the yardstick for which differences are noise.
+        copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
+        copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=True, cpu_adam_rows=cpu_adam_rows,
-                      window_rows=window_rows, suites=args.suites)
+    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=not (args.no_plot or interrupted),
+                      cpu_adam_rows=cpu_adam_rows, window_rows=window_rows, suites=args.suites)
+    if interrupted:
+        print(f"interrupted after {meta['elapsed_s']} s: {len(kernel_rows)} kernel rows, {len(e2e_rows)} "
+              f"end-to-end rows written to " + ", ".join(str(p) for p in paths))
+        return 1
 
     bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
     # an unavailable optional provider (deepspeed not installed) is a note, not a failure

@@ -21,13 +21,13 @@ per-tensor read, to tell a slow (or busy) CPU from a slow launcher. Each row pri
 and the 10th-90th percentile spread of the per-call times.
 
 Usage:  python benchmarks/triton_host.py [--tensors 148 2048] [--repeat 200] [--out DIR]
-With --out, writes triton_host.csv (rows and machine; one file: the GPU check returns at most 8).
+With --out, writes triton_host.csv (rows and machine; one file: the GPU check returns at most 8),
+a row at a time as each is measured, so a run stopped at a time limit keeps them.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import platform
 import statistics
@@ -38,6 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 GOALS_MS = {"accumulate": 0.5, "adamw": 1.0, "sgd": 1.0, "lion": 1.0}  # for 2,048 tensors (issue 10)
 GOAL_TENSORS = 2048
@@ -81,7 +83,8 @@ def _time(fn, repeat: int, setup=None):
     return statistics.median(times), times[len(times) // 10], times[(len(times) * 9) // 10]
 
 
-def measure(n: int, repeat: int):
+def measure(n: int, repeat: int, on_row=lambda row: None):
+    """The rows for ``n`` tensors; ``on_row`` sees each as it is measured."""
     from fused_accum.backends import triton as tb
 
     gen = torch.Generator().manual_seed(0)
@@ -136,6 +139,7 @@ def measure(n: int, repeat: int):
                 rows.append(dict(op=op, case=case, tensors=n, median_ms=round(median, 4), p10_ms=round(p10, 4),
                                  p90_ms=round(p90, 4), goal_ms=goal,
                                  meets_goal=None if goal is None else median <= goal))  # fmt: skip
+                on_row(rows[-1])
     tb.clear_table_cache()
     return rows
 
@@ -162,31 +166,34 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     # Stubs launch nothing, so the interpreter flag must not matter; it is put back afterwards,
     # since a test process running this in-process interprets kernels in its other tests.
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        rows = [floor_row(args.repeat)]
-        for n in args.tensors:
-            rows += measure(n, args.repeat)
-    finally:
-        if interpret is not None:
-            os.environ["TRITON_INTERPRET"] = interpret
     import triton
 
     meta = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), python=platform.python_version(),
                 torch=torch.__version__, triton=triton.__version__, threads=torch.get_num_threads(),
                 load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                commit=os.environ.get("FUSED_ACCUM_GIT_COMMIT", ""))  # fmt: skip
+                commit=common.git_commit()["commit"])  # fmt: skip
     print(f"# triton launcher host time, kernels stubbed; torch {meta['torch']}, triton {meta['triton']}, "
           f"load average {meta['load_average']}")  # fmt: skip
-    for r in rows:
-        print(format_row(r))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "triton_host.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + list(meta))
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({**r, **meta})
+    csv_out = common.CsvAppender(args.out / "triton_host.csv") if args.out is not None else None
+
+    def on_row(r):
+        print(format_row(r), flush=True)
+        if csv_out is not None:
+            csv_out.add({**r, **meta})
+
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        on_row(floor_row(args.repeat))
+        for n in args.tensors:
+            measure(n, args.repeat, on_row)
+    except KeyboardInterrupt:  # a time limit's SIGINT: the rows so far are already written
+        print("triton_host: interrupted")
+        return 1
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+        if csv_out is not None:
+            csv_out.close()
     return 0
 
 

@@ -10,12 +10,12 @@ size, 2**26 elements, moves 0.67 GB (accumulate) and 2 GB (step), far past the 5
 
 Usage: python benchmarks/triton_sweep.py [--numel N] [--out DIR] [--budget SECONDS]
 Compiles one kernel per (BLOCK, num_warps) and op (chunk sizes are run-time arguments: no
-compile); stops starting new configurations after --budget seconds and writes what it has.
+compile); stops starting new configurations after --budget seconds. triton_sweep.csv is written
+a row at a time as each is measured, so a run stopped at a time limit (or by SIGINT) keeps them.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import sys
 import time
@@ -24,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
 
 BLOCKS = (512, 1024, 2048)
 WARPS = (4, 8)
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
 
     saved = (tb.BLOCK, tb.NUM_WARPS, tb.PROGRAMS_PER_SM)
     rows = []
+    csv_out = common.CsvAppender(args.out / "triton_sweep.csv") if args.out is not None else None
     try:
         for block, warps, pps in itertools.product(BLOCKS, WARPS, PROGRAMS_PER_SM):
             if time.time() - start > args.budget:
@@ -96,22 +99,22 @@ def main(argv=None) -> int:
                                  chunk=chunk, programs=-(-n // chunk), ms=round(ms, 4), gbps=round(gbps, 1),
                                  pct_of_copy=round(100 * gbps / ceiling, 1), copy_gbps=round(ceiling, 1)))  # fmt: skip
                 r = rows[-1]
+                if csv_out is not None:
+                    csv_out.add(r)
                 print(f"{op:<10} BLOCK {block:>4} warps {warps} programs/SM {pps:>2} (chunk {chunk:>6}, "
                       f"{r['programs']:>6} programs): {ms:7.3f} ms {gbps:7.1f} GB/s {r['pct_of_copy']:5.1f}% of copy")  # fmt: skip
+    except KeyboardInterrupt:  # a time limit's SIGINT: the rows so far are already written
+        print(f"triton_sweep: interrupted after {len(rows)} rows")
     finally:
         tb.BLOCK, tb.NUM_WARPS, tb.PROGRAMS_PER_SM = saved
         tb.clear_table_cache()
+        if csv_out is not None:
+            csv_out.close()
     for op in ops:
         best = max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"], default=None)
         if best:
             print(f"best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
                   f"{best['programs_per_sm']}: {best['pct_of_copy']}% of the copy ({ceiling:.0f} GB/s)")  # fmt: skip
-    if args.out is not None and rows:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "triton_sweep.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
     return 0
 
 

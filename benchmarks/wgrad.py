@@ -25,8 +25,9 @@ operands from L2/LLC per tile; the model counts the floor.)
 ``FusedAccumOptimizer``) with and without ``fused_accum.nn.convert_linears_``: ms per window,
 final loss, peak memory of the timed windows (CUDA) or of the last window (CPU, profiler).
 
-Writes wgrad.csv and wgrad.json (with the machine, torch/triton versions and the commit) to
---out. On the CPU the fused providers skip the bf16 rounding but not the upcast: see
+Writes wgrad.csv (and with --e2e wgrad_e2e.csv) a row at a time as each is measured, so a run
+stopped at a time limit keeps them, and wgrad.json (with the machine, torch/triton versions and the
+commit) at the end (an interrupt, SIGINT, still writes it) to --out. On the CPU the fused providers skip the bf16 rounding but not the upcast: see
 fused_accum/backends/wgrad.py for why the cpu backend upcasts in row blocks.
 """
 from __future__ import annotations
@@ -117,7 +118,8 @@ def byte_model(provider: str, m: int, n: int, k: int) -> int:
     return operands + 8 * n * k
 
 
-def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: int) -> List[Dict]:
+def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: int,
+        on_row: Callable[[Dict], None] = lambda row: None) -> List[Dict]:
     rows = []
     gen = torch.Generator().manual_seed(seed)
     for m, n, k in shapes:
@@ -138,6 +140,7 @@ def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: 
                 bf16_wgrad_bytes=2 * n * k,
             )  # fmt: skip
             rows.append(row)
+            on_row(row)
             common.log(
                 f"M={m:>6} N={n:>5} K={k:>5} {provider:<26} {row['ms']:9.2f} ms "
                 f"[{row['ms_min']:.2f}, {row['ms_max']:.2f}]  {row['tflops']:7.3f} TFLOP/s  "
@@ -146,7 +149,7 @@ def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: 
     return rows
 
 
-def e2e(device: torch.device, quick: bool) -> List[Dict]:
+def e2e(device: torch.device, quick: bool, on_row: Callable[[Dict], None] = lambda row: None) -> List[Dict]:
     """The small GPT's training window with and without converted Linears (same data/init)."""
     import dataclasses
     import statistics
@@ -201,6 +204,7 @@ def e2e(device: torch.device, quick: bool) -> List[Dict]:
                    peak_kind="max_memory_allocated" if device.type == "cuda" else "last window, above its start",
                    config=",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))  # fmt: skip
         rows.append(row)
+        on_row(row)
         common.log(f"e2e tiny GPT {'converted  ' if converted else 'nn.Linear  '} {row['window_ms']:9.1f} ms/window "
                    f"[{row['window_ms_min']:.1f}, {row['window_ms_max']:.1f}]  loss {row['first_loss']:.4f} -> "
                    f"{row['final_loss']:.4f}  peak {peak / 2**20:.1f} MiB ({row['peak_kind']})")  # fmt: skip
@@ -221,6 +225,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--e2e", action="store_true", help="also the small GPT's window with and without conversion")
     parser.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks" / "results"), help="folder for wgrad.csv/json")
+    parser.add_argument("--extra-out", default=None,
+                        help="folder for wgrad_e2e.csv and wgrad.json instead of --out (device_check.sh: --out "
+                             "holds only the files that come back from a lent GPU)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -243,16 +250,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common.log(f"wgrad on {meta['device_name']} ({device.type}), torch {meta['torch']}, "
                f"commit {meta['git_commit']}{' (dirty)' if meta.get('git_dirty') else ''}, "
                f"{meta['torch_threads']} threads, load {meta['load_average_1min']}")  # fmt: skip
-    rows = run(device, shapes, names, config, args.seed)
-    e2e_rows = e2e(device, quick=small) if args.e2e else []
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    common.write_csv(out / "wgrad.csv", rows, meta)
-    if e2e_rows:
-        common.write_csv(out / "wgrad_e2e.csv", e2e_rows, meta)
-    common.write_json(out / "wgrad.json", {"meta": meta, "rows": rows, "e2e": e2e_rows})
-    common.log(f"wrote {out / 'wgrad.csv'} and {out / 'wgrad.json'}")
-    return 0
+    extra = Path(args.extra_out) if args.extra_out else out
+    for folder in (out, extra):
+        folder.mkdir(parents=True, exist_ok=True)
+    gemm_csv, e2e_csv = common.CsvAppender(out / "wgrad.csv", meta), common.CsvAppender(extra / "wgrad_e2e.csv", meta)
+    rows: List[Dict] = []
+    e2e_rows: List[Dict] = []
+    interrupted = False
+    try:
+        rows.extend(run(device, shapes, names, config, args.seed, on_row=gemm_csv.add))
+        if args.e2e:
+            e2e_rows.extend(e2e(device, quick=small, on_row=e2e_csv.add))
+    except KeyboardInterrupt:  # a time limit's SIGINT: the CSV rows so far are written; the json too
+        interrupted = True
+        meta["interrupted"] = True
+        common.log("interrupted: writing what was measured")
+    finally:
+        gemm_csv.close()
+        e2e_csv.close()
+    if interrupted:  # run()/e2e() did not return their lists: the rows are in the CSVs
+        rows = _read_csv(out / "wgrad.csv")
+        e2e_rows = _read_csv(extra / "wgrad_e2e.csv")
+    common.write_json(extra / "wgrad.json", {"meta": meta, "rows": rows, "e2e": e2e_rows})
+    common.log(f"wrote {out / 'wgrad.csv'} and {extra / 'wgrad.json'}")
+    return 1 if interrupted else 0
+
+
+def _read_csv(path: Path) -> List[Dict]:
+    import csv
+
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 if __name__ == "__main__":

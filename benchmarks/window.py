@@ -348,19 +348,24 @@ def run(cfg: WindowConfig, device: torch.device, progress: Callable[[Dict], None
     threads first: on a loaded machine the extra threads are what is slow (a parallel op waits
     for a descheduled thread), so a time budget cuts those rows, not the one-thread table. A
     (threads, cell) that would start over budget is skipped, its label added to ``skipped``;
-    one running when the budget passes stops after MIN_ROUNDS rounds."""
+    one running when the budget passes stops after MIN_ROUNDS rounds. A cell is built (models
+    and checks, seconds each) only when its first timing starts, after the budget check: a
+    budget already spent builds nothing."""
     threads_before = torch.get_num_threads()
     rows: List[Dict] = []
+    prepared: Dict[Tuple[str, str], Cell] = {}
     try:
-        torch.set_num_threads(min(cfg.threads))  # for the checks
-        prepared = [prepare_cell(m, d, cfg, device) for m, d in cells(cfg)]
         for n in sorted(cfg.threads):
-            torch.set_num_threads(n)
-            for cell in prepared:
+            for model_name, dtype in cells(cfg):
                 if over_budget():
                     if skipped is not None:
-                        skipped.append(f"window {cell.base['model']} {cell.base['dtype']} {n} threads")
+                        skipped.append(f"window {model_label(model_name, cfg)} {dtype} {n} threads")
                     continue
+                if (model_name, dtype) not in prepared:
+                    torch.set_num_threads(min(cfg.threads))  # the checks run at the fewest threads
+                    prepared[model_name, dtype] = prepare_cell(model_name, dtype, cfg, device)
+                cell = prepared[model_name, dtype]
+                torch.set_num_threads(n)
                 for row in time_cell(cell, n, cfg, device, over_budget):
                     rows.append(row)
                     progress(row)

@@ -91,6 +91,12 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: compiles, and builds the accumulate table (a hit later)
         tb.accumulate(flat, offsets, grads, 0.5, False, found_inf, sumsq)
+        # Every kernel variant the capture launches is launched eagerly first: Triton loads a
+        # variant's module on its first launch, which the driver refuses inside a capture. The
+        # step's variant (its dtypes and flags) runs here on copies at other addresses, so its
+        # table is still a miss in the capture below, as the test intends.
+        tb.adam_step([p.clone() for p in params], [x.clone() for x in m], [x.clone() for x in v], accs, steps, lr,
+                     coef, lp_params=[x.clone() for x in lp], found_inf=found_inf.clone(), **HYPER)  # fmt: skip
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

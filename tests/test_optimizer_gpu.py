@@ -51,7 +51,10 @@ def test_a_captured_window_replays_like_eager(backend):
             sx.copy_(x)
             sy.copy_(y)
 
-    # Warm up on a side stream (torch's recipe): kernels compiled, index tensors cached.
+    # Warm up on a side stream (torch's recipe): kernels compiled, index tensors cached. Whole
+    # windows, as captured below, so that every kernel variant the capture launches has been
+    # launched eagerly first (Triton loads a variant's module at its first launch, which the
+    # driver refuses inside a capture).
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
