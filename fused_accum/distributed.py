@@ -29,7 +29,10 @@ non-finite flag, computed from the local shards, are summed over the mesh (:clas
 """
 from __future__ import annotations
 
+import atexit
 import gc
+import time
+import weakref
 from typing import Optional
 
 import torch
@@ -42,6 +45,102 @@ from .flat import Sharding, is_dtensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 SHARD_MODES = (None, "state", "grads")
+
+
+def _alias(t: Tensor) -> Tensor:
+    """A tensor over ``t``'s memory (same sizes, strides and offset) that is not a view of it:
+    a collective's own views of it (gloo's all-gather chunks its output) reference the alias
+    itself, not the base ``t`` came from, so the alias's use count alone shows whether anything
+    but its Python object still holds it."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t)
+
+
+class _Launched:
+    """A collective in flight: its Work and the aliases it runs on (see :class:`Handoff`)."""
+
+    __slots__ = ("work", "tensors")
+
+    def __init__(self, work, tensors) -> None:
+        self.work, self.tensors = work, tensors
+
+
+def _wait_all(launched) -> None:
+    for entry in launched:  # (a function of its own: no loop variable outlives the waits)
+        entry.work.wait()
+
+
+class Handoff:
+    """Runs collectives and lets go of their tensors only after the backend has.
+
+    ``Work.wait()`` returns as soon as gloo's worker thread marks a Work complete, but that
+    thread still holds the Work, and through it the tensors (inputs, outputs, the future's value,
+    its own views of the outputs), until it has done its bookkeeping and relocked its queue: a
+    few microseconds, longer when it is preempted (2 to 3 of 144 waits in a row of training runs
+    here still found it holding). A tensor whose Python object is dropped first stays alive on
+    the C++ side, and its last release, then in the worker thread, takes the GIL to free the
+    Python object; when that happens as the interpreter begins finalizing, CPython ends the
+    thread (``pthread_exit``) inside a noexcept destructor: ``std::terminate``, "terminate
+    called without an active exception", SIGABRT at exit. (Keeping every Work referenced a
+    window longer avoided that, but kept each waited collective's buffers, the all-gathered
+    parameters and ``shard="grads"``'s staging, alive as long.)
+
+    So each collective runs on fresh aliases (:func:`_alias`) of the caller's tensors. Once
+    waited, the Work is dropped at once (the memory it pins goes with it as soon as the worker
+    thread lets go), and the aliases are kept until each one's use count is 1: its Python object
+    alone, so neither the Work nor the worker thread holds it and the last reference, and the
+    freeing, are ours, on this thread. With gloo that is a matter of microseconds, so
+    :meth:`settle` waits for it (``patience`` seconds at most: past that, as with NCCL, whose
+    watchdog thread keeps a Work until the device has run it, the aliases are checked again at
+    every later call and, at the latest, at interpreter exit before finalizing begins).
+    """
+
+    _live: "weakref.WeakSet[Handoff]" = weakref.WeakSet()
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.patience = 1.0 if dist.get_backend(group) == "gloo" else 0.0
+        self._held: list = []  # aliases of waited collectives that something else may still hold
+        Handoff._live.add(self)
+
+    def launch(self, collective, *tensors, **kwargs) -> _Launched:
+        """``collective(*tensors, group=..., async_op=True, **kwargs)`` on aliases of ``tensors``."""
+        aliases = tuple(_alias(t) for t in tensors)
+        return _Launched(collective(*aliases, group=self.group, async_op=True, **kwargs), aliases)
+
+    def settle(self, launched: list) -> None:
+        """Wait for every collective of ``launched`` (in order), then drop their Works and, once
+        the backend has let go of them, their tensors (the list is emptied)."""
+        _wait_all(launched)
+        for entry in launched:
+            self._held.extend(entry.tensors)
+            entry.work, entry.tensors = None, ()
+        launched.clear()
+        self.release(self.patience)
+
+    def release(self, patience: float = 0.0) -> None:
+        """Drop the held aliases nothing else holds any more, waiting up to ``patience`` s for
+        the rest (they stay held past it)."""
+        deadline, pause = time.monotonic() + patience, 1e-5
+        while True:
+            self._held = [t for t in self._held if t._use_count() > 1]
+            if not self._held or time.monotonic() >= deadline:
+                return
+            time.sleep(pause)  # (the worker thread needs no GIL to let go: our aliases are alive)
+            pause = min(2 * pause, 1e-3)
+
+    @property
+    def holding(self) -> int:
+        """How many tensors of finished collectives are still held (0 once all were let go)."""
+        return len(self._held)
+
+
+@atexit.register
+def _let_go_before_exit() -> None:
+    # atexit runs before the interpreter starts finalizing: the last releases can still happen
+    # here, on this thread (the backend's threads finish their Works meanwhile); 10 s in all
+    deadline = time.monotonic() + 10.0
+    for handoff in list(Handoff._live):
+        handoff.release(patience=max(0.0, deadline - time.monotonic()))
 
 
 def ddp_wrapping(params) -> bool:
@@ -90,17 +189,12 @@ class ShardSums:
                 "dimensions (as fully_shard on the root module leaves them); clip with "
                 "torch.nn.utils.clip_grad_norm_ on .grad instead")  # fmt: skip
         mesh, dims = layouts.pop()
-        self.groups = [mesh.get_group(d) for d in dims]
-        # The last two calls' tensors and Works stay referenced (see WindowReducer._settle).
-        self._held: list = []
+        self.handoffs = [Handoff(mesh.get_group(d)) for d in dims]
 
     def sum_(self, value: Tensor) -> Tensor:
         """``value`` replaced by its sum over the shards, in place (no host sync)."""
-        for group in self.groups:  # one after the other: each sums the last one's result
-            work = dist.all_reduce(value, group=group, async_op=True)
-            work.wait()
-            self._held.append((value, work))
-        self._held = self._held[-2 * len(self.groups):]
+        for handoff in self.handoffs:  # one after the other: each sums the last one's result
+            handoff.settle([handoff.launch(dist.all_reduce, value)])
         return value
 
 
@@ -131,25 +225,10 @@ class WindowReducer:
         # more pass over the buffer, 8 B per param per window).
         self._avg_op = getattr(dist.ReduceOp, "AVG", None) if dist.get_backend(group) == "nccl" else None
         self._works, self._ready, self._launched = [], set(), set()
-        # Finished Works stay referenced from here for a window more (see _settle).
-        self._settled: list = []  # waited during this window
-        self._settled_before: list = []  # waited during the last window
+        # Every collective goes through it: no tensor of ours outlives the backend's hold on it
+        # in the backend's threads, and none is kept after (see Handoff).
+        self.handoff = Handoff(group)
         self._mesh = None  # sharded checkpoints: the group as a 1-D DeviceMesh (see state_rows)
-
-    def _settle(self, works) -> None:
-        """Wait for ``works``, then keep them referenced until the window after next finishes.
-
-        ``wait()`` returns as soon as gloo's worker thread marks a Work complete, but that thread
-        still holds the Work (and through it our tensors) until it takes its next one. If our
-        reference went first, the worker thread would drop the last one and so take the GIL to
-        release the tensors' Python objects; when that happens as the interpreter begins
-        finalizing, CPython ends the thread (``pthread_exit``) inside a noexcept destructor:
-        ``std::terminate``, "terminate called without an active exception", SIGABRT. A window
-        later the worker threads have long let go, and ours is the last reference.
-        """
-        for work in works:
-            work.wait()
-        self._settled.extend(works)
 
     def bucket_ready(self, flat_groups, bucket) -> None:
         """``bucket`` holds its final local values: launch it and any ready ones after it."""
@@ -161,8 +240,7 @@ class WindowReducer:
         the group's gradient (zero where no rank had one)."""
         self._launch(flat_groups, only_ready=False)
         works, self._works = self._works, []
-        self._settle(works)
-        self._settled_before, self._settled = self._settled, []  # the last window's go now
+        self.handoff.settle(works)
         for flat in flat_groups:
             if flat.shards_grads:  # every backward's reduce-scatter was a sum (AVG would round each)
                 flat.acc.div_(self.world)
@@ -177,7 +255,7 @@ class WindowReducer:
 
     def sum_(self, value: Tensor) -> Tensor:
         """``value`` replaced by its sum over the group, in place (no host sync)."""
-        self._settle([dist.all_reduce(value, group=self.group, async_op=True)])
+        self.handoff.settle([self.handoff.launch(dist.all_reduce, value)])
         return value
 
     def gather_params(self, flat_groups) -> None:
@@ -187,8 +265,8 @@ class WindowReducer:
         for flat in flat_groups:
             if flat.staging is not None:
                 for whole, part in flat.gather_ranges():
-                    works.append(_all_gather(whole, part, group=self.group, async_op=True))
-        self._settle(works)
+                    works.append(self.handoff.launch(_all_gather, whole, part))
+        self.handoff.settle(works)  # (the staging buffers are only ours again after it)
         for flat in flat_groups:
             flat.finish_step()
 
@@ -220,8 +298,8 @@ class WindowReducer:
         for bucket in flat.buckets:
             n = bucket.shard_end - bucket.shard_start
             local = buf[bucket.local_start : bucket.local_start + n]
-            works.append(_all_gather(full[bucket.start : bucket.end], local, group=self.group, async_op=True))
-        self._settle(works)
+            works.append(self.handoff.launch(_all_gather, full[bucket.start : bucket.end], local))
+        self.handoff.settle(works)
         return full
 
     # --- shard="grads": every backward --------------------------------------------------------
@@ -235,9 +313,9 @@ class WindowReducer:
         arrives) this backward's gradients of ``bucket`` are folded into before its
         reduce-scatter. Freed once the reduce-scatter is done."""
         if not self._staged and not self._launched:
-            # This backward's first bucket: the last backward's Works (and the staging buffers
-            # they hold) have long been let go by gloo's threads; drop them before allocating.
-            self._settled_before = []
+            # This backward's first bucket: what the backend still held of the last backward's
+            # staging buffers (NCCL: until the device ran it) can go before allocating anew
+            self.handoff.release()
         staged = self._staged.get(id(bucket))
         if staged is None:
             staged = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=flat.device)
@@ -257,15 +335,14 @@ class WindowReducer:
         averages at the window's end)."""
         self._scatter(flat_groups, only_ready=False)
         pending, self._pending = self._pending, []
-        for work, part, flat, bucket in pending:
-            self._settle([work])
+        for launched, part, flat, bucket in pending:
+            self.handoff.settle([launched])
             target = flat.acc[bucket.local_start : bucket.local_start + part.numel()]
             if id(bucket) in self._holds:
                 target.add_(part)
             else:
                 target.copy_(part)  # the window's first: overwrite what the last window left
                 self._holds.add(id(bucket))
-        self._settled_before, self._settled = self._settled, []  # (per backward: staging buffers)
         self._ready, self._launched = set(), set()
 
     def new_window(self) -> None:
@@ -287,19 +364,18 @@ class WindowReducer:
                 elif staged.dtype != self.reduce_dtype:
                     staged = staged.to(self.reduce_dtype)
                 part = torch.empty(staged.numel() // self.world, dtype=staged.dtype, device=staged.device)
-                work = _reduce_scatter(part, staged, group=self.group, async_op=True)
-                self._pending.append((work, part, flat, bucket))
+                self._pending.append((self.handoff.launch(_reduce_scatter, part, staged), part, flat, bucket))
                 self._launched.add(id(bucket))
 
     def average_(self, value: Tensor) -> Tensor:
         """``value`` (a 0-d device tensor) replaced by its mean over the group, in place."""
-        self._settle([dist.all_reduce(value, group=self.group, async_op=True)])
+        self.handoff.settle([self.handoff.launch(dist.all_reduce, value)])
         return value.div_(self.world)
 
     def reset(self) -> None:
         """Forget a window discarded mid-reduction (its collectives still complete first)."""
         works, self._works = self._works, []
-        self._settle(works + [entry[0] for entry in self._pending])
+        self.handoff.settle(works + [entry[0] for entry in self._pending])
         self._pending, self._staged, self._holds = [], {}, set()
         self._ready, self._launched = set(), set()
 
@@ -320,8 +396,8 @@ class WindowReducer:
                 op = self._avg_op if self._avg_op is not None else dist.ReduceOp.SUM
                 if flat.sharding is not None:  # in place: this rank's part receives the result
                     part = flat.acc[bucket.shard_start : bucket.shard_end]
-                    work = _reduce_scatter(part, segment, op=op, group=self.group, async_op=True)
+                    launched = self.handoff.launch(_reduce_scatter, part, segment, op=op)
                 else:
-                    work = dist.all_reduce(segment, op=op, group=self.group, async_op=True)
-                self._works.append(work)
+                    launched = self.handoff.launch(dist.all_reduce, segment, op=op)
+                self._works.append(launched)
                 self._launched.add(id(bucket))
