@@ -163,7 +163,7 @@ if [[ $DRY_RUN != 1 ]] && { ! command -v nvidia-smi >/dev/null || ! timeout 10 n
   exit 2
 fi
 if [[ -z "${FUSED_ACCUM_GIT_COMMIT:-}" ]]; then
-  FUSED_ACCUM_GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+  FUSED_ACCUM_GIT_COMMIT=$(timeout 10 git rev-parse HEAD 2>/dev/null || echo unknown)
 fi
 export FUSED_ACCUM_GIT_COMMIT  # benchmarks/common.py stamps every result with it
 
@@ -182,13 +182,13 @@ fi
 # without stopping the others, tests/integration (transformers, accelerate, lightning) left out.
 PYTEST=("$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --continue-on-collection-errors --durations=10
         --ignore=tests/integration)
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=90); fi
+if timeout 20 "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=90); fi
 XDIST=()
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
+if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
 CORE_TESTS=(tests/test_gpu_kernels.py tests/test_optimizer_gpu.py tests/test_ext.py tests/test_optimizer.py
             tests/test_triton_extra.py tests/test_benchmarks.py)
 if [[ $DRY_RUN == 1 ]]; then
-  "$PY" scripts/device_check_standin.py write-tests "$SCRATCH/standin-tests"
+  timeout 30 "$PY" scripts/device_check_standin.py write-tests "$SCRATCH/standin-tests"
 fi
 
 stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for stage $1

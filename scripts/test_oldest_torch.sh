@@ -19,13 +19,19 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VERSION=2.11.0
 TRITON_PIN=triton==3.6.0
+# triton 3.6's interpreter turns one-element arrays into Python ints (range() over a tensor bound),
+# which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"): every
+# Triton test of the interpreter stage fails with numpy 2.4, none with 2.3.
+NUMPY_PIN="numpy<2.4"
 source scripts/torch_venvs.sh
 start=$SECONDS
 
 ensure_torch $VERSION
 PY=$(venv_of $VERSION)/bin/python
-"$PY" -c "import pytest, hypothesis, numpy, triton; assert triton.__version__ == '${TRITON_PIN#triton==}'" 2>/dev/null \
-  || quiet_pip "$PY" -m pip install -q --no-warn-conflicts "pytest>=8" numpy tqdm matplotlib "hypothesis>=6.100" "$TRITON_PIN"
+"$PY" -c "import pytest, hypothesis, numpy, triton; assert triton.__version__ == '${TRITON_PIN#triton==}'
+assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)" 2>/dev/null \
+  || quiet_pip "$PY" -m pip install -q --no-warn-conflicts "pytest>=8" "$NUMPY_PIN" tqdm matplotlib "hypothesis>=6.100" \
+    "$TRITON_PIN"
 
 # The extension against torch 2.11 (a no-op re-link when nothing changed), then the tree's copy.
 bash scripts/check_cuda_build.sh $VERSION >build/oldest-torch.build.log 2>&1 || {
