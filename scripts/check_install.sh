@@ -11,18 +11,24 @@
 #      steps on the reference backend;
 #   5. where scripts/check_cuda_build.sh left its torch 2.11 venv: the wheel built against
 #      2.13 imported next to torch 2.11 (a real difference) gives the same one warning.
-# Called by scripts/test_all.sh. The venv is made fresh in build/install-check/venv on each run
-# (torch==2.13.0 from the local CPU wheel: ~25 s; never an unpinned torch, which would be a
-# CUDA build of several GB). The wheel is built from a copy of the tree in build/install-check/src
-# at a fixed path, whose ninja objects are kept: a rerun recompiles only what changed.
+# Called by scripts/test_all.sh. The venv holds torch==2.13.0 (from the local CPU wheel, ~25 s;
+# never an unpinned torch, which would be a CUDA build of several GB), ninja and torch's own
+# requirements, nothing else: it is kept in ~/.cache/fused_accum/install-check between runs, with
+# fused_accum uninstalled first and remade whenever it holds anything more. (Remade every run,
+# its torch headers would be new each time, and the wheel's ~60 s compile with them.) The wheel is
+# built from a copy of the tree beside it, at a fixed path, whose ninja objects are kept: a rerun
+# recompiles only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-WORK=$ROOT/build/install-check
+CACHE=${FUSED_ACCUM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fused_accum}
+WORK=$CACHE/install-check
 VENV=$WORK/venv
 SRC=$WORK/src
 TORCH_PIN=torch==2.13.0
-TORCH211_VENV=${FUSED_ACCUM_TORCH211_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fused_accum/venv-torch2.11.0-cu130}
+TORCH211_VENV=${FUSED_ACCUM_TORCH211_VENV:-$CACHE/venv-torch2.11.0-cu130}
+# what a venv with only torch 2.13.0 and ninja holds (pip freeze names, lower case)
+ONLY_TORCH="filelock fsspec jinja2 markupsafe mpmath networkx ninja setuptools sympy torch typing_extensions"
 start=$SECONDS
 export PYTHONWARNINGS="ignore:Failed to initialize NumPy:UserWarning"  # torch without numpy: noise here
 
@@ -30,11 +36,22 @@ fail() { echo "[check_install] FAIL: $*"; exit 1; }
 # pip's notes about this machine's package mirrors are noise here
 pip_quiet() { "$VENV/bin/python" -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 
+holds_only_torch() {
+  [[ -x $VENV/bin/python ]] || return 1
+  "$VENV/bin/python" -m pip uninstall -q -y fused_accum >/dev/null 2>&1 || true
+  local have
+  have=$("$VENV/bin/python" -m pip list --format=freeze 2>/dev/null | grep -v "^pip==" | cut -d= -f1 \
+         | tr 'A-Z-' 'a-z_' | sort | tr '\n' ' ')
+  [[ "$have" == "$ONLY_TORCH " ]] && "$VENV/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu'" 2>/dev/null
+}
 mkdir -p "$WORK"
-rm -rf "$VENV"
-python3 -m venv "$VENV"
-pip_quiet install -q "$TORCH_PIN" ninja
-"$VENV/bin/python" -c "import torch" || fail "torch did not install in the fresh venv"
+if ! holds_only_torch; then
+  echo "[check_install] making $VENV: torch 2.13.0 (CPU) and ninja, nothing else"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  pip_quiet install -q "$TORCH_PIN" ninja
+  holds_only_torch || fail "the venv holds more than torch and ninja: $("$VENV/bin/python" -m pip list --format=freeze | tr '\n' ' ')"
+fi
 
 # A copy of the tree as a clone would have it (tracked and untracked-but-not-ignored files), its
 # build/ kept between runs; tar keeps the files' times, so ninja sees unchanged sources as such.
@@ -144,7 +161,7 @@ cp "$WORK/record.json" "$site/fused_accum/_C.build.json"
 # 5. the same wheel next to a real torch 2.11 (its CUDA build; no GPU needed to import it)
 if [[ -x $TORCH211_VENV/bin/python ]]; then
   rm -rf "$WORK/t211"
-  pip_quiet install -q --no-deps --target "$WORK/t211" "$wheel"
+  pip_quiet install -q --no-deps --target "$WORK/t211" "$wheel"  # beside, not into, the 2.11 venv
   built=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
   PYTHONPATH=$WORK/t211 "$TORCH211_VENV/bin/python" -c "$MISMATCH_CHECK" "$built" \
     || fail "the wheel built against torch $built is not refused clearly next to torch 2.11 (above)"
