@@ -134,6 +134,20 @@ class StateEntry(dict):
     del _edit
 
 
+class _WeakStepper:
+    """What the window calls up into (a stand-in until the step has its own object): the
+    optimizer held weakly, so the window keeps no cycle through it."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def fused_step(self, *args) -> None:
+        self._optimizer()._fused_step(*args)
+
+    def rehome(self, flat) -> None:
+        self._optimizer()._rehome(flat)
+
+
 def _param_label(group_index, j, param, names):
     if names is not None:
         return repr(names[j])
@@ -321,7 +335,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
             wants_stats=max_grad_norm is not None or skip_nonfinite, reducer=reducer,
-            fused_step=weakref.WeakMethod(self._fused_step), rehome=weakref.WeakMethod(self._rehome), label=f"{type(self).__name__} at {id(self):#x}",
+            stepper=_WeakStepper(self), label=f"{type(self).__name__} at {id(self):#x}",
         )  # fmt: skip
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
         self._inner: Optional[torch.optim.Optimizer] = None  # the generic path's optimizer

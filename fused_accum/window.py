@@ -184,13 +184,15 @@ def _fsdp_grad(window_ref, key: int, param: Tensor) -> None:
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, fused_step, rehome, label):
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, stepper, label):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
         self.reducer = reducer
-        self._fused_step = fused_step  # a WeakMethod of the optimizer's fused step
-        self._rehome = rehome  # a WeakMethod: moves a flat group after its parameters
+        # from the optimizer above: .fused_step(flat, active, coef, found_inf, grads, overwrite)
+        # steps slots in backward (step_in_backward); .rehome(flat) moves a flat group's buffers
+        # after its parameters. It holds no reference to the optimizer or to this window.
+        self._stepper = stepper
         self._label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
@@ -350,7 +352,7 @@ class GradientWindow:
             flat = self.flat_groups[index]
             param = flat.slots[0].param
             if param.device != flat.device or param.dtype != flat.dtype:
-                self._rehome()(flat)
+                self._stepper.rehome(flat)
         self._exposed_at = self._granted_at = None  # new views and nodes: decide again
 
     def _before_backward(self) -> None:
@@ -582,7 +584,7 @@ class GradientWindow:
             raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
                                f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
-            self._rehome()(flat)
+            self._stepper.rehome(flat)
         fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
         # On the window's last backward the values written are final: the same pass adds them
         # to the window's norm and non-finite flag (unless a reduction changes them after).
@@ -601,8 +603,7 @@ class GradientWindow:
                     raise RuntimeError(f"{self._label}: a parameter received a second gradient after "
                                        "step_in_backward stepped it (a layer reused under several "
                                        "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
-                fused_step = self._fused_step()
-                fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
+                self._stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
             if flat.shards_grads:  # into the bucket's staging buffer, reduce-scattered after
                 staged = self.reducer.staging_for(flat, bucket)
@@ -665,9 +666,8 @@ class GradientWindow:
         if self.step_in_backward and self.microbatches == self.accum_steps and not self._pieces_seen:
             # Slots whose gradients all came before the last micro-batch step here; the rest
             # were stepped as their buckets completed. step() then only ends the window.
-            fused_step = self._fused_step()
             for flat in self.flat_groups:
-                fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
+                self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
             for slot in self.slots:
                 slot.has_grad = False
             for flat in self.flat_groups:
