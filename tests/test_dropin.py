@@ -7,11 +7,11 @@ sections (test_newest_*, test_surface_*). Wherever torch.optim has an equivalent
 value is what torch.optim does on a twin model fed the same data, with native ``.grad``
 accumulation.
 
-Public API only. Tolerances: fp32 values within RTOL = 1e-6 relative (max abs difference over
-the tensor's max abs value), unless a test states otherwise. The accumulated sums are formed in
-the same order as torch's native ``.grad`` accumulation (fp32, one backward after another), so a
-correct implementation is at a few ulp; a missing division, a wrong clip factor or a skipped
-micro-batch is >= 1e-3.
+Public API only. Tolerances: fp32 values within RTOL = 1e-6 relative (helpers.RTOL: max abs
+difference over the tensor's max abs value), unless a test states otherwise. The accumulated
+sums are formed in the same order as torch's native ``.grad`` accumulation (fp32, one backward
+after another), so a correct implementation is at a few ulp; a missing division, a wrong clip
+factor or a skipped micro-batch is >= 1e-3.
 """
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fused_accum
 from fused_accum import FusedAccumOptimizer
+from helpers import Net, assert_params_match, assert_rel, data, mse, rel_err, twins  # tests/helpers.py
 from lion_reference import LionReference  # tests/lion_reference.py
-
-RTOL = 1e-6
 
 OURS = {"SGD": fused_accum.SGD, "Adam": fused_accum.Adam, "AdamW": fused_accum.AdamW}
 HYPER = {
@@ -41,54 +40,6 @@ HYPER = {
 
 
 # --- helpers ------------------------------------------------------------------------------
-
-def rel_err(actual, expected) -> float:
-    """max |actual - expected| / max |expected| (0 when both are all zero)."""
-    a, e = actual.detach().double(), expected.detach().double()
-    assert a.shape == e.shape, (a.shape, e.shape)
-    diff = (a - e).abs().max().item() if a.numel() else 0.0
-    scale = e.abs().max().item() if e.numel() else 0.0
-    if diff == 0.0:
-        return 0.0
-    return diff / scale if scale > 0 else math.inf
-
-
-def assert_rel(actual, expected, rtol=RTOL, what="value"):
-    err = rel_err(actual, expected)
-    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
-
-
-def assert_params_match(ours: nn.Module, ref: nn.Module, rtol=RTOL):
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert_rel(p, q, rtol, f"parameter {name}")
-
-
-class Net(nn.Module):
-    """body -> tanh -> head, fp32."""
-
-    def __init__(self, seed=0, d_in=6, d_hidden=16, d_out=3):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.body = nn.Linear(d_in, d_hidden)
-        self.head = nn.Linear(d_hidden, d_out)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-
-def twins(seed=0, cls=Net, **kwargs):
-    a = cls(seed, **kwargs)
-    return a, copy.deepcopy(a)
-
-
-def data(n, micro=4, d_in=6, d_out=3, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(micro, d_in, generator=gen), torch.randn(micro, d_out, generator=gen)) for _ in range(n)]
-
-
-def mse(model, x, y):
-    return ((model(x) - y) ** 2).mean()
-
 
 def hook_count(p) -> int:
     """Tensor hooks plus post-accumulate-grad hooks registered on ``p``."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -31,60 +30,28 @@ from torch import nn
 
 import fused_accum
 import fused_accum.nn as fnn
-from fused_accum import backends
-from fused_accum.backends import ext
-
-RTOL = 1e-6
-
-BACKENDS = ["reference"]
-if backends.availability("cpu", "cpu") == "":
-    BACKENDS.append("cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = INTERPRETED and backends.availability("triton", "cpu") == ""
-if HAVE_TRITON:
-    BACKENDS.append("triton")
-needs_triton = pytest.mark.skipif(
-    not HAVE_TRITON, reason="Triton on CPU tensors runs only under TRITON_INTERPRET=1 (its own process)"
+from helpers import (  # tests/helpers.py
+    CPU_BACKENDS,
+    RTOL,
+    Net,
+    assert_grads_match,
+    assert_params_match,
+    assert_rel,
+    data,
+    mse,
+    twins,
 )
-HAVE_CPP_HOOKS = ext._C is not None and hasattr(ext._C, "Arrivals")
+
+needs_triton = pytest.mark.skipif(
+    "triton" not in CPU_BACKENDS, reason="Triton on CPU tensors runs only under TRITON_INTERPRET=1 (its own process)"
+)
 
 # Learning rates exact in fp32, so that ours (fp32 lr tensor) and torch (Python double) start
 # from the same value (issue 22 item 16 is the 1-ulp difference an inexact lr gives).
 LR_SGD, LR_ADAM = 2.0**-4, 2.0**-7
 
 
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def rel_err(actual, expected) -> float:
-    """max |actual - expected| / max |expected| (0 when equal; NaNs must sit at the same places)."""
-    a, e = actual.detach().double(), expected.detach().double()
-    assert a.shape == e.shape, (a.shape, e.shape)
-    assert torch.equal(a.isnan(), e.isnan()), "NaNs at different places"
-    a, e = a.nan_to_num(0.0), e.nan_to_num(0.0)
-    diff = (a - e).abs().max().item() if a.numel() else 0.0
-    scale = e.abs().max().item() if e.numel() else 0.0
-    if diff == 0.0:
-        return 0.0
-    return diff / scale if scale > 0 else math.inf
-
-
-def assert_rel(actual, expected, rtol=RTOL, what="value"):
-    err = rel_err(actual, expected)
-    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
-
-
-def assert_params_match(ours: nn.Module, ref: nn.Module, rtol=RTOL):
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert_rel(p, q, rtol, f"parameter {name}")
-
-
-def assert_grads_match(ours: nn.Module, ref: nn.Module, rtol=RTOL, when=""):
-    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), (
-            f"{name}.grad {when}: {'None' if p.grad is None else 'set'}, torch's {'None' if q.grad is None else 'set'}")
-        if q.grad is not None:
-            assert_rel(p.grad, q.grad, rtol, f"{name}.grad {when}")
+# --- helpers (the shared ones are in helpers.py; hooks, both implementations, in conftest.py) ---
 
 
 def snapshot(model: nn.Module, opt) -> tuple:
@@ -104,47 +71,6 @@ def assert_unchanged(model: nn.Module, opt, before: tuple, what: str):
     for (name, p) in model.named_parameters():
         for key, value in state.get(id(p), {}).items():
             assert torch.equal(opt.state[p][key], value), f"state {key!r} of {name} changed by {what}"
-
-
-class Net(nn.Module):
-    """body -> tanh -> head, fp32."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.body = nn.Linear(6, 16)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-
-def twins(seed=0, cls=Net):
-    a = cls(seed)
-    return a, copy.deepcopy(a)
-
-
-def data(n, micro=4, seed=1, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(micro, 6, generator=gen).to(dtype), torch.randn(micro, 3, generator=gen).to(dtype))
-            for _ in range(n)]  # fmt: skip
-
-
-def mse(model, x, y):
-    return ((model(x) - y) ** 2).mean()
-
-
-@pytest.fixture(params=["cpp", "python"])
-def hooks(request, monkeypatch):
-    """Both implementations of the hooks (read when an optimizer is built): the C++ ones can run
-    a middle backward without Python, so what the user did to .grad must be seen there too."""
-    if request.param == "cpp":
-        if not HAVE_CPP_HOOKS:
-            pytest.skip("fused_accum._C is not built")
-        monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
-    else:
-        monkeypatch.setenv("FUSED_ACCUM_PYTHON_HOOKS", "1")
-    return request.param
 
 
 # --- 1. accum_steps=None: a mid-window state_dict(), then .grad cleared on some parameters ------------
@@ -198,7 +124,7 @@ class BiasFree(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("accum_steps", [None, 3], ids=["no_hint", "accum_steps"])
 def test_bias_free_fused_linears_count_microbatches_and_step_like_nn_linear(monkeypatch, backend, accum_steps):
     """With no gradient through an autograd hook, the window learns of each backward from the
@@ -244,7 +170,7 @@ def test_bias_free_fused_linears_count_microbatches_and_step_like_nn_linear(monk
 # --- 3. optimizer state switched on after construction ----------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dampening", [0.0, 0.5])
 def test_sgd_momentum_switched_on_after_a_step_matches_torch(backend, dampening):
     """momentum 0 -> 0.9 in the param group after one step: torch's first momentum buffer is
@@ -273,7 +199,7 @@ def test_sgd_momentum_switched_on_after_a_step_matches_torch(backend, dampening)
     assert_params_match(ours, ref, rtol=0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("switch_at", [0, 2], ids=["before_the_first_step", "after_two_steps"])
 def test_amsgrad_switched_on_later_matches_torch(backend, switch_at):
     """``group["amsgrad"] = True`` after construction. Before the first step torch does it
@@ -316,7 +242,7 @@ def test_amsgrad_switched_on_later_matches_torch(backend, switch_at):
 # --- 4. GradScaler finds no inf, num_items=tensor(0.): skipped --------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grad_scaler_without_inf_and_zero_num_items_skips_the_step(backend):
     """``scaler.step(opt, num_items=torch.tensor(0.))`` on a finite window: the zero count alone
     must skip the step (params, state and step count untouched), the scaler's found_inf of 0
@@ -438,7 +364,7 @@ def test_triton_bucket_complete_then_partial_equals_reference(algo, unused):
 # --- 6. bf16 parameters with masters: new weights, then a torch AdamW state --------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_bf16_new_weights_then_torch_adamw_state_steps_from_the_new_weights(backend):
     """bf16 parameters with fp32 masters, trained a window (the masters hold those weights).
     Then the model's weights change (``load_state_dict`` of other weights) and a plain torch
@@ -498,7 +424,7 @@ class Gated(Net):
         return out * self.gate if gated else out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_unused_parameter_after_zero_grad_has_no_accum_and_resume_is_exact(backend, dtype):
     """step(), zero_grad(), then a micro-batch that leaves ``gate`` unused, then state_dict():
@@ -598,7 +524,7 @@ def test_second_optimizer_after_a_backward_starts_with_no_gradients(hooks):
 # --- 9. amsgrad: a NaN already in max_exp_avg_sq stays -----------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_amsgrad_nan_in_max_exp_avg_sq_stays_as_in_torch(backend):
     """torch's Adam takes amsgrad's running max with torch.maximum, which propagates a NaN from
     either side: a NaN in max_exp_avg_sq stays there and reaches the parameter. A kernel using a
@@ -642,7 +568,7 @@ class Spiky(Net):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (numpy, Triton interpreter: the point)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("accum_steps", [None, 2], ids=["no_hint", "accum_steps"])
 def test_skip_nonfinite_when_only_the_sum_of_squares_overflows(backend, accum_steps):
     """Every gradient element finite, every square finite (|g| <= 1.8e19, g^2 <= 3.3e38), but

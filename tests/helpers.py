@@ -1,0 +1,108 @@
+"""What several test files share: the backends this process can run, relative errors, and the
+small model the contract tests train.
+
+Imported by name (``from helpers import ...``): pytest puts tests/ on sys.path, as it does for
+dispatch_record.py and lion_reference.py. The shared fixtures are in conftest.py.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import List
+
+import torch
+from torch import nn
+
+from fused_accum import backends
+
+# --- backends -------------------------------------------------------------------------------------
+
+
+def _available(names, device_type) -> List[str]:
+    return [n for n in names if backends.availability(n, device_type) == ""]
+
+
+# The kernel backends, never the reference (a kernel test comparing the reference with itself
+# could not fail): on CPU tensors ``cpu`` when the C++ extension is built and ``triton`` only in a
+# ``TRITON_INTERPRET=1`` process (the variable must be set before triton is first imported); on
+# CUDA tensors ``cuda`` and ``triton`` (``-m gpu`` on a CUDA machine).
+CPU_KERNEL_BACKENDS = _available(("cpu", "triton"), "cpu")
+GPU_KERNEL_BACKENDS = _available(("cuda", "triton"), "cuda") if torch.cuda.is_available() else []
+# Every backend an optimizer can be given here: the reference always, then the kernel backends.
+CPU_BACKENDS = ["reference"] + CPU_KERNEL_BACKENDS
+GPU_BACKENDS = ["reference"] + GPU_KERNEL_BACKENDS if torch.cuda.is_available() else []
+
+
+# --- relative errors ------------------------------------------------------------------------------
+
+# fp32 parameters, gradients and state against torch.optim on a twin model fed the same data: a
+# correct implementation rounds as torch does but not always in the same order (a few ulp; the
+# files using it say what they measured), while the bugs these comparisons pin (a missing division,
+# a lost or extra micro-batch, a wrong clip factor, a step that should have been skipped) are
+# >= 1e-3.
+RTOL = 1e-6
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected|, in fp64 (0 when equal; NaNs must sit at the same
+    places, where they count as equal)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    assert a.shape == e.shape, (a.shape, e.shape)
+    assert torch.equal(a.isnan(), e.isnan()), "NaNs at different places"
+    a, e = a.nan_to_num(0.0), e.nan_to_num(0.0)
+    diff = (a - e).abs().max().item() if a.numel() else 0.0
+    scale = e.abs().max().item() if e.numel() else 0.0
+    if diff == 0.0:
+        return 0.0
+    return diff / scale if scale > 0 else math.inf
+
+
+def assert_rel(actual, expected, rtol=RTOL, what="value"):
+    err = rel_err(actual, expected)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+def assert_params_match(ours: nn.Module, ref: nn.Module, rtol=RTOL):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert_rel(p, q, rtol, f"parameter {name}")
+
+
+def assert_grads_match(ours: nn.Module, ref: nn.Module, rtol=RTOL, when=""):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), (
+            f"{name}.grad {when}: {'None' if p.grad is None else 'set'}, torch's {'None' if q.grad is None else 'set'}")
+        if q.grad is not None:
+            assert_rel(p.grad, q.grad, rtol, f"{name}.grad {when}")
+
+
+# --- the twin models the contract tests train -----------------------------------------------------
+
+
+class Net(nn.Module):
+    """body -> tanh -> head, fp32: 6 features in, 16 hidden, 3 out."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(6, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def twins(seed=0, cls=Net):
+    """Two equal models: one for fused_accum, one for torch.optim."""
+    a = cls(seed)
+    return a, copy.deepcopy(a)
+
+
+def data(n, micro=4, seed=1, dtype=torch.float32):
+    """``n`` micro-batches ``(x, y)`` of ``micro`` samples for Net (6 features in, 3 out)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(micro, 6, generator=gen).to(dtype), torch.randn(micro, 3, generator=gen).to(dtype))
+            for _ in range(n)]  # fmt: skip
+
+
+def mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
