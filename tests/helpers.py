@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import List
+from typing import List, Sequence
 
+import pytest
 import torch
 from torch import nn
 
@@ -31,6 +32,14 @@ GPU_KERNEL_BACKENDS = _available(("cuda", "triton"), "cuda") if torch.cuda.is_av
 # Every backend an optimizer can be given here: the reference always, then the kernel backends.
 CPU_BACKENDS = ["reference"] + CPU_KERNEL_BACKENDS
 GPU_BACKENDS = ["reference"] + GPU_KERNEL_BACKENDS if torch.cuda.is_available() else []
+
+
+def device_cases(cpu_names: Sequence[str], gpu_names: Sequence[str]) -> list:
+    """``(backend, device)`` parameters: ids ``<name>-cpu`` and ``<name>-cuda``, the CUDA ones
+    marked ``gpu`` (deselected by default, run by ``-m gpu``)."""
+    return [pytest.param(n, "cpu", id=f"{n}-cpu") for n in cpu_names] + [
+        pytest.param(n, "cuda", id=f"{n}-cuda", marks=pytest.mark.gpu) for n in gpu_names
+    ]
 
 
 # --- relative errors ------------------------------------------------------------------------------

@@ -25,16 +25,9 @@ import torch
 import fused_accum
 from fused_accum import backends
 from fused_accum.backends import reference
+from helpers import CPU_BACKENDS, CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS, device_cases  # tests/helpers.py
 
-CPU_BACKENDS = [n for n in ("cpu", "triton") if backends.availability(n, "cpu") == ""]
-GPU_BACKENDS = (
-    [n for n in ("cuda", "triton") if backends.availability(n, "cuda") == ""]
-    if torch.cuda.is_available()
-    else []
-)
-CASES = [pytest.param(n, "cpu", id=f"{n}-cpu") for n in CPU_BACKENDS] + [
-    pytest.param(n, "cuda", id=f"{n}-cuda", marks=pytest.mark.gpu) for n in GPU_BACKENDS
-]
+CASES = device_cases(CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS)  # the kernel backends: never the reference
 if not CASES:  # an explicit, visible reason rather than pytest's silent empty parametrisation
     pytestmark = pytest.mark.skip(reason="no kernel backend available in this process")
 
@@ -402,7 +395,7 @@ TORCH_FUSED = {
     "sgd_nesterov_maximize": (torch.optim.SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True)),
     "sgd_plain": (torch.optim.SGD, dict(weight_decay=0.01)),
 }  # fmt: skip
-TORCH_FUSED_BACKENDS = ["reference"] + CPU_BACKENDS
+TORCH_FUSED_BACKENDS = CPU_BACKENDS  # the reference too: here every backend is checked against torch
 # The states torch keeps, in the order _run_op_steps keeps them.
 STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
@@ -635,4 +628,4 @@ def test_reference_primitives_round_as_torch_fused_kernels():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter process only")
 def test_interpreter_process_really_checks_triton():
     """Guards the CI wiring: the Triton matrix must really run in the interpreter process."""
-    assert "triton" in CPU_BACKENDS, backends.availability("triton", "cpu")
+    assert "triton" in CPU_KERNEL_BACKENDS, backends.availability("triton", "cpu")

@@ -32,16 +32,9 @@ from fused_accum.optimizer import FusedAccumOptimizer
 
 from benchmarks.wgrad import cpu_peak_bytes as _peak_bytes  # the benchmark's measure: one method for both
 from dispatch_record import RecordOps  # tests/dispatch_record.py
+from helpers import CPU_BACKENDS, GPU_BACKENDS, GPU_KERNEL_BACKENDS, device_cases  # tests/helpers.py
 
-CPU_BACKENDS = ["reference"] + [n for n in ("cpu", "triton") if backends.availability(n, "cpu") == ""]
-GPU_BACKENDS = (
-    ["reference"] + [n for n in ("cuda", "triton") if backends.availability(n, "cuda") == ""]
-    if torch.cuda.is_available()
-    else []
-)
-CASES = [pytest.param(n, "cpu", id=f"{n}-cpu") for n in CPU_BACKENDS] + [
-    pytest.param(n, "cuda", id=f"{n}-cuda", marks=pytest.mark.gpu) for n in GPU_BACKENDS
-]
+CASES = device_cases(CPU_BACKENDS, GPU_BACKENDS)  # the reference too: the op is checked against fp64
 # Optimizer backends for the end-to-end tests on CPU tensors (what the window resolves).
 E2E_BACKENDS = CPU_BACKENDS
 
@@ -784,7 +777,7 @@ def test_hf_llama_with_tied_embeddings_converts_and_trains_alike(monkeypatch):
 
 # --- on a GPU (-m gpu; benchmarks/device_check.sh) ----------------------------------------------------
 
-GPU_OPT_BACKENDS = [b for b in ("cuda", "triton") if b in GPU_BACKENDS]
+GPU_OPT_BACKENDS = GPU_KERNEL_BACKENDS
 
 
 @pytest.mark.gpu

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import pickle
 
 import pytest
@@ -17,14 +16,9 @@ import torch
 from torch import nn
 
 import fused_accum
-from fused_accum import FusedAccumOptimizer, backends
+from fused_accum import FusedAccumOptimizer
+from helpers import CPU_BACKENDS, GPU_BACKENDS  # tests/helpers.py
 from lion_reference import LionReference  # tests/lion_reference.py
-
-BACKENDS = ["reference"]
-if backends.availability("cpu", "cpu") == "":
-    BACKENDS.append("cpu")
-if os.environ.get("TRITON_INTERPRET") == "1" and backends.availability("triton", "cpu") == "":
-    BACKENDS.append("triton")
 
 # fp32 parameters and state after 3 steps: the accumulated gradient sums k micro-batch
 # gradients where torch sums one batch in another order (a few ulp, ~1e-7 relative), and
@@ -87,7 +81,7 @@ def run_pair(algo, backend, k, windows, partial_last=None):
     return ours, big, opt, ref
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("algo", list(ALGOS))
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 def test_k_microbatches_equal_one_large_batch(backend, algo, k):
@@ -104,7 +98,7 @@ def test_k_microbatches_equal_one_large_batch(backend, algo, k):
                 assert float(mine[key]) == float(value)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("algo", ["sgd_momentum", "adamw", "generic_rmsprop"])
 def test_partial_last_window(backend, algo):
     ours, big, _, _ = run_pair(algo, backend, k=4, windows=3, partial_last=3)
@@ -112,7 +106,7 @@ def test_partial_last_window(backend, algo):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("algo", ["sgd_momentum", "adamw"])
 def test_unequal_microbatches_with_num_items(backend, algo):
     """Sum-reduced loss over micro-batches of 1, 5 and 2 items; step(num_items=8) divides once."""
@@ -142,7 +136,7 @@ def test_unequal_microbatches_with_num_items(backend, algo):
     assert any((r - q).abs().max() > 1e-4 for r, q in zip(naive.parameters(), big.parameters()))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_bf16_accumulation_is_closer_to_fp64_than_bf16_grad_accumulation(backend):
     torch.manual_seed(0)
     model = nn.Linear(64, 64).to(torch.bfloat16)
@@ -164,7 +158,7 @@ def test_bf16_accumulation_is_closer_to_fp64_than_bf16_grad_accumulation(backend
     assert bf16_err > 30 * ours_err, (bf16_err, ours_err)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_onecycle_scheduler_drives_lr_and_betas(backend):
     ours, big = make_model(), make_model()
     opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
@@ -188,7 +182,7 @@ def test_onecycle_scheduler_drives_lr_and_betas(backend):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grad_shows_the_running_sum_after_every_backward(backend):
     """As native accumulation: after each backward .grad is the fp32 sum so far, whatever
     accum_steps says (it only enables fusions), so a trainer's clipping is right for any window."""
@@ -207,7 +201,7 @@ def test_grad_shows_the_running_sum_after_every_backward(backend):
             torch.testing.assert_close(opt.accumulated_grad(p), e, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grad_exposed_every_backward_without_accum_steps_is_not_counted_twice(backend):
     """With accum_steps=None .grad is exposed after each backward; the next backward must not
     let autograd add into it natively (that would count the earlier micro-batches twice)."""
@@ -224,7 +218,7 @@ def test_grad_exposed_every_backward_without_accum_steps_is_not_counted_twice(ba
     assert opt.microbatches == 4
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_clip_grad_norm_at_window_end(backend):
     ours, big = make_model(), make_model()
     opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
@@ -245,7 +239,7 @@ def test_clip_grad_norm_at_window_end(backend):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grad_scaler_unscales_and_skips_on_inf(backend):
     ours, big = make_model(), make_model()
     opt = fused_accum.Adam(ours.parameters(), lr=1e-2, accum_steps=2, backend=backend)
@@ -272,7 +266,7 @@ def test_grad_scaler_unscales_and_skips_on_inf(backend):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("unscale_first", [False, True])
 def test_grad_scaler_fused_contract_equals_torch_with_a_planted_overflow(backend, unscale_first):
     """GradScaler hands us grad_scale and found_inf (_step_supports_amp_scaling): the unscale
@@ -308,7 +302,7 @@ def test_grad_scaler_fused_contract_equals_torch_with_a_planted_overflow(backend
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 def test_state_dict_mid_window_resumes_bit_exactly(backend, param_dtype, tmp_path):
     data = batches(3, 4, micro=3, dtype=param_dtype)
@@ -345,7 +339,7 @@ def test_state_dict_mid_window_resumes_bit_exactly(backend, param_dtype, tmp_pat
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_loads_a_plain_torch_adamw_state_dict(backend):
     ours, big = make_model(), make_model()
     ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
@@ -367,7 +361,7 @@ def test_loads_a_plain_torch_adamw_state_dict(backend):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_deepcopy_and_pickle_continue_identically(backend):
     model = make_model()
     opt = fused_accum.Lion(model.parameters(), lr=1e-3, accum_steps=2, backend=backend)
@@ -388,7 +382,7 @@ def test_deepcopy_and_pickle_continue_identically(backend):
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_groups_frozen_named_empty_and_added(backend):
     torch.manual_seed(0)
     model = make_model()
@@ -420,7 +414,7 @@ def test_named_parameters_are_used_in_messages_and_kept():
     assert opt.state_dict()["param_groups"][0]["param_names"][0] == "0.weight"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_step_without_gradient_is_a_no_op(backend):
     model = make_model()
     opt = fused_accum.AdamW(model.parameters(), lr=0.1, backend=backend)
@@ -430,7 +424,7 @@ def test_step_without_gradient_is_a_no_op(backend):
     assert all(float(s["step"]) == 0 for s in opt.state_dict()["state"].values())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("master_weights", [True, False])
 def test_bf16_params_train_with_and_without_master(backend, master_weights):
     model = make_model(dtype=torch.bfloat16)
@@ -529,7 +523,7 @@ def test_step_hooks_and_schedulers_see_a_torch_optimizer():
     assert isinstance(opt, torch.optim.Optimizer)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("algo", ["sgd_nesterov", "adamw", "lion"])
 def test_step_in_backward_equals_the_separate_step(backend, algo):
     """The fused last micro-batch gives the same update as accumulate-then-step; a param that
@@ -556,7 +550,7 @@ def test_step_in_backward_needs_accum_steps():
         fused_accum.AdamW(make_model().parameters(), step_in_backward=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("accum_steps", [3, None])
 def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
     """With accum_steps the norm comes out of the last accumulate pass; without, from a
@@ -580,7 +574,7 @@ def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
         torch.testing.assert_close(p, q, **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("algo", ["sgd_momentum", "adamw", "lion"])
 def test_skip_nonfinite_leaves_everything_untouched(backend, algo):
     name, _, hyper = ALGOS[algo]
@@ -624,7 +618,7 @@ def test_newest_optimizer_wins_and_hooks_die_with_it():
     assert all(not p._backward_hooks and not p._post_accumulate_grad_hooks for p in model.parameters())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_module_zero_grad_discards_an_exposed_window_like_torch(backend):
     """HF Trainer calls model.zero_grad(), not the optimizer's: after GradScaler skipped our
     step the window must still be discarded, as clearing .grad does for torch optimizers."""
@@ -747,7 +741,7 @@ def test_generic_path_with_bf16_params_and_no_master():
     assert all(p.dtype == torch.bfloat16 and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_frozen_params_of_any_dtype_are_skipped_and_gradual_unfreezing_trains_like_torch(backend):
     ours, big = make_model(), make_model()
     counter = nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
@@ -771,7 +765,7 @@ def test_frozen_params_of_any_dtype_are_skipped_and_gradual_unfreezing_trains_li
     assert not torch.equal(ours[0].weight, make_model()[0].weight)  # it did train
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_channels_last_conv_weights(backend, dtype):
     """A channels_last weight is not contiguous: its gradient and its update must still land
@@ -796,13 +790,6 @@ def test_channels_last_conv_weights(backend, dtype):
     tol = TOL if dtype == torch.float32 else dict(rtol=0.05, atol=0.02)  # bf16 forward/backward
     for p, q in zip(ours.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.float(), q, **tol)
-
-
-GPU_BACKENDS = (
-    [n for n in ("cuda", "triton", "reference") if backends.availability(n, "cuda") == ""]
-    if torch.cuda.is_available()
-    else []
-)
 
 
 @pytest.mark.gpu
