@@ -1,5 +1,5 @@
-"""What several test files share: the backends this process can run, relative errors, and the
-small model the contract tests train.
+"""What several test files share: the backends this process can run, the flat layout the
+optimizer gives its buffers, relative errors, and the small model the contract tests train.
 
 Imported by name (``from helpers import ...``): pytest puts tests/ on sys.path, as it does for
 dispatch_record.py and lion_reference.py. The shared fixtures are in conftest.py.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
 import pytest
 import torch
 from torch import nn
 
 from fused_accum import backends
+from fused_accum.flat import ALIGN
 
 # --- backends -------------------------------------------------------------------------------------
 
@@ -40,6 +41,48 @@ def device_cases(cpu_names: Sequence[str], gpu_names: Sequence[str]) -> list:
     return [pytest.param(n, "cpu", id=f"{n}-cpu") for n in cpu_names] + [
         pytest.param(n, "cuda", id=f"{n}-cuda", marks=pytest.mark.gpu) for n in gpu_names
     ]
+
+
+# --- the flat layout ------------------------------------------------------------------------------
+
+PAD = ALIGN  # the optimizer's slice alignment, in elements (fused_accum.flat.ALIGN)
+SENTINEL = -7.0  # in the padding of a layout not drawn at random: kernels must not write padding
+
+
+class FlatLayout(NamedTuple):
+    flat: torch.Tensor  # the fp32 accumulator, as accumulate takes it
+    offsets: torch.Tensor  # int64 on the CPU: where each slice starts, as accumulate takes them
+    views: List[torch.Tensor]  # the slices (1-D views), as the step ops take them
+
+
+def flat_layout(sizes, device="cpu", *, pad=PAD, fill=None, gen=None) -> FlatLayout:
+    """A flat fp32 buffer with one slice per size, each starting at a multiple of ``pad``
+    elements (the optimizer's layout; pad=1 packs the slices at odd, unaligned offsets).
+
+    With ``gen``: random values everywhere, the padding too (one ``randn`` of the whole buffer
+    drawn from ``gen``). Without: SENTINEL everywhere, then ``fill`` in the slices where given."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += (n + pad - 1) // pad * pad
+    if gen is not None:
+        flat = torch.randn(total, generator=gen).to(device)
+    else:
+        flat = torch.full((total,), SENTINEL, device=device)
+    views = [flat[o : o + n] for o, n in zip(offsets, sizes)]
+    if fill is not None:
+        for v in views:
+            v.fill_(fill)
+    return FlatLayout(flat, torch.tensor(offsets, dtype=torch.int64), views)
+
+
+def padding_untouched(flat, views) -> bool:
+    """Whether every element of ``flat`` outside ``views`` still holds SENTINEL."""
+    mask = torch.ones_like(flat, dtype=torch.bool)
+    for v in views:
+        start = v.storage_offset() - flat.storage_offset()
+        mask[start : start + v.numel()] = False
+    return bool((flat[mask] == SENTINEL).all())
 
 
 # --- relative errors ------------------------------------------------------------------------------

@@ -22,28 +22,13 @@ import torch
 
 from fused_accum import backends
 from fused_accum.backends import ext, reference
+from helpers import flat_layout  # tests/helpers.py
 
 if backends.availability("cpu", "cpu"):
     pytestmark = pytest.mark.skip(reason=f"the C++ extension is not built: {ext.unavailable_reason('cpu')}")
 
 OPS = torch.ops.fused_accum_ext if ext._C is not None else None
-PAD = 64
 STEP_TOL = dict(rtol=1e-5, atol=1e-6)  # as in test_kernels.py, which says why
-
-
-def _flat(sizes, device, gen):
-    """A random fp32 flat buffer with slices padded to 64 elements (the optimizer's layout):
-    (buffer, int64 CPU offsets, the slices as 1-D views)."""
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += (n + PAD - 1) // PAD * PAD
-    flat = torch.randn(total, generator=gen).to(device)
-    return flat, torch.tensor(offsets, dtype=torch.int64), [flat[o : o + n] for o, n in zip(offsets, sizes)]
-
-
-def _flat_views(sizes, device, gen):
-    return _flat(sizes, device, gen)[2]
 
 
 def _randn(n, dtype, device, gen):
@@ -52,7 +37,7 @@ def _randn(n, dtype, device, gen):
 
 def _accumulate_args(device, gen, sizes=(5, 300, 1)):
     """(acc, offsets, grads) of accumulate: a random buffer, and gradients of mixed dtypes."""
-    acc, offsets, _ = _flat(sizes, device, gen)
+    acc, offsets, _ = flat_layout(sizes, device, gen=gen)
     grads = [_randn(n, (torch.bfloat16, torch.float16, torch.float32)[i % 3], device, gen) for i, n in enumerate(sizes)]
     return acc, offsets, grads
 
@@ -63,9 +48,9 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
     amsgrad = algo == "adam_amsgrad"
     algo = "adam" if amsgrad else algo
     n_state = {"sgd": 1, "adam": 2, "lion": 1}[algo]
-    params = _flat_views(sizes, device, gen)
-    states = [[s.abs() for s in _flat_views(sizes, device, gen)] for _ in range(n_state)]
-    accs = _flat_views(sizes, device, gen)
+    params = flat_layout(sizes, device, gen=gen).views
+    states = [[s.abs() for s in flat_layout(sizes, device, gen=gen).views] for _ in range(n_state)]
+    accs = flat_layout(sizes, device, gen=gen).views
     steps = torch.tensor([1.0 + 3 * i for i in range(len(sizes))], device=device)
     # lr as the optimizer passes it: float64 (test_cuda_step_captures_... also passes float32)
     lr = torch.tensor(0.01, dtype=torch.float64, device=device)
@@ -78,7 +63,7 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
         found_inf=torch.zeros((), device=device),
     )
     if amsgrad:
-        kwargs["max_exp_avg_sqs"] = [s.abs() for s in _flat_views(sizes, device, gen)]
+        kwargs["max_exp_avg_sqs"] = [s.abs() for s in flat_layout(sizes, device, gen=gen).views]
     hyper = {
         "sgd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
         "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import List, NamedTuple
 
 import numpy as np
 import pytest
@@ -25,7 +24,15 @@ import torch
 import fused_accum
 from fused_accum import backends
 from fused_accum.backends import reference
-from helpers import CPU_BACKENDS, CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS, device_cases  # tests/helpers.py
+from helpers import (  # tests/helpers.py
+    CPU_BACKENDS,
+    CPU_KERNEL_BACKENDS,
+    GPU_KERNEL_BACKENDS,
+    PAD,
+    device_cases,
+    flat_layout,
+    padding_untouched,
+)
 
 CASES = device_cases(CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS)  # the kernel backends: never the reference
 if not CASES:  # an explicit, visible reason rather than pytest's silent empty parametrisation
@@ -33,35 +40,7 @@ if not CASES:  # an explicit, visible reason rather than pytest's silent empty p
 
 SIZES = [1, 2, 3, 31, 257, 1023, 1024, 1025, 4096, 4097]
 LOW = [torch.bfloat16, torch.float16]
-PAD = 64  # the optimizer's slice alignment, in elements
-
-
-class _Layout(NamedTuple):
-    flat: torch.Tensor  # the fp32 accumulator, as accumulate takes it
-    offsets: torch.Tensor  # int64 on the CPU: where each slice starts, as accumulate takes them
-    views: List[torch.Tensor]  # the slices, as the step ops take them
-
-
-def _flat_views(sizes, device, fill=float("nan"), pad=PAD):
-    """A flat fp32 buffer with one slice per size, each starting at a multiple of ``pad``
-    elements; the padding holds a sentinel. pad=1 packs the slices (odd, unaligned offsets)."""
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += (n + pad - 1) // pad * pad
-    flat = torch.full((total,), -7.0, device=device)  # sentinel: kernels must not write padding
-    views = [flat[o : o + n] for o, n in zip(offsets, sizes)]
-    for v in views:
-        v.fill_(fill)
-    return _Layout(flat, torch.tensor(offsets, dtype=torch.int64), views)
-
-
-def _padding_untouched(flat, views):
-    mask = torch.ones_like(flat, dtype=torch.bool)
-    for v in views:
-        start = v.storage_offset() - flat.storage_offset()
-        mask[start : start + v.numel()] = False
-    return bool((flat[mask] == -7.0).all())
+NAN = float("nan")  # what outputs hold before a call, where the op does not read them (see above)
 
 
 def _seed(*case) -> int:
@@ -90,7 +69,7 @@ def test_accumulate_matches_reference(backend, device, dtype, overwrite):
     gen = torch.Generator().manual_seed(_seed(dtype, overwrite))
     grads = _grads(SIZES, dtype, device, gen)
     start = [torch.randn(n, generator=gen).to(device) for n in SIZES]
-    got, want = _flat_views(SIZES, device), _flat_views(SIZES, device)
+    got, want = flat_layout(SIZES, device, fill=NAN), flat_layout(SIZES, device, fill=NAN)
     for a, e, s in zip(got.views, want.views, start):
         if not overwrite:  # overwrite must not read acc: leave NaN there as poison
             a.copy_(s)
@@ -102,7 +81,7 @@ def test_accumulate_matches_reference(backend, device, dtype, overwrite):
     reference.accumulate(want.flat, want.offsets, grads, alpha, overwrite, ref_inf, ref_sumsq)
     for g, w in zip(got.views, want.views):
         torch.testing.assert_close(g, w, **ACC_TOL)
-    assert _padding_untouched(got.flat, got.views)
+    assert padding_untouched(got.flat, got.views)
     assert found_inf.item() == 0.0
     # sumsq is added to (1.5 was there) and equals the squared norm of the values written
     norm2 = torch.linalg.vector_norm(torch.cat(want.views)) ** 2
@@ -131,7 +110,7 @@ def test_accumulate_many_mixed_tensors_and_views(backend, device, pad):
         else:
             grads.append(base[:n])
     start = [torch.randn(n, generator=gen).to(device) for n in sizes]
-    got, want = _flat_views(sizes, device, pad=pad), _flat_views(sizes, device, pad=pad)
+    got, want = flat_layout(sizes, device, pad=pad, fill=NAN), flat_layout(sizes, device, pad=pad, fill=NAN)
     for a, e, s in zip(got.views, want.views, start):
         a.copy_(s)
         e.copy_(s)
@@ -139,7 +118,7 @@ def test_accumulate_many_mixed_tensors_and_views(backend, device, pad):
     reference.accumulate(want.flat, want.offsets, grads, 2.0, False, None, None)
     for g, w in zip(got.views, want.views):
         torch.testing.assert_close(g, w, **ACC_TOL)
-    assert _padding_untouched(got.flat, got.views)
+    assert padding_untouched(got.flat, got.views)
 
 
 @pytest.mark.parametrize("backend,device", CASES)
@@ -148,7 +127,7 @@ def test_accumulate_writes_only_the_slices_it_is_given(backend, device):
     others as they were, whatever the gaps between the slices it writes."""
     gen = torch.Generator().manual_seed(4)
     sizes = [33, 1024, 5, 700, 64, 1]
-    layout = _flat_views(sizes, device, fill=0.0)
+    layout = flat_layout(sizes, device, fill=0.0)
     for v in layout.views:
         v.copy_(torch.randn(v.numel(), generator=gen))
     before = layout.flat.clone()
@@ -162,7 +141,7 @@ def test_accumulate_writes_only_the_slices_it_is_given(backend, device):
             torch.testing.assert_close(v, old + grads[chosen.index(i)].float(), **ACC_TOL)
         else:
             assert torch.equal(v, old)
-    assert _padding_untouched(layout.flat, layout.views)
+    assert padding_untouched(layout.flat, layout.views)
 
 
 @pytest.mark.parametrize("backend,device", CASES)
@@ -171,7 +150,7 @@ def test_accumulate_flags_nonfinite(backend, device, bad):
     gen = torch.Generator().manual_seed(2)
     grads = _grads([5, 1025, 3], torch.bfloat16, device, gen)
     grads[1][777] = bad
-    layout = _flat_views([5, 1025, 3], device, fill=0.5)
+    layout = flat_layout([5, 1025, 3], device, fill=0.5)
     found_inf = torch.zeros((), device=device)
     backends.get(backend).accumulate(layout.flat, layout.offsets, grads, 1.0, False, found_inf, None)
     assert found_inf.item() == 1.0
@@ -201,7 +180,7 @@ BAD_LAYOUTS = {
 @pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
 @pytest.mark.parametrize("case", list(BAD_LAYOUTS))
 def test_accumulate_rejects_bad_layouts(backend, device, case):
-    layout = _flat_views([20, 20], device, fill=0.0)  # slices at 0 and 64 of a 128-element buffer
+    layout = flat_layout([20, 20], device, fill=0.0)  # slices at 0 and 64 of a 128-element buffer
     flat, offsets = BAD_LAYOUTS[case][0](layout.flat, layout.offsets)
     grads = [torch.ones(20, device=device), torch.ones(20, device=device)]
     with pytest.raises((ValueError, RuntimeError), match=BAD_LAYOUTS[case][1]):
@@ -238,7 +217,7 @@ def _step_inputs(algo, sizes, param_kind, device, gen):
     lp = []
     if param_kind == "master":
         lp = [torch.full((n,), float("nan"), device=device, dtype=LOW[i % 2]) for i, n in enumerate(sizes)]
-    accs = _flat_views(sizes, device).views
+    accs = flat_layout(sizes, device, fill=NAN).views
     for a in accs:
         a.copy_(torch.randn(a.numel(), generator=gen))
     # per-tensor step counts, including first steps (SGD's momentum initialisation)
@@ -340,7 +319,7 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     def run(algo_call, p, m, v, g):
         params = [torch.full((n,), p, device=device) for n in sizes]
         m_, v_ = ([torch.full((n,), x, device=device) for n in sizes] for x in (m, v))
-        accs = _flat_views(sizes, device, fill=g).views
+        accs = flat_layout(sizes, device, fill=g).views
         algo_call(module, params, m_, v_, accs, torch.ones(len(sizes), device=device))
         return torch.cat(params)
 
@@ -373,7 +352,7 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
     scalar)."""
     shape, dtype = {"float16": ((), torch.float16), "two_elements": ((2,), torch.float64)}[bad]
     lr = torch.full(shape, 1e-3, dtype=dtype, device=device)
-    p, accs = torch.zeros(4, device=device), _flat_views([4], device, fill=1.0).views
+    p, accs = torch.zeros(4, device=device), flat_layout([4], device, fill=1.0).views
     with pytest.raises((ValueError, RuntimeError), match=r"lr must be a one-element float64 or float32 tensor"):
         backends.get(backend).sgd_step(
             [p], [], accs, torch.ones(1, device=device), lr, torch.ones((), device=device),
