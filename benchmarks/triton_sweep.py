@@ -2,7 +2,7 @@
 programs per SM (the chunk size), for a bf16 accumulate into fp32 and a fused AdamW step from
 acc (fp32 masters, bf16 params), each as achieved GB/s and % of a device-to-device copy timed
 in the same run. Run by benchmarks/device_check.sh; the winner becomes the default in
-fused_accum/backends/triton.py (BLOCK, NUM_WARPS, PROGRAMS_PER_SM).
+fused_accum/backends/triton/__init__.py (BLOCK, NUM_WARPS, PROGRAMS_PER_SM).
 
 Bytes per element (DESIGN.md section 3): accumulate 10 (read bf16 grad 2 + acc 4, write acc 4),
 AdamW from acc 30 (read acc, master, m, v 16; write master, m, v 12, bf16 param 2). The default

@@ -1,5 +1,5 @@
 """Spill gate for the Triton kernels (issue 10, item 11): compile every kernel of
-fused_accum/backends/triton_kernels.py for sm_90 without a GPU (Triton ships ptxas and
+fused_accum/backends/triton/kernels.py for sm_90 without a GPU (Triton ships ptxas and
 cuobjdump) in the variants with the most live values, and fail on any local memory.
 
 A spill in a bandwidth-bound kernel is extra memory traffic per element (the AdamW variant for

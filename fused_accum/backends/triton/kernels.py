@@ -3,8 +3,8 @@
 Every formula here follows :mod:`fused_accum.backends.reference` (the specification) term by
 term, in the same order and with the same fused multiply-adds (``tl.fma`` where the reference
 has one; the launcher turns automatic contraction off), so on the same inputs the kernels round
-where the reference rounds. The
-launchers, dtype grouping and tables live in :mod:`fused_accum.backends.triton`.
+where the reference rounds. The tables are laid out in :mod:`.tables` and the kernels launched
+from :mod:`fused_accum.backends.triton` (the package's ``__init__``).
 
 How a launch finds its data (multi-tensor: one launch for any number of tensors):
 
