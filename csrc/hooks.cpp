@@ -64,15 +64,19 @@ void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList 
                        .findSchemaOrThrow("fused_accum_ext::accumulate_", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, at::TensorList, double, bool,
                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  at::NoGradGuard no_grad;  // (a double backward runs the hooks in grad mode: the sums keep no graph)
   op.call(acc, offsets, grads, 1.0, overwrite, std::nullopt, std::nullopt);
 }
 
 class Arrivals : public std::enable_shared_from_this<Arrivals> {
  public:
-  Arrivals(py::object before_backward, py::object queue_end, py::object bucket_complete)
+  Arrivals(py::object before_backward, py::object queue_end, py::object bucket_complete, py::object fold_hooked,
+           py::object backward_raised)
       : before_backward_(std::move(before_backward)),
         queue_end_(std::move(queue_end)),
-        bucket_complete_(std::move(bucket_complete)) {}
+        bucket_complete_(std::move(bucket_complete)),
+        fold_hooked_(std::move(fold_hooked)),
+        backward_raised_(std::move(backward_raised)) {}
 
   // New buckets (numbered on from the last) and new slots (keys numbered on from the last), each
   // slot at a position of a bucket, with the parameter's name for errors.
@@ -110,6 +114,8 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     before_backward_ = py::object();
     queue_end_ = py::object();
     bucket_complete_ = py::object();
+    fold_hooked_ = py::object();
+    backward_raised_ = py::object();
   }
 
   void attach(int64_t key, const at::Tensor& param);
@@ -123,11 +129,14 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
 
   // The pre-hook. Usually it takes the gradient into its bucket itself and hands AccumulateGrad
   // an undefined one, which the node skips: `.grad` is not touched (it keeps showing the running
-  // sum), and autograd neither detaches nor stores anything. AccumulateGrad must run where it
-  // does more than store the gradient: a user's post-accumulate-grad hook reads `.grad`, a
-  // double backward keeps the gradient's graph, a non-strided or zero tensor needs its handling,
-  // a parameter that no longer requires grad drops it. There the pre-hook hides a `.grad` that
-  // shows the running sum (else autograd would add into it), and the post-hook takes what
+  // sum), and autograd neither detaches nor stores anything. A parameter with a user's
+  // post-accumulate-grad hook is folded at once by the window (fold_hooked) into the running
+  // sum `.grad` shows; AccumulateGrad, handed an undefined gradient, still runs that hook, which
+  // so sees the sum, as natively. AccumulateGrad
+  // must run where it does more than store the gradient: a double backward keeps the gradient's
+  // graph, a non-strided or zero tensor needs its handling, a parameter that no longer requires
+  // grad drops it (and the window may decline a hooked one). There the pre-hook hides a `.grad`
+  // that shows the running sum (else autograd would add into it), and the post-hook takes what
   // AccumulateGrad stored.
   variable_list before_accumulate(int64_t key, AccumulateGrad& node, const variable_list& grads) {
     if (standing_aside()) return grads;
@@ -139,11 +148,12 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     const at::Tensor& param = node.variable;
     const at::Tensor& grad = grads[0];
     const bool plain = grad.layout() == at::kStrided && !grad._is_zerotensor() && param.requires_grad() &&
-                       !at::GradMode::is_enabled() && !node.tensor_post_acc_grad_hooks();
-    if (plain) {
+                       !at::GradMode::is_enabled();
+    if (plain && !node.tensor_post_acc_grad_hooks()) {
       arrive(key, grad);
       return variable_list(1);
     }
+    if (plain && call_bool(fold_hooked_, key, grad)) return variable_list(1);
     if (hide_) {
       at::Tensor& shown = param.mutable_grad();
       if (shown.defined()) {
@@ -365,11 +375,44 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       last_task_ = task;  // (arrive() does not ask Python to see this backward's end)
       slow_ = false;
     }
-    std::weak_ptr<Arrivals> weak = weak_from_this();
-    torch::autograd::Engine::get_default_engine().queue_callback([weak, task] {
-      if (auto table = weak.lock()) table->end_quietly(task);
+    // The engine drops its final callbacks unrun when the backward raises: the guard then
+    // tells the window (raised_quietly), which shows in `.grad` what arrived before the error.
+    auto end = std::make_shared<QuietEnd>(weak_from_this(), task);
+    torch::autograd::Engine::get_default_engine().queue_callback([end] {
+      end->ran = true;
+      if (auto table = end->table.lock()) table->end_quietly(end->task);
     });
     return true;
+  }
+
+  struct QuietEnd {
+    QuietEnd(std::weak_ptr<Arrivals> table, int task) : table(std::move(table)), task(task) {}
+    ~QuietEnd() {
+      if (ran) return;
+      if (auto arrivals = table.lock()) arrivals->raised_quietly(task);
+    }
+    std::weak_ptr<Arrivals> table;
+    int task;
+    bool ran = false;
+  };
+
+  // A backward started quietly raised before its end. Unless the window saw it (then its own
+  // end callback, dropped too, tells it), hand the window what arrived: backward_raised().
+  void raised_quietly(int task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (task != quiet_task_) return;
+      quiet_task_ = -1;
+      quiet_left_ = 0;
+      slow_ = true;
+      if (task == python_task_) return;
+    }
+    py::gil_scoped_acquire gil;
+    try {
+      backward_raised_();
+    } catch (py::error_already_set& err) {
+      err.discard_as_unraisable("fused_accum: after a backward that raised");  // (a destructor: cannot throw)
+    }
   }
 
   // The end of a backward started quietly. If it stayed so (every bucket complete and folded
@@ -486,9 +529,21 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     }
   }
 
+  static bool call_bool(const py::object& fn, int64_t key, const at::Tensor& grad) {
+    py::gil_scoped_acquire gil;
+    try {
+      return fn(key, grad).cast<bool>();
+    } catch (py::error_already_set& err) {
+      err.restore();
+      python_error error;
+      error.persist();
+      throw error;
+    }
+  }
+
   std::vector<int64_t> slot_bucket_, slot_position_;
   std::vector<std::string> names_;
-  py::object before_backward_, queue_end_, bucket_complete_;
+  py::object before_backward_, queue_end_, bucket_complete_, fold_hooked_, backward_raised_;
   std::vector<BucketArrivals> buckets_;
   // by slot: the AccumulateGrad nodes we hook. The pointer type is whatever grad_accumulator()
   // returns: std::shared_ptr<Node> up to torch 2.12, c10::intrusive_ptr<Node> from 2.13 on.
@@ -606,8 +661,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("built_with_cuda") = FA_WITH_CUDA;
   m.def("addresses_and_dtypes", &fused_accum::addresses_and_dtypes, py::arg("tensors"));
   py::class_<Arrivals, std::shared_ptr<Arrivals>>(m, "Arrivals")
-      .def(py::init<py::object, py::object, py::object>(), py::arg("before_backward"),
-           py::arg("queue_end"), py::arg("bucket_complete"))
+      .def(py::init<py::object, py::object, py::object, py::object, py::object>(), py::arg("before_backward"),
+           py::arg("queue_end"), py::arg("bucket_complete"), py::arg("fold_hooked"), py::arg("backward_raised"))
       .def("extend", &Arrivals::extend)
       .def("attach", &Arrivals::attach)
       .def("rehook", &Arrivals::rehook)

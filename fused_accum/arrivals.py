@@ -6,9 +6,13 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   (the window's once-per-backward checks). It then usually takes the gradient into the
   parameter's place in its bucket itself and hands the node an undefined gradient, which
   AccumulateGrad skips: ``.grad`` is left alone (it keeps showing the window's fp32 running sum)
-  and autograd stores nothing. Where AccumulateGrad must run (a user's post-accumulate-grad hook
-  reads ``.grad``; a double backward keeps the gradient's graph; a sparse or zero tensor; a
-  parameter that no longer requires grad) the pre-hook leaves it the gradient, and while
+  and autograd stores nothing. A parameter with a user's post-accumulate-grad hook is handed to
+  ``fold_hooked(key, grad)``: True when the window folded it at once into the running sum that
+  ``.grad`` shows; AccumulateGrad, handed an undefined gradient, still runs the user's hooks,
+  which so see the sum as natively. Where AccumulateGrad
+  must run (a double backward keeps the gradient's graph; a sparse or zero tensor; a parameter
+  that no longer requires grad; a hooked one the window declined) the pre-hook leaves it the
+  gradient, and while
   ``hide`` is set (the running sums are showing) hides a defined ``.grad``: else autograd would
   add the new gradient into the running sum itself, and it would be folded twice.
 * a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
@@ -20,6 +24,8 @@ When every parameter of a bucket has arrived the hooks call ``bucket_complete(bu
 grads in bucket order (None for one written in place).
 
 The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
+A backward that raises never ends: the engine drops its final callbacks unrun. The window's
+callback notices that as it is dropped; a quiet backward's (below) calls ``backward_raised()``.
 ``grant_fast(buckets, accs, offsets, overwrite)`` lets the listed buckets, for the backward about
 to run, fold themselves when complete (``accumulate_(acc, offsets, grads, 1, overwrite)``)
 without calling ``bucket_complete``: the window grants it where the fold needs nothing else of
@@ -77,13 +83,15 @@ logger = logging.getLogger("fused_accum")
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
-def make_arrivals(before_backward: Callable, queue_end: Callable, bucket_complete: Callable):
+def make_arrivals(before_backward: Callable, queue_end: Callable, bucket_complete: Callable,
+                  fold_hooked: Callable, backward_raised: Callable):
     """The C++ hooks where the extension is built, else the Python ones."""
+    callbacks = (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised)
     if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
-        return PythonArrivals(before_backward, queue_end, bucket_complete)
+        return PythonArrivals(*callbacks)
     if ext._C is None or not hasattr(ext._C, "Arrivals"):
-        return PythonArrivals(before_backward, queue_end, bucket_complete)
-    return ext._C.Arrivals(before_backward, queue_end, bucket_complete)
+        return PythonArrivals(*callbacks)
+    return ext._C.Arrivals(*callbacks)
 
 
 class _Bucket:
@@ -120,10 +128,14 @@ def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
 class PythonArrivals:
     """``fused_accum._C.Arrivals`` in Python (see the module's docstring)."""
 
-    def __init__(self, before_backward: Callable, queue_end: Callable, bucket_complete: Callable):
+    def __init__(self, before_backward: Callable, queue_end: Callable, bucket_complete: Callable,
+                 fold_hooked: Callable, backward_raised: Callable):
         self._before_backward = before_backward
         self._queue_end = queue_end
         self._bucket_complete = bucket_complete
+        self._fold_hooked = fold_hooked
+        # (never called here: no backward runs quietly, so the window sees every one that raised)
+        self._backward_raised = backward_raised
         self.native = False
         self.slow = True
         self.hide = False
@@ -194,9 +206,11 @@ class PythonArrivals:
         if grad is None:
             return None
         plain = (grad.layout == torch.strided and not grad._is_zerotensor() and param.requires_grad
-                 and not torch.is_grad_enabled() and not param._post_accumulate_grad_hooks)  # fmt: skip
-        if plain:
+                 and not torch.is_grad_enabled())  # fmt: skip
+        if plain and not param._post_accumulate_grad_hooks:
             self._arrive(key, grad)
+            return (None,)
+        if plain and self._fold_hooked(key, grad):
             return (None,)
         if self.hide and param.grad is not None:
             with self._lock:

@@ -152,13 +152,14 @@ def ddp_wrapping(params) -> bool:
     ours is the parameter's post-accumulate-grad hook), so it must see autograd's ``.grad``.
     FSDP2 runs autograd on unsharded copies and sets the sharded parameter's ``.grad`` (a
     DTensor) after its reduce-scatter, adding to it on later micro-batches. Asked once per
-    optimizer; for plain parameters only in a multi-process run: it walks the objects the
+    optimizer; for plain parameters only once a process group exists (of any size: scripts that
+    always wrap run DDP under ``torchrun --nproc_per_node=1`` too): it walks the objects the
     garbage collector tracks (tens of ms for a large program).
     """
     params = list(params)
     if any(is_dtensor(p) for p in params):
         return True
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_available() and dist.is_initialized()):
         return False
     from torch.nn.parallel import DistributedDataParallel
 

@@ -168,6 +168,39 @@ def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:
         window._bucket_complete(bucket_id, grads)
 
 
+def _fold_hooked(window_ref, key: int, grad: Tensor) -> bool:
+    window = window_ref()
+    return window is not None and window._fold_hooked(key, grad)
+
+
+def _backward_raised(window_ref) -> None:
+    window = window_ref()
+    if window is not None:
+        window._backward_raised(None)
+
+
+class _EndOfBackward:
+    """The window's end-of-backward callback for one graph task. The engine drops a backward's
+    final callbacks unrun when it raises, and this one is then let go unrun: that is how the
+    window learns that the backward ended in an error."""
+
+    __slots__ = ("window_ref", "task", "ran")
+
+    def __init__(self, window_ref, task: int) -> None:
+        self.window_ref, self.task, self.ran = window_ref, task, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        window = self.window_ref()
+        if window is not None:
+            window._end_of_backward(self.task)
+
+    def __del__(self) -> None:
+        window = None if self.ran else self.window_ref()
+        if window is not None:
+            window._backward_raised(self.task)
+
+
 def _detach_all(arrivals, handles: list) -> None:
     arrivals.detach_all()
     for handle in handles:
@@ -210,7 +243,9 @@ class GradientWindow:
         this = weakref.ref(self)
         self._arrivals = make_arrivals(functools.partial(_before_backward, this),
                                        functools.partial(_queue_end, this),
-                                       functools.partial(_bucket_complete, this))  # fmt: skip
+                                       functools.partial(_bucket_complete, this),
+                                       functools.partial(_fold_hooked, this),
+                                       functools.partial(_backward_raised, this))  # fmt: skip
         self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
         self._handles: list = []  # of the Python hooks on FSDP2 (DTensor) parameters
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
@@ -374,6 +409,9 @@ class GradientWindow:
                 for flat in self.flat_groups:
                     flat.refresh_masters()  # this backward may step from them
             self._arrivals.slow = False
+            # Seen from now, not only from the first arrival: should this backward raise before
+            # one, .grad must still show the window again (see _backward_raised).
+            self._queue_end_of_backward(arrived=False)
             self._grant_fast_folds()
 
     def _grant_fast_folds(self) -> bool:
@@ -468,6 +506,42 @@ class GradientWindow:
 
         return WgradTarget(slot.full_view if flat.sharding else slot.grad_view, overwrite, flat.backend, done)
 
+    def _fold_hooked(self, key: int, grad: Tensor) -> bool:
+        """A parameter with a user's post-accumulate-grad hook: fold its gradient now and show
+        the running sum in ``.grad``. AccumulateGrad, handed an undefined gradient, still runs
+        the user's hooks after (torch 2.11 to 2.14 do), so they see and may edit the sum so far,
+        as natively, not this micro-batch's piece. False where the gradient cannot be folded on its own now (the cases ``wgrad_target``
+        declines: step_in_backward, DDP, shard="grads"): AccumulateGrad then runs as before."""
+        slot = self.slots[key]
+        param = slot.param
+        target = self.wgrad_target(param)
+        if target is None:
+            return False
+        with torch.no_grad():
+            if target.overwrite:
+                target.acc.copy_(grad)
+            else:
+                target.acc.add_(grad)  # fp32 += the gradient upcast: what the kernels compute
+        target.done()
+        if param.grad is not slot.grad_view:
+            param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
+        return True
+
+    def _backward_raised(self, task: Optional[int]) -> None:
+        """A backward raised before its end (``task``: its graph task, None for one the hooks
+        ran quietly). What arrived before the error is in ``.grad`` natively (AccumulateGrad
+        ran for those parameters): fold the buckets it left partly filled and show the window
+        again, so a clip or a ``zero_grad()`` that follows sees it, as with torch. It does not
+        count as a micro-batch (a retried backward is the one that counts)."""
+        with self._lock:
+            if task is not None:
+                self._tasks.pop(task, None)
+            if self.detached_because is not None:
+                return
+            self._arrivals.revoke_fast()
+            self.flush()
+            self.expose()
+
     def _reduced_error(self):
         raise RuntimeError(f"{self._label}: shard='state' reduces once per window and this window was "
                            "already reduce-scattered; call step() (and zero_grad()) before the next "
@@ -481,7 +555,7 @@ class GradientWindow:
         task = _current_graph_task_id()
         seen = self._tasks.get(task)
         if seen is None:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end_of_backward(task))
+            torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(weakref.ref(self), task))
             self._tasks[task] = arrived
             self._arrivals.python_seen()  # (this backward is not quiet: this callback ends it)
         elif arrived and not seen:
@@ -562,6 +636,7 @@ class GradientWindow:
             self.invalidate_stats()
         self._unreduced = True
 
+    @torch.no_grad()  # (a double backward runs its hooks in grad mode: the sums keep no graph)
     def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, plan, complete: bool = False) -> None:
         """Fold the gradients that arrived for ``bucket`` (``grads`` by position in it, None where
         nothing arrived as a tensor): one op call per (overwrite, add) kind, an accumulate, or on
@@ -764,6 +839,7 @@ class GradientWindow:
                 self.take_user_grad(slot, self.flat_groups[slot.flat_index].local_grad(slot, grad))
                 slot.param.grad = None  # the next gradient is added by our kernels
 
+    @torch.no_grad()
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
         if self._reduced:
             raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "

@@ -17,7 +17,7 @@ FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_ho
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
-TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py -k triton
+TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py tests/test_torch_contract.py -k triton
 [[ ${1:-} == --cpu-suite ]] && exit 0
 
 echo "== C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"

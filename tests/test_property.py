@@ -194,3 +194,150 @@ def test_matches_torch_optim_with_native_grad_accumulation(cfg):
         scale = q.detach().abs().max().item()
         assert math.isfinite(diff) and diff <= RTOL * scale, \
             f"{name}: relative error {diff / scale if scale else math.inf:.3g} > {RTOL:g}"
+
+
+# --- what users do to the model between micro-batches and steps (issue 22) --------------------
+#
+# The same loop, with one user event drawn per window at a drawn point (before backward j, or
+# after the window's last backward, before the step), done alike to both sides: the oracle is
+# torch.optim doing the same with native .grad. Events that edit .grad after the last backward
+# must reach max_grad_norm's clip (torch clips at the step, after them).
+
+
+class _Boom(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: a backward that fails half way (the
+    output layer's gradients arrived, the rest did not)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.armed:
+            raise RuntimeError("planted error in backward")
+        return g
+
+
+class EventNet(PropNet):
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        h = _Boom.apply(torch.tanh(self.mid(h)))
+        return self.out(h)
+
+
+def _raised_backward(model, opt, x, y):
+    _Boom.armed = True
+    try:
+        ((model(x) - y) ** 2).mean().backward()
+    except RuntimeError as error:
+        assert "planted error" in str(error)
+    else:
+        raise AssertionError("the planted error did not raise")
+    finally:
+        _Boom.armed = False
+
+
+def _scaled_state_dict(model, opt, x, y):
+    model.load_state_dict({k: v * 0.9 for k, v in model.state_dict().items()})
+
+
+def _edit_params(model, opt, x, y):
+    with torch.no_grad():
+        model.mid.weight.mul_(0.5)
+        model.emb.weight.clamp_(-0.2, 0.2)
+
+
+def _edit_grads(model, opt, x, y):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+
+def _clip_value(model, opt, x, y):
+    if any(p.grad is not None for p in model.parameters()):  # (torch raises on no gradient at all)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+
+
+def _clear_one_grad(model, opt, x, y):
+    model.mid.weight.grad = None
+
+
+def _raised_then_zero_grad(model, opt, x, y):
+    _raised_backward(model, opt, x, y)
+    model.zero_grad()
+
+
+def _reset_state(model, opt, x, y):
+    opt.state.clear()
+
+
+def _cast_round_trip(model, opt, x, y):
+    model.double()  # (.data replaced: autograd builds new AccumulateGrad nodes)
+    model.float()
+
+
+EVENTS = {
+    "edit_params": _edit_params, "load_model_state": _scaled_state_dict, "edit_grads": _edit_grads,
+    "clip_grad_value": _clip_value, "clear_one_grad": _clear_one_grad, "raised_backward": _raised_backward,
+    "raised_then_zero_grad": _raised_then_zero_grad, "reset_state": _reset_state,
+    "cast_round_trip": _cast_round_trip,
+}
+# Only between windows (after zero_grad): a cast mid-window makes torch's module.to cast .grad
+# through .data, which the README lists among the deliberate differences.
+AT_WINDOW_START_ONLY = {"cast_round_trip"}
+
+
+@st.composite
+def event_configs(draw):
+    cfg = draw(configs())
+    cfg.update(tied=False, twice=False, resume_at=None, num_items=False, clip=draw(st.sampled_from([None, "max_grad_norm"])))
+    events = []
+    for n in cfg["windows"]:
+        name = draw(st.sampled_from(sorted(EVENTS)))
+        at = 0 if name in AT_WINDOW_START_ONLY else draw(st.integers(0, n))
+        events.append((name, at))
+    cfg["events"] = events
+    cfg["post_hook"] = draw(st.booleans())  # a clamping post-accumulate-grad hook on out.weight
+    return cfg
+
+
+def _clamp_hook(p):
+    p.grad.clamp_(-0.05, 0.05)
+
+
+def run_with_events(cfg, data, ours):
+    model = EventNet(cfg)
+    if cfg["post_hook"]:
+        model.out.weight.register_post_accumulate_grad_hook(_clamp_hook)
+    opt = build(cfg, model, ours=ours)
+    for window, (name, at) in zip(data, cfg["events"]):
+        for j in range(len(window) + 1):
+            if j == at:
+                x, y = window[min(j, len(window) - 1)]
+                EVENTS[name](model, opt, x, y)
+            if j < len(window):
+                x, y = window[j]
+                loss_fn(model, x, y, cfg, window).backward()
+        if cfg["clip"] is not None and not ours:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_norm"])
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=event_configs())
+def test_matches_torch_optim_when_the_user_touches_the_model(cfg):
+    note(repr(cfg))
+    data = micro_batches(cfg)
+    ref = run_with_events(cfg, data, ours=False)
+    ours = run_with_events(cfg, data, ours=True)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        scale = q.detach().abs().max().item()
+        assert math.isfinite(diff) and diff <= RTOL * scale, \
+            f"{name}: relative error {diff / scale if scale else math.inf:.3g} > {RTOL:g}"

@@ -424,3 +424,50 @@ def test_only_grad_scaler_is_told_that_the_step_unscales():
             o.zero_grad()
     assert Spy.unscaled == 0  # the fused path: GradScaler never unscaled .grad itself
     assert_close(model, ref)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_ddp_with_one_process_owns_grad_and_we_stand_aside(tmp_path, bucket_view):
+    """``torchrun --nproc_per_node=1`` with a script that always wraps in DDP: DDP's reducer
+    fills ``.grad``, so the hooks must stand aside as with more ranks (else both write it:
+    0.097 off, and with ``gradient_as_bucket_view`` DDP raises)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        ours, ref = mlp(), mlp()
+        ddp = nn.parallel.DistributedDataParallel(ours, gradient_as_bucket_view=bucket_view)
+        opt = fused_accum.AdamW(ours.parameters(), lr=1e-2)
+        torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        data = batches(6)
+        for window in (data[:3], data[3:]):
+            for batch in window:
+                loss_of(ddp, batch).backward()
+                loss_of(ref, batch).backward()
+            opt.step()
+            torch_opt.step()
+            opt.zero_grad()
+            torch_opt.zero_grad()
+        assert_close(ours, ref)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_create_graph_grad_carries_no_graph_and_says_so_as_documented():
+    """README, deliberate differences: after ``backward(create_graph=True)`` ``.grad`` is the
+    fp32 running sum without a graph; differentiating it raises torch's own error, and the
+    documented route (``torch.autograd.grad(..., create_graph=True)``) gives torch's numbers."""
+    ours, ref = mlp(), mlp()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2)
+    batch = batches(1)[0]
+    loss_of(ours, batch).backward(create_graph=True)
+    weight = ours[0].weight
+    assert weight.grad.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        torch.autograd.grad(weight.grad.square().sum(), weight)
+    (g_ours,) = torch.autograd.grad(loss_of(ours, batch), weight, create_graph=True)
+    (g_ref,) = torch.autograd.grad(loss_of(ref, batch), ref[0].weight, create_graph=True)
+    (hvp_ours,) = torch.autograd.grad(g_ours.square().sum(), weight)
+    (hvp_ref,) = torch.autograd.grad(g_ref.square().sum(), ref[0].weight)
+    assert rel_err(hvp_ours, hvp_ref) == 0  # the same graph on the same values: torch's numbers
+    assert opt.microbatches == 1  # (autograd.grad leaves the window alone)
