@@ -1,0 +1,257 @@
+"""The flat step: one fused update of a flat group's slots, and the coefficient it applies.
+
+:class:`Stepper` is what both callers of the update hold: the optimizer's ``step()`` and the
+window, which steps each bucket of the last backward itself under ``step_in_backward`` and
+moves a flat group after its parameters. It holds what the step reads (the param groups, the
+optimizer's ``state`` and the views it last showed there, the backend asked for) and nothing
+that holds it: no optimizer, no window. The optimizer holds the window, the window the stepper;
+a reference back up would be a cycle, and deleting the optimizer would no longer free its
+buffers until the cycle collector ran (``tests/test_dropin.py``,
+``test_i14_del_frees_buffers_and_parameters_without_the_cycle_collector``).
+
+:func:`window_scale` turns ``num_items``, a GradScaler's scale and flag, clipping and
+``skip_nonfinite`` into one device scalar per device and a skip flag, without a host sync.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backends, ops
+from .algorithms import ALGORITHMS, scalar, state_keys
+from .flat import FlatGroup, Slot
+
+
+class StateEntry(dict):
+    """``opt.state[p]`` as the optimizer shows it: torch's state names -> views of the flat
+    buffers. It remembers whether the user assigned or removed a key since (``edited``), so the
+    step reads the entry back instead of stepping from buffers the user replaced."""
+
+    __slots__ = ("edited",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.edited = False
+
+    def _edit(method):  # noqa: N805 (a decorator of the class body)
+        def edited(self, *args, **kwargs):
+            self.edited = True
+            return method(self, *args, **kwargs)
+
+        return edited
+
+    __setitem__ = _edit(dict.__setitem__)
+    __delitem__ = _edit(dict.__delitem__)
+    __ior__ = _edit(dict.__ior__)
+    pop = _edit(dict.pop)
+    popitem = _edit(dict.popitem)
+    clear = _edit(dict.clear)
+    update = _edit(dict.update)
+    setdefault = _edit(dict.setdefault)
+    del _edit
+
+
+class Stepper:
+    """The fused update and ``opt.state``'s views of the flat buffers.
+
+    ``param_groups`` and ``state`` are the optimizer's own objects: torch's ``Optimizer`` and
+    users rebind them (``opt.state = {}`` restarts the state), and the optimizer's properties of
+    those names write through to here, so these are always the ones the user sees."""
+
+    def __init__(self, algorithm, backend_request: str) -> None:
+        self.algorithm = algorithm  # a fused algorithm's name; None: the generic path (no fused step)
+        self.backend_request = backend_request
+        self.param_groups: list = []
+        self.state: dict = {}
+        self.shown: dict = {}  # slot key -> the StateEntry last put in self.state
+
+    # --- what the window calls ---------------------------------------------------------------
+
+    @torch.no_grad()  # (also when a backward steps: step_in_backward, create_graph=True)
+    def fused_step(self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(),
+                   grads_overwrite=False) -> None:  # fmt: skip
+        """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
+        if not active:
+            return
+        group = self.param_groups[flat.group_index]
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            # device to device: no host sync, capturable; an fp32 lr is exact in float64
+            flat.lr.copy_(lr.detach().reshape(()))
+        else:
+            flat.lr.fill_(float(lr))  # float64: every bit of the Python float, as torch takes it
+        if coef is not flat.coef:
+            flat.coef.copy_(coef)
+        self.take_user_state(flat, active, group)
+        # A skipped step does not count (as torch's GradScaler skips the step call itself).
+        increment = flat.one if found_inf is None else 1 - found_inf
+        if len(active) == len(flat.slots):
+            flat.steps.add_(increment)
+            steps = flat.steps
+        else:
+            index = flat.active_index(tuple(s.index for s in active))
+            flat.steps.index_add_(0, index, increment.expand(len(active)))
+            steps = flat.steps.index_select(0, index)
+        held, accs, params, lp_params = flat.step_lists(active)  # sharded: this rank's pieces
+        if held is not active:
+            if not held:
+                return
+            index = flat.active_index(tuple(s.index for s in held))
+            steps = flat.steps.index_select(0, index)
+            active = held
+        common = (steps, flat.lr, flat.coef)
+        tail = (lp_params, list(grads), 1.0, grads_overwrite, found_inf, flat.backend)
+        # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
+        # of this flat group's buffers; what changes their layout (the active set, the lists
+        # passed) is in the key.
+        everyone = len(active) == len(flat.slots)
+        layout = (None if everyone else tuple(s.index for s in active), len(grads), grads_overwrite)
+        if self.algorithm == "sgd":
+            momentum = group["momentum"]
+            bufs = [s.state["momentum_buffer"] for s in active] if momentum != 0 else []
+            ops.sgd_step(params, bufs, accs, *common, momentum, group["dampening"],
+                         group["weight_decay"], group["nesterov"], group["maximize"], *tail,
+                         plan=(flat.plan, layout, bool(bufs)))  # fmt: skip
+            return
+        beta1, beta2 = (scalar(b) for b in group["betas"])
+        exp_avgs = [s.state["exp_avg"] for s in active]
+        if self.algorithm in ("adam", "adamw"):
+            maxes = [s.state["max_exp_avg_sq"] for s in active] if group["amsgrad"] else []
+            ops.adam_step(params, exp_avgs, [s.state["exp_avg_sq"] for s in active], maxes, accs, *common,
+                          beta1, beta2, group["eps"], group["weight_decay"], self.algorithm == "adamw",
+                          group["maximize"], *tail, plan=(flat.plan, layout, bool(maxes)))  # fmt: skip
+        else:
+            ops.lion_step(params, exp_avgs, accs, *common, beta1, beta2, group["weight_decay"],
+                          group["maximize"], *tail, plan=(flat.plan, layout))  # fmt: skip
+
+    def rehome(self, flat: FlatGroup) -> None:
+        """Move ``flat``'s buffers to where its parameters now are (a model moved, or
+        materialised with ``to_empty``, after the optimizer was built)."""
+        device = flat.slots[0].param.device
+        if device.type == "meta":
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
+                               "devices: fused_accum always fuses, and these parameters are on the meta device; "
+                               "materialise the model (to_empty() or to()) before stepping")  # fmt: skip
+        flat.rehome(device, backends.resolve(self.backend_request, device))
+        group = self.param_groups[flat.group_index]
+        for slot in flat.slots:
+            if self.state.get(slot.param):
+                self.show_state(flat, slot, group)
+
+    # --- opt.state ---------------------------------------------------------------------------
+
+    def take_user_state(self, flat: FlatGroup, active: list, group) -> None:
+        """Before a step: allocate state turned on since the last one, and take what the user
+        did to ``opt.state`` (an entry deleted, cleared or replaced by ``{}`` starts afresh, as
+        torch's would; tensors assigned into it become the state) before the kernels read the
+        buffers. Step counts change here, before the step adds to them."""
+        for key in state_keys(self.algorithm, group):
+            if flat.ensure_state(key):
+                if key == "momentum_buffer":
+                    # torch's buffer starts as a copy of the gradient at its first step with
+                    # momentum (the kernels' first step: a step count of 1), not at the first step.
+                    flat.steps.zero_()
+                for slot in flat.slots:  # show the new buffer too
+                    if self.shown.get(slot.key) is not None:
+                        self.show_state(flat, slot, group)
+        if not (flat.state or ALGORITHMS[self.algorithm].has_step):
+            return  # torch keeps no entry without state
+        for slot in active:
+            entry = self.state.get(slot.param)
+            mine = self.shown.get(slot.key)
+            if entry is not None and entry is mine and not entry.edited:
+                continue
+            if mine is not None or entry:  # (no entry yet and none shown: the slot's first step)
+                self.load_slot_state(flat, slot, dict(entry or {}))
+            self.show_state(flat, slot, group)
+
+    def load_slot_state(self, flat: FlatGroup, slot: Slot, state: dict) -> None:
+        """One slot's optimizer state from torch-named values (a missing one starts at zero, and
+        an empty ``state`` at step 0, as torch's would), shown in ``opt.state``."""
+        group = self.param_groups[flat.group_index]
+        for key in state_keys(self.algorithm, group):
+            flat.ensure_state(key)
+        # torch's SGD saves no step: a saved momentum buffer means at least one step was taken
+        # (else the next step would re-initialise the buffer from the gradient).
+        has_state = any(state.get(key) is not None for key in slot.state)
+        step = state.get("step", 1.0 if has_state else 0.0)
+        flat.steps[slot.index] = scalar(step)
+        for key, view in slot.state.items():
+            value = state.get(key)
+            if value is None:  # missing (or torch SGD's momentum_buffer=None): defaults to zero
+                view.zero_()
+            else:
+                view.copy_(fp32_piece(flat, slot, value))
+        self.show_state(flat, slot, group)
+
+    def show_state(self, flat: FlatGroup, slot: Slot, group) -> None:
+        """Put ``opt.state[p]``: torch's state names, as fp32 views of the flat buffers (in-place
+        edits go through)."""
+        entry = StateEntry()
+        if ALGORITHMS[self.algorithm].has_step:
+            entry["step"] = flat.steps[slot.index]
+        for key in state_keys(self.algorithm, group):
+            entry[key] = flat.state_view(slot, slot.state[key])
+        self.state[slot.param] = entry
+        self.shown[slot.key] = entry
+
+
+def fp32_piece(flat: FlatGroup, slot: Slot, value: Tensor) -> Tensor:
+    """A saved or assigned per-parameter value as the slot's 1-D fp32 piece on the flat group's
+    device (sharded: this rank's piece of a whole parameter's value; DTensor: its local shard)."""
+    value = flat.local_value(slot, value.detach())
+    return flat.piece_of(slot, value.to(device=flat.device, dtype=torch.float32).reshape(-1))
+
+
+def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite,
+                 shard_sums) -> tuple:  # fmt: skip
+    """(coef per device, skip flag per device or None, the window's norm or None), computed on
+    the device without a host sync: 1/num_items x 1/grad_scale x the clip factor; skip when
+    num_items is not positive and finite, when GradScaler found an inf, or (skip_nonfinite) when
+    the window's gradient has one. ``grad_scale``/``found_inf``: what GradScaler.step set on the
+    optimizer; ``shard_sums``: DTensor params' sum over the mesh, or None."""
+    devices = list(dict.fromkeys(flat.device for flat in window.flat_groups))
+    if not devices:
+        return {}, None, None
+    home = devices[0]
+    fp32 = dict(dtype=torch.float32, device=home)
+    coef = torch.ones((), **fp32)
+    bad = None  # a 0-d fp32 flag on home: 1 skips the step
+    norm = None
+    if num_items is not None:
+        items = torch.empty((), **fp32)
+        if isinstance(num_items, Tensor):
+            items.copy_(num_items.detach().reshape(()))
+        else:
+            items.fill_(float(num_items))
+        if window.reducer is not None:  # gradients are the group's mean: so the counts
+            window.reducer.average_(items)
+        bad = (~((items > 0) & torch.isfinite(items))).float()
+        coef = coef / items
+    if grad_scale is not None:
+        coef = coef / grad_scale.to(home)
+    if isinstance(found_inf, Tensor):
+        flag = (found_inf.to(home) > 0).float()
+        bad = flag if bad is None else torch.maximum(bad, flag)
+        if grad_scale is None:
+            # GradScaler passes no scale after its unscale_(opt), which divided .grad in place
+            # with an op that leaves the version counter alone (torch 2.13's
+            # _amp_foreach_non_finite_check_and_unscale_): the last pass's norm is stale.
+            window.invalidate_stats()
+    if max_grad_norm is not None or skip_nonfinite:
+        stats = window.complete_stats()
+        total = sum(sumsq.to(home) for _, sumsq in stats.values())
+        any_inf = sum(flag.to(home) for flag, _ in stats.values())
+        if shard_sums is not None:  # DTensor params: the stats of local shards
+            both = shard_sums.sum_(torch.stack([total, any_inf]))
+            total, any_inf = both[0], both[1]
+        # inf/nan anywhere makes the sum of squares non-finite too
+        nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
+        norm = total.sqrt() * coef
+        if max_grad_norm is not None:
+            coef = coef * (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_
+        if skip_nonfinite:
+            bad = nonfinite if bad is None else torch.maximum(bad, nonfinite)
+    scale = {d: coef.to(d) for d in devices}
+    skip = {d: bad.to(d) for d in devices} if bad is not None else None
+    return scale, skip, norm
