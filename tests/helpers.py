@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Sequence, Union
 
 import pytest
 import torch
@@ -125,6 +125,20 @@ def assert_grads_match(ours: nn.Module, ref: nn.Module, rtol=RTOL, when=""):
             f"{name}.grad {when}: {'None' if p.grad is None else 'set'}, torch's {'None' if q.grad is None else 'set'}")
         if q.grad is not None:
             assert_rel(p.grad, q.grad, rtol, f"{name}.grad {when}")
+
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def norm_rel_err(got: Tensors, want: Tensors) -> float:
+    """||got - want|| / ||want||, in fp64, over all elements as one flat vector (a list of
+    tensors is concatenated); ||want|| = 0 counts as 1e-30 (equal zeros give 0, not NaN)."""
+    if not isinstance(got, torch.Tensor):
+        got = torch.cat([g.reshape(-1) for g in got])
+    if not isinstance(want, torch.Tensor):
+        want = torch.cat([w.reshape(-1) for w in want])
+    g, w = got.detach().double(), want.detach().double()
+    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
 
 
 # --- the twin models the contract tests train -----------------------------------------------------

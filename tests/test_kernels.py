@@ -379,16 +379,6 @@ TORCH_FUSED_BACKENDS = CPU_BACKENDS  # the reference too: here every backend is 
 STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: these tests run 100 small steps, where a second thread only adds
-    hand-off cost (and on a loaded 2-core CI machine, seconds of spinning)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # lr = 1e-3 is not exact in fp32: torch's fused CPU optimizers take it as a double (a tensor lr
 # as lr.item<double>()), so our ops must too (issue 22 item 16: rounded to fp32 first, Adam's step
 # size was 1 ulp off in 70 of the first 1,000 steps). A float64 tensor lr keeps the double; an

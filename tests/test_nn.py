@@ -32,7 +32,7 @@ from fused_accum.optimizer import FusedAccumOptimizer
 
 from benchmarks.wgrad import cpu_peak_bytes as _peak_bytes  # the benchmark's measure: one method for both
 from dispatch_record import RecordOps  # tests/dispatch_record.py
-from helpers import CPU_BACKENDS, GPU_BACKENDS, GPU_KERNEL_BACKENDS, device_cases  # tests/helpers.py
+from helpers import CPU_BACKENDS, GPU_BACKENDS, GPU_KERNEL_BACKENDS, device_cases, norm_rel_err  # tests/helpers.py
 
 CASES = device_cases(CPU_BACKENDS, GPU_BACKENDS)  # the reference too: the op is checked against fp64
 # Optimizer backends for the end-to-end tests on CPU tensors (what the window resolves).
@@ -459,10 +459,6 @@ def _train(model, opt, windows, accum, data_seed=1, autocast=False, forward=None
     return grads
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("backend", E2E_BACKENDS)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
 def test_converted_model_trains_like_unconverted(monkeypatch, backend, autocast):
@@ -481,9 +477,9 @@ def test_converted_model_trains_like_unconverted(monkeypatch, backend, autocast)
     tol = 2e-2 if autocast else 1e-6
     for window_ref, window_conv in zip(g_ref, g_conv):
         for a, b in zip(window_ref, window_conv):
-            assert _rel(b, a) <= tol
+            assert norm_rel_err(b, a) <= tol
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= (1e-2 if autocast else 1e-6)
+        assert norm_rel_err(b, a) <= (1e-2 if autocast else 1e-6)
 
 
 def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
@@ -503,8 +499,8 @@ def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
         oracle += c.double().t() @ x.double()
         for mod in (ref, conv):
             (mod(x) * c).sum().backward()
-    err_unfused = _rel(ref[0].weight.grad, oracle)
-    err_fused = _rel(conv[0].weight.grad, oracle)
+    err_unfused = norm_rel_err(ref[0].weight.grad, oracle)
+    err_fused = norm_rel_err(conv[0].weight.grad, oracle)
     print(f"relative error vs fp64 oracle: unfused {err_unfused:.3g}, fused {err_fused:.3g}, "
           f"ratio {err_unfused / max(err_fused, 1e-30):.3g}")  # fmt: skip
     # measured 2026-11-30: unfused ~1.1e-3, fused ~1e-7 (fp32 summation only)
@@ -573,9 +569,9 @@ def test_checkpointed_converted_model_trains_like_unconverted(monkeypatch, reent
     g_conv = _train(conv, opts[1], 2, 2, forward=lambda x: forward_of(conv)(x.requires_grad_()))
     assert spy.given == 2 * 2 * 3
     for a, b in zip(g_ref[-1], g_conv[-1]):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 class _TiedLM(nn.Module):
@@ -608,13 +604,13 @@ def test_tied_embedding_and_head(monkeypatch):
             for m in (ref, conv):
                 F.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(1, 1).flatten()).backward()
         for a, b in zip(ref.parameters(), conv.parameters()):
-            assert _rel(b.grad, a.grad) <= 1e-6  # the embedding's gradient was added to the head's
+            assert norm_rel_err(b.grad, a.grad) <= 1e-6  # the embedding's gradient was added to the head's
         for opt in opts:
             opt.step()
             opt.zero_grad()
     assert spy.given == 3 * 3 * 2  # head and mix, every micro-batch
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 def test_frozen_weights(monkeypatch):
@@ -630,7 +626,7 @@ def test_frozen_weights(monkeypatch):
     assert spy.given == 2 * 2 * 2  # the frozen weight is never asked for
     assert torch.equal(conv[2].weight, frozen_before) and conv[2].weight.grad is None
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 def test_weight_outside_the_optimizer_gets_an_ordinary_grad(monkeypatch):
@@ -655,7 +651,7 @@ def test_compiled_converted_model_trains_like_unconverted():
     _train(ref, opts[0], 2, 2)
     _train(conv, opts[1], 2, 2, forward=compiled)
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 def test_wgrad_benchmark_smoke(tmp_path):
@@ -693,7 +689,7 @@ def test_clipping_and_num_items_see_the_fused_gradients(monkeypatch, accum_steps
             opt.zero_grad()
     assert spy.given == 3 * 3 * 3
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 def test_non_finite_fused_gradient_skips_the_step(monkeypatch):
@@ -721,7 +717,7 @@ def test_non_finite_fused_gradient_skips_the_step(monkeypatch):
         changed = any(not torch.equal(a, b) for a, b in zip(before, conv.parameters()))
         assert changed == (window != 1)
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 def test_step_in_backward_gets_ordinary_gradients(monkeypatch):
@@ -772,7 +768,7 @@ def test_hf_llama_with_tied_embeddings_converts_and_trains_alike(monkeypatch):
             opt.zero_grad()
     assert spy.given == 2 * 2 * n_linear
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-6
+        assert norm_rel_err(b, a) <= 1e-6
 
 
 # --- on a GPU (-m gpu; benchmarks/device_check.sh) ----------------------------------------------------
@@ -812,9 +808,9 @@ def test_gpu_converted_bf16_mlp_memory_precision_and_training(backend):
     print(f"[{backend}] backward peak: unfused {peaks[0]} B, fused {peaks[1]} B, saved {saved} B of {wgrad_bytes} B")
     assert saved >= wgrad_bytes - 6 * tokens * width - (1 << 20)  # loss grads; 1 MiB of allocator rounding
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b.grad, a.grad) <= 2e-2  # the unfused sum carries bf16 roundings
+        assert norm_rel_err(b.grad, a.grad) <= 2e-2  # the unfused sum carries bf16 roundings
     for opt in opts:
         opt.step()
         opt.zero_grad()
     for a, b in zip(ref.parameters(), conv.parameters()):
-        assert _rel(b, a) <= 1e-2
+        assert norm_rel_err(b, a) <= 1e-2

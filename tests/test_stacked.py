@@ -24,24 +24,15 @@ from fused_accum.stacked import (
     split_batch,
     stacked_backward,
 )
+from helpers import norm_rel_err  # tests/helpers.py
 
 FP32_TOL = 1e-5  # see the module docstring
 K = 4  # micro-batches per window
 N = 32  # samples per window (8 per micro-batch)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tensors here are tiny (at most 32 x 256): one intra-op thread loses nothing, while on
-    2 cores shared with other processes 2 threads made this file take 32 s instead of 2.4 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).norm() / ref.norm()).item()
+# The tensors here are tiny (at most 32 x 256): one intra-op thread (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flat_grad(params) -> torch.Tensor:
@@ -134,7 +125,7 @@ def test_infonce_cached_equals_stacked_equals_full_without_dropout(as_dict):
     for how in ("stacked", "cached"):
         loss, g = run_contrastive(model, how)
         assert loss == pytest.approx(loss_full, rel=FP32_TOL), how
-        assert rel_err(g, g_full) < FP32_TOL, how
+        assert norm_rel_err(g, g_full) < FP32_TOL, how
 
 
 def test_infonce_with_dropout_replays_masks_and_matches_full_batch():
@@ -154,7 +145,7 @@ def test_infonce_with_dropout_replays_masks_and_matches_full_batch():
             # same as the stacked form's chunk j (same seed, same draw order): bit-equal.
             assert torch.equal(m.log[K + j], m.log[j])
             assert torch.equal(m.log[j], masks[j])
-    assert rel_err(g_cached, g_stacked) < FP32_TOL
+    assert norm_rel_err(g_cached, g_stacked) < FP32_TOL
 
     # The full batch with the same masks (a full batch draws its masks in a different order:
     # all queries, then all documents), applied through replay.
@@ -162,14 +153,14 @@ def test_infonce_with_dropout_replays_masks_and_matches_full_batch():
         m.replay = torch.cat(masks)
     loss_full, g_full = run_contrastive(model, "full")
     assert loss_cached == pytest.approx(loss_full, rel=FP32_TOL)
-    assert rel_err(g_cached, g_full) < FP32_TOL
+    assert norm_rel_err(g_cached, g_full) < FP32_TOL
 
     # And dropout really mattered: without it the gradient is another one (measured 0.75 apart
     # at p = 0.3; 0.05 is far above fp32 noise and far below that).
     for m in drops:
         m.replay, m.p = None, 0.0
     _, g_plain = run_contrastive(model, "full")
-    assert rel_err(g_plain, g_full) > 0.05
+    assert norm_rel_err(g_plain, g_full) > 0.05
 
 
 def test_infonce_loop_a_is_not_the_large_batch():
@@ -181,7 +172,7 @@ def test_infonce_loop_a_is_not_the_large_batch():
     # against 5.4) and another gradient (measured 0.32 apart). The thresholds, 10% and 0.1, are
     # far above fp32 noise (1e-7) and below the measured gaps.
     assert loss_a < 0.9 * loss_full
-    assert rel_err(g_a, g_full) > 0.1
+    assert norm_rel_err(g_a, g_full) > 0.1
 
 
 def test_autocast_cached_matches_stacked_and_fp32():
@@ -209,9 +200,9 @@ def test_autocast_cached_matches_stacked_and_fp32():
     # dropped chunk (25% of the batch) moves it far more. Cached and stacked share every bf16
     # forward and differ only in where the k chunks' weight gradients are summed (bf16 in the
     # graph, fp32 in .grad): measured 0.4% apart, bounded by 2e-2.
-    assert rel_err(grads["cached"], grads["fp32"]) < 5e-2
-    assert rel_err(grads["stacked"], grads["fp32"]) < 5e-2
-    assert rel_err(grads["cached"], grads["stacked"]) < 2e-2
+    assert norm_rel_err(grads["cached"], grads["fp32"]) < 5e-2
+    assert norm_rel_err(grads["stacked"], grads["fp32"]) < 5e-2
+    assert norm_rel_err(grads["cached"], grads["stacked"]) < 2e-2
 
 
 # ---------------------------------------------------------------- saved-activation memory
@@ -281,9 +272,9 @@ def test_per_sample_loss_loop_a_normalised_equals_loop_b_equals_full():
             fn(model_fn, split_batch((x, y), K), ce)
         grads[how] = flat_grad(model.parameters())
     for how in ("loop_a", "stacked", "cached"):
-        assert rel_err(grads[how], g_full) < FP32_TOL, how
+        assert norm_rel_err(grads[how], g_full) < FP32_TOL, how
     # Not divided by k: exactly k times the large-batch gradient (to fp32 rounding).
-    assert rel_err(grads["loop_a_unnormalised"], K * g_full) < FP32_TOL
+    assert norm_rel_err(grads["loop_a_unnormalised"], K * g_full) < FP32_TOL
 
 
 def test_unequal_micro_batches_need_num_items():
@@ -306,12 +297,12 @@ def test_unequal_micro_batches_need_num_items():
         (F.cross_entropy(model(xc), yc) / len(sizes)).backward()
     g_mean_of_means = flat_grad(model.parameters())
     # The gap depends on the data (measured 0.49 here); 0.05 is far above fp32 noise.
-    assert rel_err(g_mean_of_means, g_full) > 0.05
+    assert norm_rel_err(g_mean_of_means, g_full) > 0.05
 
     model.zero_grad(set_to_none=True)
     for xc, yc in parts:
         (F.cross_entropy(model(xc), yc, reduction="sum") / N).backward()
-    assert rel_err(flat_grad(model.parameters()), g_full) < FP32_TOL
+    assert norm_rel_err(flat_grad(model.parameters()), g_full) < FP32_TOL
 
     # Through FusedAccumOptimizer: sum-reduced losses, step(num_items=N). Plain SGD with lr = 1
     # moves each parameter by exactly minus its normalised gradient.
@@ -321,13 +312,13 @@ def test_unequal_micro_batches_need_num_items():
     for xc, yc in parts:
         F.cross_entropy(model(xc), yc, reduction="sum").backward()
     summed = torch.cat([opt.accumulated_grad(p).flatten() for p in model.parameters()])
-    assert rel_err(summed, N * g_full) < FP32_TOL  # fp32 buffers hold the plain sum
+    assert norm_rel_err(summed, N * g_full) < FP32_TOL  # fp32 buffers hold the plain sum
     opt.step(num_items=N)
     opt.zero_grad()
     step = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())])
     # Recovering the step as before - after rounds it to fp32 at the parameters' scale (~0.14,
     # steps ~0.02: ~3 bits of the step's precision lost); measured 2e-7, so FP32_TOL holds.
-    assert rel_err(step, g_full) < FP32_TOL
+    assert norm_rel_err(step, g_full) < FP32_TOL
 
 
 def test_cached_backward_feeds_fused_accum_optimizer():
@@ -343,7 +334,7 @@ def test_cached_backward_feeds_fused_accum_optimizer():
     cached_backward(model, split_batch(pair_batch(), K), info_nce)
     assert opt.microbatches == K  # one backward per chunk: accum_steps=K closes the window
     acc = torch.cat([opt.accumulated_grad(p).flatten() for p in model.parameters()])
-    assert rel_err(acc, g_full) < FP32_TOL
+    assert norm_rel_err(acc, g_full) < FP32_TOL
 
 
 def test_cached_backward_with_a_learnable_temperature_is_still_k_backwards():
