@@ -22,7 +22,7 @@ import torch
 
 from fused_accum import backends
 from fused_accum.backends import ext, reference
-from helpers import flat_layout  # tests/helpers.py
+from helpers import PAD, flat_layout  # tests/helpers.py
 
 if backends.availability("cpu", "cpu"):
     pytestmark = pytest.mark.skip(reason=f"the C++ extension is not built: {ext.unavailable_reason('cpu')}")
@@ -35,9 +35,9 @@ def _randn(n, dtype, device, gen):
     return torch.randn(n, generator=gen).to(device=device, dtype=dtype)
 
 
-def _accumulate_args(device, gen, sizes=(5, 300, 1)):
+def _accumulate_args(device, gen, sizes=(5, 300, 1), pad=PAD):
     """(acc, offsets, grads) of accumulate: a random buffer, and gradients of mixed dtypes."""
-    acc, offsets, _ = flat_layout(sizes, device, gen=gen)
+    acc, offsets, _ = flat_layout(sizes, device, pad=pad, gen=gen)
     grads = [_randn(n, (torch.bfloat16, torch.float16, torch.float32)[i % 3], device, gen) for i, n in enumerate(sizes)]
     return acc, offsets, grads
 
@@ -162,7 +162,7 @@ def test_compiles_without_graph_break():
 
 def _bad_accumulate(change):
     gen = torch.Generator().manual_seed(4)
-    acc, offsets, grads = _accumulate_args("cpu", gen, sizes=(4, 6))  # slices at 0 and 64
+    acc, offsets, grads = _accumulate_args("cpu", gen, sizes=(4, 6), pad=64)  # slices at 0 and 64: the messages name them
     found_inf, sumsq = torch.zeros(()), torch.zeros(())
     kw = dict(acc=acc, offsets=offsets, grads=grads, found_inf=found_inf, sumsq=sumsq)
     change(kw)

@@ -180,7 +180,7 @@ BAD_LAYOUTS = {
 @pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
 @pytest.mark.parametrize("case", list(BAD_LAYOUTS))
 def test_accumulate_rejects_bad_layouts(backend, device, case):
-    layout = flat_layout([20, 20], device, fill=0.0)  # slices at 0 and 64 of a 128-element buffer
+    layout = flat_layout([20, 20], device, pad=64, fill=0.0)  # slices at 0 and 64 of a 128-element buffer
     flat, offsets = BAD_LAYOUTS[case][0](layout.flat, layout.offsets)
     grads = [torch.ones(20, device=device), torch.ones(20, device=device)]
     with pytest.raises((ValueError, RuntimeError), match=BAD_LAYOUTS[case][1]):
