@@ -22,7 +22,7 @@ import torch
 
 from fused_accum import backends
 from fused_accum.backends import ext, reference
-from helpers import PAD, flat_layout  # tests/helpers.py
+from helpers import GPU_KERNEL_BACKENDS, PAD, flat_layout  # tests/helpers.py
 
 if backends.availability("cpu", "cpu"):
     pytestmark = pytest.mark.skip(reason=f"the C++ extension is not built: {ext.unavailable_reason('cpu')}")
@@ -309,7 +309,7 @@ def _cuda_backends():
     assert torch.cuda.is_available(), "pytest -m gpu needs a CUDA device"
     why = backends.availability("cuda", "cuda")
     assert why == "", f"the CUDA extension must be built for the GPU run: {why}"
-    return ["cuda"] + (["triton"] if backends.availability("triton", "cuda") == "" else [])
+    return list(GPU_KERNEL_BACKENDS)  # cuda, and triton where it runs
 
 
 @gpu
