@@ -41,7 +41,6 @@ import torch
 
 from benchmarks import common
 from fused_accum import backends, ops
-from fused_accum.backends import wgrad
 
 # (N_out, K_in) of a 1B-class model's Linear weights, and tokens per micro-batch
 FULL_WEIGHTS = [(2048, 2048), (8192, 2048), (2048, 8192)]
@@ -235,8 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     default = "cuda,triton,reference" if device.type == "cuda" else "reference,cpu"
     names = [n for n in (args.backends or default).split(",") if n]
     for name in names:
-        if name not in wgrad.IMPLEMENTATIONS:
-            parser.error(f"--backends: {name!r} is not one of {sorted(wgrad.IMPLEMENTATIONS)}")
+        if name not in backends.NAMES:
+            parser.error(f"--backends: {name!r} is not one of {sorted(backends.NAMES)}")
     if args.quick or args.smoke:
         scale, tokens = (QUICK_SCALE, QUICK_TOKENS) if args.quick else (SMOKE_SCALE, SMOKE_TOKENS)
         weights = [(n // scale, k // scale) for n, k in FULL_WEIGHTS]

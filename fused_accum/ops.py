@@ -31,15 +31,11 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .backends import wgrad
-
-
-# Backends whose functions take ``plan=`` (the others are never passed it).
-_TAKES_PLAN = frozenset({"triton"})
 
 
 def _hint(backend: str, plan) -> dict:
-    return {"plan": plan} if plan is not None and backend in _TAKES_PLAN else {}
+    # only a backend whose functions take ``plan=`` is passed it (the registry says which)
+    return {"plan": plan} if plan is not None and backends.takes_plan(backend) else {}
 
 
 def _custom_op(name: str, body, mutates_args: tuple):
@@ -195,8 +191,8 @@ def _wgrad_accumulate(
 ) -> None:
     # acc[N, K] = (0 if overwrite else acc) + grad_output[..., N]^T @ input[..., K], fp32
     # accumulation: the weight gradient of a Linear written into its fp32 accumulator slice
-    # (contract and per-backend implementations in fused_accum.backends.wgrad).
-    wgrad.get(backend, acc.device)(acc, grad_output, input, overwrite)
+    # (contract in fused_accum.backends.wgrad; each backend's function: the registry's).
+    backends.wgrad_kernel(backend, acc.device)(acc, grad_output, input, overwrite)
 
 
 wgrad_accumulate_ = torch.library.custom_op(

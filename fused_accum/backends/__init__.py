@@ -1,7 +1,11 @@
-"""Backend selection: the one place that decides which implementation runs an op.
+"""Backends: the one registry of what each backend is, and the one place that picks one.
 
 A backend is a module exposing ``accumulate``, ``sgd_step``, ``adam_step`` and ``lion_step`` with
-the signatures and contracts of :mod:`fused_accum.backends.reference`.
+the signatures and contracts of :mod:`fused_accum.backends.reference`. Each is declared once in
+``_REGISTRY`` below with everything the rest of the package asks about it, and asked through
+these functions only: :func:`availability` (where it can run), :func:`get` (its module),
+:func:`takes_plan`, :func:`fast_folds`, :func:`wgrad_kernel`. The backend modules are imported by
+name when first asked for (``triton`` needs ``triton``, ``cpu``/``cuda`` the built extension).
 
 Auto selection (``backend="auto"``):
   CUDA tensors -> ``cuda`` (C++/CUDA extension), else ``triton``, else ``reference``;
@@ -19,13 +23,49 @@ import importlib
 import logging
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 logger = logging.getLogger("fused_accum")
 
-NAMES = ("reference", "triton", "cpu", "cuda")
+
+def _any_device(device_type: str) -> str:
+    return ""
+
+
+def _cuda_only(device_type: str) -> str:
+    return "" if device_type == "cuda" else f"the cuda backend runs on CUDA tensors, these are on {device_type!r}"
+
+
+def _cpu_only(device_type: str) -> str:
+    return "" if device_type == "cpu" else f"the cpu backend runs on CPU tensors, these are on {device_type!r}"
+
+
+def _cuda_or_interpreted(device_type: str) -> str:
+    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return ""
+    return f"Triton runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not {device_type!r}"
+
+
+class Backend(NamedTuple):
+    """What the package asks about one backend."""
+
+    module: str  # the submodule (of this package) implementing the four ops
+    runs_on: Callable[[str], str]  # device type -> "" or why this backend cannot run there
+    takes_plan: bool  # its ops take ``plan=`` (fused_accum.ops passes it to no other backend)
+    fast_folds: bool  # its accumulate_ is one the C++ hooks can call themselves (_C's operators)
+    wgrad: str  # "submodule:function": its weight-gradient GEMM (fused_accum.backends.wgrad)
+
+
+# The order is NAMES' order, which error messages and benchmarks list.
+_REGISTRY = {
+    "reference": Backend("reference", _any_device, takes_plan=False, fast_folds=False, wgrad="wgrad:reference"),
+    "triton": Backend("triton", _cuda_or_interpreted, takes_plan=True, fast_folds=False, wgrad="triton.wgrad:wgrad_accumulate"),
+    "cpu": Backend("ext", _cpu_only, takes_plan=False, fast_folds=True, wgrad="wgrad:cpu"),
+    "cuda": Backend("ext", _cuda_only, takes_plan=False, fast_folds=True, wgrad="wgrad:cuda"),
+}  # fmt: skip
+NAMES = tuple(_REGISTRY)
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "other": ("cpu", "reference")}
 ENV_VAR = "FUSED_ACCUM_BACKEND"
 
@@ -33,9 +73,8 @@ ENV_VAR = "FUSED_ACCUM_BACKEND"
 @functools.lru_cache(maxsize=None)
 def _load(name: str) -> tuple[Optional[ModuleType], str]:
     """Import backend ``name``; return (module, "") or (None, why it is unavailable)."""
-    module_name = {"reference": "reference", "triton": "triton", "cpu": "ext", "cuda": "ext"}[name]
     try:
-        module = importlib.import_module(f"{__name__}.{module_name}")
+        module = importlib.import_module(f"{__name__}.{_REGISTRY[name].module}")
     except ImportError as err:  # a missing optional dependency or an unbuilt extension
         return None, f"{type(err).__name__}: {err}"
     # A backend module may define unavailable_reason(name) -> "" or why it cannot run.
@@ -45,18 +84,12 @@ def _load(name: str) -> tuple[Optional[ModuleType], str]:
 
 def availability(name: str, device_type: str) -> str:
     """Return "" when backend ``name`` can run on ``device_type`` tensors, else the reason."""
-    if name not in NAMES:
+    if name not in _REGISTRY:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {name!r}")
     module, why_not = _load(name)
     if module is None:
         return why_not
-    if name == "cuda" and device_type != "cuda":
-        return f"the cuda backend runs on CUDA tensors, these are on {device_type!r}"
-    if name == "cpu" and device_type != "cpu":
-        return f"the cpu backend runs on CPU tensors, these are on {device_type!r}"
-    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"Triton runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), not {device_type!r}"
-    return ""
+    return _REGISTRY[name].runs_on(device_type)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,3 +120,38 @@ def get(name: str) -> ModuleType:
     if module is None:
         raise RuntimeError(f"backend {name!r} is not available: {why_not}")
     return module
+
+
+def takes_plan(name: str) -> bool:
+    """Whether backend ``name``'s ops take ``plan=`` (a host-side cache key; see fused_accum.ops).
+    False for a name that is not a backend: its call fails in :func:`get` instead."""
+    backend = _REGISTRY.get(name)
+    return backend is not None and backend.takes_plan
+
+
+def fast_folds(name: str) -> bool:
+    """Whether the window may fold a bucket on its fast path (grants, quiet backwards) on backend
+    ``name``: its accumulate_ is one of fused_accum._C's operators, which the C++ hooks call
+    themselves. False for a name that is not a backend."""
+    backend = _REGISTRY.get(name)
+    return backend is not None and backend.fast_folds
+
+
+def wgrad_kernel(name: str, device: torch.device | str | None = None) -> Callable:
+    """The weight-gradient GEMM of backend ``name`` (contract: :mod:`fused_accum.backends.wgrad`),
+    or of the backend "auto" picks for ``device``. It needs nothing of the backend's own module
+    (cpu and cuda's is torch BLAS, which runs without the extension), so it is not gated on
+    :func:`availability`; triton's imports triton."""
+    if name == "auto":
+        if device is None:
+            raise ValueError("wgrad_accumulate: backend 'auto' needs the device to resolve it on")
+        name = resolve("auto", device)
+    if name not in _REGISTRY:
+        raise ValueError(f"wgrad_accumulate: backend must be one of {sorted(NAMES)} or 'auto', got {name!r}")
+    return _wgrad_of(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgrad_of(name: str) -> Callable:
+    module, function = _REGISTRY[name].wgrad.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), function)

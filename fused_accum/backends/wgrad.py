@@ -21,22 +21,22 @@ Contract (every backend; :func:`reference` is the specification and the test ora
   (so TF32 follows ``torch.backends.cuda.matmul.allow_tf32``, as ``nn.Linear``'s does).
 
 One function per backend, chosen by the backend name the window resolved for the weight's flat
-group (:func:`get`; ``"auto"`` goes through :func:`fused_accum.backends.resolve`, the one place
-that picks backends). The Triton kernel is in :mod:`.wgrad_triton` (it needs ``triton``).
+group: the backends' registry (:func:`fused_accum.backends.wgrad_kernel`) says which function is
+each backend's. This module holds the contract (:func:`check`), the specification and the torch
+BLAS ones; the Triton kernel is in :mod:`fused_accum.backends.triton.wgrad` (it needs ``triton``).
 This op uses none of the C++ extension: ``cpu`` and ``cuda`` are the names of the backends the
 accumulator's group runs on, and their wgrad is ``torch`` BLAS (oneDNN/MKL, cuBLAS) called as
 measured below.
 """
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Callable, Tuple
+from collections.abc import Mapping
+from typing import Callable, Iterator, Tuple
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger("fused_accum")
+from . import NAMES, wgrad_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -153,13 +153,6 @@ def cpu(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> Non
 # --- cuda --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _out_dtype_gemm() -> bool:
-    """Whether torch has the fp32-output GEMM for bf16/fp16 operands (``out_dtype=``, 2.8+)."""
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 8)
-
-
 def cuda(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
     """cuBLAS: bf16/fp16 operands, fp32 C = acc, beta = 1 (beta = 0 on overwrite), one call.
 
@@ -167,8 +160,7 @@ def cuda(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> No
     and adds the fp32-accumulated product in its epilogue, the fold Megatron's
     ``wgrad_gemm_accum_fp32`` kernel does. torch 2.14.1's CUDA kernel accepts an fp32 ``self``
     with bf16 operands ("self dtype must match either out_dtype or mat1 dtype"); g^T is a
-    transposed view, which cuBLAS takes as a transpose flag, no copy. Without out_dtype
-    (torch < 2.8) the operands are upcast (correct, one fp32 copy of each; logged once).
+    transposed view, which cuBLAS takes as a transpose flag, no copy.
     """
     g, x = check(acc, grad_output, input)
     if acc.device.type != "cuda":
@@ -179,45 +171,36 @@ def cuda(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> No
         return
     if g.dtype == torch.float32:
         _fp32_gemm(acc, g, x, overwrite)
-    elif _out_dtype_gemm():
-        if overwrite:
-            torch.mm(g.t(), x, out_dtype=torch.float32, out=acc)
-        else:
-            torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+    elif overwrite:
+        torch.mm(g.t(), x, out_dtype=torch.float32, out=acc)
     else:
-        _log_once(f"torch {torch.__version__} has no out_dtype GEMM: wgrad upcasts its operands")
-        if overwrite:
-            torch.mm(g.float().t(), x.float(), out=acc)
-        else:
-            acc.addmm_(g.float().t(), x.float())
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    logger.info("fused_accum: %s", message)
+        torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
 
 
 # --- selection -----------------------------------------------------------------------------------
+# Which function is each backend's is the registry's (fused_accum.backends); these two are its
+# answers under the names this module has always offered them by.
 
 
-def _triton(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
-    from . import wgrad_triton  # imports triton: only when this backend is used
+class _ByBackend(Mapping):
+    """Backend name -> its wgrad function, as :func:`fused_accum.backends.wgrad_kernel` says;
+    each looked up (triton's imported) only when asked for."""
 
-    wgrad_triton.wgrad_accumulate(acc, grad_output, input, overwrite)
+    def __getitem__(self, name: str) -> Callable[[Tensor, Tensor, Tensor, bool], None]:
+        if name not in NAMES:
+            raise KeyError(name)
+        return wgrad_kernel(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(NAMES)
+
+    def __len__(self) -> int:
+        return len(NAMES)
 
 
-IMPLEMENTATIONS = {"reference": reference, "cpu": cpu, "cuda": cuda, "triton": _triton}
+IMPLEMENTATIONS = _ByBackend()
 
 
 def get(backend: str, device: torch.device | str | None = None) -> Callable[[Tensor, Tensor, Tensor, bool], None]:
     """The wgrad implementation of ``backend``: a resolved name, or "auto" (needs ``device``)."""
-    if backend == "auto":
-        from . import resolve  # the one place that picks a backend
-
-        if device is None:
-            raise ValueError("wgrad_accumulate: backend 'auto' needs the device to resolve it on")
-        backend = resolve("auto", device)
-    try:
-        return IMPLEMENTATIONS[backend]
-    except KeyError:
-        raise ValueError(f"wgrad_accumulate: backend must be one of {sorted(IMPLEMENTATIONS)} or 'auto', got {backend!r}") from None
+    return wgrad_kernel(backend, device)

@@ -1,4 +1,4 @@
-"""Triton backend of the fused weight-gradient GEMM (contract in :mod:`.wgrad`).
+"""Triton backend of the fused weight-gradient GEMM (contract in :mod:`fused_accum.backends.wgrad`).
 
 One program owns a BLOCK_N x BLOCK_K tile of acc [N, K] and walks the M rows of grad_output
 [M, N] and input [M, K] in BLOCK_M steps, accumulating ``g_tile^T @ x_tile`` in fp32 registers
@@ -26,7 +26,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from . import wgrad
+from ..wgrad import check
 
 # First guesses for an H100/H200 (bf16: 128 x 128 output tile, 32-row steps, 8 warps; 4 stages
 # of 2 x 128 x 32 x 2 B = 64 KB shared memory); to be swept on the GPU.
@@ -89,8 +89,8 @@ def wgrad_kernel(
 
 
 def wgrad_accumulate(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool) -> None:
-    """Launch :func:`wgrad_kernel` over acc's tiles (see :mod:`.wgrad` for the contract)."""
-    g, x = wgrad.check(acc, grad_output, input)
+    """Launch :func:`wgrad_kernel` over acc's tiles (the contract: :mod:`fused_accum.backends.wgrad`)."""
+    g, x = check(acc, grad_output, input)
     m, (n, k) = g.shape[0], acc.shape
     if n == 0 or k == 0:
         return
