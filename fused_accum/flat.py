@@ -91,32 +91,39 @@ def bucket_members(numels, bucket_numel) -> list:
     return buckets
 
 
-# What a gradient window decides once and then reuses (the ``.grad`` exposure, the fast-fold
-# grants, whether a backward may run without Python) depends on every slot's has_grad, in_stats
-# and grad_view: every assignment to one of them adds one here, and a decision taken at a value
-# holds while it stays. An int64 in an array because the C++ hooks read it too, at the start of
-# a backward, without the GIL (fused_accum.arrivals).
-CHANGES = array.array("q", [0])
+def change_counter() -> array.array:
+    """A gradient window's count of changes to its slots. What a window decides once and then
+    reuses (the ``.grad`` exposure, the fast-fold grants, whether a backward may run without
+    Python) depends on every slot's has_grad, in_stats and grad_view: every assignment to one of
+    them adds one to the counter of the slot's window (``Slot.changes``), and a decision taken at
+    a value holds while it stays. An int64 in an array because the C++ hooks read it too, at the
+    start of a backward, without the GIL (fused_accum.arrivals)."""
+    return array.array("q", [0])
+
+
+_UNCOUNTED = change_counter()  # the counter of slots not (yet) in a window
 
 
 def _counted(stored: str) -> property:
-    """A Slot attribute kept in the field ``stored``, each assignment counted in ``CHANGES``
-    (the getter is a C attrgetter: these are read in per-slot loops)."""
+    """A Slot attribute kept in the field ``stored``, each assignment counted in the slot's
+    window's counter (the getter is a C attrgetter: these are read in per-slot loops)."""
 
     def assign(slot, value) -> None:
         setattr(slot, stored, value)
-        CHANGES[0] += 1
+        slot.changes[0] += 1
 
     return property(operator.attrgetter(stored), assign)
 
 
 def assign_all(slots, name: str, value) -> None:
-    """``slot.<name> = value`` for every slot of ``slots`` (a counted attribute), counted once:
-    the per-parameter loops of a window's first backward and of ``zero_grad()``."""
+    """``slot.<name> = value`` for every slot of ``slots`` (a counted attribute; slots of one
+    window), counted once: the per-parameter loops of a window's first backward and of
+    ``zero_grad()``."""
     stored = "_" + name
     for slot in slots:
         setattr(slot, stored, value)
-    CHANGES[0] += 1
+    if slots:
+        slots[0].changes[0] += 1
 
 
 # C-level getters, for the per-slot loops that read these
@@ -128,8 +135,9 @@ class Slot:
     """One parameter's place in its flat group, and its state in the current window.
 
     Every assignment to ``has_grad``, ``in_stats`` or ``grad_view`` (what the window's ``.grad``
-    exposure and its fast-fold grants are decided from) is counted in ``CHANGES``: a window that
-    sees the count unchanged since it last decided need not decide again."""
+    exposure and its fast-fold grants are decided from) is counted in ``changes``, its window's
+    counter: a window that sees its count unchanged since it last decided need not decide
+    again (and another optimizer's slots do not disturb it)."""
 
     param: Tensor
     name: str
@@ -151,8 +159,10 @@ class Slot:
     # (first, end, local offset): elements [first, end) of the flattened parameter are this
     # rank's, at [local, local + end - first) of the local (master/state) buffers; None: none are
     piece: Optional[tuple] = None
-    full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param (shard="state")
+    full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param (None: shard="grads")
     placeholder: Optional[Tensor] = None  # sharded: the ShardedGrad shown as .grad when no full gradient exists
+    # the counter of the window the slot is in (change_counter); until then a shared one
+    changes: array.array = dataclasses.field(default_factory=lambda: _UNCOUNTED)
 
     has_grad = _counted("_has_grad")
     in_stats = _counted("_in_stats")
@@ -251,7 +261,7 @@ class FlatGroup:
         if self.sharding is None:
             window = slice(off, off + p.numel())
             slot.acc = self.acc[window]
-            slot.grad_view = slot.acc.view(p.shape)
+            slot.grad_view = slot.full_view = slot.acc.view(p.shape)
             if is_dtensor(slot.param):  # FSDP2: .grad is a DTensor over this rank's fp32 slice
                 from torch.distributed.tensor import DTensor
 

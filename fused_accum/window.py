@@ -21,19 +21,14 @@ its accumulated gradient, and in-place edits (clipping, unscaling) edit the buff
 the norm and non-finite flag come out of its accumulate pass, ``step_in_backward`` steps buckets
 as they complete, and data-parallel buckets are reduced while the backward still runs.
 
-Sharded modes (``shard=``): with ``"state"`` the accumulator is whole, so ``.grad`` shows the
-local fp32 running sum until the window's reduction; the reduction leaves the group's gradient
-only in this rank's part of each bucket, so from then until the step ``.grad`` is a
-:class:`ShardedGrad` placeholder whose every use (``clip_grad_norm_``, ``.sum()``, printing)
-raises an error pointing to ``max_grad_norm``; after the step ``.grad`` is None. With
-``"grads"`` there is never a full gradient: ``.grad`` is the placeholder after every backward.
+What else happens where data parallelism is involved (DDP standing aside, reductions, sharded
+buffers, FSDP2) is its topology's (:mod:`fused_accum.topology`), asked at fixed points.
 
 The window holds its optimizer weakly and the hooks hold the window weakly, so deleting the
 optimizer frees everything at once; a finaliser then removes the hooks.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import warnings
@@ -42,17 +37,14 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
-from . import ops
+from . import backends, ops
 from .arrivals import make_arrivals
-from .distributed import ddp_wrapping
-from .flat import CHANGES, GRAD_VIEW, HAS_GRAD, IN_STATS, LOW_PRECISION, Bucket, FlatGroup, Slot, assign_all, is_dtensor
+from .flat import GRAD_VIEW, HAS_GRAD, IN_STATS, LOW_PRECISION, Bucket, FlatGroup, Slot, assign_all, change_counter
+from .topology import Local
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
-# The backends whose accumulate_ the C++ hooks can call themselves (fused_accum._C's operators).
-FAST_FOLD_BACKENDS = ("cpu", "cuda")
 _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
@@ -99,36 +91,6 @@ def owner(param: Tensor) -> Optional["GradientWindow"]:
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
-
-
-class ShardedGrad(Tensor):
-    """What ``.grad`` shows in a sharded mode when no full gradient exists: a tensor of the
-    parameter's shape, fp32, without storage, whose every operation raises a clear error.
-    (``None`` would make ``clip_grad_norm_`` silently clip nothing.)"""
-
-    @staticmethod
-    def __new__(cls, param: Tensor, mode: str):
-        grad = Tensor._make_wrapper_subclass(cls, param.shape, dtype=torch.float32, device=param.device)
-        grad._mode = mode
-        return grad
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # (GradScaler passes them in a list: look through nested arguments)
-        leaves = tree_leaves((args, kwargs))
-        mode = next((a._mode for a in leaves if isinstance(a, ShardedGrad)), "state")
-        raise RuntimeError(
-            f"fused_accum (shard={mode!r}): this .grad holds no gradient: the window's gradient is "
-            "reduce-scattered, each rank holding only its shard, so it cannot be read, clipped or "
-            f"unscaled ({func}). Pass max_grad_norm= (and skip_nonfinite=) to the optimizer instead "
-            "of calling clip_grad_norm_ (the global norm is then in opt.last_grad_norm); "
-            "use shard=None to read .grad."
-        )  # fmt: skip
-
-    def __repr__(self):
-        return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
 
 
 class WgradTarget(NamedTuple):
@@ -208,25 +170,25 @@ def _detach_all(arrivals, handles: list) -> None:
     handles.clear()
 
 
-def _fsdp_grad(window_ref, key: int, param: Tensor) -> None:
-    window = window_ref()
-    if window is not None:
-        window._fsdp_grad(key)
-
-
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, reducer, stepper, label):
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, stepper, label, topology: Local = None,
+                 reducer=None):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
-        self.reducer = reducer
+        if topology is None:  # TRANSITION (until the optimizer passes topology=): from a reducer
+            from .topology import choose
+
+            topology = Local() if reducer is None else choose(reducer.group, reducer.sharding and reducer.sharding.mode,
+                                                               reducer.reduce_dtype)
+        self.topology = topology  # who else owns the gradients (fused_accum.topology)
         # from the optimizer above: .fused_step(flat, active, coef, found_inf, grads, overwrite)
         # steps slots in backward (step_in_backward); .rehome(flat) moves a flat group's buffers
         # after its parameters. It holds no reference to the optimizer or to this window.
         self._stepper = stepper
-        self._label = label  # how errors name the optimizer
+        self.label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
         self._params: list = []  # by key: the parameters (what rehook is asked about)
@@ -247,35 +209,28 @@ class GradientWindow:
                                        functools.partial(_fold_hooked, this),
                                        functools.partial(_backward_raised, this))  # fmt: skip
         self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
-        self._handles: list = []  # of the Python hooks on FSDP2 (DTensor) parameters
+        self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
         self._plans: list = []
-        # CHANGES when .grad was last exposed, and when the fast folds were last decided (what was
+        # self.changes when .grad was last exposed, and when the fast folds were last decided (what was
         # decided then holds while no slot's has_grad, in_stats or view is set)
+        self.changes = change_counter()  # of its slots' has_grad, in_stats, grad_view (see flat)
         self._exposed_at: Optional[int] = None
         self._granted_at: Optional[int] = None
         self._granted: tuple = ([], [], [], [])
-        self._no_sync = False
-        self._no_sync_used = False
-        self._unreduced = False  # gradients were added since the last data-parallel reduction
         self._pieces_seen = False  # some slot received two gradients in one micro-batch
-        self._reduced = False  # shard="state": this window was reduce-scattered (no full .grad)
-        self._user_staged = False  # shard="grads": user-assigned .grad staged, not yet scattered
-        # Under DistributedDataParallel the hooks stand aside: DDP reduces autograd's .grad and
-        # the step takes it as a user-assigned gradient (see _check_native).
-        self.native: Optional[bool] = None
         self._stats_versions: list = []  # the accumulators' versions when the last backward ended
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     # --- membership ------------------------------------------------------------------------
 
     def add(self, flat: FlatGroup) -> None:
-        if flat.sharding is not None:
-            for slot in flat.slots:
-                slot.placeholder = ShardedGrad(slot.param, flat.sharding.mode)
-                if flat.shards_grads:
-                    slot.grad_view = slot.placeholder  # there is never a full gradient
+        for slot in flat.slots:
+            slot.changes = self.changes
+        self.topology = self.topology.join(self, flat)
+        self._arrivals.native = self.topology.stands_aside
+        self.topology.add(flat)
         self._exposed_at = self._granted_at = None  # new slots: decide again
         first_bucket = len(self._bucket_ids)
         self._bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
@@ -305,7 +260,7 @@ class GradientWindow:
             _FOREIGN_STEP_HOOK = register_optimizer_step_pre_hook(_foreign_step)
         older = {owner(s.param) for s in slots} - {None, self}
         for window in older:
-            window.detach(f"a newer optimizer took over its parameters ({self._label})")
+            window.detach(f"a newer optimizer took over its parameters ({self.label})")
         this = weakref.ref(self)
         for slot in slots:
             p = slot.param
@@ -320,11 +275,11 @@ class GradientWindow:
                 # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
                 p.grad_dtype = None
             self._arrivals.attach(slot.key, p)
-            if is_dtensor(p):
-                # FSDP2 runs autograd on unsharded copies: these hooks never see a gradient.
-                # It calls the sharded parameter's post-accumulate-grad hooks after each
-                # reduce-scatter, once .grad is set or added to (see _fsdp_grad).
-                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_fsdp_grad, this, slot.key)))
+            self.topology.attach(self, slot)
+
+    def add_handle(self, handle) -> None:
+        """A hook a topology registered: removed with the window's own."""
+        self._handles.append(handle)
 
     def detach(self, reason: str) -> None:
         """Stop taking gradients (autograd fills ``.grad`` natively again) and give up the
@@ -332,7 +287,7 @@ class GradientWindow:
         if self.detached_because is not None:
             return
         if self.pending():
-            warnings.warn(f"{self._label} was detached ({reason}) with gradients accumulated in its "
+            warnings.warn(f"{self.label} was detached ({reason}) with gradients accumulated in its "
                           "window: they are discarded", stacklevel=4)  # fmt: skip
         _detach_all(self._arrivals, self._handles)
         for slot in self.slots:
@@ -358,17 +313,37 @@ class GradientWindow:
 
     def check_attached(self) -> None:
         if self.detached_because is not None:
-            raise RuntimeError(f"{self._label} can no longer step: {self.detached_because}. "
+            raise RuntimeError(f"{self.label} can no longer step: {self.detached_because}. "
                                "Use the newer optimizer.")  # fmt: skip
 
     # --- hooks ------------------------------------------------------------------------------
 
-    def _check_native(self) -> bool:
-        """Decide once, at the first backward, whether the hooks must stand aside for DDP."""
-        if self.native is None:
-            self.native = self.reducer is None and ddp_wrapping(s.param for s in self.slots)
-            self._arrivals.native = self.native
-        return self.native
+    def resolve_topology(self) -> Local:
+        """Decided once, at the first backward (or step): a DDP wrapper built after the
+        optimizer owns .grad, and the hooks stand aside."""
+        if not self.topology.decided:
+            self.topology = self.topology.resolve([s.param for s in self.slots])
+            self._arrivals.native = self.topology.stands_aside
+        return self.topology
+
+    @property
+    def reducer(self):  # TRANSITION: until the optimizer asks its topology
+        return getattr(self.topology, "reducer", None)
+
+    @property
+    def native(self):  # TRANSITION
+        return self.topology.stands_aside if self.topology.decided else None
+
+    def _check_native(self) -> bool:  # TRANSITION
+        return self.resolve_topology().stands_aside
+
+    def took_gradients(self) -> bool:
+        """The hooks took a gradient already (so no other engine may own them now)."""
+        return self._backward_count > 0 or self.pending()
+
+    def check_next_backward(self) -> None:
+        """The next backward calls before_backward (its checks), whatever was armed."""
+        self._arrivals.slow = True
 
     def follow_moved_params(self) -> None:
         """Hook again the parameters whose AccumulateGrad node autograd replaced (their ``.data``
@@ -395,12 +370,11 @@ class GradientWindow:
         gradient is taken): DDP, a reduce-scattered window, and what the user did to an exposed
         ``.grad``."""
         with self._lock:
-            if self._check_native():
+            if self.resolve_topology().stands_aside:
                 return
             self.follow_moved_params()
             self._take_fast_overwrites()  # (of a backward that raised before its end)
-            if self._reduced:
-                self._reduced_error()
+            self.topology.before_backward(self)
             if self._exposed:
                 self.reconcile(before_backward=True)
             else:
@@ -423,16 +397,16 @@ class GradientWindow:
         nothing in Python; the slots an overwrite fills are recorded after it (see
         _take_fast_overwrites). True when every bucket is granted an add."""
         self._arrivals.revoke_fast()
-        if self.reducer is not None or self.step_in_backward:
+        if not self.topology.fast_folds or self.step_in_backward:
             return False
         if self._last_backward() and self.wants_stats:
             return False  # its fold also adds the final values to the window's norm and flag
-        if self._granted_at != CHANGES[0]:  # (else no slot's has_grad/in_stats/view changed)
+        if self._granted_at != self.changes[0]:  # (else no slot's has_grad/in_stats/view changed)
             buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
                 flat = self.flat_groups[flat_index]
                 bucket = flat.buckets[bucket_index]
-                if flat.backend not in FAST_FOLD_BACKENDS or any(map(IN_STATS, bucket.slots)):
+                if not backends.fast_folds(flat.backend) or any(map(IN_STATS, bucket.slots)):
                     continue
                 held = list(map(HAS_GRAD, bucket.slots))
                 if all(held) or not any(held):
@@ -441,7 +415,7 @@ class GradientWindow:
                     offsets.append(bucket.offsets)
                     overwrite.append(not held[0])
             self._granted = (buckets, accs, offsets, overwrite)
-            self._granted_at = CHANGES[0]
+            self._granted_at = self.changes[0]
         buckets, _, _, overwrite = self._granted
         if buckets:
             self._arrivals.grant_fast(*self._granted)
@@ -455,12 +429,12 @@ class GradientWindow:
             flat_index, bucket_index = self._bucket_ids[bucket_id]
             self._mark_folded(self.flat_groups[flat_index].buckets[bucket_index].slots, stats=False)
 
-    def _fsdp_grad(self, key: int) -> None:
-        """FSDP2 reduce-scattered a micro-batch into a DTensor parameter's ``.grad``. A fresh
-        ``.grad`` (FSDP2 sets one only where ``.grad`` was None: the window's first gradient) is
-        copied into the parameter's fp32 slice and replaced by the fp32 DTensor over that slice,
-        so FSDP2 adds the next micro-batches into it (``.grad._local_tensor += g``): the
-        accumulation is fp32 whatever the parameter's dtype."""
+    def take_engine_grad(self, key: int) -> None:
+        """Another engine set or added to a parameter's ``.grad`` (FSDP2 after its
+        reduce-scatter: see fused_accum.topology.fsdp). A fresh ``.grad`` (set only where
+        ``.grad`` was None: the window's first gradient) is copied into the parameter's fp32
+        slice and replaced by the fp32 view over that slice, so the engine adds the next
+        micro-batches into it: the accumulation is fp32 whatever the parameter's dtype."""
         slot = self.slots[key]
         grad = slot.param.grad
         if grad is None or self.detached_because is not None:
@@ -485,13 +459,9 @@ class GradientWindow:
         slot = self._slot_of.get(id(param))
         if slot is None or slot.param is not param or self.step_in_backward or self.detached_because:
             return None  # (step_in_backward steps a bucket from its gradients as tensors)
-        if self.native is not False and self._check_native():
-            return None  # DDP must see the weight's gradient to reduce it
         flat = self.flat_groups[slot.flat_index]
-        if flat.shards_grads:
-            return None  # no full accumulator slice to write into
-        if self._reduced:
-            self._reduced_error()
+        if not self.resolve_topology().in_place_ok(self, flat):
+            return None
         with self._lock:
             self._take_fast_overwrites()
             self._queue_end_of_backward(arrived=True)
@@ -504,14 +474,14 @@ class GradientWindow:
                 self._mark_folded([slot], stats=False)
                 self._arrivals.arrive_in_place(slot.key)  # may complete the bucket: a fold
 
-        return WgradTarget(slot.full_view if flat.sharding else slot.grad_view, overwrite, flat.backend, done)
+        return WgradTarget(slot.full_view, overwrite, flat.backend, done)
 
     def _fold_hooked(self, key: int, grad: Tensor) -> bool:
         """A parameter with a user's post-accumulate-grad hook: fold its gradient now and show
         the running sum in ``.grad``. AccumulateGrad, handed an undefined gradient, still runs
         the user's hooks after (torch 2.11 to 2.14 do), so they see and may edit the sum so far,
         as natively, not this micro-batch's piece. False where the gradient cannot be folded on its own now (the cases ``wgrad_target``
-        declines: step_in_backward, DDP, shard="grads"): AccumulateGrad then runs as before."""
+        declines: step_in_backward, a topology that takes no gradient in place): AccumulateGrad then runs as before."""
         slot = self.slots[key]
         param = slot.param
         target = self.wgrad_target(param)
@@ -542,12 +512,6 @@ class GradientWindow:
             self.flush()
             self.expose()
 
-    def _reduced_error(self):
-        raise RuntimeError(f"{self._label}: shard='state' reduces once per window and this window was "
-                           "already reduce-scattered; call step() (and zero_grad()) before the next "
-                           "backward, or run all but the window's last backward under opt.no_sync() "
-                           "or with accum_steps set")  # fmt: skip
-
     def _queue_end_of_backward(self, arrived: bool) -> None:
         """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather
         than a flag: a backward that raised before its end leaves nothing stuck (ids are never
@@ -573,7 +537,7 @@ class GradientWindow:
     def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
         self._count_quiet()
         self._microbatches = value
-        self._arrivals.arm_quiet(0, CHANGES)  # (which backward is the last may have moved)
+        self._arrivals.arm_quiet(0, self.changes)  # (which backward is the last may have moved)
 
     @property
     def _backwards(self) -> int:
@@ -592,9 +556,9 @@ class GradientWindow:
         """At the end of a backward: let the C++ hooks run the next ones without calling Python
         while each would do nothing here but count (fused_accum.arrivals): every bucket is
         granted an add (no norm to take, no reduction, no fused step), up to the window's last
-        backward where that one takes the norm, as long as ``CHANGES`` keeps its value (no
+        backward where that one takes the norm, as long as ``self.changes`` keeps its value (no
         slot's state was set from Python since) and the count is not set."""
-        if self.native or self.reducer is not None or self.step_in_backward:
+        if not self.topology.fast_folds or self.step_in_backward:
             return
         if not self._grant_fast_folds():  # (for the next backward: the count is already up)
             return
@@ -603,7 +567,7 @@ class GradientWindow:
         else:
             budget = _UNLIMITED
         if budget > 0:
-            self._arrivals.arm_quiet(budget, CHANGES)
+            self._arrivals.arm_quiet(budget, self.changes)
 
     # --- folding ----------------------------------------------------------------------------
 
@@ -613,9 +577,7 @@ class GradientWindow:
 
     def _syncs(self) -> bool:
         """The backward now running ends with a data-parallel reduction."""
-        if self.reducer is None or self._no_sync or self.reducer.shards_grads:
-            return False  # (shard="grads" reduce-scatters every backward; the step averages)
-        return self.accum_steps is None or self._no_sync_used or self.microbatches >= self.accum_steps - 1
+        return self.topology.syncs(self)
 
     def _mark_folded(self, slots: list, stats: bool) -> None:
         """``slots`` received a gradient in this micro-batch; ``stats``: the fold added it to the
@@ -634,7 +596,7 @@ class GradientWindow:
         assign_all(slots, "has_grad", True)
         if stale:
             self.invalidate_stats()
-        self._unreduced = True
+        self.topology.added()
 
     @torch.no_grad()  # (a double backward runs its hooks in grad mode: the sums keep no graph)
     def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, plan, complete: bool = False) -> None:
@@ -649,14 +611,11 @@ class GradientWindow:
         if in_order:
             self._fold_arrived(flat, bucket, in_order, grads, plan)
         if complete:
-            if flat.shards_grads:
-                self.reducer.bucket_staged(self.flat_groups, bucket)
-            elif self._syncs():
-                self.reducer.bucket_ready(self.flat_groups, bucket)  # overlaps the rest of the backward
+            self.topology.bucket_complete(self, flat, bucket)
 
     def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list, plan) -> None:
         if self.stepped_in_backward:
-            raise RuntimeError(f"{self._label}: step_in_backward already stepped this window after "
+            raise RuntimeError(f"{self.label}: step_in_backward already stepped this window after "
                                f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self._stepper.rehome(flat)
@@ -675,13 +634,13 @@ class GradientWindow:
         for overwrite, slots, kind_grads in kinds:
             if fuse_step:
                 if any(s.stepped for s in slots):
-                    raise RuntimeError(f"{self._label}: a parameter received a second gradient after "
+                    raise RuntimeError(f"{self.label}: a parameter received a second gradient after "
                                        "step_in_backward stepped it (a layer reused under several "
                                        "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
                 self._stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
-            if flat.shards_grads:  # into the bucket's staging buffer, reduce-scattered after
-                staged = self.reducer.staging_for(flat, bucket)
+            staged = self.topology.staging_for(flat, bucket)
+            if staged is not None:  # (shard="grads": reduce-scattered after the backward)
                 relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
                 ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
                 self._mark_folded(slots, False)
@@ -724,9 +683,8 @@ class GradientWindow:
                 # queue there once that node is done.
                 enclosing.register_hook(lambda *_: self._queue_end_of_backward(arrived))
                 return
-            if arrived and self.reducer is not None and self.reducer.shards_grads:
-                # shard="grads": every bucket is reduce-scattered once per backward, in order
-                self.reducer.scatter_backward(self.flat_groups)
+            if arrived:
+                self.topology.backward_ended(self)
             if arrived:
                 self._count_microbatch()
             self.expose()
@@ -754,49 +712,29 @@ class GradientWindow:
     def finish_reduction(self) -> None:
         """Complete the data-parallel reduction of what was added since the last one (if
         anything): afterwards every slot holds the group's gradient."""
-        if self._user_staged:
-            self._user_staged = False
-            self.reducer.scatter_backward(self.flat_groups)
-        if self.reducer is not None and self._unreduced:
-            if self._reduced:
-                self._reduced_error()
-            self.reducer.finish(self.flat_groups)
-            self._unreduced = False
-            self.invalidate_stats()  # any local norm described local values
-            if self.reducer.sharding is not None and not self.reducer.shards_grads:
-                self._reduced = True  # only this rank's parts hold the group's gradient now
-                self._arrivals.slow = True  # (a backward before the step is an error)
-                for flat in self.flat_groups:
-                    for slot in flat.slots:
-                        slot.grad_view = slot.placeholder
+        self.topology.finish(self)
 
     def expose(self) -> None:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
-        if self.native:
-            return  # .grad is autograd's (and DDP's)
+        if self.topology.stands_aside:
+            return  # .grad is autograd's (and DDP's or FSDP2's)
         self._exposed = True
         # The next backward first takes what the user did to .grad (reconcile), and its hooks
         # then hide the views before autograd could add into them.
         self._arrivals.slow = self._arrivals.hide = True
-        if self._exposed_at == CHANGES[0]:
+        if self._exposed_at == self.changes[0]:
             # No slot's has_grad or view was set since the last exposure, so .grad shows it
             # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
             # .grad as they found it. A middle micro-batch saves a pass over every parameter.
             return
         # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
         self._arrivals.expose(list(map(GRAD_VIEW, self.slots)), list(map(HAS_GRAD, self.slots)))
-        self._exposed_at = CHANGES[0]
+        self._exposed_at = self.changes[0]
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside do not reduce across the process group; the first one
         outside ends the window with the reduction (DDP's ``no_sync()``)."""
-        self._no_sync_used = True
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self.topology.no_sync()
 
     # --- .grad is the truth ---------------------------------------------------------------------
 
@@ -841,28 +779,13 @@ class GradientWindow:
 
     @torch.no_grad()
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
-        if self._reduced:
-            raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
-                               "sharded optimizer once its window is reduce-scattered")  # fmt: skip
         if grad.is_sparse:
             raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
-        if slot.acc is None:
-            # shard="grads": this rank's gradient, staged in its bucket and reduce-scattered with
-            # the rest of the bucket when the step reduces (every rank must assign its .grad, as
-            # every rank runs every backward)
-            flat = self.flat_groups[slot.flat_index]
-            bucket = flat.buckets[slot.bucket_index]
-            staged = self.reducer.staging_for(flat, bucket)
-            relative = torch.tensor([slot.offset - bucket.start], dtype=torch.int64)
-            ops.accumulate(staged, relative, [grad.detach()], 1.0, False, None, None, flat.backend)
-            slot.has_grad = True
-            slot.in_stats = False
-            self._unreduced = self._user_staged = True
-            return
-        slot.acc.copy_(grad.reshape(-1))
+        if not self.topology.take_user_grad(self, slot, grad):
+            slot.acc.copy_(grad.reshape(-1))
+            self.topology.added()
         slot.has_grad = True
         slot.in_stats = False
-        self._unreduced = True
 
     # --- statistics ---------------------------------------------------------------------------
 
@@ -891,8 +814,9 @@ class GradientWindow:
         ``.grad`` edited in place since the last backward ended (``scaler.unscale_``,
         ``clip_grad_value_``, ``nan_to_num_``) moved its buffer's version counter: the values
         the last pass saw are gone, so everything is taken again from the buffers."""
-        if self.reducer is not None and self.reducer.sharding is not None:
-            return self._sharded_stats()
+        stats = self.topology.stats(self)
+        if stats is not None:
+            return stats
         if self._acc_versions() != self._stats_versions:
             self.invalidate_stats()
         for flat in self.flat_groups:
@@ -904,26 +828,6 @@ class GradientWindow:
                 for slot in flat.slots:
                     slot.in_stats = slot.in_stats or slot.has_grad
         return {flat.device: self.stats_tensors(flat.device) for flat in self.flat_groups}
-
-    def _sharded_stats(self) -> dict:
-        """Sharded: the sum of squares of this rank's reduced parts, summed over the group with
-        one all-reduce (the non-finite flag follows from a non-finite sum)."""
-        stats = {}
-        for flat in self.flat_groups:
-            found_inf, sumsq = self.stats_tensors(flat.device)
-            if flat.device not in stats:
-                found_inf.zero_()
-                sumsq.zero_()
-                stats[flat.device] = (found_inf, sumsq)
-            parts = [part for part in flat.shard_grads() if part.numel()]
-            if parts:
-                sumsq.add_(torch.stack(torch._foreach_norm(parts)).square().sum())
-        for found_inf, sumsq in stats.values():
-            both = torch.stack([found_inf, sumsq])
-            self.reducer.sum_(both)
-            found_inf.copy_(both[0])
-            sumsq.copy_(both[1])
-        return stats
 
     # --- the window's end ---------------------------------------------------------------------
 
@@ -940,21 +844,7 @@ class GradientWindow:
             for slot in self.slots:
                 slot.stepped = False
         self.invalidate_stats()
-        if self.reducer is not None and self.reducer.sharding is not None:
-            self._end_sharded_window()
-
-    def _end_sharded_window(self) -> None:
-        """Sharded: no full gradient survives the step, so the window ends with it (a backward
-        before ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
-        self._reduced = False
-        self.reducer.new_window()
-        for flat in self.flat_groups:
-            for slot in flat.slots:
-                slot.has_grad = False
-                if slot.param.grad is slot.placeholder:
-                    slot.param.grad = None
-                if not flat.shards_grads:
-                    slot.grad_view = slot.full_view
+        self.topology.after_step(self)
 
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
@@ -970,8 +860,6 @@ class GradientWindow:
         """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
         self._exposed = False
         self._arrivals.hide = False  # a .grad the user sets now is added to by the next backward
-        self._unreduced = False
-        if self.reducer is not None:
-            self.reducer.reset()
+        self.topology.reset()
         assign_all(self.slots, "has_grad", False)
         self.after_step()

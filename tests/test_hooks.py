@@ -273,7 +273,7 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
 
 def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
     # The window re-exposes .grad and re-grants fast folds only when a slot's state changed
-    # (flat.CHANGES), and the C++ hooks run middle backwards without Python only while nothing
+    # (its window.changes counter), and the C++ hooks run middle backwards without Python only while nothing
     # did: clearing, replacing, editing in place and stepping between the middle micro-batches
     # must each still show torch's .grad after the next backward.
     a, b = _pair()
@@ -458,6 +458,26 @@ def test_middle_backwards_run_without_python_and_still_count(cpp_hooks, monkeypa
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(p, q)
     assert per_backward == [True, False, False, clip] * 3
+
+
+def test_another_optimizers_changes_leave_this_ones_quiet_backwards_alone(cpp_hooks, monkeypatch):
+    # Each window counts changes to its own slots: a second optimizer whose window starts anew
+    # between this one's backwards (its zero_grad, its first backward's folds) does not make
+    # this one's middle backwards go through Python (a process-wide counter did).
+    a, b = _pair()
+    opt_a = fused_accum.SGD(a.parameters(), lr=0.25)
+    opt_b = fused_accum.SGD(b.parameters(), lr=0.25)
+    calls = _python_calls(monkeypatch, opt_a)
+    per_backward = []
+    for i, x in enumerate(_batches(4)):
+        before = len(calls)
+        a(x).square().mean().backward()
+        per_backward.append(len(calls) - before > 0)
+        b(x).square().mean().backward()
+        opt_b.step()
+        opt_b.zero_grad()  # b's window ends and starts again every backward
+    assert per_backward == [True, False, False, False]
+    assert opt_a.microbatches == 4
 
 
 def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradient(cpp_hooks, monkeypatch):

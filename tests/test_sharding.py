@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fused_accum
-from fused_accum.window import ShardedGrad
+from fused_accum.topology.zero import ShardedGrad
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict

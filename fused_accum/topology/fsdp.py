@@ -1,0 +1,65 @@
+"""FSDP2 (``fully_shard``) or tensor parallelism: DTensor parameters, whose gradients FSDP2
+reduce-scatters into the sharded parameter's ``.grad``.
+
+FSDP2 runs autograd on unsharded copies, so the window's AccumulateGrad hooks never see a
+gradient: they stand aside, as under DDP. FSDP2 calls the sharded parameter's
+post-accumulate-grad hooks after each reduce-scatter, once ``.grad`` is set or added to; ours
+(``GradientWindow.take_engine_grad``) keeps ``.grad`` an fp32 DTensor over the parameter's
+accumulator slice, so FSDP2 adds the next micro-batches into it: the accumulation is fp32 whatever
+the parameter's dtype. The buffers cover the local shards only, and the window's statistics are
+summed over the mesh (:class:`fused_accum.distributed.ShardSums`). Chosen when the first DTensor
+parameters join (a step may come before any backward: torch.distributed.checkpoint's
+``set_optimizer_state_dict`` steps with zero gradients to make state).
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+from torch import Tensor
+
+from ..distributed import ShardSums
+from . import Local
+
+
+def _grad_ready(window_ref, key: int, param: Tensor) -> None:
+    # (holds the window weakly: no cycle through the parameter)
+    window = window_ref()
+    if window is not None and window.detached_because is None:
+        window.take_engine_grad(key)
+
+
+class FSDP2(Local):
+    name = "fsdp2"
+    stands_aside = True
+    fast_folds = False
+    decided = True
+
+    sums_stats = True
+
+    def __init__(self) -> None:
+        self._sums = None  # ShardSums over the parameters' mesh, made at the first use
+
+    def join(self, window, flat):
+        return self
+
+    def resolve(self, params):
+        return self
+
+    def attach(self, window, slot) -> None:
+        hook = functools.partial(_grad_ready, weakref.ref(window), slot.key)
+        window.add_handle(slot.param.register_post_accumulate_grad_hook(hook))
+
+    def in_place_ok(self, window, flat) -> bool:
+        return False
+
+    def validate(self, optimizer_is_generic: bool, step_in_backward: bool) -> None:
+        if optimizer_is_generic:
+            raise ValueError("a torch.optim class cannot step DTensor parameters (it would see local "
+                             "shards as whole parameters); use a fused algorithm (sgd, adam, adamw, lion)")  # fmt: skip
+
+    def sum_stats_(self, window, value: Tensor) -> Tensor:
+        """The window's (sum of squares, non-finite count) of local shards, summed over the mesh."""
+        if self._sums is None:
+            self._sums = ShardSums(s.param for s in window.slots)
+        return self._sums.sum_(value)
