@@ -6,8 +6,8 @@ Each function takes the optimizer for the call and keeps nothing of it. A saved 
 torch's state names plus ``master`` (the fp32 copy of a low-precision parameter) and, mid-window,
 ``accum`` (the accumulated gradient); each param group records ``window_microbatches``, so a
 checkpoint taken mid-window resumes exactly. Sharded optimizers (``shard=``) save each rank's
-pieces as rows of DTensors and load either those or whole, torch-shaped values; the branches
-that say so are marked ``(sharded)`` below, next to the DTensor (FSDP2) one.
+pieces as rows of DTensors and load either those or whole, torch-shaped values: the branches
+for them test ``_sharded(window)``; the one for DTensor (FSDP2) parameters tests ``is_dtensor``.
 """
 from __future__ import annotations
 
