@@ -30,7 +30,7 @@ def _param_indices(param_groups: list) -> dict:
 
 
 def _sharded(window) -> bool:
-    return window.reducer is not None and window.reducer.sharding is not None
+    return window.topology.sharded
 
 
 def state_dict(opt) -> dict:
@@ -73,7 +73,7 @@ def state_dict(opt) -> dict:
             entry = state.get(index_of[id(slot.param)], {})
             for key, value in entry.items():
                 if key != "accum" and isinstance(value, Tensor) and value.dim() == 1:
-                    entry[key] = window.reducer.state_rows(window.flat_groups[slot.flat_index], slot, value)
+                    entry[key] = window.topology.state_rows(window.flat_groups[slot.flat_index], slot, value)
     result = {"state": state, "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         returned = post_hook(opt, result)
@@ -96,7 +96,7 @@ def gathered_state_dict(opt) -> dict:
         if flat.master is not None:
             buffers["master"] = flat.master
         for key, buf in buffers.items():
-            full = window.reducer.gather_full(flat, buf)
+            full = window.topology.gather_full(flat, buf)
             for slot in flat.slots:
                 entry = result["state"].get(index_of[id(slot.param)])
                 if entry is not None and key in entry:

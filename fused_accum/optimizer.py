@@ -29,17 +29,17 @@ from torch import Tensor
 from . import backends, checkpoint
 from .algorithms import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
 from .algorithms import parse_algorithm, state_keys, validate_hyperparameters
-from .distributed import SHARD_MODES, ShardSums, WindowReducer
-from .flat import SUPPORTED_DTYPES, FlatGroup, is_dtensor, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
+from . import topology
+from .flat import SUPPORTED_DTYPES, FlatGroup, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
 from .generic import GenericPath
 from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: importable here, as before)
 from .window import GradientWindow
 
 
 def _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm,
-                     skip_nonfinite, process_group, shard, reduce_dtype) -> None:  # fmt: skip
+                     skip_nonfinite) -> None:  # fmt: skip
     """The constructor's keywords, checked before anything is built (in this order: the first
-    error found is the one raised)."""
+    error found is the one raised). Those of data parallelism are checked by topology.choose."""
     if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
         raise ValueError(f"accum_steps must be a positive int or None, got {accum_steps!r}")
     if backend != "auto" and backend not in backends.NAMES:
@@ -51,19 +51,6 @@ def _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_bac
     if step_in_backward and (max_grad_norm is not None or skip_nonfinite):
         raise ValueError("step_in_backward=True steps before the window's norm is known: "
                          "it cannot be combined with max_grad_norm or skip_nonfinite")
-    if step_in_backward and process_group is not None:
-        raise ValueError("step_in_backward=True steps before the window is reduced across "
-                         "process_group: they cannot be combined")
-    if shard not in SHARD_MODES:
-        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
-    if shard is not None and process_group is None:
-        raise ValueError(f"shard={shard!r} needs a process_group to shard across")
-    if shard is not None and not isinstance(optimizer, str):
-        raise ValueError("shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
-                         "class steps whole parameters")  # fmt: skip
-    if reduce_dtype is not None and shard != "grads":
-        raise ValueError("reduce_dtype= applies to shard='grads' only (the window-level "
-                         "reductions are fp32)")  # fmt: skip
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
     if step_in_backward and not isinstance(optimizer, str):
@@ -135,7 +122,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         **hyperparameters: Any,
     ):
         _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm,
-                         skip_nonfinite, process_group, shard, reduce_dtype)  # fmt: skip
+                         skip_nonfinite)  # fmt: skip
+        topology.check_arguments(process_group, shard, reduce_dtype, fused=isinstance(optimizer, str),
+                                 step_in_backward=step_in_backward)  # fmt: skip
         if isinstance(optimizer, type) and issubclass(optimizer, FusedAccumOptimizer):
             raise TypeError("optimizer= cannot be a FusedAccumOptimizer class")
         self._algorithm, generic_class, defaults = parse_algorithm(optimizer, hyperparameters)
@@ -156,14 +145,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
         self._generic = GenericPath(generic_class) if generic_class is not None else None
-        reducer = WindowReducer(process_group, shard, reduce_dtype) if process_group is not None else None
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
-            wants_stats=max_grad_norm is not None or skip_nonfinite, reducer=reducer,
+            wants_stats=max_grad_norm is not None or skip_nonfinite,
+            topology=topology.choose(process_group, shard, reduce_dtype),
             stepper=self._stepper, label=f"{type(self).__name__} at {id(self):#x}",
         )  # fmt: skip
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
-        self._shard_sums: Optional[ShardSums] = None  # DTensor params: sums the window's stats over the mesh
         self._attached = False
         super().__init__(params, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
@@ -215,12 +203,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             flat = FlatGroup(
                 len(window.flat_groups), group_index, [p for p, _ in pairs], [l for _, l in pairs],
                 len(window.slots), dtype, device, state_keys(self._algorithm, group), self._master_weights,
-                resolved[(device, dtype)], self._bucket_numel(device), self._sharding,
+                resolved[(device, dtype)], self._bucket_numel(device), window.topology.sharding,
             )  # fmt: skip
-            window.add(flat)
+            window.add(flat)  # (DTensor parameters make the topology FSDP2's: topology.Local.join)
             new_slots.extend(flat.slots)
-        if any(is_dtensor(s.param) for s in new_slots):
-            self._adopt_dtensors()
+        window.topology.check_optimizer(window, self._generic.cls.__name__ if self._generic is not None else None)
         if self._generic is not None:
             self._generic.add(group, group_index, new_slots)
         if self._attached:
@@ -242,43 +229,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 if slot.param.grad is not None:
                     self._window.take_user_grad(slot, slot.param.grad)
 
-    # --- topology: who else reduces or shards the gradients (process_group, shard=, FSDP2) ----
-
-    @property
-    def _sharding(self):
-        """The ``shard=`` layout of the process group (None: replicated or no process group)."""
-        reducer = self._window.reducer
-        return reducer.sharding if reducer is not None else None
-
     def _bucket_numel(self, device: torch.device) -> int:
         """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""
         cap = self._bucket_cap_mb
         if cap is None:
-            # On a CPU the fold reads the bucket's gradients back: at 0.5 MB they are still in
-            # the core's L2 cache (GPT-2 layout, d = 64, window_phases: a window's backwards
-            # 1-2 ms faster than with 25 MB). Data-parallel buckets keep DDP's size: each is a
-            # collective, and sharded checkpoints are laid out by them.
-            cap = 0.5 if device.type == "cpu" and self._window.reducer is None else 25.0
+            cap = self._window.topology.default_bucket_mb(device)
         return max(1, int(cap * 2**20 / 4))
-
-    def _adopt_dtensors(self) -> None:
-        # DTensor parameters (FSDP2): FSDP2 reduces every micro-batch into .grad, so the hooks
-        # stand aside as under DDP and the window's FSDP2 hook keeps .grad an fp32 DTensor over
-        # the accumulator. Decided now, not at the first backward: a step may come first
-        # (dcp's set_optimizer_state_dict steps with zero gradients to make state).
-        if self._config["process_group"] is not None:
-            raise ValueError("the parameters are DTensors (FSDP2's fully_shard or tensor parallelism), "
-                             "whose gradients FSDP2 reduces: process_group= and shard= cannot be added")  # fmt: skip
-        if self._generic is not None:
-            raise ValueError(f"optimizer={self._generic.cls.__name__} cannot step DTensor parameters "
-                             "(it would see local shards as whole parameters); use a fused algorithm "
-                             "(sgd, adam, adamw, lion)")  # fmt: skip
-        # ddp_wrapping says yes for DTensor params, without walking the garbage collector
-        if not self._window._check_native():
-            raise ValueError("DTensor parameters cannot join an optimizer whose plain parameters "
-                             "already took gradients through its hooks")  # fmt: skip
-        if self.max_grad_norm is not None or self.skip_nonfinite:
-            self._shard_sums = ShardSums(s.param for s in self._window.slots)
 
     # --- the window, as the user drives it ----------------------------------------------------
 
@@ -314,19 +270,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
         window = self._window
-        if not window.native:
-            window.follow_moved_params()
-        if set_to_none or self._sharding is not None:
-            window.discard()  # (sharded: no full gradient to zero and show)
-        else:
-            window.flush()
-            window.reconcile()
-            for slot in window.slots:
-                if slot.has_grad:
-                    slot.acc.zero_()
-            window.invalidate_stats()
-            window.after_step()
-            window.expose()
+        window.zero_grad(set_to_none)
         for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
             for p in group["params"]:
                 if p.grad is None:
@@ -375,7 +319,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         scale, skip, norm = window_scale(
             window, num_items, grad_scale=getattr(self, "grad_scale", None),  # (both set by GradScaler.step)
             found_inf=getattr(self, "found_inf", None), max_grad_norm=self.max_grad_norm,
-            skip_nonfinite=self.skip_nonfinite, shard_sums=self._shard_sums,
+            skip_nonfinite=self.skip_nonfinite,
         )  # fmt: skip
         if norm is not None:
             self.last_grad_norm = norm
@@ -384,14 +328,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if self._generic is not None:
             self._generic.step(self.param_groups, window.slots, self.state, scale, skip)
         else:
-            sharded = self._sharding is not None
             for flat in window.flat_groups:
                 active = [s for s in flat.slots if s.has_grad]
-                if sharded and active:
-                    flat.begin_step()  # stage this rank's pieces of the params
+                window.topology.before_flat_step(flat, active)
                 self._stepper.fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)
-            if sharded:
-                window.reducer.gather_params(window.flat_groups)  # the updated params, to every rank
+            window.topology.after_step_params(window.flat_groups)
         for flat in window.flat_groups:
             flat.masters_written()
         window.after_step()
@@ -412,7 +353,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
                 window.take_user_grad(slot, window.flat_groups[slot.flat_index].local_grad(slot, grad))
-            elif grad is None and window.native:
+            elif grad is None and window.topology.stands_aside:
                 slot.has_grad = False  # under DDP .grad is autograd's: None means no gradient
 
     # --- checkpoints (fused_accum.checkpoint; what each holds: the README's "Checkpoints") ---------
@@ -434,7 +375,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
 
     def __getstate__(self) -> dict:
-        if self._window.reducer is not None:
+        if not self._window.topology.picklable:
             raise TypeError("a FusedAccumOptimizer with a process_group cannot be pickled or copied "
                             "(a process group cannot); save its state_dict() instead")  # fmt: skip
         return {"config": self._config, "param_groups": self.param_groups, "state_dict": self.state_dict()}

@@ -203,13 +203,12 @@ def fp32_piece(flat: FlatGroup, slot: Slot, value: Tensor) -> Tensor:
     return flat.piece_of(slot, value.to(device=flat.device, dtype=torch.float32).reshape(-1))
 
 
-def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite,
-                 shard_sums) -> tuple:  # fmt: skip
+def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite) -> tuple:
     """(coef per device, skip flag per device or None, the window's norm or None), computed on
     the device without a host sync: 1/num_items x 1/grad_scale x the clip factor; skip when
     num_items is not positive and finite, when GradScaler found an inf, or (skip_nonfinite) when
     the window's gradient has one. ``grad_scale``/``found_inf``: what GradScaler.step set on the
-    optimizer; ``shard_sums``: DTensor params' sum over the mesh, or None."""
+    optimizer."""
     devices = list(dict.fromkeys(flat.device for flat in window.flat_groups))
     if not devices:
         return {}, None, None
@@ -224,8 +223,7 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
             items.copy_(num_items.detach().reshape(()))
         else:
             items.fill_(float(num_items))
-        if window.reducer is not None:  # gradients are the group's mean: so the counts
-            window.reducer.average_(items)
+        window.topology.average_(items)  # (data parallel: gradients are the group's mean, so the counts)
         bad = (~((items > 0) & torch.isfinite(items))).float()
         coef = coef / items
     if grad_scale is not None:
@@ -242,9 +240,7 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
         stats = window.complete_stats()
         total = sum(sumsq.to(home) for _, sumsq in stats.values())
         any_inf = sum(flag.to(home) for flag, _ in stats.values())
-        if shard_sums is not None:  # DTensor params: the stats of local shards
-            both = shard_sums.sum_(torch.stack([total, any_inf]))
-            total, any_inf = both[0], both[1]
+        total, any_inf = window.topology.sum_stats(window, total, any_inf)  # (FSDP2: over the mesh)
         # inf/nan anywhere makes the sum of squares non-finite too
         nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
         norm = total.sqrt() * coef

@@ -38,14 +38,13 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import backends, ops
 from .arrivals import make_arrivals
-from .flat import GRAD_VIEW, HAS_GRAD, IN_STATS, LOW_PRECISION, Bucket, FlatGroup, Slot, assign_all, change_counter
+from .flat import GRAD_VIEW, HAS_GRAD, LOW_PRECISION, FlatGroup, Slot, assign_all, change_counter
+from .fold import Folder
 from .topology import Local
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
-_UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
 # id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
 # because tensors compare element-wise, not by identity.
@@ -170,20 +169,58 @@ def _detach_all(arrivals, handles: list) -> None:
     handles.clear()
 
 
-class GradientWindow:
-    """Hooks, micro-batch counting, ``.grad`` exposure and the window's statistics."""
+class BackwardCount:
+    """The window's count of backward passes: ``microbatches`` in this window, ``total`` over
+    its life (never reset: what ``Slot.folded_in`` holds, so a new window needs no pass over the
+    slots). Both include the backwards the C++ hooks ran quietly, which they count themselves:
+    each read takes those over first."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, stepper, label, topology: Local = None,
-                 reducer=None):
+    def __init__(self, arrivals, accum_steps: Optional[int], changes) -> None:
+        self._arrivals = arrivals
+        self.accum_steps = accum_steps
+        self._changes = changes
+        self._microbatches = 0
+        self._total = 0
+
+    def _take_quiet(self) -> None:
+        quiet = self._arrivals.take_quiet_backwards()
+        if quiet:
+            self._microbatches += quiet
+            self._total += quiet
+
+    @property
+    def microbatches(self) -> int:
+        self._take_quiet()
+        return self._microbatches
+
+    @microbatches.setter
+    def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
+        self._take_quiet()
+        self._microbatches = value
+        self._arrivals.arm_quiet(0, self._changes)  # (which backward is the last may have moved)
+
+    @property
+    def total(self) -> int:
+        self._take_quiet()
+        return self._total
+
+    def add_one(self) -> None:
+        self._take_quiet()
+        self._microbatches += 1
+        self._total += 1
+
+    def last_backward(self) -> bool:
+        """The backward now running ends the window (known only with accum_steps)."""
+        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
+
+
+class GradientWindow:
+    """Hooks, micro-batch counting, ``.grad`` exposure, and the end of the window."""
+
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, topology: Local, stepper, label):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
-        if topology is None:  # TRANSITION (until the optimizer passes topology=): from a reducer
-            from .topology import choose
-
-            topology = Local() if reducer is None else choose(reducer.group, reducer.sharding and reducer.sharding.mode,
-                                                               reducer.reduce_dtype)
-        self.topology = topology  # who else owns the gradients (fused_accum.topology)
         # from the optimizer above: .fused_step(flat, active, coef, found_inf, grads, overwrite)
         # steps slots in backward (step_in_backward); .rehome(flat) moves a flat group's buffers
         # after its parameters. It holds no reference to the optimizer or to this window.
@@ -193,13 +230,8 @@ class GradientWindow:
         self.slots: list[Slot] = []  # by key
         self._params: list = []  # by key: the parameters (what rehook is asked about)
         self._slot_of: dict = {}  # id(param) -> slot
-        # (microbatches and _backwards add the backwards the hooks ran quietly: see _arm_quiet)
-        self._microbatches = 0
-        self._backward_count = 0
-        self.stepped_in_backward = False
         self.detached_because: Optional[str] = None
         self._exposed = False  # .grad currently shows the window (see reconcile)
-        self._stats: dict = {}  # device -> (found_inf, sumsq) of the current window
         self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
         self._lock = threading.RLock()
         this = weakref.ref(self)
@@ -208,20 +240,24 @@ class GradientWindow:
                                        functools.partial(_bucket_complete, this),
                                        functools.partial(_fold_hooked, this),
                                        functools.partial(_backward_raised, this))  # fmt: skip
-        self._bucket_ids: list = []  # the arrivals' bucket number -> (flat index, bucket index)
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
-        # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
-        # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
-        self._plans: list = []
-        # self.changes when .grad was last exposed, and when the fast folds were last decided (what was
-        # decided then holds while no slot's has_grad, in_stats or view is set)
         self.changes = change_counter()  # of its slots' has_grad, in_stats, grad_view (see flat)
-        self._exposed_at: Optional[int] = None
-        self._granted_at: Optional[int] = None
-        self._granted: tuple = ([], [], [], [])
-        self._pieces_seen = False  # some slot received two gradients in one micro-batch
-        self._stats_versions: list = []  # the accumulators' versions when the last backward ended
+        self._exposed_at: Optional[int] = None  # self.changes when .grad was last exposed
+        self.count = BackwardCount(self._arrivals, accum_steps, self.changes)
+        self._folder = Folder(arrivals=self._arrivals, flat_groups=self.flat_groups, count=self.count,
+                              stepper=stepper, topology=topology, changes=self.changes, label=label,
+                              step_in_backward=step_in_backward, wants_stats=wants_stats)  # fmt: skip
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
+
+    @property
+    def topology(self) -> Local:
+        """Who else owns the gradients (fused_accum.topology); the folds ask it too."""
+        return self._folder.topology
+
+    @topology.setter
+    def topology(self, topology: Local) -> None:
+        self._folder.topology = topology
+        self._arrivals.native = topology.stands_aside
 
     # --- membership ------------------------------------------------------------------------
 
@@ -229,13 +265,10 @@ class GradientWindow:
         for slot in flat.slots:
             slot.changes = self.changes
         self.topology = self.topology.join(self, flat)
-        self._arrivals.native = self.topology.stands_aside
         self.topology.add(flat)
-        self._exposed_at = self._granted_at = None  # new slots: decide again
-        first_bucket = len(self._bucket_ids)
-        self._bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
-        self._plans.extend(object() for _ in flat.buckets)
-        positions = {s.key: (first_bucket + b, pos) for b, bucket in enumerate(flat.buckets)
+        self._exposed_at = None  # new slots: decide again
+        numbers = self._folder.add(flat)
+        positions = {s.key: (numbers[b], pos) for b, bucket in enumerate(flat.buckets)
                      for pos, s in enumerate(bucket.slots)}  # fmt: skip
         self._arrivals.extend([len(b.slots) for b in flat.buckets],
                               [positions[s.key][0] for s in flat.slots],
@@ -323,23 +356,11 @@ class GradientWindow:
         optimizer owns .grad, and the hooks stand aside."""
         if not self.topology.decided:
             self.topology = self.topology.resolve([s.param for s in self.slots])
-            self._arrivals.native = self.topology.stands_aside
         return self.topology
-
-    @property
-    def reducer(self):  # TRANSITION: until the optimizer asks its topology
-        return getattr(self.topology, "reducer", None)
-
-    @property
-    def native(self):  # TRANSITION
-        return self.topology.stands_aside if self.topology.decided else None
-
-    def _check_native(self) -> bool:  # TRANSITION
-        return self.resolve_topology().stands_aside
 
     def took_gradients(self) -> bool:
         """The hooks took a gradient already (so no other engine may own them now)."""
-        return self._backward_count > 0 or self.pending()
+        return self.count.total > 0 or self.pending()
 
     def check_next_backward(self) -> None:
         """The next backward calls before_backward (its checks), whatever was armed."""
@@ -363,7 +384,8 @@ class GradientWindow:
             param = flat.slots[0].param
             if param.device != flat.device or param.dtype != flat.dtype:
                 self._stepper.rehome(flat)
-        self._exposed_at = self._granted_at = None  # new views and nodes: decide again
+        self._exposed_at = None  # new views and nodes: decide again
+        self._folder.forget_grants()
 
     def _before_backward(self) -> None:
         """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
@@ -373,7 +395,7 @@ class GradientWindow:
             if self.resolve_topology().stands_aside:
                 return
             self.follow_moved_params()
-            self._take_fast_overwrites()  # (of a backward that raised before its end)
+            self._folder.take_fast_overwrites()  # (of a backward that raised before its end)
             self.topology.before_backward(self)
             if self._exposed:
                 self.reconcile(before_backward=True)
@@ -386,48 +408,7 @@ class GradientWindow:
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).
             self._queue_end_of_backward(arrived=False)
-            self._grant_fast_folds()
-
-    def _grant_fast_folds(self) -> bool:
-        """Let the hooks fold, without calling back, the buckets of the backward about to run
-        whose fold needs nothing of Python (see fused_accum.arrivals): an add where every slot
-        holds this window's gradient (the middle micro-batches, and the last unless it takes
-        the norm), an overwrite where none does (the first). No slot may be in the window's
-        norm yet, and no reduction or fused step may read what the fold writes. An add records
-        nothing in Python; the slots an overwrite fills are recorded after it (see
-        _take_fast_overwrites). True when every bucket is granted an add."""
-        self._arrivals.revoke_fast()
-        if not self.topology.fast_folds or self.step_in_backward:
-            return False
-        if self._last_backward() and self.wants_stats:
-            return False  # its fold also adds the final values to the window's norm and flag
-        if self._granted_at != self.changes[0]:  # (else no slot's has_grad/in_stats/view changed)
-            buckets, accs, offsets, overwrite = [], [], [], []
-            for bucket_id, (flat_index, bucket_index) in enumerate(self._bucket_ids):
-                flat = self.flat_groups[flat_index]
-                bucket = flat.buckets[bucket_index]
-                if not backends.fast_folds(flat.backend) or any(map(IN_STATS, bucket.slots)):
-                    continue
-                held = list(map(HAS_GRAD, bucket.slots))
-                if all(held) or not any(held):
-                    buckets.append(bucket_id)
-                    accs.append(flat.acc)
-                    offsets.append(bucket.offsets)
-                    overwrite.append(not held[0])
-            self._granted = (buckets, accs, offsets, overwrite)
-            self._granted_at = self.changes[0]
-        buckets, _, _, overwrite = self._granted
-        if buckets:
-            self._arrivals.grant_fast(*self._granted)
-        return len(buckets) == len(self._bucket_ids) and not any(overwrite)
-
-    def _take_fast_overwrites(self) -> None:
-        """Record what the hooks' granted overwrites filled: first of all in every Python
-        callback of a backward (a later gradient of those slots must be added, not written
-        over) and at its end."""
-        for bucket_id in self._arrivals.take_overwritten():
-            flat_index, bucket_index = self._bucket_ids[bucket_id]
-            self._mark_folded(self.flat_groups[flat_index].buckets[bucket_index].slots, stats=False)
+            self._folder.grant_fast_folds()
 
     def take_engine_grad(self, key: int) -> None:
         """Another engine set or added to a parameter's ``.grad`` (FSDP2 after its
@@ -450,10 +431,7 @@ class GradientWindow:
     def _bucket_complete(self, bucket_id: int, grads: list) -> None:
         """Every slot of a bucket has arrived in this backward: fold them."""
         with self._lock:
-            self._take_fast_overwrites()
-            flat_index, bucket_index = self._bucket_ids[bucket_id]
-            flat = self.flat_groups[flat_index]
-            self._fold(flat, flat.buckets[bucket_index], grads, self._plans[bucket_id], complete=True)
+            self._folder.bucket_complete(bucket_id, grads)
 
     def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
         slot = self._slot_of.get(id(param))
@@ -463,7 +441,7 @@ class GradientWindow:
         if not self.resolve_topology().in_place_ok(self, flat):
             return None
         with self._lock:
-            self._take_fast_overwrites()
+            self._folder.take_fast_overwrites()
             self._queue_end_of_backward(arrived=True)
             # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
             # folded later with add: has_grad is set by done() before that can happen.
@@ -471,7 +449,7 @@ class GradientWindow:
 
         def done() -> None:
             with self._lock:
-                self._mark_folded([slot], stats=False)
+                self._folder.mark_folded([slot], stats=False)
                 self._arrivals.arrive_in_place(slot.key)  # may complete the bucket: a fold
 
         return WgradTarget(slot.full_view, overwrite, flat.backend, done)
@@ -487,12 +465,7 @@ class GradientWindow:
         target = self.wgrad_target(param)
         if target is None:
             return False
-        with torch.no_grad():
-            if target.overwrite:
-                target.acc.copy_(grad)
-            else:
-                target.acc.add_(grad)  # fp32 += the gradient upcast: what the kernels compute
-        target.done()
+        self._folder.fold_one(slot, target, grad)
         if param.grad is not slot.grad_view:
             param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
         return True
@@ -530,144 +503,25 @@ class GradientWindow:
     @property
     def microbatches(self) -> int:
         """Backward passes in this window."""
-        self._count_quiet()
-        return self._microbatches
+        return self.count.microbatches
 
     @microbatches.setter
     def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
-        self._count_quiet()
-        self._microbatches = value
-        self._arrivals.arm_quiet(0, self.changes)  # (which backward is the last may have moved)
+        self.count.microbatches = value
 
     @property
-    def _backwards(self) -> int:
-        """Backward passes counted over the window's life, never reset: what Slot.folded_in
-        holds, so a new window needs no pass to reset it."""
-        self._count_quiet()
-        return self._backward_count
+    def bucket_ids(self) -> list:
+        """The hooks' bucket numbers -> (flat group index, bucket index)."""
+        return self._folder.bucket_ids
 
-    def _count_quiet(self) -> None:
-        quiet = self._arrivals.take_quiet_backwards()
-        if quiet:
-            self._microbatches += quiet
-            self._backward_count += quiet
-
-    def _arm_quiet(self) -> None:
-        """At the end of a backward: let the C++ hooks run the next ones without calling Python
-        while each would do nothing here but count (fused_accum.arrivals): every bucket is
-        granted an add (no norm to take, no reduction, no fused step), up to the window's last
-        backward where that one takes the norm, as long as ``self.changes`` keeps its value (no
-        slot's state was set from Python since) and the count is not set."""
-        if not self.topology.fast_folds or self.step_in_backward:
-            return
-        if not self._grant_fast_folds():  # (for the next backward: the count is already up)
-            return
-        if self.wants_stats and self.accum_steps is not None:
-            budget = self.accum_steps - 1 - self._microbatches
-        else:
-            budget = _UNLIMITED
-        if budget > 0:
-            self._arrivals.arm_quiet(budget, self.changes)
-
-    # --- folding ----------------------------------------------------------------------------
-
-    def _last_backward(self) -> bool:
-        """The backward now running ends the window (known only with accum_steps)."""
-        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
-
-    def _syncs(self) -> bool:
-        """The backward now running ends with a data-parallel reduction."""
-        return self.topology.syncs(self)
-
-    def _mark_folded(self, slots: list, stats: bool) -> None:
-        """``slots`` received a gradient in this micro-batch; ``stats``: the fold added it to the
-        window's norm and non-finite flag."""
-        now = self._backwards
-        stale = False  # a value in the norm/flag is no longer final
-        for slot in slots:
-            if slot.folded_in == now:
-                self._pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
-                stale = True  # (then stats is False: see _fold)
-            elif slot.in_stats:
-                stale = True
-            elif stats:
-                slot.in_stats = True
-            slot.folded_in = now
-        assign_all(slots, "has_grad", True)
-        if stale:
-            self.invalidate_stats()
-        self.topology.added()
-
-    @torch.no_grad()  # (a double backward runs its hooks in grad mode: the sums keep no graph)
-    def _fold(self, flat: FlatGroup, bucket: Bucket, grads: list, plan, complete: bool = False) -> None:
-        """Fold the gradients that arrived for ``bucket`` (``grads`` by position in it, None where
-        nothing arrived as a tensor): one op call per (overwrite, add) kind, an accumulate, or on
-        the window's last micro-batch with ``step_in_backward`` the fused step."""
-        if any(g is None for g in grads):  # (not `None in grads`: that compares tensors with ==)
-            arrived = [(s, g) for s, g in zip(bucket.slots, grads) if g is not None]
-            in_order, grads = [s for s, _ in arrived], [g for _, g in arrived]
-        else:
-            in_order = bucket.slots  # (accumulate takes increasing offsets: bucket order)
-        if in_order:
-            self._fold_arrived(flat, bucket, in_order, grads, plan)
-        if complete:
-            self.topology.bucket_complete(self, flat, bucket)
-
-    def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list, plan) -> None:
-        if self.stepped_in_backward:
-            raise RuntimeError(f"{self.label}: step_in_backward already stepped this window after "
-                               f"{self.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
-        if grads[0].device != flat.device:  # the model moved after the optimizer was built
-            self._stepper.rehome(flat)
-        fuse_step = self.step_in_backward and self._last_backward() and not self._pieces_seen
-        # On the window's last backward the values written are final: the same pass adds them
-        # to the window's norm and non-finite flag (unless a reduction changes them after).
-        local_stats = self._last_backward() and self.wants_stats and not self._syncs()
-        # Partitioned before folding (a fold sets has_grad): the window's first gradient of a
-        # slot overwrites it, later ones add. Usually a whole bucket is one kind.
-        first = [not s.has_grad for s in in_order]
-        if all(first) or not any(first):
-            kinds = [(first[0], in_order, grads)]
-        else:
-            kinds = [(kind, [s for s, f in zip(in_order, first) if f is kind],
-                      [g for g, f in zip(grads, first) if f is kind]) for kind in (True, False)]  # fmt: skip
-        for overwrite, slots, kind_grads in kinds:
-            if fuse_step:
-                if any(s.stepped for s in slots):
-                    raise RuntimeError(f"{self.label}: a parameter received a second gradient after "
-                                       "step_in_backward stepped it (a layer reused under several "
-                                       "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
-                self._stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
-                continue
-            staged = self.topology.staging_for(flat, bucket)
-            if staged is not None:  # (shard="grads": reduce-scattered after the backward)
-                relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
-                ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
-                self._mark_folded(slots, False)
-                continue
-            now = self._backwards
-            stats = local_stats and all(s.folded_in != now for s in slots)
-            found_inf, sumsq = self.stats_tensors(flat.device) if stats else (None, None)
-            if len(slots) == len(bucket.slots):
-                offsets = bucket.offsets
-            else:
-                offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
-            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, found_inf, sumsq, flat.backend, plan=plan)
-            self._mark_folded(slots, stats)
-        if fuse_step:
-            for slot in in_order:
-                slot.stepped = True
-                slot.has_grad = False  # stepped from its last gradient: nothing left in the window
-                slot.folded_in = self._backwards
+    @property
+    def stepped_in_backward(self) -> bool:
+        return self._folder.stepped_in_backward
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
         with self._lock:
-            self._take_fast_overwrites()
-            for bucket_id, grads in self._arrivals.take_partial():
-                flat_index, bucket_index = self._bucket_ids[bucket_id]
-                flat = self.flat_groups[flat_index]
-                self._fold(flat, flat.buckets[bucket_index], grads, self._plans[bucket_id])
+            self._folder.flush()
 
     # --- end of a backward ----------------------------------------------------------------------
 
@@ -685,27 +539,16 @@ class GradientWindow:
                 return
             if arrived:
                 self.topology.backward_ended(self)
-            if arrived:
                 self._count_microbatch()
             self.expose()
-            self._arm_quiet()
-            self._stats_versions = self._acc_versions()
+            self._folder.arm_quiet()
+            self._folder.stats.versions = self._folder.stats.acc_versions(self.flat_groups)
 
     def _count_microbatch(self) -> None:
-        syncs = self._syncs()
-        self._count_quiet()
-        self._microbatches += 1
-        self._backward_count += 1
-        if self.step_in_backward and self.microbatches == self.accum_steps and not self._pieces_seen:
-            # Slots whose gradients all came before the last micro-batch step here; the rest
-            # were stepped as their buckets completed. step() then only ends the window.
-            for flat in self.flat_groups:
-                self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
-            for slot in self.slots:
-                slot.has_grad = False
-            for flat in self.flat_groups:
-                flat.masters_written()
-            self.stepped_in_backward = True
+        syncs = self.topology.syncs(self.count)
+        self.count.add_one()
+        if self.step_in_backward and self.microbatches == self.accum_steps and not self._folder.pieces_seen:
+            self._folder.step_the_rest()
         elif syncs:
             self.finish_reduction()
 
@@ -790,44 +633,17 @@ class GradientWindow:
     # --- statistics ---------------------------------------------------------------------------
 
     def stats_tensors(self, device) -> tuple:
-        if device not in self._stats:
-            zeros = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
-            self._stats[device] = tuple(zeros)
-        return self._stats[device]
+        return self._folder.stats.tensors(device)
 
     def invalidate_stats(self) -> None:
         """Forget the window's norm and non-finite flag; the step recomputes them from the buffers."""
-        for slot in self.slots:
-            if slot.in_stats:  # (an assignment counts: see Slot.assignments)
-                slot.in_stats = False
-        for found_inf, sumsq in self._stats.values():
-            found_inf.zero_()
-            sumsq.zero_()
-
-    def _acc_versions(self) -> list:
-        # Every .grad view shares its buffer's version counter, which any in-place write moves.
-        return [flat.acc._version for flat in self.flat_groups]
+        self._folder.invalidate_stats()
 
     def complete_stats(self) -> dict:
-        """device -> (found_inf, sumsq) over every gradient of the window: what the last
-        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group. A
-        ``.grad`` edited in place since the last backward ended (``scaler.unscale_``,
-        ``clip_grad_value_``, ``nan_to_num_``) moved its buffer's version counter: the values
-        the last pass saw are gone, so everything is taken again from the buffers."""
+        """device -> (found_inf, sumsq) over every gradient of the window (fold.Stats.complete;
+        a topology whose buffers are sharded makes its own)."""
         stats = self.topology.stats(self)
-        if stats is not None:
-            return stats
-        if self._acc_versions() != self._stats_versions:
-            self.invalidate_stats()
-        for flat in self.flat_groups:
-            missing = [s.acc for s in flat.slots if s.has_grad and not s.in_stats]
-            if missing:
-                _, sumsq = self.stats_tensors(flat.device)
-                norms = torch._foreach_norm(missing)
-                sumsq.add_(torch.stack(norms).square().sum())
-                for slot in flat.slots:
-                    slot.in_stats = slot.in_stats or slot.has_grad
-        return {flat.device: self.stats_tensors(flat.device) for flat in self.flat_groups}
+        return stats if stats is not None else self._folder.stats.complete(self.flat_groups, self.slots)
 
     # --- the window's end ---------------------------------------------------------------------
 
@@ -839,12 +655,30 @@ class GradientWindow:
         accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
         until ``zero_grad()``); a backward before ``zero_grad()`` adds to them."""
         self.microbatches = 0
-        self.stepped_in_backward = False
+        self._folder.stepped_in_backward = False
         if self.step_in_backward:
             for slot in self.slots:
                 slot.stepped = False
         self.invalidate_stats()
         self.topology.after_step(self)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """``opt.zero_grad()``. ``set_to_none``: discard the window. Else the exposed gradients
+        are zeroed in place and stay exposed, as in torch (a sharded topology has no full
+        gradient to zero and show: it discards)."""
+        if not self.topology.stands_aside:
+            self.follow_moved_params()
+        if set_to_none or self.topology.sharded:
+            self.discard()
+            return
+        self.flush()
+        self.reconcile()
+        for slot in self.slots:
+            if slot.has_grad:
+                slot.acc.zero_()
+        self.invalidate_stats()
+        self.after_step()
+        self.expose()
 
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.

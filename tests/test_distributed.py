@@ -119,7 +119,7 @@ def _worker(rank, path, scenario):
             # ours the first reference dropped, that thread could release the last one, taking
             # the GIL during interpreter shutdown -> std::terminate: SIGABRT, 2 runs in 25 before;
             # the stress test below catches that), and none stays held after its wait.
-            assert opt._window.reducer.handoff.holding == 0
+            assert opt._window.topology.reducer.handoff.holding == 0
         norm = opt.last_grad_norm if scenario == "adamw" else (norms[-1] if norms else None)
         torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads, "norm": norm},
                    f"{path}.rank{rank}")  # fmt: skip

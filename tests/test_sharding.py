@@ -147,7 +147,7 @@ def _memory(rank):
                 key = (str(dtype).split(".")[1], shard, algorithm)
                 out[key] = {kind: (after[kind] - before[kind]) / n for kind in after}
                 out[key]["params"] = n
-                out[key]["holding"] = opt._window.reducer.handoff.holding
+                out[key]["holding"] = opt._window.topology.reducer.handoff.holding
                 del model, batches, opt, pinned
     return out
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 from ..distributed import ShardSums
@@ -35,8 +37,6 @@ class FSDP2(Local):
     fast_folds = False
     decided = True
 
-    sums_stats = True
-
     def __init__(self) -> None:
         self._sums = None  # ShardSums over the parameters' mesh, made at the first use
 
@@ -53,13 +53,15 @@ class FSDP2(Local):
     def in_place_ok(self, window, flat) -> bool:
         return False
 
-    def validate(self, optimizer_is_generic: bool, step_in_backward: bool) -> None:
-        if optimizer_is_generic:
-            raise ValueError("a torch.optim class cannot step DTensor parameters (it would see local "
+    def check_optimizer(self, window, generic: Optional[str]) -> None:
+        if generic is not None:
+            raise ValueError(f"optimizer={generic} cannot step DTensor parameters (it would see local "
                              "shards as whole parameters); use a fused algorithm (sgd, adam, adamw, lion)")  # fmt: skip
-
-    def sum_stats_(self, window, value: Tensor) -> Tensor:
-        """The window's (sum of squares, non-finite count) of local shards, summed over the mesh."""
-        if self._sums is None:
+        if window.wants_stats:  # (made now: it refuses parameters on more than one mesh)
             self._sums = ShardSums(s.param for s in window.slots)
-        return self._sums.sum_(value)
+
+    def sum_stats(self, window, sumsq: Tensor, nonfinite: Tensor) -> tuple:
+        """The window's sum of squares and non-finite count are of local shards: summed over
+        the mesh, in one all-reduce."""
+        both = self._sums.sum_(torch.stack([sumsq, nonfinite]))
+        return both[0], both[1]

@@ -36,23 +36,23 @@ class Replicated(Local):
     def resolve(self, params):
         return self  # (a process group of our own: the hooks reduce, no DDP wrapper may)
 
-    def validate(self, optimizer_is_generic: bool, step_in_backward: bool) -> None:
-        if step_in_backward:
-            raise ValueError("step_in_backward=True steps before the window is reduced across "
-                             "process_group: they cannot be combined")  # fmt: skip
+    picklable = False
+
+    def default_bucket_mb(self, device) -> float:
+        return 25.0  # each bucket is a collective, and sharded checkpoints are laid out by them
 
     def added(self) -> None:
         self._unreduced = True
 
-    def syncs(self, window) -> bool:
+    def syncs(self, count) -> bool:
         if self._no_sync:
             return False
-        steps = window.accum_steps
-        return steps is None or self._no_sync_used or window.microbatches >= steps - 1
+        steps = count.accum_steps
+        return steps is None or self._no_sync_used or count.microbatches >= steps - 1
 
-    def bucket_complete(self, window, flat, bucket) -> None:
-        if self.syncs(window):
-            self.reducer.bucket_ready(window.flat_groups, bucket)  # overlaps the rest of the backward
+    def bucket_complete(self, flat_groups, count, flat, bucket) -> None:
+        if self.syncs(count):
+            self.reducer.bucket_ready(flat_groups, bucket)  # overlaps the rest of the backward
 
     def finish(self, window) -> None:
         if self._unreduced:

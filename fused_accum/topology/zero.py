@@ -59,11 +59,6 @@ class Zero(replicated.Replicated):
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
 
-    def validate(self, optimizer_is_generic: bool, step_in_backward: bool) -> None:
-        super().validate(optimizer_is_generic, step_in_backward)
-        if optimizer_is_generic:
-            raise ValueError("shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
-                             "class steps whole parameters")  # fmt: skip
 
     def reduced_error(self, window):
         raise RuntimeError(f"{window.label}: shard='state' reduces once per window and this window was "
@@ -81,9 +76,9 @@ class Zero(replicated.Replicated):
         if self._reduced:
             self.reduced_error(window)
 
-    def syncs(self, window) -> bool:
+    def syncs(self, count) -> bool:
         # "grads" reduce-scatters every backward; the step averages
-        return not self.grads and super().syncs(window)
+        return not self.grads and super().syncs(count)
 
     def staging_for(self, flat, bucket):
         return self.reducer.staging_for(flat, bucket) if self.grads else None
@@ -95,11 +90,11 @@ class Zero(replicated.Replicated):
             self.reduced_error(window)
         return True
 
-    def bucket_complete(self, window, flat, bucket) -> None:
+    def bucket_complete(self, flat_groups, count, flat, bucket) -> None:
         if self.grads:
-            self.reducer.bucket_staged(window.flat_groups, bucket)
+            self.reducer.bucket_staged(flat_groups, bucket)
         else:
-            super().bucket_complete(window, flat, bucket)
+            super().bucket_complete(flat_groups, count, flat, bucket)
 
     def backward_ended(self, window) -> None:
         if self.grads:  # every bucket is reduce-scattered once per backward, in order
@@ -171,5 +166,17 @@ class Zero(replicated.Replicated):
             if not self.grads:
                 slot.grad_view = slot.full_view
 
+    def before_flat_step(self, flat, active: list) -> None:
+        if active:
+            flat.begin_step()  # stage this rank's pieces of the params
+
     def after_step_params(self, flat_groups) -> None:
         self.reducer.gather_params(flat_groups)  # the updated params, to every rank
+
+    # --- checkpoints (fused_accum.checkpoint) ---
+
+    def state_rows(self, flat, slot, piece: Tensor) -> Tensor:
+        return self.reducer.state_rows(flat, slot, piece)
+
+    def gather_full(self, flat, buf: Tensor) -> Tensor:
+        return self.reducer.gather_full(flat, buf)
