@@ -157,9 +157,9 @@ def _env(name: str, value: str) -> Iterator[None]:
 def _hook_kind(params: Sequence[torch.Tensor]) -> str:
     """Which hooks take the params' gradients: 'c++' or 'python' (a fused_accum optimizer's,
     fused_accum.arrivals), or 'none' (torch's own accumulation)."""
-    from fused_accum import arrivals, window
+    from fused_accum import arrivals, owners
 
-    owner = window.owner(params[0]) if params else None
+    owner = owners.owner(params[0]) if params else None
     if owner is None:
         return "none"
     return "python" if isinstance(owner._arrivals, arrivals.PythonArrivals) else "c++"

@@ -634,7 +634,7 @@ std::vector<int64_t> Arrivals::rehook(const std::vector<at::Tensor>& params) {
   return moved;
 }
 
-// What the Triton backend's launch-plan cache keys a call by (fused_accum/backends/triton.py):
+// What the Triton backend's launch-plan cache keys a call by (fused_accum/backends/triton/plans.py):
 // each tensor's address and dtype, as int64 pairs in one bytes object. Read in one C++ pass:
 // Python reads each at ~0.14 us per tensor and attribute, more than the goal for a whole call.
 py::bytes addresses_and_dtypes(const std::vector<at::Tensor>& tensors) {

@@ -128,7 +128,7 @@ def load_state_dict(opt, saved: dict) -> None:
             if key not in ("params", "window_microbatches"):
                 group[key] = value
         id_to_param.update(zip(saved_group["params"], group["params"]))
-    window.microbatches = int(saved_groups[0].get("window_microbatches", 0)) if saved_groups else 0
+    window.count.microbatches = int(saved_groups[0].get("window_microbatches", 0)) if saved_groups else 0
     saved_state = saved["state"]
     for pid, p in id_to_param.items():
         slot = window.slot_for(p)

@@ -16,7 +16,7 @@ to them, and a decision holds while the counter keeps its value.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +25,16 @@ from . import backends, ops
 from .flat import HAS_GRAD, IN_STATS, Bucket, FlatGroup, assign_all
 
 _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
+
+
+class WgradTarget(NamedTuple):
+    """Where a gradient is written straight into its accumulator slice (a fused weight-gradient
+    GEMM, fused_accum.nn; a parameter with a post-accumulate-grad hook)."""
+
+    acc: Tensor  # fp32, shaped like the parameter: its accumulator slice
+    overwrite: bool  # the window's first gradient of this slice: write, do not add
+    backend: str  # the resolved backend of the parameter's flat group
+    done: Callable[[], None]  # call right after writing: the slice has arrived for this backward
 
 
 class Stats:
@@ -80,8 +90,9 @@ class Folder:
     topology (a staging buffer, a reduction to start) and the window's change counter."""
 
     def __init__(self, *, arrivals, flat_groups: list, count, stepper, topology, changes, label: str,
-                 step_in_backward: bool, wants_stats: bool) -> None:
+                 step_in_backward: bool, wants_stats: bool, lock) -> None:
         self.arrivals = arrivals
+        self.lock = lock  # the window's: hooks run on one autograd thread per device
         self.flat_groups = flat_groups  # (the window's list: it grows as groups are added)
         self.count = count  # the window's backward count (window.BackwardCount)
         self.stepper = stepper
@@ -114,6 +125,14 @@ class Folder:
 
     def invalidate_stats(self) -> None:
         self.stats.invalidate(s for flat in self.flat_groups for s in flat.slots)
+
+    def complete_stats(self) -> dict:
+        """device -> (found_inf, sumsq) over every gradient of the window (Stats.complete; a
+        topology whose buffers are sharded makes its own)."""
+        stats = self.topology.stats(self.flat_groups, self.stats)
+        if stats is not None:
+            return stats
+        return self.stats.complete(self.flat_groups, [s for flat in self.flat_groups for s in flat.slots])
 
     # --- the fast path ------------------------------------------------------------------------
 
@@ -272,10 +291,32 @@ class Folder:
                 slot.has_grad = False  # stepped from its last gradient: nothing left in the window
                 slot.folded_in = self.count.total
 
+    # --- gradients written in place -------------------------------------------------------
+
+    def takes_in_place(self, slot, topology) -> bool:
+        """Whether ``slot``'s gradient may be written straight into its slice now: not with
+        step_in_backward (it steps a bucket from its gradients as tensors), nor where the
+        topology must see the gradient (DDP, FSDP2) or holds no full slice (shard="grads")."""
+        return not self.step_in_backward and topology.in_place_ok(self, self.flat_groups[slot.flat_index])
+
+    def in_place_target(self, slot) -> WgradTarget:
+        """Where ``slot``'s gradient is to be written in place in the backward now running."""
+        self.take_fast_overwrites()
+        # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
+        # folded later with add: has_grad is set by done() before that can happen.
+        overwrite = not slot.has_grad
+
+        def done() -> None:
+            with self.lock:
+                self.mark_folded([slot], stats=False)
+                self.arrivals.arrive_in_place(slot.key)  # may complete the bucket: a fold
+
+        return WgradTarget(slot.full_view, overwrite, self.flat_groups[slot.flat_index].backend, done)
+
     @torch.no_grad()
-    def fold_one(self, slot, target, grad: Tensor) -> None:
-        """One slot's gradient, alone, into its slice (``target``: a WgradTarget): a parameter
-        with a user's post-accumulate-grad hook, whose hook must see the sum at once."""
+    def fold_one(self, target: WgradTarget, grad: Tensor) -> None:
+        """One slot's gradient, alone, into its slice: a parameter with a user's
+        post-accumulate-grad hook, whose hook must see the sum at once."""
         if target.overwrite:
             target.acc.copy_(grad)
         else:

@@ -25,9 +25,8 @@ class GenericPath:
         """Give the inner optimizer the new ``slots`` of param group ``group_index``."""
         inner_params = []
         for slot in slots:
-            p = slot.param
-            target = p if slot.master is None else torch.nn.Parameter(slot.master.view(p.shape))
-            self.targets[id(p)] = target
+            target = self._target(slot)
+            self.targets[id(slot.param)] = target
             inner_params.append(target)
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         try:
@@ -40,6 +39,27 @@ class GenericPath:
                 self.inner.add_param_group(dict(params=inner_params, **hyper))
         except TypeError as err:
             raise TypeError(f"{self.cls.__name__} rejected param_groups[{group_index}]: {err}") from err
+
+    def _target(self, slot):
+        p = slot.param
+        return p if slot.master is None else torch.nn.Parameter(slot.master.view(p.shape))
+
+    def retarget(self, flat, state: dict) -> None:
+        """``flat`` was moved or cast after its parameters (Stepper.rehome): the inner optimizer
+        steps the new masters (or the parameters themselves), with its state moved along (fp32
+        where there is a master, else the parameter's dtype)."""
+        for slot in flat.slots:
+            old, new = self.targets[id(slot.param)], self._target(slot)
+            if new is old:
+                continue
+            self.targets[id(slot.param)] = new
+            for group in self.inner.param_groups:
+                group["params"] = [new if q is old else q for q in group["params"]]
+            if old in self.inner.state:
+                moved = {k: v.to(new.device, new.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                         and v.dim() > 0 else v for k, v in self.inner.state.pop(old).items()}  # fmt: skip
+                self.inner.state[new] = moved
+                state[slot.param] = moved
 
     def load(self, param, state: dict) -> dict:
         """The inner optimizer's state for ``param`` from a checkpoint's entry; returns it (what

@@ -74,6 +74,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     "What the optimizer does" and "Data parallel and sharding".
     """
 
+    _fused_accum_owner = True  # (fused_accum.owners: a torch.optim step pre-hook tells ours apart)
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """torch's flag for "step() takes GradScaler's grad_scale and found_inf": True only when
@@ -145,6 +147,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
         self._generic = GenericPath(generic_class) if generic_class is not None else None
+        self._stepper.generic = self._generic
         self._window = GradientWindow(
             accum_steps=accum_steps, step_in_backward=step_in_backward,
             wants_stats=max_grad_norm is not None or skip_nonfinite,
@@ -247,7 +250,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def microbatches(self) -> int:
         """Backward passes folded since the last step (each ``backward()`` that reaches a
         parameter counts once: two backward calls per micro-batch count twice)."""
-        self._window.reconcile()
         return self._window.microbatches
 
     def accumulated_grad(self, param: Tensor) -> Optional[Tensor]:
@@ -263,7 +265,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         the group; the next backward outside it ends the window with the reduction, as
         DistributedDataParallel's ``no_sync()``. Without it the window ends (and is reduced)
         after ``accum_steps`` backward passes, or after every backward when that is None."""
-        return self._window.no_sync()
+        return self._window.topology.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the window. ``set_to_none=True`` (default): every ``.grad`` becomes None and

@@ -64,6 +64,7 @@ class Stepper:
         self.param_groups: list = []
         self.state: dict = {}
         self.shown: dict = {}  # slot key -> the StateEntry last put in self.state
+        self.generic = None  # the generic path (fused_accum.generic), which keeps its own state
 
     # --- what the window calls ---------------------------------------------------------------
 
@@ -133,6 +134,9 @@ class Stepper:
                                "devices: fused_accum always fuses, and these parameters are on the meta device; "
                                "materialise the model (to_empty() or to()) before stepping")  # fmt: skip
         flat.rehome(device, backends.resolve(self.backend_request, device))
+        if self.generic is not None:
+            self.generic.retarget(flat, self.state)
+            return
         group = self.param_groups[flat.group_index]
         for slot in flat.slots:
             if self.state.get(slot.param):

@@ -1,31 +1,29 @@
-"""The gradient window: autograd hooks, micro-batch counting, ``.grad`` exposure and statistics.
+"""The gradient window: everything between two optimizer steps.
 
-A window is everything between two optimizer steps. While it is open, each parameter's
-gradients are folded into its slice of the flat fp32 accumulator (:mod:`fused_accum.flat`):
+While it is open, each parameter's gradients are folded into its slice of the flat fp32
+accumulator (:mod:`fused_accum.flat`):
 
 1. Hooks on each parameter's AccumulateGrad node (:mod:`fused_accum.arrivals`, in C++ where the
-   extension is built) hide a ``.grad`` showing our fp32 view before autograd could add into it,
-   and take the new gradient (in its own dtype: ``p.grad_dtype = None`` for bf16/fp16 params
-   stops autograd casting it) into the parameter's bucket.
-2. A complete bucket is one ``accumulate_`` call (``_fold``); the window's first gradient of a
-   slice overwrites it, so no zeroing pass is needed.
-3. A callback queued on the autograd engine flushes partial buckets, counts the micro-batch and
-   sets every ``p.grad`` that has a gradient to the fp32 running sum (a view of the buffer),
-   after every backward, exactly where native accumulation would show a ``.grad``.
+   extension is built) take each new gradient (in its own dtype: ``p.grad_dtype = None`` for
+   bf16/fp16 params stops autograd casting it) into the parameter's bucket.
+2. A complete bucket is folded (:mod:`fused_accum.fold`): one ``accumulate_`` call, the window's
+   first gradient of a slice overwriting it, so no zeroing pass is needed.
+3. A callback queued on the autograd engine sees the backward end: it folds partial buckets,
+   counts the micro-batch and shows every gradient's fp32 running sum in ``.grad``
+   (:mod:`fused_accum.exposure`), exactly where native accumulation would show a ``.grad``.
+   Once shown, ``.grad`` is the truth, as with torch's optimizers.
 
-Once exposed, ``.grad`` is the truth, as with torch's optimizers: a ``.grad`` cleared since
-(``model.zero_grad()``) discards that parameter's window, one replaced by another tensor becomes
-its accumulated gradient, and in-place edits (clipping, unscaling) edit the buffer.
+This module holds that sequence: the hooks' callbacks, the count of backwards, the start and the
+end of each backward and of the window, and which parameters it owns (:mod:`fused_accum.owners`).
+What else happens where data parallelism is involved (DDP standing aside, reductions, sharded
+buffers, FSDP2) is its topology's (:mod:`fused_accum.topology`), asked at fixed points.
 
 ``accum_steps`` (when known) is only a hint that enables fusions on the window's last backward:
 the norm and non-finite flag come out of its accumulate pass, ``step_in_backward`` steps buckets
 as they complete, and data-parallel buckets are reduced while the backward still runs.
 
-What else happens where data parallelism is involved (DDP standing aside, reductions, sharded
-buffers, FSDP2) is its topology's (:mod:`fused_accum.topology`), asked at fixed points.
-
-The window holds its optimizer weakly and the hooks hold the window weakly, so deleting the
-optimizer frees everything at once; a finaliser then removes the hooks.
+The hooks hold the window weakly and nothing below holds it, so deleting the optimizer frees
+everything at once; a finaliser then removes the hooks.
 """
 from __future__ import annotations
 
@@ -33,79 +31,26 @@ import functools
 import threading
 import warnings
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import owners
 from .arrivals import make_arrivals
-from .flat import GRAD_VIEW, HAS_GRAD, LOW_PRECISION, FlatGroup, Slot, assign_all, change_counter
-from .fold import Folder
+from .exposure import Exposure
+from .flat import LOW_PRECISION, FlatGroup, Slot, assign_all, change_counter
+from .fold import Folder, WgradTarget
 from .topology import Local
 
 _current_graph_task_id = torch._C._current_graph_task_id
-
-
-# id(parameter) -> (weak parameter, weak window whose hooks take its gradients). Keyed by id
-# because tensors compare element-wise, not by identity.
-_OWNERS: dict = {}
-
-
-_FOREIGN_STEP_HOOK = None  # torch.optim's global step pre-hook, registered at the first attach
-
-
-def _is_fused(optimizer, depth: int = 4) -> bool:
-    """Whether ``optimizer`` is one of ours, or a trainer's wrapper around one (Accelerate's
-    AcceleratedOptimizer and its kind keep the wrapped one in ``.optimizer``)."""
-    for _ in range(depth):
-        if optimizer is None:
-            return False
-        if isinstance(getattr(optimizer, "_window", None), GradientWindow) or getattr(optimizer, "_fused_accum_inner", False):
-            return True  # (the second: the torch.optim optimizer the generic path steps with)
-        optimizer = getattr(optimizer, "optimizer", None)
-    return False
-
-
-def _foreign_step(optimizer, args, kwargs) -> None:
-    """Before any torch.optim optimizer steps: one that is not ours, over parameters a live
-    window owns, takes them over (the newest owner wins; torch.optim gives no hook at an
-    optimizer's construction, so its first step is the first moment it can be seen). The
-    window hands it the accumulated gradients as ``.grad`` in the parameters' own dtype, which
-    torch's kernels require, and stands aside."""
-    if not _OWNERS or _is_fused(optimizer):
-        return
-    windows = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            window = owner(p)
-            if window is not None:
-                windows[id(window)] = window
-    for window in windows.values():
-        window.hand_over(f"{type(optimizer).__name__} at {id(optimizer):#x} stepped its parameters")
-
-
-def owner(param: Tensor) -> Optional["GradientWindow"]:
-    """The live window hooked to ``param``, or None."""
-    entry = _OWNERS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
-
-
-class WgradTarget(NamedTuple):
-    """Where a fused weight-gradient GEMM writes a parameter's gradient (see ``wgrad_target``)."""
-
-    acc: Tensor  # fp32, shaped like the parameter: its accumulator slice
-    overwrite: bool  # the window's first gradient of this slice: write, do not add
-    backend: str  # the resolved backend of the parameter's flat group
-    done: Callable[[], None]  # call right after writing: the slice has arrived for this backward
 
 
 def wgrad_target(param: Tensor) -> Optional[WgradTarget]:
     """Where a weight-gradient GEMM may write ``param``'s gradient in place, or None when the
     gradient must be returned to autograd as usual (no live optimizer owns ``param``, or the
     window cannot take an in-place gradient now)."""
-    window = owner(param)
+    window = owners.owner(param)
     return None if window is None else window.wgrad_target(param)
 
 
@@ -126,7 +71,8 @@ def _queue_end(window_ref) -> None:
 def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:
     window = window_ref()
     if window is not None:
-        window._bucket_complete(bucket_id, grads)
+        with window.lock:  # (every slot of a bucket arrived in this backward: fold them)
+            window._folder.bucket_complete(bucket_id, grads)
 
 
 def _fold_hooked(window_ref, key: int, grad: Tensor) -> bool:
@@ -221,19 +167,15 @@ class GradientWindow:
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
-        # from the optimizer above: .fused_step(flat, active, coef, found_inf, grads, overwrite)
-        # steps slots in backward (step_in_backward); .rehome(flat) moves a flat group's buffers
-        # after its parameters. It holds no reference to the optimizer or to this window.
-        self._stepper = stepper
+        self._stepper = stepper  # step.Stepper: rehome(flat), fused_step (no reference up)
         self.label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
         self.slots: list[Slot] = []  # by key
         self._params: list = []  # by key: the parameters (what rehook is asked about)
         self._slot_of: dict = {}  # id(param) -> slot
         self.detached_because: Optional[str] = None
-        self._exposed = False  # .grad currently shows the window (see reconcile)
         self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # (autograd runs one thread per device)
         this = weakref.ref(self)
         self._arrivals = make_arrivals(functools.partial(_before_backward, this),
                                        functools.partial(_queue_end, this),
@@ -242,11 +184,12 @@ class GradientWindow:
                                        functools.partial(_backward_raised, this))  # fmt: skip
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
         self.changes = change_counter()  # of its slots' has_grad, in_stats, grad_view (see flat)
-        self._exposed_at: Optional[int] = None  # self.changes when .grad was last exposed
         self.count = BackwardCount(self._arrivals, accum_steps, self.changes)
         self._folder = Folder(arrivals=self._arrivals, flat_groups=self.flat_groups, count=self.count,
                               stepper=stepper, topology=topology, changes=self.changes, label=label,
-                              step_in_backward=step_in_backward, wants_stats=wants_stats)  # fmt: skip
+                              step_in_backward=step_in_backward, wants_stats=wants_stats, lock=self.lock)  # fmt: skip
+        self._exposure = Exposure(arrivals=self._arrivals, slots=self.slots, flat_groups=self.flat_groups,
+                                  changes=self.changes, folder=self._folder)  # fmt: skip
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     @property
@@ -266,7 +209,7 @@ class GradientWindow:
             slot.changes = self.changes
         self.topology = self.topology.join(self, flat)
         self.topology.add(flat)
-        self._exposed_at = None  # new slots: decide again
+        self._exposure.forget()  # new slots: show again
         numbers = self._folder.add(flat)
         positions = {s.key: (numbers[b], pos) for b, bucket in enumerate(flat.buckets)
                      for pos, s in enumerate(bucket.slots)}  # fmt: skip
@@ -285,25 +228,10 @@ class GradientWindow:
 
     def attach(self, slots: list) -> None:
         """Hook ``slots`` and own their parameters; a live window that owned any of them is
-        detached first (the newest optimizer over a parameter wins)."""
-        global _FOREIGN_STEP_HOOK
-        if _FOREIGN_STEP_HOOK is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            _FOREIGN_STEP_HOOK = register_optimizer_step_pre_hook(_foreign_step)
-        older = {owner(s.param) for s in slots} - {None, self}
-        for window in older:
-            window.detach(f"a newer optimizer took over its parameters ({self.label})")
-        this = weakref.ref(self)
+        detached first (the newest optimizer over a parameter wins: fused_accum.owners)."""
+        owners.claim(self, [s.param for s in slots])
         for slot in slots:
             p = slot.param
-            key = id(p)
-
-            def forget(ref, key=key):  # the parameter died: drop its entry (unless reused since)
-                if _OWNERS.get(key, (None,))[0] is ref:
-                    del _OWNERS[key]
-
-            _OWNERS[key] = (weakref.ref(p, forget), this)
             if p.dtype in LOW_PRECISION:
                 # Let bf16/fp16 gradients reach the hook uncast, and let .grad be our fp32 view.
                 p.grad_dtype = None
@@ -323,9 +251,8 @@ class GradientWindow:
             warnings.warn(f"{self.label} was detached ({reason}) with gradients accumulated in its "
                           "window: they are discarded", stacklevel=4)  # fmt: skip
         _detach_all(self._arrivals, self._handles)
+        owners.release(self, [s.param for s in self.slots])
         for slot in self.slots:
-            if owner(slot.param) is self:
-                del _OWNERS[id(slot.param)]
             if slot.param.grad is slot.grad_view:
                 slot.param.grad = None
         self.detached_because = reason
@@ -333,7 +260,7 @@ class GradientWindow:
     def hand_over(self, reason: str) -> None:
         """Detach, leaving each accumulated gradient in ``.grad`` as autograd would have it
         (a tensor of the parameter's dtype), for another optimizer to step."""
-        with self._lock:
+        with self.lock:
             self.flush()
             self.reconcile()
             for slot in self.slots:
@@ -367,10 +294,9 @@ class GradientWindow:
         self._arrivals.slow = True
 
     def follow_moved_params(self) -> None:
-        """Hook again the parameters whose AccumulateGrad node autograd replaced (their ``.data``
-        moved or was cast after the optimizer was built: ``model.to(...)``, Accelerate's
-        ``prepare``; or ``torch.utils.swap_tensors`` gave them other tensors), and move their flat groups after them. Without it their
-        gradients would accumulate natively, in their own dtype, for good. Asked at each
+        """Hook again the parameters whose AccumulateGrad node autograd replaced (``model.to``
+        or Accelerate's ``prepare`` after the optimizer moved or cast their ``.data``), and move
+        their flat groups after them; else they would accumulate natively for good. At each
         ``step()``, ``zero_grad()`` and backward start: one C++ pass over the nodes."""
         moved = self._arrivals.rehook(self._params)
         if not moved:
@@ -384,23 +310,23 @@ class GradientWindow:
             param = flat.slots[0].param
             if param.device != flat.device or param.dtype != flat.dtype:
                 self._stepper.rehome(flat)
-        self._exposed_at = None  # new views and nodes: decide again
+        self._exposure.forget()  # new views and nodes: decide again
         self._folder.forget_grants()
 
     def _before_backward(self) -> None:
         """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
         gradient is taken): DDP, a reduce-scattered window, and what the user did to an exposed
         ``.grad``."""
-        with self._lock:
+        with self.lock:
             if self.resolve_topology().stands_aside:
                 return
             self.follow_moved_params()
             self._folder.take_fast_overwrites()  # (of a backward that raised before its end)
             self.topology.before_backward(self)
-            if self._exposed:
+            if self._exposure.shown:
                 self.reconcile(before_backward=True)
             else:
-                self._take_assigned_grads()
+                self._exposure.take_assigned_grads()
             if self.step_in_backward:  # (every backward comes here: nothing is granted)
                 for flat in self.flat_groups:
                     flat.refresh_masters()  # this backward may step from them
@@ -410,64 +336,27 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=False)
             self._folder.grant_fast_folds()
 
-    def take_engine_grad(self, key: int) -> None:
-        """Another engine set or added to a parameter's ``.grad`` (FSDP2 after its
-        reduce-scatter: see fused_accum.topology.fsdp). A fresh ``.grad`` (set only where
-        ``.grad`` was None: the window's first gradient) is copied into the parameter's fp32
-        slice and replaced by the fp32 view over that slice, so the engine adds the next
-        micro-batches into it: the accumulation is fp32 whatever the parameter's dtype."""
-        slot = self.slots[key]
-        grad = slot.param.grad
-        if grad is None or self.detached_because is not None:
-            return
-        with self._lock:
-            if grad is not slot.grad_view:
-                local = self.flat_groups[slot.flat_index].local_grad(slot, grad)
-                slot.acc.copy_(local.reshape(-1))
-                slot.param.grad = slot.grad_view
-            slot.has_grad = True
-            slot.in_stats = False
-
-    def _bucket_complete(self, bucket_id: int, grads: list) -> None:
-        """Every slot of a bucket has arrived in this backward: fold them."""
-        with self._lock:
-            self._folder.bucket_complete(bucket_id, grads)
-
     def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
-        slot = self._slot_of.get(id(param))
-        if slot is None or slot.param is not param or self.step_in_backward or self.detached_because:
-            return None  # (step_in_backward steps a bucket from its gradients as tensors)
-        flat = self.flat_groups[slot.flat_index]
-        if not self.resolve_topology().in_place_ok(self, flat):
+        """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target)."""
+        slot = self.slot_for(param)
+        if slot is None or self.detached_because or not self._folder.takes_in_place(slot, self.resolve_topology()):
             return None
-        with self._lock:
-            self._folder.take_fast_overwrites()
+        with self.lock:
             self._queue_end_of_backward(arrived=True)
-            # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
-            # folded later with add: has_grad is set by done() before that can happen.
-            overwrite = not slot.has_grad
-
-        def done() -> None:
-            with self._lock:
-                self._folder.mark_folded([slot], stats=False)
-                self._arrivals.arrive_in_place(slot.key)  # may complete the bucket: a fold
-
-        return WgradTarget(slot.full_view, overwrite, flat.backend, done)
+            return self._folder.in_place_target(slot)
 
     def _fold_hooked(self, key: int, grad: Tensor) -> bool:
-        """A parameter with a user's post-accumulate-grad hook: fold its gradient now and show
-        the running sum in ``.grad``. AccumulateGrad, handed an undefined gradient, still runs
-        the user's hooks after (torch 2.11 to 2.14 do), so they see and may edit the sum so far,
-        as natively, not this micro-batch's piece. False where the gradient cannot be folded on its own now (the cases ``wgrad_target``
-        declines: step_in_backward, a topology that takes no gradient in place): AccumulateGrad then runs as before."""
+        """A parameter with a user's post-accumulate-grad hook: folded now, its running sum shown
+        in ``.grad``. AccumulateGrad, handed an undefined gradient, still runs the user's hooks
+        after (torch 2.11 to 2.14 do): they see, and may edit, the sum so far, as natively.
+        False where it cannot be folded alone (see wgrad_target): AccumulateGrad runs as usual."""
         slot = self.slots[key]
-        param = slot.param
-        target = self.wgrad_target(param)
+        target = self.wgrad_target(slot.param)
         if target is None:
             return False
-        self._folder.fold_one(slot, target, grad)
-        if param.grad is not slot.grad_view:
-            param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
+        self._folder.fold_one(target, grad)
+        if slot.param.grad is not slot.grad_view:
+            slot.param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
         return True
 
     def _backward_raised(self, task: Optional[int]) -> None:
@@ -476,7 +365,7 @@ class GradientWindow:
         ran for those parameters): fold the buckets it left partly filled and show the window
         again, so a clip or a ``zero_grad()`` that follows sees it, as with torch. It does not
         count as a micro-batch (a retried backward is the one that counts)."""
-        with self._lock:
+        with self.lock:
             if task is not None:
                 self._tasks.pop(task, None)
             if self.detached_because is not None:
@@ -502,17 +391,9 @@ class GradientWindow:
 
     @property
     def microbatches(self) -> int:
-        """Backward passes in this window."""
-        return self.count.microbatches
-
-    @microbatches.setter
-    def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
-        self.count.microbatches = value
-
-    @property
-    def bucket_ids(self) -> list:
-        """The hooks' bucket numbers -> (flat group index, bucket index)."""
-        return self._folder.bucket_ids
+        """Backward passes in this window (0 once the user cleared every ``.grad`` it showed:
+        that is a new window, which the next backward's reconcile would start). Reads only."""
+        return 0 if self._exposure.all_cleared() else self.count.microbatches
 
     @property
     def stepped_in_backward(self) -> bool:
@@ -520,13 +401,13 @@ class GradientWindow:
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
-        with self._lock:
+        with self.lock:
             self._folder.flush()
 
     # --- end of a backward ----------------------------------------------------------------------
 
     def _end_of_backward(self, task: int) -> None:
-        with self._lock:
+        with self.lock:
             arrived = self._tasks.pop(task, False)
             self._arrivals.revoke_fast()  # granted for this backward only
             self.flush()
@@ -547,7 +428,7 @@ class GradientWindow:
     def _count_microbatch(self) -> None:
         syncs = self.topology.syncs(self.count)
         self.count.add_one()
-        if self.step_in_backward and self.microbatches == self.accum_steps and not self._folder.pieces_seen:
+        if self.step_in_backward and self.count.microbatches == self.accum_steps and not self._folder.pieces_seen:
             self._folder.step_the_rest()
         elif syncs:
             self.finish_reduction()
@@ -559,91 +440,27 @@ class GradientWindow:
 
     def expose(self) -> None:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
-        if self.topology.stands_aside:
-            return  # .grad is autograd's (and DDP's or FSDP2's)
-        self._exposed = True
-        # The next backward first takes what the user did to .grad (reconcile), and its hooks
-        # then hide the views before autograd could add into them.
-        self._arrivals.slow = self._arrivals.hide = True
-        if self._exposed_at == self.changes[0]:
-            # No slot's has_grad or view was set since the last exposure, so .grad shows it
-            # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
-            # .grad as they found it. A middle micro-batch saves a pass over every parameter.
-            return
-        # (by the hooks' table, which remembers what it showed: reconcile asks it what changed)
-        self._arrivals.expose(list(map(GRAD_VIEW, self.slots)), list(map(HAS_GRAD, self.slots)))
-        self._exposed_at = self.changes[0]
+        self._exposure.show()
 
-    def no_sync(self):
-        """Backward passes inside do not reduce across the process group; the first one
-        outside ends the window with the reduction (DDP's ``no_sync()``)."""
-        return self.topology.no_sync()
-
-    # --- .grad is the truth ---------------------------------------------------------------------
+    # --- .grad is the truth (fused_accum.exposure) ----------------------------------------------
 
     def reconcile(self, before_backward: bool = False) -> None:
-        """Take what the user did to an exposed ``.grad`` since it was exposed: cleared discards
-        that parameter's window, replaced by another tensor becomes its accumulated gradient
-        (in-place edits already went into the buffer). Runs before the next backward touches
-        any ``.grad``, and before anything reads the buffers."""
-        with self._lock:
-            if not self._exposed:
-                return
-            changed = False
-            for key in self._arrivals.changed():  # the .grad no longer what expose() showed
-                slot = self.slots[key]
-                grad = slot.param.grad
-                if grad is slot.grad_view:
-                    continue
-                if grad is None:
-                    changed |= slot.has_grad
-                    slot.has_grad = False
-                else:
-                    self.take_user_grad(slot, grad)
-                    changed = True
-                    if before_backward:
-                        slot.param.grad = None  # the next gradient is added by our kernels
-            if changed and not any(slot.has_grad for slot in self.slots):
+        """Take what the user did to an exposed ``.grad`` (before the next backward touches any
+        ``.grad``, and before anything reads the buffers)."""
+        with self.lock:
+            if self._exposure.reconcile(before_backward):
                 self._forget_all()  # everything was cleared: a new window starts
-            elif changed:
-                self.invalidate_stats()  # the norm/flag described values that are gone
-            self._exposed = not before_backward
 
-    def _take_assigned_grads(self) -> None:
-        """At a window's first backward: a ``.grad`` the user assigned since the window began
-        (after ``zero_grad()``, or before any backward) is where native accumulation would add
-        this backward's gradient: it becomes the slot's sum so far."""
-        for key in self._arrivals.changed():  # (nothing is shown: every defined .grad is the user's)
-            slot = self.slots[key]
-            grad = slot.param.grad
-            if grad is not None and grad is not slot.grad_view:
-                self.take_user_grad(slot, self.flat_groups[slot.flat_index].local_grad(slot, grad))
-                slot.param.grad = None  # the next gradient is added by our kernels
-
-    @torch.no_grad()
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
-        if grad.is_sparse:
-            raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
-        if not self.topology.take_user_grad(self, slot, grad):
-            slot.acc.copy_(grad.reshape(-1))
-            self.topology.added()
-        slot.has_grad = True
-        slot.in_stats = False
+        self._exposure.take_user_grad(slot, grad)
 
-    # --- statistics ---------------------------------------------------------------------------
-
-    def stats_tensors(self, device) -> tuple:
-        return self._folder.stats.tensors(device)
+    # --- statistics (fused_accum.fold.Stats) ---------------------------------------------------
 
     def invalidate_stats(self) -> None:
-        """Forget the window's norm and non-finite flag; the step recomputes them from the buffers."""
         self._folder.invalidate_stats()
 
     def complete_stats(self) -> dict:
-        """device -> (found_inf, sumsq) over every gradient of the window (fold.Stats.complete;
-        a topology whose buffers are sharded makes its own)."""
-        stats = self.topology.stats(self)
-        return stats if stats is not None else self._folder.stats.complete(self.flat_groups, self.slots)
+        return self._folder.complete_stats()
 
     # --- the window's end ---------------------------------------------------------------------
 
@@ -654,7 +471,7 @@ class GradientWindow:
         """The optimizer stepped: the next backward starts counting micro-batches anew. The
         accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
         until ``zero_grad()``); a backward before ``zero_grad()`` adds to them."""
-        self.microbatches = 0
+        self.count.microbatches = 0
         self._folder.stepped_in_backward = False
         if self.step_in_backward:
             for slot in self.slots:
@@ -673,9 +490,7 @@ class GradientWindow:
             return
         self.flush()
         self.reconcile()
-        for slot in self.slots:
-            if slot.has_grad:
-                slot.acc.zero_()
+        self._exposure.zero_held()
         self.invalidate_stats()
         self.after_step()
         self.expose()
@@ -686,13 +501,11 @@ class GradientWindow:
         self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
-        if not self._arrivals.clear_grads():  # (in one C++ pass where it can)
-            for slot in self.slots:
-                slot.param.grad = None
+        self._exposure.clear_all()
 
     def _forget_all(self) -> None:
         """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
-        self._exposed = False
+        self._exposure.shown = False
         self._arrivals.hide = False  # a .grad the user sets now is added to by the next backward
         self.topology.reset()
         assign_all(self.slots, "has_grad", False)

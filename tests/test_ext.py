@@ -424,7 +424,7 @@ def test_cuda_rejects_mixed_devices_by_name():
 
 
 def test_addresses_and_dtypes_reads_what_python_reads():
-    # The Triton backend keys its launch plans by this (fused_accum/backends/triton.py): equal
+    # The Triton backend keys its launch plans by this (fused_accum/backends/triton/plans.py): equal
     # reads must mean equal addresses and dtypes, and a changed dtype a changed read.
     import numpy as np
 

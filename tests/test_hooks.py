@@ -66,7 +66,7 @@ def test_windows_match_torch_accumulation(hooks):
     # round its update alike, so the models stay equal and so do their gradients, bit for bit.
     a, b = _pair()
     ours = fused_accum.SGD(a.parameters(), lr=0.25, bucket_cap_mb=50 * 4 / 2**20)
-    assert len(ours._window.bucket_ids) > 1
+    assert len(ours._window._folder.bucket_ids) > 1
     ref = torch.optim.SGD(b.parameters(), lr=0.25)
     for window in range(3):
         for x in _batches(3, seed=window):
@@ -245,10 +245,10 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
     # lr=0: the parameters stay equal to b's, which no optimizer steps
     opt = fused_accum.AdamW(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9 if clip else None,
                             bucket_cap_mb=50 * 4 / 2**20)
-    n_buckets = len(opt._window.bucket_ids)
+    n_buckets = len(opt._window._folder.bucket_ids)
     calls = []
-    original = type(opt._window)._bucket_complete
-    monkeypatch.setattr(type(opt._window), "_bucket_complete",
+    original = type(opt._window._folder).bucket_complete  # (the fold of a bucket the hooks did not fold)
+    monkeypatch.setattr(type(opt._window._folder), "bucket_complete",
                         lambda self, *args: (calls.append(args[0]), original(self, *args)))
     per_backward = []
     for window in range(2):
@@ -329,7 +329,7 @@ def test_what_a_backward_folded_before_it_raised_is_added_to_not_overwritten(hoo
 
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.1, bucket_cap_mb=13 * 5 * 4 / 2**20)  # a bucket per layer
-    assert len(opt._window.bucket_ids) >= 2
+    assert len(opt._window._folder.bucket_ids) >= 2
     for model in (a, b):
         _RaiseOnce.raised = False
         with pytest.raises(RuntimeError, match="planted error"):
@@ -417,8 +417,9 @@ def test_a_backward_past_accum_steps_after_the_norm_was_taken_invalidates_it(hoo
 def _python_calls(monkeypatch, opt) -> list:
     """Counts the window's calls from the hooks (its once-per-backward callbacks)."""
     calls = []
-    cls = type(opt._window)
-    for name in ("_before_backward", "_queue_end_of_backward", "_end_of_backward", "_bucket_complete"):
+    targets = [(type(opt._window), name) for name in ("_before_backward", "_queue_end_of_backward", "_end_of_backward")]
+    targets.append((type(opt._window._folder), "bucket_complete"))
+    for cls, name in targets:
         original = getattr(cls, name)
 
         def counted(self, *args, _original=original, **kwargs):
@@ -486,7 +487,7 @@ def test_a_quiet_backward_hands_its_end_to_python_when_a_parameter_got_no_gradie
     # folds what arrived (so .grad shows it at once, as torch's does) and counts it once.
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.0)
-    assert len(opt._window.bucket_ids) == 1
+    assert len(opt._window._folder.bucket_ids) == 1
     calls = _python_calls(monkeypatch, opt)
     per_backward = []
     for i, x in enumerate(_batches(5)):

@@ -338,6 +338,38 @@ def test_a_model_cast_to_bf16_after_the_optimizer_keeps_fused_fp32_accumulation(
     assert_close(model, ref.master, BF16_RTOL)
 
 
+def test_a_model_cast_after_a_step_on_the_generic_path_keeps_the_inner_optimizers_state():
+    """optimizer=torch.optim.RMSprop, a step, then model.to(torch.bfloat16): the inner optimizer
+    steps the new fp32 masters, its state carried over (before, the move raised KeyError: None).
+    The reference: RMSprop over an fp32 copy, cast's rounding applied to it alike."""
+    model, twin = mlp(0), mlp(0)
+    opt = fused_accum.FusedAccumOptimizer(model.parameters(), torch.optim.RMSprop, lr=1e-3)
+    ref_opt = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
+    data = batches(4)
+    for batch in data[:2]:
+        for m, o in ((model, opt), (twin, ref_opt)):
+            loss_of(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        for q in twin.parameters():
+            q.copy_(q.bfloat16().float())  # (what the cast leaves as the new masters)
+    ref = Bf16Reference(model, torch.optim.RMSprop, lr=1e-3)
+    ref.master.load_state_dict(twin.state_dict())
+    ref.opt = ref_opt  # its state carries on, over the twin's parameters as masters
+    ref.master = twin
+    for batch in data[2:]:
+        batch = tuple(t.bfloat16() for t in batch)
+        loss_of(model, batch).backward()
+        ref.backward(batch)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    assert set(opt.state[model[0].weight]) == {"step", "square_avg"}
+    assert_close(model, ref.master, BF16_RTOL)
+
+
 def test_a_model_moved_without_zero_grad_is_fused_again_from_its_next_window():
     model = mlp(0)
     opt = fused_accum.SGD(model.parameters(), lr=0.1)

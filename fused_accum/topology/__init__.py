@@ -112,10 +112,10 @@ class Local:
     def finish(self, window) -> None:
         pass
 
-    def take_user_grad(self, window, slot: Slot, grad: Tensor) -> bool:
+    def take_user_grad(self, flat_groups, slot: Slot, grad: Tensor) -> bool:
         return False  # (not taken here: the window copies it into the slot's slice)
 
-    def stats(self, window) -> Optional[dict]:
+    def stats(self, flat_groups, stats) -> Optional[dict]:
         return None  # (the window's own, from the buffers)
 
     def after_step(self, window) -> None:

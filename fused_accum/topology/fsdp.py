@@ -4,7 +4,7 @@ reduce-scatters into the sharded parameter's ``.grad``.
 FSDP2 runs autograd on unsharded copies, so the window's AccumulateGrad hooks never see a
 gradient: they stand aside, as under DDP. FSDP2 calls the sharded parameter's
 post-accumulate-grad hooks after each reduce-scatter, once ``.grad`` is set or added to; ours
-(``GradientWindow.take_engine_grad``) keeps ``.grad`` an fp32 DTensor over the parameter's
+(``_grad_ready``) keeps ``.grad`` an fp32 DTensor over the parameter's
 accumulator slice, so FSDP2 adds the next micro-batches into it: the accumulation is fp32 whatever
 the parameter's dtype. The buffers cover the local shards only, and the window's statistics are
 summed over the mesh (:class:`fused_accum.distributed.ShardSums`). Chosen when the first DTensor
@@ -25,10 +25,22 @@ from . import Local
 
 
 def _grad_ready(window_ref, key: int, param: Tensor) -> None:
-    # (holds the window weakly: no cycle through the parameter)
+    """FSDP2 reduce-scattered a micro-batch into ``param.grad``. A fresh ``.grad`` (FSDP2 sets one
+    only where ``.grad`` was None: the window's first gradient) is copied into the parameter's
+    fp32 slice and replaced by the fp32 DTensor over that slice, so FSDP2 adds the next
+    micro-batches into it (``.grad._local_tensor += g``). Holds the window weakly: no cycle
+    through the parameter."""
     window = window_ref()
-    if window is not None and window.detached_because is None:
-        window.take_engine_grad(key)
+    if window is None or window.detached_because is not None or param.grad is None:
+        return
+    slot = window.slots[key]
+    with window.lock:
+        if param.grad is not slot.grad_view:
+            local = window.flat_groups[slot.flat_index].local_grad(slot, param.grad)
+            slot.acc.copy_(local.reshape(-1))
+            param.grad = slot.grad_view
+        slot.has_grad = True
+        slot.in_stats = False
 
 
 class FSDP2(Local):

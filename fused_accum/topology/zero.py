@@ -115,7 +115,7 @@ class Zero(replicated.Replicated):
             for slot in window.slots:
                 slot.grad_view = slot.placeholder
 
-    def take_user_grad(self, window, slot, grad: Tensor) -> bool:
+    def take_user_grad(self, flat_groups, slot, grad: Tensor) -> bool:
         if self._reduced:
             raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
                                "sharded optimizer once its window is reduce-scattered")  # fmt: skip
@@ -126,7 +126,7 @@ class Zero(replicated.Replicated):
         # runs every backward)
         from .. import ops
 
-        flat = window.flat_groups[slot.flat_index]
+        flat = flat_groups[slot.flat_index]
         bucket = flat.buckets[slot.bucket_index]
         staged = self.reducer.staging_for(flat, bucket)
         relative = torch.tensor([slot.offset - bucket.start], dtype=torch.int64)
@@ -134,12 +134,12 @@ class Zero(replicated.Replicated):
         self._unreduced = self._user_staged = True
         return True
 
-    def stats(self, window) -> dict:
+    def stats(self, flat_groups, window_stats) -> dict:
         """The sum of squares of this rank's reduced parts, summed over the group with one
         all-reduce (the non-finite flag follows from a non-finite sum)."""
         stats = {}
-        for flat in window.flat_groups:
-            found_inf, sumsq = window.stats_tensors(flat.device)
+        for flat in flat_groups:
+            found_inf, sumsq = window_stats.tensors(flat.device)
             if flat.device not in stats:
                 found_inf.zero_()
                 sumsq.zero_()
