@@ -19,17 +19,6 @@ from fused_accum.backends import ext
 HAVE_CPP = ext._C is not None and hasattr(ext._C, "Arrivals")
 
 
-@pytest.fixture(params=["cpp", "python"])
-def hooks(request, monkeypatch):
-    if request.param == "cpp":
-        if not HAVE_CPP:
-            pytest.skip("fused_accum._C is not built")
-        monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
-    else:
-        monkeypatch.setenv("FUSED_ACCUM_PYTHON_HOOKS", "1")
-    return request.param
-
-
 @pytest.fixture
 def cpp_hooks(monkeypatch):
     """The C++ hooks only: what the Python twin does not have (quiet backwards)."""

@@ -15,7 +15,6 @@ master can round either way. A stale master is off by the whole edit (>= 1e-1).
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -23,22 +22,15 @@ from torch import nn
 
 import fused_accum
 
-RTOL = 1e-6
+from helpers import RTOL, assert_rel, rel_err  # noqa: E402 (tests/helpers.py)
+
 BF16_RTOL = 2.0**-7
 
 
-def rel_err(actual, expected) -> float:
-    a, e = actual.detach().double(), expected.detach().double()
-    assert a.shape == e.shape
-    diff = (a - e).abs().max().item()
-    scale = e.abs().max().item()
-    return 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
-
-
 def assert_close(ours: nn.Module, ref: nn.Module, rtol=RTOL):
+    """Parameter by parameter; bf16 ones against the reference rounded to bf16 alike."""
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        err = rel_err(p, q.to(p.dtype) if p.dtype != q.dtype else q)
-        assert err <= rtol, f"parameter {name}: relative error {err:.3g} > {rtol:g}"
+        assert_rel(p, q.to(p.dtype) if p.dtype != q.dtype else q, rtol, f"parameter {name}")
 
 
 def mlp(seed=0, dtype=torch.float32):
