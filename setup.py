@@ -19,6 +19,7 @@ Environment:
                               /usr/local/cuda, as torch.utils.cpp_extension looks)
   MAX_JOBS                    parallel compile jobs (default: one per core, at most 8)
 """
+
 import glob
 import json
 import os
@@ -31,7 +32,9 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CUDA_ARCHS = ("80", "90")
-DEFAULT_CUDA_HOME = "/usr/local/cuda"  # torch's last guess too  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
+DEFAULT_CUDA_HOME = (
+    "/usr/local/cuda"  # torch's last guess too  # A100 and H100/H200 machine code; compute_90 PTX for newer GPUs
+)
 
 
 # pip builds in an isolated environment by default, which has no torch (pyproject.toml cannot ask
@@ -88,7 +91,10 @@ def _cuda_home():
         return _toolkit_root(nvcc), ""
     if os.path.exists(os.path.join(DEFAULT_CUDA_HOME, "bin", "nvcc")):
         return DEFAULT_CUDA_HOME, ""
-    return None, f"CUDA_HOME and CUDA_PATH are not set, nvcc is not on PATH and {DEFAULT_CUDA_HOME}/bin/nvcc does not exist"
+    return (
+        None,
+        f"CUDA_HOME and CUDA_PATH are not set, nvcc is not on PATH and {DEFAULT_CUDA_HOME}/bin/nvcc does not exist",
+    )
 
 
 def _cuda_plan():
@@ -166,7 +172,9 @@ def _ext_modules():
 
     # ninja jobs: one per core up to 8 (the 7 sources gain nothing past that); 2 on CI machines.
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
-    csrc = lambda *names: [os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))]  # noqa: E731
+    csrc = lambda *names: [
+        os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))
+    ]  # noqa: E731
     sources = csrc("bindings.cpp", "hooks.cpp", "cpu/*.cpp")
     # -fopenmp, as torch's own C++ extensions are built on Linux: without _OPENMP,
     # at::parallel_for (an inline template in torch's headers) runs the whole range on the calling
@@ -179,8 +187,10 @@ def _ext_modules():
     # csrc/ is deliberately not an include dir: csrc/math.h would shadow <math.h>.
     cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
     link = ["-fopenmp"]
-    _log("CPU kernels: OpenMP (-fopenmp: at::parallel_for uses torch's threads), SIMD clones for "
-         "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and baseline, chosen at load time")
+    _log(
+        "CPU kernels: OpenMP (-fopenmp: at::parallel_for uses torch's threads), SIMD clones for "
+        "x86-64-v4 (AVX-512), x86-64-v3 (AVX2+FMA) and baseline, chosen at load time"
+    )
     if not build_cuda:
         _log(f"building the CPU kernels only: {why_not}")
         ext = cpp_extension.CppExtension(
@@ -202,7 +212,9 @@ def _ext_modules():
     # CUDA headers; the .cu files include none.
     cxx_cuda = cxx + ["-DFA_WITH_CUDA=1"] + (["-idirafter", include_dir] if include_dir else [])
     ext = cpp_extension.CUDAExtension(
-        "fused_accum._C", sources, extra_compile_args={"cxx": cxx_cuda, "nvcc": nvcc},
+        "fused_accum._C",
+        sources,
+        extra_compile_args={"cxx": cxx_cuda, "nvcc": nvcc},
         extra_link_args=link,
     )
     # The wheel's runtime is libcudart.so.13 only (no unversioned libcudart.so to -lcudart

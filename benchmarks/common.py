@@ -20,6 +20,7 @@ Why each piece is the way it is:
   moves 3 bytes per 2 counted and an in-place add (which reads its destination anyway) can
   reach ~150% of "copy"; GPUs write without reading, so there the copy is a true ceiling.
 """
+
 from __future__ import annotations
 
 import csv
@@ -243,8 +244,9 @@ def _time_calls(fn, arg_sets, first: int, calls: int, device: torch.device) -> f
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(fn: Callable[[Any], None], arg_sets: Sequence[Any], device: torch.device,
-            config: Optional[TimingConfig] = None) -> Timing:
+def measure(
+    fn: Callable[[Any], None], arg_sets: Sequence[Any], device: torch.device, config: Optional[TimingConfig] = None
+) -> Timing:
     """Time ``fn(arg_sets[i])`` for i rotating through the sets; per-call milliseconds.
 
     Warm-up doubles the number of calls until ``warmup_ms`` and 3 calls have passed (this also
@@ -270,8 +272,9 @@ def measure(fn: Callable[[Any], None], arg_sets: Sequence[Any], device: torch.de
     return Timing(samples_ms=samples, calls_per_sample=per_sample, rotations=len(arg_sets))
 
 
-def measure_interleaved(fns: Dict[str, Callable[[], None]], config: Optional[TimingConfig] = None,
-                        seed: int = 0) -> Dict[str, Timing]:
+def measure_interleaved(
+    fns: Dict[str, Callable[[], None]], config: Optional[TimingConfig] = None, seed: int = 0
+) -> Dict[str, Timing]:
     """Time several zero-argument CPU calls against each other: per round, each one sample, in a
     fresh random order. Load that comes and goes (a shared machine) then lands on every provider
     alike, where timing them one after another lets it fall on one. Each fn is warmed up as
@@ -404,8 +407,12 @@ def metadata(device: torch.device, argv: Sequence[str] = ()) -> Dict[str, Any]:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        meta.update(device_name=props.name, sm_count=props.multi_processor_count,
-                    device_memory_bytes=props.total_memory, capability=f"{props.major}.{props.minor}")
+        meta.update(
+            device_name=props.name,
+            sm_count=props.multi_processor_count,
+            device_memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+        )
     else:
         meta["device_name"] = meta["cpu"]
     return meta
@@ -425,8 +432,12 @@ def _columns(rows: Iterable[Dict[str, Any]]) -> List[str]:
 
 
 def _stamp(meta: Dict[str, Any]) -> Dict[str, Any]:
-    return {"git_commit": meta.get("git_commit"), "device_name": meta.get("device_name"),
-            "torch": meta.get("torch"), "date_utc": meta.get("date_utc")}
+    return {
+        "git_commit": meta.get("git_commit"),
+        "device_name": meta.get("device_name"),
+        "torch": meta.get("torch"),
+        "date_utc": meta.get("date_utc"),
+    }
 
 
 def _replace_atomically(path: Path, write: Callable[[Any], None], newline: Optional[str] = None) -> None:
@@ -527,7 +538,7 @@ def plot_gbps(path: Path, rows: List[Dict[str, Any]], copy_gbps: float, title: s
         ax.set_ylabel("GB/s (byte model)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -13,6 +13,7 @@ bucket sizes (one all-reduce of every gradient, in the param dtype, per window).
 collectives is the wall time from each call to the end of its ``wait()`` (overlapped
 collectives count their full span), so it is an upper bound on what they add to a window.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,7 +75,9 @@ def _worker(rank, args, init):
     # count what the optimizer's reducer issues (it calls these module-level names)
     fa_dist._reduce_scatter = counter.wrap(fa_dist._reduce_scatter, 1)  # input: the whole bucket
     fa_dist._all_gather = counter.wrap(fa_dist._all_gather, 0)  # output: the whole bucket
-    dist.all_reduce = counter.wrap(dist.all_reduce, 0, factor=2)  # (this process's module: DDP's C++ reducer is not counted)
+    dist.all_reduce = counter.wrap(
+        dist.all_reduce, 0, factor=2
+    )  # (this process's module: DDP's C++ reducer is not counted)
     # FSDP2's all-gathers (forward and backward: output, the unsharded params) and reduce-scatters
     dist.all_gather_single = counter.wrap(dist.all_gather_single, 0, keyword="output_tensor")
     dist.reduce_scatter_single = counter.wrap(dist.reduce_scatter_single, 1, keyword="input")
@@ -100,10 +103,18 @@ def _worker(rank, args, init):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:
             wrapped = model
-            opt = fused_accum.AdamW(model.parameters(), lr=1e-4, accum_steps=args.accum, max_grad_norm=1.0,
-                                    process_group=dist.group.WORLD, shard=None if mode == "replicated" else mode)
+            opt = fused_accum.AdamW(
+                model.parameters(),
+                lr=1e-4,
+                accum_steps=args.accum,
+                max_grad_norm=1.0,
+                process_group=dist.group.WORLD,
+                shard=None if mode == "replicated" else mode,
+            )
         gen = torch.Generator().manual_seed(rank)
-        xs = [torch.randn(args.batch, args.width, generator=gen).to(device, args.torch_dtype) for _ in range(args.accum)]
+        xs = [
+            torch.randn(args.batch, args.width, generator=gen).to(device, args.torch_dtype) for _ in range(args.accum)
+        ]
         times, wire, coll = [], [], []
         for window in range(args.windows + 1):
             counter.bytes, counter.seconds = 0, 0.0
@@ -131,7 +142,9 @@ def _worker(rank, args, init):
             held += sum(p.numel() * p.element_size() for p in model.parameters())  # DDP's flat buckets
             wire = [2 * n * next(model.parameters()).element_size() * (args.world - 1) // args.world] * len(times)
         elif mode == "fsdp2+torch":  # AdamW state + sharded .grad, local shards, param dtype
-            held = sum(s.to_local().numel() * s.element_size() for st in opt.state.values() for s in st.values() if s.dim())
+            held = sum(
+                s.to_local().numel() * s.element_size() for st in opt.state.values() for s in st.values() if s.dim()
+            )
             held += sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         else:
             held = sum(f.nbytes() for f in opt._window.flat_groups)
@@ -139,8 +152,10 @@ def _worker(rank, args, init):
                 held += sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         rows.append((mode, n, statistics.median(times), statistics.median(wire), statistics.median(coll), held))
     if rank == 0:
-        print(f"world {args.world} ({args.backend}), {args.layers} x Linear({args.width}), {args.dtype} params, "
-              f"{args.accum} micro-batches per window, AdamW; medians of {args.windows} windows")
+        print(
+            f"world {args.world} ({args.backend}), {args.layers} x Linear({args.width}), {args.dtype} params, "
+            f"{args.accum} micro-batches per window, AdamW; medians of {args.windows} windows"
+        )
         print(f"{'mode':<12}{'ms/window':>10}{'wire B/param':>14}{'coll. ms':>10}{'opt+grad B/param':>18}")
         for mode, n, t, w, c, h in rows:
             print(f"{mode:<12}{t * 1e3:>10.1f}{w / n:>14.2f}{c * 1e3:>10.1f}{h / n:>18.2f}")

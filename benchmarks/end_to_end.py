@@ -23,6 +23,7 @@ The data is a fixed random first-order Markov chain over the vocabulary (each to
 possible successors), so the loss can fall well below log(vocab) and a precision problem
 shows up as a higher final loss.
 """
+
 from __future__ import annotations
 
 import gc
@@ -169,6 +170,7 @@ def fp32_master_adamw(params, hp: Dict, flag: str = "fused") -> Tuple[Callable[[
             for m, p in zip(masters, params):
                 m.grad, p.grad = p.grad, None
     else:
+
         def fold(p, m):
             if m.grad is None:
                 m.grad = p.grad.float()
@@ -220,14 +222,18 @@ def run_variant(variant: str, cfg: E2EConfig, batches, device: torch.device) -> 
         common.synchronize(device)
         window_ms.append((time.perf_counter() - t0) * 1e3)
         window_loss.append(torch.stack(losses).float().mean().item())
-    timed = window_ms[cfg.warmup_windows:]
+    timed = window_ms[cfg.warmup_windows :]
     median = statistics.median(timed)
     tokens = cfg.accum_steps * cfg.micro_batch * cfg.seq_len
     row.update(
-        window_ms=median, window_ms_min=min(timed), window_ms_max=max(timed),
-        spread_pct=100.0 * (max(timed) - min(timed)) / median, timed_windows=len(timed),
+        window_ms=median,
+        window_ms_min=min(timed),
+        window_ms_max=max(timed),
+        spread_pct=100.0 * (max(timed) - min(timed)) / median,
+        timed_windows=len(timed),
         tokens_per_s=tokens / (median * 1e-3),
-        first_loss=window_loss[0], final_loss=window_loss[-1],
+        first_loss=window_loss[0],
+        final_loss=window_loss[-1],
     )
     if device.type == "cuda":
         row["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
@@ -238,7 +244,9 @@ def run_variant(variant: str, cfg: E2EConfig, batches, device: torch.device) -> 
     return row
 
 
-def run(cfg: E2EConfig, device: torch.device, variants=VARIANTS, progress: Callable[[Dict], None] = lambda r: None) -> List[Dict]:
+def run(
+    cfg: E2EConfig, device: torch.device, variants=VARIANTS, progress: Callable[[Dict], None] = lambda r: None
+) -> List[Dict]:
     batches = make_batches(cfg, device)
     rows = []
     for variant in variants:
@@ -258,5 +266,7 @@ def format_row(r: Dict) -> str:
     mem = f"{r['peak_mem_mb']:8.1f} MB peak" if math.isfinite(r["peak_mem_mb"]) else "   (no peak mem on CPU)"
     speed = r.get("speedup_vs_native", math.nan)
     speed_txt = f"{speed:5.2f}x" if math.isfinite(speed) else "    -"
-    return (f"e2e {r['variant']:<13} {r['window_ms']:9.2f} ms/window ±{r['spread_pct']:.0f}%  {speed_txt}  "
-            f"{r['tokens_per_s']:10.0f} tok/s  {mem}  loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}")
+    return (
+        f"e2e {r['variant']:<13} {r['window_ms']:9.2f} ms/window ±{r['spread_pct']:.0f}%  {speed_txt}  "
+        f"{r['tokens_per_s']:10.0f} tok/s  {mem}  loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}"
+    )

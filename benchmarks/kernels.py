@@ -21,6 +21,7 @@ Before timing, each provider runs once on a separate check set and its output is
 with an fp32 oracle (for accumulate, torch's fp32 add; for steps, the reference backend): a
 fast wrong kernel shows up as ``ok=False`` in the row.
 """
+
 from __future__ import annotations
 
 import math
@@ -78,8 +79,20 @@ def gpt2(d: int = 768, layers: int = 12, vocab: int = 50257, ctx: int = 1024, na
     """GPT-2 small's parameters with the defaults: 148 tensors, 124.4M elements (lm head tied)."""
     shapes: List[Shape] = [(vocab, d), (ctx, d)]
     for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,),  # ln_1, attention
-                   (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # ln_2, MLP
+        shapes += [
+            (d,),
+            (d,),
+            (d, 3 * d),
+            (3 * d,),
+            (d, d),
+            (d,),  # ln_1, attention
+            (d,),
+            (d,),
+            (d, 4 * d),
+            (4 * d,),
+            (4 * d, d),
+            (d,),
+        ]  # ln_2, MLP
     shapes += [(d,), (d,)]  # ln_f
     return Workload(name, tuple(shapes))
 
@@ -272,8 +285,17 @@ class StepSet:
         return common.flat_views(flat_buf, self.shapes, shaped=shaped)
 
     def clone(self) -> "StepSet":
-        return StepSet(self.shapes, self.acc.clone(), self.master.clone(), [s.clone() for s in self.state],
-                       [p.clone() for p in self.lp], self.grads, self.steps.clone(), self.lr, self.coef)
+        return StepSet(
+            self.shapes,
+            self.acc.clone(),
+            self.master.clone(),
+            [s.clone() for s in self.state],
+            [p.clone() for p in self.lp],
+            self.grads,
+            self.steps.clone(),
+            self.lr,
+            self.coef,
+        )
 
 
 def _optimizer_of(op: str) -> str:
@@ -341,12 +363,25 @@ def _torch_step_provider(op: str, mode: str, s: StepSet) -> Callable[[], None]:
         flag = {mode: True}
         if opt_name == "sgd":
             hp = SGD_HP
-            torch_opt = torch.optim.SGD(masters, lr=hp["lr"], momentum=hp["momentum"], dampening=hp["dampening"],
-                                        weight_decay=hp["weight_decay"], nesterov=hp["nesterov"], **flag)
+            torch_opt = torch.optim.SGD(
+                masters,
+                lr=hp["lr"],
+                momentum=hp["momentum"],
+                dampening=hp["dampening"],
+                weight_decay=hp["weight_decay"],
+                nesterov=hp["nesterov"],
+                **flag,
+            )
         else:
             hp = ADAMW_HP
-            torch_opt = torch.optim.AdamW(masters, lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
-                                          weight_decay=hp["weight_decay"], **flag)
+            torch_opt = torch.optim.AdamW(
+                masters,
+                lr=hp["lr"],
+                betas=(hp["beta1"], hp["beta2"]),
+                eps=hp["eps"],
+                weight_decay=hp["weight_decay"],
+                **flag,
+            )
         update = torch_opt.step
     grads = s.grads
 
@@ -367,22 +402,33 @@ def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
     common_kw = dict(maximize=False, lp_params=s.lp, grads=s.grads, grad_alpha=1.0, grads_overwrite=False)
     if op == "sgd":
         hp = SGD_HP
-        kw = dict(momentum=hp["momentum"], dampening=hp["dampening"], weight_decay=hp["weight_decay"],
-                  nesterov=hp["nesterov"], **common_kw)
+        kw = dict(
+            momentum=hp["momentum"],
+            dampening=hp["dampening"],
+            weight_decay=hp["weight_decay"],
+            nesterov=hp["nesterov"],
+            **common_kw,
+        )
         return lambda: module.sgd_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
     if op == "lion":
         hp = LION_HP
         kw = dict(beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], **common_kw)
         return lambda: module.lion_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
     hp = ADAMW_HP
-    kw = dict(beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"], weight_decay=hp["weight_decay"],
-              decoupled=True, **common_kw)
+    kw = dict(
+        beta1=hp["beta1"],
+        beta2=hp["beta2"],
+        eps=hp["eps"],
+        weight_decay=hp["weight_decay"],
+        decoupled=True,
+        **common_kw,
+    )
     return lambda: module.adam_step(masters, state[0], state[1], accs, s.steps, s.lr, s.coef, **kw)
 
 
 def _step_provider(op: str, provider: str, s: StepSet) -> Callable[[], None]:
     if provider.startswith("torch_"):
-        return _torch_step_provider(op, provider[len("torch_"):], s)
+        return _torch_step_provider(op, provider[len("torch_") :], s)
     return _our_step_provider(op, provider, s)
 
 
@@ -432,10 +478,14 @@ def _time_provider(group: Group, provider: str, ctx: Context, prepare) -> Dict:
     sets, fn) to time ``fn(arg_set)`` with. An exception becomes a row with the error in
     ``note`` and no timing, so one broken backend does not stop the suite."""
     row = {
-        "section": group.section, "op": group.op, "workload": group.workload.name,
-        "n_tensors": len(group.workload.shapes), "numel": group.workload.numel,
+        "section": group.section,
+        "op": group.op,
+        "workload": group.workload.name,
+        "n_tensors": len(group.workload.shapes),
+        "numel": group.workload.numel,
         "grad_dtype": common.dtype_name(group.grad_dtype) if group.grad_dtype is not None else "-",
-        "provider": provider, "kind": "torch" if provider.startswith("torch_") else "fused_accum",
+        "provider": provider,
+        "kind": "torch" if provider.startswith("torch_") else "fused_accum",
         "bytes_per_elem": group.bytes_per_elem,
     }
     try:
@@ -443,15 +493,29 @@ def _time_provider(group: Group, provider: str, ctx: Context, prepare) -> Dict:
         timing = common.measure(fn, arg_sets, ctx.device, ctx.timing)
         del arg_sets  # drop per-set torch optimizers (and their state) before the next provider
     except Exception as exc:  # noqa: BLE001 - reported in the row and the log
-        row.update(ms=math.nan, gbps=math.nan, pct_of_copy=math.nan, max_rel_err=math.nan, ok=False,
-                   note=f"{type(exc).__name__}: {exc}"[:300])
+        row.update(
+            ms=math.nan,
+            gbps=math.nan,
+            pct_of_copy=math.nan,
+            max_rel_err=math.nan,
+            ok=False,
+            note=f"{type(exc).__name__}: {exc}"[:300],
+        )
         return row
     rate = common.gbps(group.bytes_per_elem * group.workload.numel, timing.median_ms)
     row.update(
-        ms=timing.median_ms, ms_min=timing.min_ms, ms_max=timing.max_ms, spread_pct=timing.spread_pct,
-        samples=len(timing.samples_ms), calls_per_sample=timing.calls_per_sample, rotations=timing.rotations,
-        gbps=rate, pct_of_copy=100.0 * rate / ctx.copy_gbps,
-        max_rel_err=err, ok=err <= CHECK_TOL, note="",
+        ms=timing.median_ms,
+        ms_min=timing.min_ms,
+        ms_max=timing.max_ms,
+        spread_pct=timing.spread_pct,
+        samples=len(timing.samples_ms),
+        calls_per_sample=timing.calls_per_sample,
+        rotations=timing.rotations,
+        gbps=rate,
+        pct_of_copy=100.0 * rate / ctx.copy_gbps,
+        max_rel_err=err,
+        ok=err <= CHECK_TOL,
+        note="",
     )
     return row
 
@@ -477,19 +541,28 @@ def add_speedups(rows: List[Dict]) -> None:
 
 
 def format_row(r: Dict) -> str:
-    head = f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['grad_dtype']:<4} {r['provider']:<14}"
+    head = (
+        f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['grad_dtype']:<4} {r['provider']:<14}"
+    )
     if not math.isfinite(r["ms"]):
         return f"{head} FAILED {r['note']}"
     speed = r.get("speedup_vs_torch", math.nan)
     speed_txt = f"{speed:6.2f}x" if math.isfinite(speed) else "      -"
     flag = "" if r["ok"] else f"  WRONG (rel err {r['max_rel_err']:.1e})"
-    return (f"{head} {r['ms']:9.4f} ms  {r['gbps']:8.1f} GB/s  {r['pct_of_copy']:5.1f}% copy  "
-            f"{speed_txt}  ±{r['spread_pct']:.0f}%{flag}")
+    return (
+        f"{head} {r['ms']:9.4f} ms  {r['gbps']:8.1f} GB/s  {r['pct_of_copy']:5.1f}% copy  "
+        f"{speed_txt}  ±{r['spread_pct']:.0f}%{flag}"
+    )
 
 
-def plan(device: torch.device, flat_sizes: Sequence[int], lists: Sequence[Workload],
-         grad_dtypes: Sequence[torch.dtype], step_workloads: Sequence[Workload],
-         ops: Sequence[str] = ACC_OPS + STEP_OPS) -> List[Group]:
+def plan(
+    device: torch.device,
+    flat_sizes: Sequence[int],
+    lists: Sequence[Workload],
+    grad_dtypes: Sequence[torch.dtype],
+    step_workloads: Sequence[Workload],
+    ops: Sequence[str] = ACC_OPS + STEP_OPS,
+) -> List[Group]:
     """The groups to run, most important first (bf16 accumulate, then steps, then the other
     gradient dtypes), so a time budget that cuts the run short cuts the least useful part."""
     groups: List[Group] = []
@@ -528,7 +601,7 @@ CPU_ADAM_OPS = ("adamw", "adamw_bf16_master")
 
 
 def deepspeed_unavailable() -> str:
-    """"" when DeepSpeedCPUAdam can be used here, else why not."""
+    """ "" when DeepSpeedCPUAdam can be used here, else why not."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - not installed, or its op does not build here
@@ -549,8 +622,22 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
         lr_t, coef = torch.tensor(lr), torch.tensor(1.0)
         ours = backends.get("cpu")
         lp_flat = [x.view(-1) for x in lp]
-        return lambda: ours.adam_step(flat_params, m, v, accs, steps, lr_t, coef, beta1=b1, beta2=b2, eps=eps,
-                                      weight_decay=wd, decoupled=True, maximize=False, lp_params=lp_flat)
+        return lambda: ours.adam_step(
+            flat_params,
+            m,
+            v,
+            accs,
+            steps,
+            lr_t,
+            coef,
+            beta1=b1,
+            beta2=b2,
+            eps=eps,
+            weight_decay=wd,
+            decoupled=True,
+            maximize=False,
+            lp_params=lp_flat,
+        )
     leaves = [torch.nn.Parameter(p, requires_grad=True) for p in params]
     for leaf, g in zip(leaves, grads):
         leaf.grad = g
@@ -571,24 +658,43 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
     return call
 
 
-def run_cpu_adam(workload: Workload, op: str, threads: Sequence[int], timing: common.TimingConfig,
-                 providers: Sequence[str] = CPU_ADAM_PROVIDERS, seed: int = 0) -> List[Dict]:
+def run_cpu_adam(
+    workload: Workload,
+    op: str,
+    threads: Sequence[int],
+    timing: common.TimingConfig,
+    providers: Sequence[str] = CPU_ADAM_PROVIDERS,
+    seed: int = 0,
+) -> List[Dict]:
     """Rows for one workload and op: every provider at every thread count, interleaved."""
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(s, generator=gen) for s in workload.shapes]
     init = [torch.randn(s, generator=gen) for s in workload.shapes]
     hp = dict(ADAMW_HP)
     runnable, rows = [], []
-    base = {"section": "cpu_adam", "op": op, "workload": workload.name, "n_tensors": len(workload.shapes),
-            "numel": workload.numel, # read grad, param, m, v; write param, m, v (28), and the bf16 copy (2)
-            "bytes_per_elem": common.step_bytes("adamw") - (2 if op == "adamw" else 0)}
+    base = {
+        "section": "cpu_adam",
+        "op": op,
+        "workload": workload.name,
+        "n_tensors": len(workload.shapes),
+        "numel": workload.numel,  # read grad, param, m, v; write param, m, v (28), and the bf16 copy (2)
+        "bytes_per_elem": common.step_bytes("adamw") - (2 if op == "adamw" else 0),
+    }
     why_not = {"deepspeed": deepspeed_unavailable()} if "deepspeed" in providers else {}
     steps: Dict[str, Callable[[], None]] = {}
     outputs: Dict[str, List[torch.Tensor]] = {}
     for provider in providers:
         if why_not.get(provider):
-            rows.append({**base, "provider": provider, "threads": "-", "ms": math.nan, "ok": False,
-                         "note": f"unavailable: {why_not[provider]}"})
+            rows.append(
+                {
+                    **base,
+                    "provider": provider,
+                    "threads": "-",
+                    "ms": math.nan,
+                    "ok": False,
+                    "note": f"unavailable: {why_not[provider]}",
+                }
+            )
             continue
         params = [p.clone() for p in init]
         lp = [torch.empty(s, dtype=torch.bfloat16) for s in workload.shapes] if op != "adamw" else []
@@ -598,8 +704,10 @@ def run_cpu_adam(workload: Workload, op: str, threads: Sequence[int], timing: co
         runnable.append(provider)
     # The check: one step of each provider against torch's, from the same params and gradient.
     want = torch.cat([p.view(-1) for p in outputs.get("torch_fused", [])]) if "torch_fused" in outputs else None
-    errors = {p: (common.rel_error(torch.cat([x.view(-1) for x in outputs[p]]), want) if want is not None else math.nan)
-              for p in runnable}
+    errors = {
+        p: (common.rel_error(torch.cat([x.view(-1) for x in outputs[p]]), want) if want is not None else math.nan)
+        for p in runnable
+    }
     del outputs
     threads_before = torch.get_num_threads()
     per_thread: Dict[int, Dict[str, common.Timing]] = {}
@@ -612,11 +720,23 @@ def run_cpu_adam(workload: Workload, op: str, threads: Sequence[int], timing: co
     for n in threads:
         for p in runnable:
             t = per_thread[n][p]
-            rows.append({**base, "provider": p, "threads": n, "ms": t.median_ms, "ms_min": t.min_ms,
-                         "ms_max": t.max_ms, "spread_pct": t.spread_pct, "samples": len(t.samples_ms),
-                         "calls_per_sample": t.calls_per_sample,
-                         "gbps": common.gbps(base["bytes_per_elem"] * workload.numel, t.median_ms),
-                         "max_rel_err_vs_torch": errors[p], "ok": not errors[p] > CHECK_TOL, "note": ""})
+            rows.append(
+                {
+                    **base,
+                    "provider": p,
+                    "threads": n,
+                    "ms": t.median_ms,
+                    "ms_min": t.min_ms,
+                    "ms_max": t.max_ms,
+                    "spread_pct": t.spread_pct,
+                    "samples": len(t.samples_ms),
+                    "calls_per_sample": t.calls_per_sample,
+                    "gbps": common.gbps(base["bytes_per_elem"] * workload.numel, t.median_ms),
+                    "max_rel_err_vs_torch": errors[p],
+                    "ok": not errors[p] > CHECK_TOL,
+                    "note": "",
+                }
+            )
     by = {(r["provider"], r["threads"]): r["ms"] for r in rows if math.isfinite(r["ms"])}
     for r in rows:
         if not math.isfinite(r["ms"]):
@@ -633,6 +753,8 @@ def format_cpu_adam_row(r: Dict) -> str:
     if not math.isfinite(r["ms"]):
         return f"{head} {r['note']}"
     flag = "" if r["ok"] else f"  WRONG (rel err vs torch {r['max_rel_err_vs_torch']:.1e})"
-    return (f"{head} {r['ms']:9.3f} ms ±{r['spread_pct']:3.0f}%  {r['gbps']:6.1f} GB/s  "
-            f"vs deepspeed {r['speedup_vs_deepspeed']:5.2f}x  vs torch {r['speedup_vs_torch']:5.2f}x  "
-            f"thread scaling {r['thread_scaling']:4.2f}x{flag}")
+    return (
+        f"{head} {r['ms']:9.3f} ms ±{r['spread_pct']:3.0f}%  {r['gbps']:6.1f} GB/s  "
+        f"vs deepspeed {r['speedup_vs_deepspeed']:5.2f}x  vs torch {r['speedup_vs_torch']:5.2f}x  "
+        f"thread scaling {r['thread_scaling']:4.2f}x{flag}"
+    )

@@ -20,6 +20,7 @@ on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-bud
 groups that would start after that many seconds (the plan runs the most useful ones first), so
 a run on a leased GPU ends in time and still writes everything it measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,65 +56,118 @@ def make_config(device: torch.device, mode: str) -> Dict:
     cache = common.last_level_cache_bytes(device)
     if mode == "smoke":
         return dict(
-            flat_sizes=[4096, 65536], lists=[kernels.many_small(count=40, max_numel=1024)],
-            grad_dtypes=[bf16], step_workloads=[kernels.flat(65536)],
+            flat_sizes=[4096, 65536],
+            lists=[kernels.many_small(count=40, max_numel=1024)],
+            grad_dtypes=[bf16],
+            step_workloads=[kernels.flat(65536)],
             timing=common.TimingConfig(samples=3, warmup_ms=2.0, min_sample_ms=2.0),
-            copy_bytes=8 * 2**20, max_rotations=4,
-            e2e=end_to_end.E2EConfig(vocab=64, d_model=32, n_layers=1, n_heads=2, seq_len=16, micro_batch=2,
-                                     windows=3, warmup_windows=1, lr=3e-3),
+            copy_bytes=8 * 2**20,
+            max_rotations=4,
+            e2e=end_to_end.E2EConfig(
+                vocab=64,
+                d_model=32,
+                n_layers=1,
+                n_heads=2,
+                seq_len=16,
+                micro_batch=2,
+                windows=3,
+                warmup_windows=1,
+                lr=3e-3,
+            ),
             cpu_adam=[kernels.flat(65536)],
             # deepspeed stays out of the tests' run: its first use builds a C++ op for minutes
             cpu_adam_providers=("cpu", "torch_fused"),
             # one thread: on a loaded 2-core machine a 2-thread window of even these sizes takes
             # ~0.3-1 s (each parallel op waits for a descheduled thread); the tests time 2
             # threads on one small cell instead
-            window=window.WindowConfig(accum_steps=2, threads=(1,), rounds=2, warmup_windows=1, param_count=16,
-                                       param_numel=64, gpt_layers=1, gpt_d=16, gpt_heads=2, gpt_vocab=32,
-                                       gpt_seq=8, gpt_micro_batch=1),
+            window=window.WindowConfig(
+                accum_steps=2,
+                threads=(1,),
+                rounds=2,
+                warmup_windows=1,
+                param_count=16,
+                param_numel=64,
+                gpt_layers=1,
+                gpt_d=16,
+                gpt_heads=2,
+                gpt_vocab=32,
+                gpt_seq=8,
+                gpt_micro_batch=1,
+            ),
         )
     if device.type == "cuda":
         if mode == "quick":
             return dict(
-                flat_sizes=[2**20, 2**24, 2**28], lists=[kernels.gpt2()], grad_dtypes=[bf16],
+                flat_sizes=[2**20, 2**24, 2**28],
+                lists=[kernels.gpt2()],
+                grad_dtypes=[bf16],
                 step_workloads=[kernels.flat(2**24), kernels.gpt2()],
-                timing=common.TimingConfig(samples=5), copy_bytes=2**30, max_rotations=1024,
-                e2e=end_to_end.E2EConfig(n_layers=4, windows=6), window=window.WindowConfig(rounds=5),
+                timing=common.TimingConfig(samples=5),
+                copy_bytes=2**30,
+                max_rotations=1024,
+                e2e=end_to_end.E2EConfig(n_layers=4, windows=6),
+                window=window.WindowConfig(rounds=5),
             )
         return dict(
             flat_sizes=[2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28],
-            lists=[kernels.gpt2(), kernels.llama(4096, 11008, blocks=2), kernels.many_small(2048, 65536),
-                   kernels.uniform(2048, 256)],
+            lists=[
+                kernels.gpt2(),
+                kernels.llama(4096, 11008, blocks=2),
+                kernels.many_small(2048, 65536),
+                kernels.uniform(2048, 256),
+            ],
             grad_dtypes=[bf16, fp16, fp32],
-            step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**28), kernels.gpt2(),
-                            kernels.many_small(2048, 65536)],
-            timing=common.TimingConfig(samples=10), copy_bytes=2**30, max_rotations=1024,
-            e2e=end_to_end.E2EConfig(), window=window.WindowConfig(rounds=20),
+            step_workloads=[
+                kernels.flat(2**20),
+                kernels.flat(2**24),
+                kernels.flat(2**28),
+                kernels.gpt2(),
+                kernels.many_small(2048, 65536),
+            ],
+            timing=common.TimingConfig(samples=10),
+            copy_bytes=2**30,
+            max_rotations=1024,
+            e2e=end_to_end.E2EConfig(),
+            window=window.WindowConfig(rounds=20),
         )
-    cpu_e2e = end_to_end.E2EConfig(vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64, micro_batch=4,
-                                   windows=5, warmup_windows=1, lr=3e-3)
+    cpu_e2e = end_to_end.E2EConfig(
+        vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64, micro_batch=4, windows=5, warmup_windows=1, lr=3e-3
+    )
     if mode == "quick":
         return dict(
             flat_sizes=[2**16, 2**20, 2**24],
-            lists=[kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128"),
-                   kernels.llama(256, 688, blocks=2, name="llama_h256"),
-                   kernels.many_small(2048, 4096, name="many_small_4k"), kernels.uniform(2048, 256)],
+            lists=[
+                kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128"),
+                kernels.llama(256, 688, blocks=2, name="llama_h256"),
+                kernels.many_small(2048, 4096, name="many_small_4k"),
+                kernels.uniform(2048, 256),
+            ],
             grad_dtypes=[bf16, fp32],
             step_workloads=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
             timing=common.TimingConfig(samples=5, warmup_ms=20.0, min_sample_ms=20.0),
-            copy_bytes=4 * cache, max_rotations=512, e2e=cpu_e2e,
+            copy_bytes=4 * cache,
+            max_rotations=512,
+            e2e=cpu_e2e,
             cpu_adam=[kernels.flat(2**20), kernels.gpt2(d=128, vocab=8192, ctx=256, name="gpt2_d128")],
             # one thread, few rounds: about 40 s of the 2 minutes
             window=window.WindowConfig(threads=(1,), rounds=3),
         )
     return dict(
         flat_sizes=[2**16, 2**20, 2**24, 2**26],
-        lists=[kernels.gpt2(), kernels.llama(1024, 2752, blocks=2, name="llama_h1024"), kernels.many_small(2048, 65536),
-               kernels.uniform(2048, 256)],
+        lists=[
+            kernels.gpt2(),
+            kernels.llama(1024, 2752, blocks=2, name="llama_h1024"),
+            kernels.many_small(2048, 65536),
+            kernels.uniform(2048, 256),
+        ],
         grad_dtypes=[bf16, fp16, fp32],
         step_workloads=[kernels.flat(2**20), kernels.flat(2**24), kernels.gpt2()],
         timing=common.TimingConfig(samples=10, warmup_ms=50.0, min_sample_ms=50.0),
-        copy_bytes=8 * cache, max_rotations=512, e2e=end_to_end.E2EConfig(
-            vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=128, micro_batch=4, windows=6, warmup_windows=1),
+        copy_bytes=8 * cache,
+        max_rotations=512,
+        e2e=end_to_end.E2EConfig(
+            vocab=2048, d_model=256, n_layers=4, n_heads=4, seq_len=128, micro_batch=4, windows=6, warmup_windows=1
+        ),
         # issue 11's table: one 1M, 16M and 64M tensor, and GPT-2 small (148 tensors, 124M)
         cpu_adam=[kernels.flat(2**20), kernels.flat(2**24), kernels.flat(2**26), kernels.gpt2()],
         # issue 11's end-to-end table: both models, fp32 and bf16, 1 and 2 threads (~3 minutes)
@@ -161,12 +215,21 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="results folder (default: benchmarks/results)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated subset of {SUITES}")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
-                        help="start no new group after S seconds (what ran is still written)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's, or 1 on a CPU whose load average "
-                             "is over half its cores; see _auto_threads); the cpu_adam and window "
-                             "suites time 1 and 2 threads whatever this says")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start no new group after S seconds (what ran is still written)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's, or 1 on a CPU whose load average "
+        "is over half its cores; see _auto_threads); the cpu_adam and window "
+        "suites time 1 and 2 threads whatever this says",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
     parser.add_argument("--no-plot", action="store_true", help="write no kernels.png")
     args = parser.parse_args(list(argv))
@@ -195,24 +258,47 @@ def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict, window_r
         lines.append(
             f"{op:<17} {workload:<13} {common.fmt_numel(largest):>7}  ours {ours['provider']:<9} "
             f"{ours['ms']:9.4f} ms {ours['pct_of_copy']:5.1f}% copy | torch {theirs['provider']:<13} "
-            f"{theirs['ms']:9.4f} ms {theirs['pct_of_copy']:5.1f}% copy | {ours['speedup_vs_torch']:.2f}x")
+            f"{theirs['ms']:9.4f} ms {theirs['pct_of_copy']:5.1f}% copy | {ours['speedup_vs_torch']:.2f}x"
+        )
     lines += [end_to_end.format_row(r) for r in e2e_rows]
     lines += [window.format_row(r) for r in window_rows]
     return lines
 
 
-def write_all(out: Path, meta: Dict, copy: Dict, kernel_rows: List[Dict], e2e_rows: List[Dict],
-              skipped: List[str], plot: bool, cpu_adam_rows: Sequence[Dict] = (), window_rows: Sequence[Dict] = (),
-              suites: Sequence[str] = SUITES) -> List[Path]:
+def write_all(
+    out: Path,
+    meta: Dict,
+    copy: Dict,
+    kernel_rows: List[Dict],
+    e2e_rows: List[Dict],
+    skipped: List[str],
+    plot: bool,
+    cpu_adam_rows: Sequence[Dict] = (),
+    window_rows: Sequence[Dict] = (),
+    suites: Sequence[str] = SUITES,
+) -> List[Path]:
     """Write (or rewrite) the result files of ``suites``; returns the paths written. A suite not
     asked for writes no CSV, so a folder of one suite's results holds only that suite's."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json"]
-    common.write_json(paths[0], {"meta": meta, "copy": copy, "kernels": kernel_rows, "end_to_end": e2e_rows,
-                                 "cpu_adam": list(cpu_adam_rows), "window": list(window_rows), "skipped": skipped})
-    csvs = [("kernels.csv", kernel_rows, {"accumulate", "step"} & set(suites)),
-            ("end_to_end.csv", e2e_rows, "e2e" in suites), ("window.csv", window_rows, "window" in suites),
-            ("cpu_adam.csv", cpu_adam_rows, bool(cpu_adam_rows))]
+    common.write_json(
+        paths[0],
+        {
+            "meta": meta,
+            "copy": copy,
+            "kernels": kernel_rows,
+            "end_to_end": e2e_rows,
+            "cpu_adam": list(cpu_adam_rows),
+            "window": list(window_rows),
+            "skipped": skipped,
+        },
+    )
+    csvs = [
+        ("kernels.csv", kernel_rows, {"accumulate", "step"} & set(suites)),
+        ("end_to_end.csv", e2e_rows, "e2e" in suites),
+        ("window.csv", window_rows, "window" in suites),
+        ("cpu_adam.csv", cpu_adam_rows, bool(cpu_adam_rows)),
+    ]
     for name, rows, asked in csvs:
         if asked:
             paths.append(out / name)
@@ -252,20 +338,32 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
 
     meta = common.metadata(device, argv)
     meta.update(mode=mode, seed=seed, time_budget_s=args.time_budget)
-    common.log(f"fused_accum bench: {mode} on {meta['device_name']} | torch {meta['torch']} | "
-               f"triton {meta['triton']} | commit {meta['git_commit']} | backends "
-               + ", ".join(n for n, why in meta["backends"].items() if not why))
+    common.log(
+        f"fused_accum bench: {mode} on {meta['device_name']} | torch {meta['torch']} | "
+        f"triton {meta['triton']} | commit {meta['git_commit']} | backends "
+        + ", ".join(n for n, why in meta["backends"].items() if not why)
+    )
     load = meta.get("load_average_1min")
     if device.type == "cpu" and load is not None and load > 0.5 * (meta["cpu_count"] or 1):
-        common.log(f"note: load average {load:.1f} on {meta['cpu_count']} cores: other work shares this CPU, "
-                   f"expect noisy times (compare ratios within this run); torch threads: {torch.get_num_threads()}")
+        common.log(
+            f"note: load average {load:.1f} on {meta['cpu_count']} cores: other work shares this CPU, "
+            f"expect noisy times (compare ratios within this run); torch threads: {torch.get_num_threads()}"
+        )
 
     copy_bytes = cfg["copy_bytes"]
     copy = common.copy_ceiling(device, copy_bytes, cfg["timing"])
-    common.log(f"copy ceiling: {copy['gbps']:.1f} GB/s ({copy['bytes_moved'] / 1e6:.0f} MB moved in "
-               f"{copy['ms']:.3f} ms, ±{copy['spread_pct']:.0f}%)")
-    ctx = kernels.Context(device, cfg["timing"], common.last_level_cache_bytes(device), copy["gbps"],
-                          seed=seed, max_rotations=cfg["max_rotations"])
+    common.log(
+        f"copy ceiling: {copy['gbps']:.1f} GB/s ({copy['bytes_moved'] / 1e6:.0f} MB moved in "
+        f"{copy['ms']:.3f} ms, ±{copy['spread_pct']:.0f}%)"
+    )
+    ctx = kernels.Context(
+        device,
+        cfg["timing"],
+        common.last_level_cache_bytes(device),
+        copy["gbps"],
+        seed=seed,
+        max_rotations=cfg["max_rotations"],
+    )
 
     ops = [op for op in kernels.ACC_OPS if "accumulate" in args.suites]
     ops += [op for op in kernels.STEP_OPS if "step" in args.suites]
@@ -309,6 +407,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
                 skipped.append("end_to_end")
                 bar.update(len(end_to_end.VARIANTS))
             else:
+
                 def on_row(row):
                     bar.update(1)
                     common.log(end_to_end.format_row(row))
@@ -316,14 +415,25 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
                 e2e_rows = end_to_end.run(cfg["e2e"], device, progress=on_row)
             write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False, suites=args.suites)
         if run_window:
+
             def on_window_row(row):
                 bar.update(1)
                 common.log(window.format_row(row))
 
-            window_rows = window.run(cfg["window"], device, progress=on_window_row, over_budget=over_budget,
-                                     skipped=skipped)
-            write_all(out, meta, {"start": copy}, kernel_rows, e2e_rows, skipped, plot=False,
-                      window_rows=window_rows, suites=args.suites)
+            window_rows = window.run(
+                cfg["window"], device, progress=on_window_row, over_budget=over_budget, skipped=skipped
+            )
+            write_all(
+                out,
+                meta,
+                {"start": copy},
+                kernel_rows,
+                e2e_rows,
+                skipped,
+                plot=False,
+                window_rows=window_rows,
+                suites=args.suites,
+            )
         run_groups(rest)
         if "cpu_adam" in args.suites and device.type == "cpu":
             for workload in cfg["cpu_adam"]:
@@ -351,11 +461,23 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
         copy_end = common.copy_ceiling(device, copy_bytes, cfg["timing"])
         copies = {"start": copy, "end": copy_end, "drift_pct": 100.0 * (copy_end["gbps"] / copy["gbps"] - 1.0)}
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    paths = write_all(out, meta, copies, kernel_rows, e2e_rows, skipped, plot=not (args.no_plot or interrupted),
-                      cpu_adam_rows=cpu_adam_rows, window_rows=window_rows, suites=args.suites)
+    paths = write_all(
+        out,
+        meta,
+        copies,
+        kernel_rows,
+        e2e_rows,
+        skipped,
+        plot=not (args.no_plot or interrupted),
+        cpu_adam_rows=cpu_adam_rows,
+        window_rows=window_rows,
+        suites=args.suites,
+    )
     if interrupted:
-        print(f"interrupted after {meta['elapsed_s']} s: {len(kernel_rows)} kernel rows, {len(e2e_rows)} "
-              f"end-to-end rows written to " + ", ".join(str(p) for p in paths))
+        print(
+            f"interrupted after {meta['elapsed_s']} s: {len(kernel_rows)} kernel rows, {len(e2e_rows)} "
+            f"end-to-end rows written to " + ", ".join(str(p) for p in paths)
+        )
         return 1
 
     bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
@@ -363,10 +485,12 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
     bad += [r for r in cpu_adam_rows if not r["ok"] and not r["note"].startswith("unavailable")]
     bad += [r for r in window_rows if not r["ok"]]
     print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy, window_rows)))
-    print(f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
-          f"{len(e2e_rows)} end-to-end rows, {len(window_rows)} window rows, "
-          f"{len(skipped)} groups skipped (time budget), "
-          f"{len(bad)} failed or wrong; {meta['elapsed_s']} s")
+    print(
+        f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
+        f"{len(e2e_rows)} end-to-end rows, {len(window_rows)} window rows, "
+        f"{len(skipped)} groups skipped (time budget), "
+        f"{len(bad)} failed or wrong; {meta['elapsed_s']} s"
+    )
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if bad else 0
 

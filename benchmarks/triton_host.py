@@ -24,6 +24,7 @@ Usage:  python benchmarks/triton_host.py [--tensors 148 2048] [--repeat 200] [--
 With --out, writes triton_host.csv (rows and machine; one file: the GPU check returns at most 8),
 a row at a time as each is measured, so a run stopped at a time limit keeps them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,16 +111,56 @@ def measure(n: int, repeat: int, on_row=lambda row: None):
         tb.accumulate(acc, offsets, grads, 1.0, False, found_inf, sumsq, plan=plan)
 
     def adamw(lp, plan):
-        tb.adam_step(masters, ms, vs, accs, steps, lr, coef, beta1=0.9, beta2=0.999, eps=1e-8,
-                     weight_decay=0.01, decoupled=True, maximize=False, lp_params=lp, plan=plan)  # fmt: skip
+        tb.adam_step(
+            masters,
+            ms,
+            vs,
+            accs,
+            steps,
+            lr,
+            coef,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            decoupled=True,
+            maximize=False,
+            lp_params=lp,
+            plan=plan,
+        )
 
     def sgd(lp, plan):
-        tb.sgd_step(masters, ms, accs, steps, lr, coef, momentum=0.9, dampening=0.0, weight_decay=0.01,
-                    nesterov=False, maximize=False, lp_params=lp, plan=plan)  # fmt: skip
+        tb.sgd_step(
+            masters,
+            ms,
+            accs,
+            steps,
+            lr,
+            coef,
+            momentum=0.9,
+            dampening=0.0,
+            weight_decay=0.01,
+            nesterov=False,
+            maximize=False,
+            lp_params=lp,
+            plan=plan,
+        )
 
     def lion(lp, plan):
-        tb.lion_step(masters, ms, accs, steps, lr, coef, beta1=0.9, beta2=0.99, weight_decay=0.01,
-                     maximize=False, lp_params=lp, plan=plan)  # fmt: skip
+        tb.lion_step(
+            masters,
+            ms,
+            accs,
+            steps,
+            lr,
+            coef,
+            beta1=0.9,
+            beta2=0.99,
+            weight_decay=0.01,
+            maximize=False,
+            lp_params=lp,
+            plan=plan,
+        )
 
     calls = {"accumulate": (accumulate, grads), "adamw": (adamw, lp), "sgd": (sgd, lp), "lion": (lion, lp)}
     rows = []
@@ -133,12 +174,21 @@ def measure(n: int, repeat: int, on_row=lambda row: None):
                 ("plan", lambda _: fn(tensors, plan), None, repeat),
                 ("plan, new", lambda ts: fn(ts, plan), fresh, max(repeat // 10, 5)),
                 ("no plan", lambda _: fn(tensors, None), None, max(repeat // 4, 5)),
-            ]:  # fmt: skip
+            ]:
                 median, p10, p90 = _time(run, times, setup)
                 goal = GOALS_MS[op] if n == GOAL_TENSORS and case == GOAL_CASE else None
-                rows.append(dict(op=op, case=case, tensors=n, median_ms=round(median, 4), p10_ms=round(p10, 4),
-                                 p90_ms=round(p90, 4), goal_ms=goal,
-                                 meets_goal=None if goal is None else median <= goal))  # fmt: skip
+                rows.append(
+                    dict(
+                        op=op,
+                        case=case,
+                        tensors=n,
+                        median_ms=round(median, 4),
+                        p10_ms=round(p10, 4),
+                        p90_ms=round(p90, 4),
+                        goal_ms=goal,
+                        meets_goal=None if goal is None else median <= goal,
+                    )
+                )
                 on_row(rows[-1])
     tb.clear_table_cache()
     return rows
@@ -148,14 +198,24 @@ def floor_row(repeat: int):
     tensors = [torch.zeros(1) for _ in range(2048)]
     ptr = torch.Tensor.data_ptr
     median, p10, p90 = _time(lambda _: tuple(map(ptr, tensors)), repeat)
-    return dict(op="floor: map(data_ptr)", case="-", tensors=2048, median_ms=round(median, 4),
-                p10_ms=round(p10, 4), p90_ms=round(p90, 4), goal_ms=None, meets_goal=None)  # fmt: skip
+    return dict(
+        op="floor: map(data_ptr)",
+        case="-",
+        tensors=2048,
+        median_ms=round(median, 4),
+        p10_ms=round(p10, 4),
+        p90_ms=round(p90, 4),
+        goal_ms=None,
+        meets_goal=None,
+    )
 
 
 def format_row(r) -> str:
     verdict = "" if r["goal_ms"] is None else (" meets" if r["meets_goal"] else " MISSES") + f" goal {r['goal_ms']} ms"
-    return (f"{r['op']:<20} {r['case']:<9} {r['tensors']:>5} tensors  median {r['median_ms']:7.3f} ms"
-            f"  p10-p90 {r['p10_ms']:7.3f}-{r['p90_ms']:7.3f} ms{verdict}")  # fmt: skip
+    return (
+        f"{r['op']:<20} {r['case']:<9} {r['tensors']:>5} tensors  median {r['median_ms']:7.3f} ms"
+        f"  p10-p90 {r['p10_ms']:7.3f}-{r['p90_ms']:7.3f} ms{verdict}"
+    )
 
 
 def main(argv=None) -> int:
@@ -168,12 +228,20 @@ def main(argv=None) -> int:
     # since a test process running this in-process interprets kernels in its other tests.
     import triton
 
-    meta = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), python=platform.python_version(),
-                torch=torch.__version__, triton=triton.__version__, threads=torch.get_num_threads(),
-                load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                commit=common.git_commit()["commit"])  # fmt: skip
-    print(f"# triton launcher host time, kernels stubbed; torch {meta['torch']}, triton {meta['triton']}, "
-          f"load average {meta['load_average']}")  # fmt: skip
+    meta = dict(
+        machine=platform.node(),
+        cpu=platform.processor() or platform.machine(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        threads=torch.get_num_threads(),
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        commit=common.git_commit()["commit"],
+    )
+    print(
+        f"# triton launcher host time, kernels stubbed; torch {meta['torch']}, triton {meta['triton']}, "
+        f"load average {meta['load_average']}"
+    )
     csv_out = common.CsvAppender(args.out / "triton_host.csv") if args.out is not None else None
 
     def on_row(r):

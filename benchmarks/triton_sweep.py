@@ -13,6 +13,7 @@ Compiles one kernel per (BLOCK, num_warps) and op (chunk sizes are run-time argu
 compile); stops starting new configurations after --budget seconds. triton_sweep.csv is written
 a row at a time as each is measured, so a run stopped at a time limit (or by SIGINT) keeps them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,11 @@ def main(argv=None) -> int:
     master, m = torch.randn(n, device="cuda", generator=gen), torch.randn(n, device="cuda", generator=gen)
     v = torch.rand(n, device="cuda", generator=gen)
     lp = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-    steps, lr, coef = torch.full((1,), 3.0, device="cuda"), torch.tensor(1e-4, device="cuda"), torch.tensor(1.0, device="cuda")
+    steps, lr, coef = (
+        torch.full((1,), 3.0, device="cuda"),
+        torch.tensor(1e-4, device="cuda"),
+        torch.tensor(1.0, device="cuda"),
+    )
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
     ops = {
         "accumulate": lambda: tb.accumulate(acc, offsets, [grad], 1.0, False),
@@ -95,14 +100,28 @@ def main(argv=None) -> int:
             for op, fn in ops.items():
                 ms = _bench(fn)
                 gbps = BYTES_PER_ELEMENT[op] * n / ms / 1e6
-                rows.append(dict(op=op, numel=n, block=block, num_warps=warps, programs_per_sm=pps,
-                                 chunk=chunk, programs=-(-n // chunk), ms=round(ms, 4), gbps=round(gbps, 1),
-                                 pct_of_copy=round(100 * gbps / ceiling, 1), copy_gbps=round(ceiling, 1)))  # fmt: skip
+                rows.append(
+                    dict(
+                        op=op,
+                        numel=n,
+                        block=block,
+                        num_warps=warps,
+                        programs_per_sm=pps,
+                        chunk=chunk,
+                        programs=-(-n // chunk),
+                        ms=round(ms, 4),
+                        gbps=round(gbps, 1),
+                        pct_of_copy=round(100 * gbps / ceiling, 1),
+                        copy_gbps=round(ceiling, 1),
+                    )
+                )
                 r = rows[-1]
                 if csv_out is not None:
                     csv_out.add(r)
-                print(f"{op:<10} BLOCK {block:>4} warps {warps} programs/SM {pps:>2} (chunk {chunk:>6}, "
-                      f"{r['programs']:>6} programs): {ms:7.3f} ms {gbps:7.1f} GB/s {r['pct_of_copy']:5.1f}% of copy")  # fmt: skip
+                print(
+                    f"{op:<10} BLOCK {block:>4} warps {warps} programs/SM {pps:>2} (chunk {chunk:>6}, "
+                    f"{r['programs']:>6} programs): {ms:7.3f} ms {gbps:7.1f} GB/s {r['pct_of_copy']:5.1f}% of copy"
+                )
     except KeyboardInterrupt:  # a time limit's SIGINT: the rows so far are already written
         print(f"triton_sweep: interrupted after {len(rows)} rows")
     finally:
@@ -113,8 +132,10 @@ def main(argv=None) -> int:
     for op in ops:
         best = max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"], default=None)
         if best:
-            print(f"best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
-                  f"{best['programs_per_sm']}: {best['pct_of_copy']}% of the copy ({ceiling:.0f} GB/s)")  # fmt: skip
+            print(
+                f"best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
+                f"{best['programs_per_sm']}: {best['pct_of_copy']}% of the copy ({ceiling:.0f} GB/s)"
+            )
     return 0
 
 

@@ -30,6 +30,7 @@ stopped at a time limit keeps them, and wgrad.json (with the machine, torch/trit
 commit) at the end (an interrupt, SIGINT, still writes it) to --out. On the CPU the fused providers skip the bf16 rounding but not the upcast: see
 fused_accum/backends/wgrad.py for why the cpu backend upcasts in row blocks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,7 +103,11 @@ def providers(device: torch.device, names: Sequence[str]) -> Dict[str, Callable]
     out: Dict[str, Callable] = {f"unfused({fold_backend} fold)": unfused, "bf16_gemm": bf16_gemm}
     for name in names:
         # the cpu/cuda wgrad is torch BLAS (no extension needed): it runs on its own device type
-        runs = name == "reference" or name == device.type or (name == "triton" and backends.availability(name, device.type) == "")
+        runs = (
+            name == "reference"
+            or name == device.type
+            or (name == "triton" and backends.availability(name, device.type) == "")
+        )
         if runs:
             out[f"fused:{name}"] = lambda acc_flat, acc, g, x, name=name: ops.wgrad_accumulate(acc, g, x, False, name)
     return out
@@ -117,8 +122,14 @@ def byte_model(provider: str, m: int, n: int, k: int) -> int:
     return operands + 8 * n * k
 
 
-def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: int,
-        on_row: Callable[[Dict], None] = lambda row: None) -> List[Dict]:
+def run(
+    device: torch.device,
+    shapes,
+    names,
+    config: common.TimingConfig,
+    seed: int,
+    on_row: Callable[[Dict], None] = lambda row: None,
+) -> List[Dict]:
     rows = []
     gen = torch.Generator().manual_seed(seed)
     for m, n, k in shapes:
@@ -132,12 +143,20 @@ def run(device: torch.device, shapes, names, config: common.TimingConfig, seed: 
             peak = _peak_extra_bytes(lambda: call(None), device)
             moved = byte_model(provider, m, n, k)
             row = dict(
-                tokens=m, n_out=n, k_in=k, provider=provider, device=device.type,
-                ms=timing.median_ms, ms_min=timing.min_ms, ms_max=timing.max_ms,
-                tflops=2 * m * n * k / timing.median_ms / 1e9, bytes_moved=moved,
-                gbps=common.gbps(moved, timing.median_ms), peak_extra_bytes=peak,
+                tokens=m,
+                n_out=n,
+                k_in=k,
+                provider=provider,
+                device=device.type,
+                ms=timing.median_ms,
+                ms_min=timing.min_ms,
+                ms_max=timing.max_ms,
+                tflops=2 * m * n * k / timing.median_ms / 1e9,
+                bytes_moved=moved,
+                gbps=common.gbps(moved, timing.median_ms),
+                peak_extra_bytes=peak,
                 bf16_wgrad_bytes=2 * n * k,
-            )  # fmt: skip
+            )
             rows.append(row)
             on_row(row)
             common.log(
@@ -160,8 +179,18 @@ def e2e(device: torch.device, quick: bool, on_row: Callable[[Dict], None] = lamb
 
     cfg = end_to_end.E2EConfig()
     if quick:
-        cfg = dataclasses.replace(cfg, vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=64,
-                                  micro_batch=4, accum_steps=4, windows=4, warmup_windows=1)  # fmt: skip
+        cfg = dataclasses.replace(
+            cfg,
+            vocab=512,
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            seq_len=64,
+            micro_batch=4,
+            accum_steps=4,
+            windows=4,
+            warmup_windows=1,
+        )
     batches = end_to_end.make_batches(cfg, device)
     rows = []
     for converted in (False, True):
@@ -169,8 +198,9 @@ def e2e(device: torch.device, quick: bool, on_row: Callable[[Dict], None] = lamb
         model = end_to_end.TinyGPT(cfg).to(device=device, dtype=torch.bfloat16)
         if converted:
             convert_linears_(model)
-        opt = FusedAccumOptimizer(model.parameters(), "adamw", accum_steps=cfg.accum_steps, lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)  # fmt: skip
+        opt = FusedAccumOptimizer(
+            model.parameters(), "adamw", accum_steps=cfg.accum_steps, lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
 
         def window(micro_batches):
             losses = []
@@ -197,16 +227,25 @@ def e2e(device: torch.device, quick: bool, on_row: Callable[[Dict], None] = lamb
         timed = times[cfg.warmup_windows : -1] if device.type == "cpu" else times[cfg.warmup_windows :]
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
-        row = dict(e2e="tiny_gpt", converted=converted, window_ms=statistics.median(timed),
-                   window_ms_min=min(timed), window_ms_max=max(timed), first_loss=losses[0],
-                   final_loss=losses[-1], peak_bytes=peak,
-                   peak_kind="max_memory_allocated" if device.type == "cuda" else "last window, above its start",
-                   config=",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()))  # fmt: skip
+        row = dict(
+            e2e="tiny_gpt",
+            converted=converted,
+            window_ms=statistics.median(timed),
+            window_ms_min=min(timed),
+            window_ms_max=max(timed),
+            first_loss=losses[0],
+            final_loss=losses[-1],
+            peak_bytes=peak,
+            peak_kind="max_memory_allocated" if device.type == "cuda" else "last window, above its start",
+            config=",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items()),
+        )
         rows.append(row)
         on_row(row)
-        common.log(f"e2e tiny GPT {'converted  ' if converted else 'nn.Linear  '} {row['window_ms']:9.1f} ms/window "
-                   f"[{row['window_ms_min']:.1f}, {row['window_ms_max']:.1f}]  loss {row['first_loss']:.4f} -> "
-                   f"{row['final_loss']:.4f}  peak {peak / 2**20:.1f} MiB ({row['peak_kind']})")  # fmt: skip
+        common.log(
+            f"e2e tiny GPT {'converted  ' if converted else 'nn.Linear  '} {row['window_ms']:9.1f} ms/window "
+            f"[{row['window_ms_min']:.1f}, {row['window_ms_max']:.1f}]  loss {row['first_loss']:.4f} -> "
+            f"{row['final_loss']:.4f}  peak {peak / 2**20:.1f} MiB ({row['peak_kind']})"
+        )
         del model, opt
     return rows
 
@@ -217,16 +256,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     size.add_argument("--quick", action="store_true", help=f"shapes / {QUICK_SCALE}, tokens {QUICK_TOKENS} (CPU)")
     size.add_argument("--smoke", action="store_true", help=f"shapes / {SMOKE_SCALE}, tokens {SMOKE_TOKENS} (tests)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated fused backends (default: cpu: reference,cpu; cuda: cuda,triton,reference)")
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated fused backends (default: cpu: reference,cpu; cuda: cuda,triton,reference)",
+    )
     parser.add_argument("--samples", type=int, default=None, help="timed samples per row (default 10, --quick 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on the CPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--e2e", action="store_true", help="also the small GPT's window with and without conversion")
-    parser.add_argument("--out", default=str(common.REPO_ROOT / "benchmarks" / "results"), help="folder for wgrad.csv/json")
-    parser.add_argument("--extra-out", default=None,
-                        help="folder for wgrad_e2e.csv and wgrad.json instead of --out (device_check.sh: --out "
-                             "holds only the files that come back from a lent GPU)")
+    parser.add_argument(
+        "--out", default=str(common.REPO_ROOT / "benchmarks" / "results"), help="folder for wgrad.csv/json"
+    )
+    parser.add_argument(
+        "--extra-out",
+        default=None,
+        help="folder for wgrad_e2e.csv and wgrad.json instead of --out (device_check.sh: --out "
+        "holds only the files that come back from a lent GPU)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -243,12 +290,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         weights, tokens = FULL_WEIGHTS, FULL_TOKENS
     shapes = [(m, n, k) for m in tokens for n, k in weights]
     small = args.quick or args.smoke
-    config = common.TimingConfig(samples=args.samples or (3 if small else 10), warmup_ms=25.0 if not args.smoke else 1.0,
-                                 min_sample_ms=10.0 if not args.smoke else 1.0)
+    config = common.TimingConfig(
+        samples=args.samples or (3 if small else 10),
+        warmup_ms=25.0 if not args.smoke else 1.0,
+        min_sample_ms=10.0 if not args.smoke else 1.0,
+    )
     meta = common.metadata(device, ["benchmarks/wgrad.py", *(argv if argv is not None else sys.argv[1:])])
-    common.log(f"wgrad on {meta['device_name']} ({device.type}), torch {meta['torch']}, "
-               f"commit {meta['git_commit']}{' (dirty)' if meta.get('git_dirty') else ''}, "
-               f"{meta['torch_threads']} threads, load {meta['load_average_1min']}")  # fmt: skip
+    common.log(
+        f"wgrad on {meta['device_name']} ({device.type}), torch {meta['torch']}, "
+        f"commit {meta['git_commit']}{' (dirty)' if meta.get('git_dirty') else ''}, "
+        f"{meta['torch_threads']} threads, load {meta['load_average_1min']}"
+    )
     out = Path(args.out)
     extra = Path(args.extra_out) if args.extra_out else out
     for folder in (out, extra):

@@ -40,6 +40,7 @@ Each row reports the median window with min/max and the interquartile range, the
 native / this (> 1: faster than native; also the median of the per-round ratios, which cancels
 slow drift), and the extra cost per parameter per micro-batch in microseconds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -130,12 +131,19 @@ def _model_and_batches(name: str, dtype: torch.dtype, cfg: WindowConfig, device:
         model = ManyParams(cfg.param_count, cfg.param_numel)
         batches = [(torch.randn(cfg.param_numel, generator=gen).to(device, dtype),) for _ in range(k)]
     elif name == "gpt2":
-        gpt = end_to_end.E2EConfig(vocab=cfg.gpt_vocab, d_model=cfg.gpt_d, n_layers=cfg.gpt_layers,
-                                   n_heads=cfg.gpt_heads, seq_len=cfg.gpt_seq, micro_batch=cfg.gpt_micro_batch)
+        gpt = end_to_end.E2EConfig(
+            vocab=cfg.gpt_vocab,
+            d_model=cfg.gpt_d,
+            n_layers=cfg.gpt_layers,
+            n_heads=cfg.gpt_heads,
+            seq_len=cfg.gpt_seq,
+            micro_batch=cfg.gpt_micro_batch,
+        )
         model = end_to_end.TinyGPT(gpt)
         shape = (cfg.gpt_micro_batch, cfg.gpt_seq)
-        batches = [tuple(torch.randint(cfg.gpt_vocab, shape, generator=gen).to(device) for _ in range(2))
-                   for _ in range(k)]
+        batches = [
+            tuple(torch.randint(cfg.gpt_vocab, shape, generator=gen).to(device) for _ in range(2)) for _ in range(k)
+        ]
     else:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     return model.to(device=device, dtype=dtype), batches
@@ -165,8 +173,9 @@ def _hook_kind(params: Sequence[torch.Tensor]) -> str:
     return "python" if isinstance(owner._arrivals, arrivals.PythonArrivals) else "c++"
 
 
-def _make_step(provider: str, params: List[torch.Tensor], cfg: WindowConfig,
-               device: torch.device) -> Tuple[Callable[[], None], str]:
+def _make_step(
+    provider: str, params: List[torch.Tensor], cfg: WindowConfig, device: torch.device
+) -> Tuple[Callable[[], None], str]:
     """The end of a window for ``provider`` (optimizer step + zero_grad); and a note on how."""
     hp = dict(lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay)
     if provider in ("fused_accum", "fused_accum_pyhooks"):
@@ -222,6 +231,7 @@ def _tolerance_key(dtype: str, provider: str) -> str:
 class Cell:
     """One (model, param dtype): a model per provider from the same weights, its window's end,
     the check's outcome, and the columns every row of the cell shares."""
+
     base: Dict
     providers: Tuple[str, ...]
     models: Dict[str, nn.Module]
@@ -242,8 +252,14 @@ def prepare_cell(model_name: str, dtype: str, cfg: WindowConfig, device: torch.d
         steps[provider], notes[provider] = _make_step(provider, list(models[provider].parameters()), cfg, device)
     params0 = list(models[providers[0]].parameters())
     start = _flat(params0)
-    base = {"section": "window", "model": model_label(model_name, cfg), "dtype": dtype, "n_tensors": len(params0),
-            "numel": sum(p.numel() for p in params0), "accum_steps": cfg.accum_steps}
+    base = {
+        "section": "window",
+        "model": model_label(model_name, cfg),
+        "dtype": dtype,
+        "n_tensors": len(params0),
+        "numel": sum(p.numel() for p in params0),
+        "accum_steps": cfg.accum_steps,
+    }
 
     check_loss, update = {}, {}
     for provider in providers:
@@ -259,14 +275,18 @@ def prepare_cell(model_name: str, dtype: str, cfg: WindowConfig, device: torch.d
         loss_diff = abs(check_loss[provider] - ref_loss) / max(abs(ref_loss), 1e-12)
         key = _tolerance_key(dtype, provider)
         checks[provider] = dict(
-            check_update_err=err, check_loss_rel_diff=loss_diff, check_loss=check_loss[provider],
+            check_update_err=err,
+            check_loss_rel_diff=loss_diff,
+            check_loss=check_loss[provider],
             ok=bool(err <= UPDATE_TOL[key] and loss_diff <= LOSS_TOL[key]),
-            hooks=_hook_kind(list(models[provider].parameters())))
+            hooks=_hook_kind(list(models[provider].parameters())),
+        )
     return Cell(base, providers, models, steps, notes, checks, batches)
 
 
-def time_cell(cell: Cell, threads: int, cfg: WindowConfig, device: torch.device,
-              over_budget: Callable[[], bool] = lambda: False) -> List[Dict]:
+def time_cell(
+    cell: Cell, threads: int, cfg: WindowConfig, device: torch.device, over_budget: Callable[[], bool] = lambda: False
+) -> List[Dict]:
     """The cell's rows at ``threads`` torch threads (set by the caller)."""
     samples = _time_rounds(cell.providers, cell.models, cell.steps, cell.batches, cfg, device, over_budget)
     return _rows(cell.base, threads, cell.providers, samples, cell.checks, cell.notes, cfg)
@@ -275,8 +295,9 @@ def time_cell(cell: Cell, threads: int, cfg: WindowConfig, device: torch.device,
 MIN_ROUNDS = 3  # a time budget cuts a cell's rounds, but not below this many
 
 
-def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device,
-                 over_budget: Callable[[], bool] = lambda: False) -> Dict[str, List[float]]:
+def _time_rounds(
+    providers, models, steps, batches, cfg: WindowConfig, device, over_budget: Callable[[], bool] = lambda: False
+) -> Dict[str, List[float]]:
     """Per provider, the milliseconds of each timed window. Round r runs the providers in the
     order rotated by r, so each one goes first, second, ... equally often. Past the time budget
     the rounds stop once MIN_ROUNDS were timed (the rows' ``rounds`` says how many)."""
@@ -284,7 +305,7 @@ def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device,
     samples: Dict[str, List[float]] = {p: [] for p in providers}
     n = len(providers)
     for r in range(cfg.warmup_windows + cfg.rounds):
-        order = providers[r % n:] + providers[:r % n]
+        order = providers[r % n :] + providers[: r % n]
         for provider in order:
             common.synchronize(device)
             t0 = time.perf_counter()
@@ -297,16 +318,26 @@ def _time_rounds(providers, models, steps, batches, cfg: WindowConfig, device,
     return samples
 
 
-def _rows(base: Dict, threads: int, providers, samples: Dict[str, List[float]], checks, notes,
-          cfg: WindowConfig) -> List[Dict]:
+def _rows(
+    base: Dict, threads: int, providers, samples: Dict[str, List[float]], checks, notes, cfg: WindowConfig
+) -> List[Dict]:
     medians = {p: statistics.median(s) for p, s in samples.items()}
     rows = []
     for provider in providers:
         s = samples[provider]
         q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else (s[0],) * 3
-        row = {**base, "provider": provider, "threads": threads, "window_ms": medians[provider],
-               "ms_min": min(s), "ms_max": max(s), "ms_q1": q1, "ms_q3": q3,
-               "iqr_pct": 100.0 * (q3 - q1) / medians[provider], "rounds": len(s)}
+        row = {
+            **base,
+            "provider": provider,
+            "threads": threads,
+            "window_ms": medians[provider],
+            "ms_min": min(s),
+            "ms_max": max(s),
+            "ms_q1": q1,
+            "ms_q3": q3,
+            "iqr_pct": 100.0 * (q3 - q1) / medians[provider],
+            "rounds": len(s),
+        }
         for native in ("native", "native_fp32acc"):
             if native not in samples:
                 continue
@@ -314,9 +345,11 @@ def _rows(base: Dict, threads: int, providers, samples: Dict[str, List[float]], 
             # windows run back to back, so slow drift of the machine cancels in it.
             row[f"speedup_vs_{native}"] = medians[native] / medians[provider]
             row[f"speedup_vs_{native}_paired"] = statistics.median(
-                a / b for a, b in zip(samples[native], samples[provider]))
-        row["extra_us_per_param_mb"] = ((medians[provider] - medians["native"]) * 1e3
-                                        / (base["n_tensors"] * cfg.accum_steps))
+                a / b for a, b in zip(samples[native], samples[provider])
+            )
+        row["extra_us_per_param_mb"] = (
+            (medians[provider] - medians["native"]) * 1e3 / (base["n_tensors"] * cfg.accum_steps)
+        )
         row.update(checks[provider], note=notes[provider])
         rows.append(row)
     return rows
@@ -342,8 +375,13 @@ def n_rows(cfg: WindowConfig) -> int:
     return sum(len(providers_for(d)) for _, d in cells(cfg)) * len(cfg.threads)
 
 
-def run(cfg: WindowConfig, device: torch.device, progress: Callable[[Dict], None] = lambda r: None,
-        over_budget: Callable[[], bool] = lambda: False, skipped: List[str] = None) -> List[Dict]:
+def run(
+    cfg: WindowConfig,
+    device: torch.device,
+    progress: Callable[[Dict], None] = lambda r: None,
+    over_budget: Callable[[], bool] = lambda: False,
+    skipped: List[str] = None,
+) -> List[Dict]:
     """Every (model, dtype) cell of ``cfg`` at every thread count, all cells at the fewest
     threads first: on a loaded machine the extra threads are what is slow (a parallel op waits
     for a descheduled thread), so a time budget cuts those rows, not the one-thread table. A
@@ -380,6 +418,8 @@ def format_row(r: Dict) -> str:
     if "speedup_vs_native_fp32acc" in r:
         vs += f" {r['speedup_vs_native_fp32acc']:5.2f}x fp32acc"
     check = "ok" if r["ok"] else f"WRONG (update err {r['check_update_err']:.2g}, loss {r['check_loss_rel_diff']:.2g})"
-    return (f"window {r['model']:<15} {r['dtype']:<4} {r['threads']}t {r['provider']:<19} "
-            f"{r['window_ms']:8.1f} ms [{r['ms_q1']:.1f}..{r['ms_q3']:.1f}]  {vs}  "
-            f"{r['extra_us_per_param_mb']:+6.2f} us/param/mb  hooks={r['hooks']}  {check}")
+    return (
+        f"window {r['model']:<15} {r['dtype']:<4} {r['threads']}t {r['provider']:<19} "
+        f"{r['window_ms']:8.1f} ms [{r['ms_q1']:.1f}..{r['ms_q3']:.1f}]  {vs}  "
+        f"{r['extra_us_per_param_mb']:+6.2f} us/param/mb  hooks={r['hooks']}  {check}"
+    )

@@ -10,6 +10,7 @@ window by window in one process; medians over the rounds after two warm-up round
 Usage:  python benchmarks/window_phases.py [--model gpt2|params] [--dtype fp32|bf16]
                                            [--rounds 12] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse

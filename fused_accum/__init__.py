@@ -8,6 +8,7 @@ the fp32 master weights and writing the low-precision parameters in the same pas
 
 See README.md for the two accumulation loops and the learning-rate question.
 """
+
 from . import nn  # fused_accum.nn.Linear: weight gradients straight into the fp32 accumulators
 from .optimizer import SGD, Adam, AdamW, FusedAccumOptimizer, Lion
 

@@ -1,4 +1,5 @@
 """Command line: ``python -m fused_accum demo|bench [args]``."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +11,9 @@ def _bench_main():
     """The benchmark suite lives in the source checkout's benchmarks/, next to the package."""
     runner = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
     if not runner.exists():
-        raise SystemExit(f"benchmarks/run.py not found next to the package ({runner}); "
-                         "run the benchmarks from a source checkout")
+        raise SystemExit(
+            f"benchmarks/run.py not found next to the package ({runner}); run the benchmarks from a source checkout"
+        )
     sys.path.insert(0, str(runner.parent.parent))
     spec = importlib.util.spec_from_file_location("benchmarks.run", runner)
     module = importlib.util.module_from_spec(spec)

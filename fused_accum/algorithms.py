@@ -4,6 +4,7 @@ Pure: no buffers, no kernels. :mod:`fused_accum.step` reads this table to take a
 :mod:`fused_accum.optimizer` to accept param groups, so a new algorithm starts here (then its op
 in :mod:`fused_accum.ops` and its branch in ``Stepper.fused_step``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,20 +29,41 @@ _TORCH_IMPL = dict(foreach=None, differentiable=False, fused=None)
 ALGORITHMS = {
     "sgd": Algorithm(
         dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, **_TORCH_IMPL),
-        ("momentum_buffer",), False,
+        ("momentum_buffer",),
+        False,
     ),
     "adam": Algorithm(
-        dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
-             capturable=False, decoupled_weight_decay=False, **_TORCH_IMPL),
-        ("exp_avg", "exp_avg_sq"), True,
+        dict(
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=0.0,
+            amsgrad=False,
+            maximize=False,
+            capturable=False,
+            decoupled_weight_decay=False,
+            **_TORCH_IMPL,
+        ),
+        ("exp_avg", "exp_avg_sq"),
+        True,
     ),
     "adamw": Algorithm(
-        dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False,
-             capturable=False, decoupled_weight_decay=True, **_TORCH_IMPL),
-        ("exp_avg", "exp_avg_sq"), True,
+        dict(
+            lr=1e-3,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=1e-2,
+            amsgrad=False,
+            maximize=False,
+            capturable=False,
+            decoupled_weight_decay=True,
+            **_TORCH_IMPL,
+        ),
+        ("exp_avg", "exp_avg_sq"),
+        True,
     ),
     "lion": Algorithm(dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False), ("exp_avg",), False),
-}  # fmt: skip
+}
 
 
 def validate_hyperparameters(algorithm: str, h: dict) -> None:
@@ -81,13 +103,16 @@ def parse_algorithm(optimizer, hyperparameters: dict) -> tuple:
     """``optimizer=`` and the hyper-parameter keywords -> (fused algorithm name or None, torch.optim
     class or None, the param groups' defaults). The caller refuses its own classes first."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("optimizer= takes an optimizer class (e.g. torch.optim.RMSprop) or a name, "
-                        f"not an instance of {type(optimizer).__name__}")  # fmt: skip
+        raise TypeError(
+            "optimizer= takes an optimizer class (e.g. torch.optim.RMSprop) or a name, "
+            f"not an instance of {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         return None, optimizer, dict(hyperparameters)
     if not isinstance(optimizer, str) or optimizer.lower() not in ALGORITHMS:
-        raise ValueError(f"optimizer must be one of {sorted(ALGORITHMS)} or a torch.optim.Optimizer "
-                         f"subclass, got {optimizer!r}")  # fmt: skip
+        raise ValueError(
+            f"optimizer must be one of {sorted(ALGORITHMS)} or a torch.optim.Optimizer subclass, got {optimizer!r}"
+        )
     name = optimizer.lower()
     defaults = dict(ALGORITHMS[name].defaults)
     for key, value in hyperparameters.items():

@@ -65,6 +65,7 @@ and per backward, and not at all in a quiet one. :class:`PythonArrivals` is its 
 ``FUSED_ACCUM_PYTHON_HOOKS=1`` (several microseconds per parameter: the engine takes the GIL and
 wraps tensors for each call).
 """
+
 from __future__ import annotations
 
 import functools
@@ -83,8 +84,13 @@ logger = logging.getLogger("fused_accum")
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
-def make_arrivals(before_backward: Callable, queue_end: Callable, bucket_complete: Callable,
-                  fold_hooked: Callable, backward_raised: Callable):
+def make_arrivals(
+    before_backward: Callable,
+    queue_end: Callable,
+    bucket_complete: Callable,
+    fold_hooked: Callable,
+    backward_raised: Callable,
+):
     """The C++ hooks where the extension is built, else the Python ones."""
     callbacks = (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised)
     if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
@@ -128,8 +134,14 @@ def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
 class PythonArrivals:
     """``fused_accum._C.Arrivals`` in Python (see the module's docstring)."""
 
-    def __init__(self, before_backward: Callable, queue_end: Callable, bucket_complete: Callable,
-                 fold_hooked: Callable, backward_raised: Callable):
+    def __init__(
+        self,
+        before_backward: Callable,
+        queue_end: Callable,
+        bucket_complete: Callable,
+        fold_hooked: Callable,
+        backward_raised: Callable,
+    ):
         self._before_backward = before_backward
         self._queue_end = queue_end
         self._bucket_complete = bucket_complete
@@ -205,8 +217,12 @@ class PythonArrivals:
         grad = grads[0]
         if grad is None:
             return None
-        plain = (grad.layout == torch.strided and not grad._is_zerotensor() and param.requires_grad
-                 and not torch.is_grad_enabled())  # fmt: skip
+        plain = (
+            grad.layout == torch.strided
+            and not grad._is_zerotensor()
+            and param.requires_grad
+            and not torch.is_grad_enabled()
+        )
         if plain and not param._post_accumulate_grad_hooks:
             self._arrive(key, grad)
             return (None,)
@@ -227,7 +243,9 @@ class PythonArrivals:
         if grad is None:
             return  # (dropped: the parameter no longer requires grad)
         if grad.layout != torch.strided:
-            raise RuntimeError(f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported")
+            raise RuntimeError(
+                f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported"
+            )
         self._arrive(key, grad)
 
     def arrive_in_place(self, key: int) -> None:

@@ -9,6 +9,7 @@ checkpoint taken mid-window resumes exactly. Sharded optimizers (``shard=``) sav
 pieces as rows of DTensors and load either those or whole, torch-shaped values: the branches
 for them test ``_sharded(window)``; the one for DTensor (FSDP2) parameters tests ``is_dtensor``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -118,7 +119,9 @@ def load_state_dict(opt, saved: dict) -> None:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
     if any(len(g["params"]) != len(s["params"]) for g, s in zip(opt.param_groups, saved_groups)):
-        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
     window = opt._window
     window.discard()
     opt.state.clear()

@@ -15,6 +15,7 @@ there is one, else the CPU, and prints four tables built from what it measured:
 then answers both questions in plain words with the figures just measured. Default: 5-8 s on 2
 busy CPU cores; ``--quick`` (smaller models, fewer steps): 2-4 s, used by the tests.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -127,6 +128,7 @@ def table_loops(cfg: Config, device: torch.device, bar: tqdm) -> dict:
         def window() -> None:
             for xc, yc in chunks:
                 (F.cross_entropy(net(xc), yc) * scale).backward()
+
         return window
 
     plain_reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
@@ -248,8 +250,7 @@ def table_contrastive(cfg: Config, device: torch.device, bar: tqdm) -> dict:
         reset = lambda: model.zero_grad(set_to_none=True)  # noqa: E731
         window = lambda: losses.append(run())  # noqa: E731
         peak, seconds = measure_window(window, reset, model, [queries, docs], cfg.reps, device)
-        rows[label] = dict(grad=flat_grad(model), peak=peak, seconds=seconds,
-                           negatives=negatives, loss=losses[-1])  # fmt: skip
+        rows[label] = dict(grad=flat_grad(model), peak=peak, seconds=seconds, negatives=negatives, loss=losses[-1])
         bar.update(1)
     ref = rows["large batch"]["grad"]
     for row in rows.values():
@@ -281,24 +282,33 @@ def table_lr(cfg: Config, device: torch.device, bar: tqdm) -> dict:
     runs = {
         # SGD lr 0.2 (momentum 0.9) had the lowest final eval loss of 0.05, 0.1, 0.2, 0.3 and
         # 0.5 here (measured, 60 steps): the right lr for this large batch, which k x overshoots.
-        "SGD": ("sgd", dict(lr=0.2, momentum=0.9), [
-            ("large batch", 1, 1.0, 1.0),
-            ("k, loss not divided", cfg.k, 1.0, 1.0),
-            ("k, loss / k", cfg.k, 1.0 / cfg.k, 1.0),
-            ("k, loss / k, lr x k", cfg.k, 1.0 / cfg.k, float(cfg.k)),
-        ]),
-        "AdamW": ("adamw", dict(lr=3e-3, weight_decay=0.01), [
-            ("large batch", 1, 1.0, 1.0),
-            ("k, loss not divided", cfg.k, 1.0, 1.0),
-            ("k, loss / k", cfg.k, 1.0 / cfg.k, 1.0),
-        ]),
-    }  # fmt: skip
+        "SGD": (
+            "sgd",
+            dict(lr=0.2, momentum=0.9),
+            [
+                ("large batch", 1, 1.0, 1.0),
+                ("k, loss not divided", cfg.k, 1.0, 1.0),
+                ("k, loss / k", cfg.k, 1.0 / cfg.k, 1.0),
+                ("k, loss / k, lr x k", cfg.k, 1.0 / cfg.k, float(cfg.k)),
+            ],
+        ),
+        "AdamW": (
+            "adamw",
+            dict(lr=3e-3, weight_decay=0.01),
+            [
+                ("large batch", 1, 1.0, 1.0),
+                ("k, loss not divided", cfg.k, 1.0, 1.0),
+                ("k, loss / k", cfg.k, 1.0 / cfg.k, 1.0),
+            ],
+        ),
+    }
     results = {}
     for opt_label, (algo, hyper, variants) in runs.items():
         for label, chunks_per_step, scale, lr_mult in variants:
             net = copy.deepcopy(start)
-            opt = FusedAccumOptimizer(net.parameters(), algo, accum_steps=chunks_per_step,
-                                      **{**hyper, "lr": hyper["lr"] * lr_mult})  # fmt: skip
+            opt = FusedAccumOptimizer(
+                net.parameters(), algo, accum_steps=chunks_per_step, **{**hyper, "lr": hyper["lr"] * lr_mult}
+            )
             curve = []
             for step in range(cfg.steps):
                 window = slice(step * cfg.lr_batch, (step + 1) * cfg.lr_batch)
@@ -309,8 +319,7 @@ def table_lr(cfg: Config, device: torch.device, bar: tqdm) -> dict:
                 with torch.no_grad():
                     curve.append(F.cross_entropy(net(x_eval), y_eval).item())
             params = torch.cat([p.detach().flatten() for p in net.parameters()])
-            results[(opt_label, label)] = dict(curve=curve, params=params,
-                                               lr=hyper["lr"] * lr_mult)  # fmt: skip
+            results[(opt_label, label)] = dict(curve=curve, params=params, lr=hyper["lr"] * lr_mult)
             bar.update(1)
     theta0 = torch.cat([p.detach().flatten() for p in start.parameters()])
 
@@ -333,8 +342,7 @@ def format_table(title: str, header: list[str], rows: list[list[str]], note: str
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()  # fmt: skip
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     rule = "-" * len(line(header))
     return "\n".join([title, rule, line(header), rule] + [line(r) for r in rows] + [note, ""])
@@ -347,41 +355,70 @@ def kib(nbytes: int) -> str:
 def render(cfg: Config, device: torch.device, t1: dict, t2: dict, t3: dict, t4: dict) -> str:
     k, b = cfg.k, cfg.batch
     large1 = t1["large batch"]
-    out = [format_table(
-        f"1. Gradient of one window: k = {k} micro-batches of {b // k} samples, per-sample "
-        f"cross-entropy, MLP width {cfg.width}, {device.type}",
-        ["loop", "grad error", "saved KiB", "x large batch", "best ms"],
-        [[label, f"{r['err']:.3e}", kib(r["peak"]), f"{r['peak'] / large1['peak']:.2f}",
-          f"{r['seconds'] * 1e3:.2f}"] for label, r in t1.items()],
-        "grad error = |g - g_large| / |g_large|. saved KiB = peak bytes autograd holds for "
-        "backward (activations:\nparameters and inputs not counted). best ms = fastest of "
-        f"{cfg.reps} windows.",
-    )]  # fmt: skip
-    out.append(format_table(
-        f"2. Unequal micro-batches: tokens per micro-batch {list(t2['tokens'])}, token-level "
-        "cross-entropy, one SGD step with lr = 1",
-        ["loss per micro-batch, step", "step error", "token weight max/min"],
-        [["loss_j.mean() / k, step()", f"{t2['mean of means']:.3e}", f"{t2['weight ratio']:.2f}"],
-         ["loss_j.sum(), step(num_items=N)", f"{t2['num_items']:.3e}", "1.00"]],
-        "step error = |step - step_large| / |step_large|. token weight: how much more a token of "
-        "the smallest\nmicro-batch counts than one of the largest (1 in the large batch).",
-    ))  # fmt: skip
-    out.append(format_table(
-        f"3. Contrastive loss (InfoNCE, in-batch negatives): {b} pairs, k = {k}, dual encoder",
-        ["loop", "negatives", "loss", "grad error", "saved KiB", "best ms"],
-        [[label, str(r["negatives"]), f"{r['loss']:.4f}", f"{r['err']:.3e}", kib(r["peak"]),
-          f"{r['seconds'] * 1e3:.2f}"] for label, r in t3.items()],
-        "negatives: documents each query is contrasted with. Columns as in table 1.",
-    ))  # fmt: skip
-    out.append(format_table(
-        f"4. Learning rate: {cfg.steps} steps of {cfg.lr_batch} samples (large batch, or k = {k} "
-        f"micro-batches of {cfg.lr_batch // k}), FusedAccumOptimizer",
-        ["optimizer, accumulation", "lr", "final eval loss", "drift from large batch"],
-        [[f"{opt}, {label}", f"{r['lr']:g}", f"{r['curve'][-1]:.4f}", f"{r['drift']:.2e}"]
-         for (opt, label), r in t4["runs"].items()],
-        "drift = |theta - theta_large| / |theta_large - theta_0| after the last step: 0 is the "
-        "large batch's\ntrajectory, 1 or more another one.",
-    ))  # fmt: skip
+    out = [
+        format_table(
+            f"1. Gradient of one window: k = {k} micro-batches of {b // k} samples, per-sample "
+            f"cross-entropy, MLP width {cfg.width}, {device.type}",
+            ["loop", "grad error", "saved KiB", "x large batch", "best ms"],
+            [
+                [
+                    label,
+                    f"{r['err']:.3e}",
+                    kib(r["peak"]),
+                    f"{r['peak'] / large1['peak']:.2f}",
+                    f"{r['seconds'] * 1e3:.2f}",
+                ]
+                for label, r in t1.items()
+            ],
+            "grad error = |g - g_large| / |g_large|. saved KiB = peak bytes autograd holds for "
+            "backward (activations:\nparameters and inputs not counted). best ms = fastest of "
+            f"{cfg.reps} windows.",
+        )
+    ]
+    out.append(
+        format_table(
+            f"2. Unequal micro-batches: tokens per micro-batch {list(t2['tokens'])}, token-level "
+            "cross-entropy, one SGD step with lr = 1",
+            ["loss per micro-batch, step", "step error", "token weight max/min"],
+            [
+                ["loss_j.mean() / k, step()", f"{t2['mean of means']:.3e}", f"{t2['weight ratio']:.2f}"],
+                ["loss_j.sum(), step(num_items=N)", f"{t2['num_items']:.3e}", "1.00"],
+            ],
+            "step error = |step - step_large| / |step_large|. token weight: how much more a token of "
+            "the smallest\nmicro-batch counts than one of the largest (1 in the large batch).",
+        )
+    )
+    out.append(
+        format_table(
+            f"3. Contrastive loss (InfoNCE, in-batch negatives): {b} pairs, k = {k}, dual encoder",
+            ["loop", "negatives", "loss", "grad error", "saved KiB", "best ms"],
+            [
+                [
+                    label,
+                    str(r["negatives"]),
+                    f"{r['loss']:.4f}",
+                    f"{r['err']:.3e}",
+                    kib(r["peak"]),
+                    f"{r['seconds'] * 1e3:.2f}",
+                ]
+                for label, r in t3.items()
+            ],
+            "negatives: documents each query is contrasted with. Columns as in table 1.",
+        )
+    )
+    out.append(
+        format_table(
+            f"4. Learning rate: {cfg.steps} steps of {cfg.lr_batch} samples (large batch, or k = {k} "
+            f"micro-batches of {cfg.lr_batch // k}), FusedAccumOptimizer",
+            ["optimizer, accumulation", "lr", "final eval loss", "drift from large batch"],
+            [
+                [f"{opt}, {label}", f"{r['lr']:g}", f"{r['curve'][-1]:.4f}", f"{r['drift']:.2e}"]
+                for (opt, label), r in t4["runs"].items()
+            ],
+            "drift = |theta - theta_large| / |theta_large - theta_0| after the last step: 0 is the "
+            "large batch's\ntrajectory, 1 or more another one.",
+        )
+    )
     out.append(answer(cfg, t1, t2, t3, t4))
     return "\n".join(out)
 
@@ -433,6 +470,7 @@ def answer(cfg: Config, t1: dict, t2: dict, t3: dict, t4: dict) -> str:
         "batch is k times larger: the usual batch-size heuristics apply (linear scaling for",
         "SGD, about sqrt(k) for Adam, with warm-up), not the accumulation.",
     ]
+
     def fill(words: list[str]) -> str:
         return textwrap.fill(" ".join(words), width=96, break_on_hyphens=False)
 
@@ -455,8 +493,7 @@ def plot(path: str, cfg: Config, t4: dict) -> None:
     for ax, opt in zip(axes, ("SGD", "AdamW")):
         for (o, label), run in t4["runs"].items():
             if o == opt:
-                ax.plot(range(1, cfg.steps + 1), run["curve"], label=f"{label} (lr {run['lr']:g})",
-                        **styles[label])  # fmt: skip
+                ax.plot(range(1, cfg.steps + 1), run["curve"], label=f"{label} (lr {run['lr']:g})", **styles[label])
         ax.set_title(f"{opt}: k = {cfg.k} micro-batches vs one large batch")
         ax.set_xlabel("optimizer step")
         ax.legend()

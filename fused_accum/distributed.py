@@ -27,6 +27,7 @@ every micro-batch's gradient into the sharded parameter's ``.grad``. The optimiz
 ``.grad`` at the step as under DDP (:func:`ddp_wrapping` says so), and the window's norm and
 non-finite flag, computed from the local shards, are summed over the mesh (:class:`ShardSums`).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -181,14 +182,17 @@ class ShardSums:
     be counted once per rank)."""
 
     def __init__(self, params) -> None:
-        layouts = {(p.device_mesh, tuple(d for d, pl in enumerate(p.placements) if pl.is_shard()))
-                   if is_dtensor(p) else None for p in params}  # fmt: skip
+        layouts = {
+            (p.device_mesh, tuple(d for d, pl in enumerate(p.placements) if pl.is_shard())) if is_dtensor(p) else None
+            for p in params
+        }
         if len(layouts) != 1 or None in layouts:
             raise NotImplementedError(
                 "max_grad_norm= and skip_nonfinite= with DTensor parameters need every trainable "
                 "parameter to be a DTensor on one device mesh, sharded along the same mesh "
                 "dimensions (as fully_shard on the root module leaves them); clip with "
-                "torch.nn.utils.clip_grad_norm_ on .grad instead")  # fmt: skip
+                "torch.nn.utils.clip_grad_norm_ on .grad instead"
+            )
         mesh, dims = layouts.pop()
         self.handoffs = [Handoff(mesh.get_group(d)) for d in dims]
 
@@ -212,8 +216,10 @@ class WindowReducer:
         if shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("process_group was given but torch.distributed is not initialized "
-                               "(call torch.distributed.init_process_group first)")  # fmt: skip
+            raise RuntimeError(
+                "process_group was given but torch.distributed is not initialized "
+                "(call torch.distributed.init_process_group first)"
+            )
         self.group = group
         self.world = dist.get_world_size(group)
         # The flat-buffer layer decides this rank's ranges from it.
@@ -287,8 +293,9 @@ class WindowReducer:
         longest = max(flat.piece_lengths(slot))
         row = torch.zeros(1, longest, dtype=piece.dtype, device=piece.device)
         row[0, : piece.numel()] = piece
-        return DTensor.from_local(row, self._mesh, [Shard(0)], run_check=False,
-                                  shape=(self.world, longest), stride=(longest, 1))  # fmt: skip
+        return DTensor.from_local(
+            row, self._mesh, [Shard(0)], run_check=False, shape=(self.world, longest), stride=(longest, 1)
+        )
 
     def gather_full(self, flat, buf: Tensor) -> Tensor:
         """Sharded: the whole of a local (master or state) buffer of ``flat``, in the unsharded

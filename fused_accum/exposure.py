@@ -9,6 +9,7 @@ replaced by another tensor becomes its accumulated gradient; in-place edits (cli
 unscaling) already went into the buffer. The per-parameter work is the hooks' table's
 (``arrivals.expose``, ``arrivals.changed``): one C++ pass, which remembers what it showed.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -92,8 +93,7 @@ class Exposure:
     def all_cleared(self) -> bool:
         """Whether the user cleared every ``.grad`` this window shows (``model.zero_grad()``):
         reconcile would then start a new window. Reads only."""
-        return (self.shown and any(map(HAS_GRAD, self.slots))
-                and all(slot.param.grad is None for slot in self.slots))  # fmt: skip
+        return self.shown and any(map(HAS_GRAD, self.slots)) and all(slot.param.grad is None for slot in self.slots)
 
     def zero_held(self) -> None:
         """``zero_grad(set_to_none=False)``: every gradient the window holds becomes zero."""

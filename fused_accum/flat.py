@@ -24,6 +24,7 @@ This layer knows nothing of hooks, windows or algorithms. It holds no reference 
 name their flat group and bucket by index), so an optimizer's buffers are freed the moment the
 optimizer is, without waiting for the cyclic garbage collector.
 """
+
 from __future__ import annotations
 
 import array
@@ -191,8 +192,21 @@ class Bucket:
 class FlatGroup:
     """The flat fp32 buffers of the parameters of one param group, one device and one dtype."""
 
-    def __init__(self, index, group_index, params, names, first_key, dtype, device, state_keys,
-                 master_weights, backend, bucket_numel, sharding: Optional[Sharding] = None):  # fmt: skip
+    def __init__(
+        self,
+        index,
+        group_index,
+        params,
+        names,
+        first_key,
+        dtype,
+        device,
+        state_keys,
+        master_weights,
+        backend,
+        bucket_numel,
+        sharding: Optional[Sharding] = None,
+    ):
         self.index, self.group_index = index, group_index
         self.dtype, self.device, self.backend = dtype, device, backend
         self.plan = object()  # names this group's buffers to the Triton backend's plan cache (ops plan=)
@@ -227,8 +241,10 @@ class FlatGroup:
         self.one = torch.ones((), **fp32)
         self.staging: Optional[Tensor] = None  # sharded: the params' all-gather buffer during a step
         self._index_cache: dict = {}  # active slot indices -> device index tensor (see active_index)
-        self.slots = [Slot(p, name, first_key + i, index, i, off, None, None, None, {})
-                      for i, (p, name, off) in enumerate(zip(params, names, offsets))]  # fmt: skip
+        self.slots = [
+            Slot(p, name, first_key + i, index, i, off, None, None, None, {})
+            for i, (p, name, off) in enumerate(zip(params, names, offsets))
+        ]
         self.buckets = []
         for b, indices in enumerate(members):
             bucket = Bucket([self.slots[i] for i in indices], *ranges[b])
@@ -266,8 +282,9 @@ class FlatGroup:
                 from torch.distributed.tensor import DTensor
 
                 q = slot.param
-                slot.grad_view = DTensor.from_local(slot.grad_view, q.device_mesh, q.placements, run_check=False,
-                                                    shape=q.shape, stride=q.stride())  # fmt: skip
+                slot.grad_view = DTensor.from_local(
+                    slot.grad_view, q.device_mesh, q.placements, run_check=False, shape=q.shape, stride=q.stride()
+                )
             slot.master = self.master[window] if self.has_master else None
             slot.state = {key: buf[window] for key, buf in self.state.items()}
             return
@@ -382,7 +399,7 @@ class FlatGroup:
             torch._foreach_copy_(
                 [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held],
                 [s.param.detach().reshape(-1)[s.piece[0] : s.piece[1]] for s in held],
-            )  # fmt: skip
+            )
 
     def gather_ranges(self) -> list:
         """Sharded: (whole bucket, this rank's part) views of :attr:`staging`, one per bucket,
@@ -397,7 +414,7 @@ class FlatGroup:
         torch._foreach_copy_(
             [s.param.detach() for s in self.slots],
             [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in self.slots],
-        )  # fmt: skip
+        )
 
     def shard_grads(self) -> list:
         """Sharded: 1-D views of the reduced gradient this rank owns (one per bucket), what
@@ -466,8 +483,14 @@ class FlatGroup:
             return buf
         p = slot.param
         if is_dtensor(p):
-            return type(p).from_local(buf.view(local_tensor(p).shape), p.device_mesh, p.placements,
-                                      run_check=False, shape=p.shape, stride=p.stride())  # fmt: skip
+            return type(p).from_local(
+                buf.view(local_tensor(p).shape),
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
         return buf.view(p.shape)
 
     def ensure_state(self, key: str) -> bool:

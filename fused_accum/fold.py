@@ -14,6 +14,7 @@ fused step, an extension backend) the window's hooks may fold a complete bucket 
 and ``grad_view``; the window's change counter (``flat.change_counter``) counts each assignment
 to them, and a decision holds while the counter keeps its value.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
@@ -89,8 +90,20 @@ class Folder:
     window's flat groups and count of backwards, the stepper (``step_in_backward``), the
     topology (a staging buffer, a reduction to start) and the window's change counter."""
 
-    def __init__(self, *, arrivals, flat_groups: list, count, stepper, topology, changes, label: str,
-                 step_in_backward: bool, wants_stats: bool, lock) -> None:
+    def __init__(
+        self,
+        *,
+        arrivals,
+        flat_groups: list,
+        count,
+        stepper,
+        topology,
+        changes,
+        label: str,
+        step_in_backward: bool,
+        wants_stats: bool,
+        lock,
+    ) -> None:
         self.arrivals = arrivals
         self.lock = lock  # the window's: hooks run on one autograd thread per device
         self.flat_groups = flat_groups  # (the window's list: it grows as groups are added)
@@ -245,8 +258,10 @@ class Folder:
 
     def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list, plan) -> None:
         if self.stepped_in_backward:
-            raise RuntimeError(f"{self.label}: step_in_backward already stepped this window after "
-                               f"{self.count.accum_steps} backward passes; call step() before the next backward")  # fmt: skip
+            raise RuntimeError(
+                f"{self.label}: step_in_backward already stepped this window after "
+                f"{self.count.accum_steps} backward passes; call step() before the next backward"
+            )
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self.stepper.rehome(flat)
         last = self.count.last_backward()
@@ -260,14 +275,22 @@ class Folder:
         if all(first) or not any(first):
             kinds = [(first[0], in_order, grads)]
         else:
-            kinds = [(kind, [s for s, f in zip(in_order, first) if f is kind],
-                      [g for g, f in zip(grads, first) if f is kind]) for kind in (True, False)]  # fmt: skip
+            kinds = [
+                (
+                    kind,
+                    [s for s, f in zip(in_order, first) if f is kind],
+                    [g for g, f in zip(grads, first) if f is kind],
+                )
+                for kind in (True, False)
+            ]
         for overwrite, slots, kind_grads in kinds:
             if fuse_step:
                 if any(s.stepped for s in slots):
-                    raise RuntimeError(f"{self.label}: a parameter received a second gradient after "
-                                       "step_in_backward stepped it (a layer reused under several "
-                                       "checkpoint(use_reentrant=True) calls?); use step_in_backward=False")  # fmt: skip
+                    raise RuntimeError(
+                        f"{self.label}: a parameter received a second gradient after "
+                        "step_in_backward stepped it (a layer reused under several "
+                        "checkpoint(use_reentrant=True) calls?); use step_in_backward=False"
+                    )
                 self.stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
             staged = self.topology.staging_for(flat, bucket)

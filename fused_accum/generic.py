@@ -6,6 +6,7 @@ parameter itself) from the accumulated gradients, and the rounded result is writ
 not a topology, only another way to take the step: it syncs the host once to skip a step (torch
 optimizers cannot skip on the device) and keeps the inner optimizer's state as ``opt.state``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -56,8 +57,12 @@ class GenericPath:
             for group in self.inner.param_groups:
                 group["params"] = [new if q is old else q for q in group["params"]]
             if old in self.inner.state:
-                moved = {k: v.to(new.device, new.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                         and v.dim() > 0 else v for k, v in self.inner.state.pop(old).items()}  # fmt: skip
+                moved = {
+                    k: v.to(new.device, new.dtype)
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0
+                    else v
+                    for k, v in self.inner.state.pop(old).items()
+                }
                 self.inner.state[new] = moved
                 state[slot.param] = moved
 
@@ -68,7 +73,7 @@ class GenericPath:
         self.inner.state[target] = {
             k: (v.detach().to(target.device).clone() if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
             for k, v in state.items()
-        }  # fmt: skip
+        }
         return self.inner.state[target]
 
     def step(self, param_groups: list, slots: list, state: dict, scale: dict, skip) -> None:

@@ -39,6 +39,7 @@ Compatibility decisions:
   (``fused_accum::wgrad_accumulate_``) is a custom op with a fake implementation, traceable
   where a caller knows statically that it wants it.
 """
+
 from __future__ import annotations
 
 import functools

@@ -22,6 +22,7 @@ tensors read for 1.5 ms per accumulate, 4 ms per AdamW step without it); backend
 such hint never see it, and torch.compile traces the op without it (a host-side cache key,
 nothing to trace).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -95,11 +96,24 @@ def _sgd_step(
     hint: Optional[dict] = None,
 ) -> None:
     backends.get(backend).sgd_step(
-        params, momentum_bufs, accs, steps, lr, coef,
-        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-        maximize=maximize, lp_params=lp_params, grads=grads, grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite, found_inf=found_inf, **(hint or {}),
-    )  # fmt: skip
+        params,
+        momentum_bufs,
+        accs,
+        steps,
+        lr,
+        coef,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        maximize=maximize,
+        lp_params=lp_params,
+        grads=grads,
+        grad_alpha=grad_alpha,
+        grads_overwrite=grads_overwrite,
+        found_inf=found_inf,
+        **(hint or {}),
+    )
 
 
 sgd_step_ = _custom_op("fused_accum::sgd_step_", _sgd_step, mutates_args=("params", "momentum_bufs", "lp_params"))
@@ -136,14 +150,34 @@ def _adam_step(
     # amsgrad's running max is passed only when present (empty list: amsgrad off)
     amsgrad = dict(max_exp_avg_sqs=max_exp_avg_sqs) if max_exp_avg_sqs else {}
     backends.get(backend).adam_step(
-        params, exp_avgs, exp_avg_sqs, accs, steps, lr, coef,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-        maximize=maximize, lp_params=lp_params, grads=grads, grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite, found_inf=found_inf, **amsgrad, **(hint or {}),
-    )  # fmt: skip
+        params,
+        exp_avgs,
+        exp_avg_sqs,
+        accs,
+        steps,
+        lr,
+        coef,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled=decoupled,
+        maximize=maximize,
+        lp_params=lp_params,
+        grads=grads,
+        grad_alpha=grad_alpha,
+        grads_overwrite=grads_overwrite,
+        found_inf=found_inf,
+        **amsgrad,
+        **(hint or {}),
+    )
 
 
-adam_step_ = _custom_op("fused_accum::adam_step_", _adam_step, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params"))
+adam_step_ = _custom_op(
+    "fused_accum::adam_step_",
+    _adam_step,
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params"),
+)
 
 
 @adam_step_.register_fake
@@ -171,11 +205,23 @@ def _lion_step(
     hint: Optional[dict] = None,
 ) -> None:
     backends.get(backend).lion_step(
-        params, exp_avgs, accs, steps, lr, coef,
-        beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=maximize,
-        lp_params=lp_params, grads=grads, grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite, found_inf=found_inf, **(hint or {}),
-    )  # fmt: skip
+        params,
+        exp_avgs,
+        accs,
+        steps,
+        lr,
+        coef,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        lp_params=lp_params,
+        grads=grads,
+        grad_alpha=grad_alpha,
+        grads_overwrite=grads_overwrite,
+        found_inf=found_inf,
+        **(hint or {}),
+    )
 
 
 lion_step_ = _custom_op("fused_accum::lion_step_", _lion_step, mutates_args=("params", "exp_avgs", "lp_params"))
@@ -186,18 +232,14 @@ def _(*args):
     return None
 
 
-def _wgrad_accumulate(
-    acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool, backend: str
-) -> None:
+def _wgrad_accumulate(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool, backend: str) -> None:
     # acc[N, K] = (0 if overwrite else acc) + grad_output[..., N]^T @ input[..., K], fp32
     # accumulation: the weight gradient of a Linear written into its fp32 accumulator slice
     # (contract in fused_accum.backends.wgrad; each backend's function: the registry's).
     backends.wgrad_kernel(backend, acc.device)(acc, grad_output, input, overwrite)
 
 
-wgrad_accumulate_ = torch.library.custom_op(
-    "fused_accum::wgrad_accumulate_", mutates_args=("acc",)
-)(_wgrad_accumulate)
+wgrad_accumulate_ = torch.library.custom_op("fused_accum::wgrad_accumulate_", mutates_args=("acc",))(_wgrad_accumulate)
 
 
 @wgrad_accumulate_.register_fake
@@ -207,11 +249,13 @@ def _(acc, grad_output, input, overwrite, backend):
 
 def _eager_or_traced(op, implementation, takes_plan: bool = True):
     if takes_plan:
+
         def call(*args, plan=None):
             if torch.compiler.is_compiling():
                 return op(*args)  # the plan is a host-side cache key of the eager path
             return implementation(*args, _hint(args[-1], plan))
     else:
+
         def call(*args):
             return (op if torch.compiler.is_compiling() else implementation)(*args)
 

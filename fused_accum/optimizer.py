@@ -16,6 +16,7 @@ no math and no hook plumbing:
 What each argument does, and where the optimizer differs from torch's: the README ("What the
 optimizer does", "Data parallel and sharding").
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: i
 from .window import GradientWindow
 
 
-def _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm,
-                     skip_nonfinite) -> None:  # fmt: skip
+def _check_arguments(
+    optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm, skip_nonfinite
+) -> None:
     """The constructor's keywords, checked before anything is built (in this order: the first
     error found is the one raised). Those of data parallelism are checked by topology.choose."""
     if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -49,8 +51,10 @@ def _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_bac
     if step_in_backward and accum_steps is None:
         raise ValueError("step_in_backward=True needs accum_steps: the last micro-batch must be known")
     if step_in_backward and (max_grad_norm is not None or skip_nonfinite):
-        raise ValueError("step_in_backward=True steps before the window's norm is known: "
-                         "it cannot be combined with max_grad_norm or skip_nonfinite")
+        raise ValueError(
+            "step_in_backward=True steps before the window's norm is known: "
+            "it cannot be combined with max_grad_norm or skip_nonfinite"
+        )
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
     if step_in_backward and not isinstance(optimizer, str):
@@ -123,19 +127,29 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         reduce_dtype: Optional[torch.dtype] = None,
         **hyperparameters: Any,
     ):
-        _check_arguments(optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm,
-                         skip_nonfinite)  # fmt: skip
-        topology.check_arguments(process_group, shard, reduce_dtype, fused=isinstance(optimizer, str),
-                                 step_in_backward=step_in_backward)  # fmt: skip
+        _check_arguments(
+            optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm, skip_nonfinite
+        )
+        topology.check_arguments(
+            process_group, shard, reduce_dtype, fused=isinstance(optimizer, str), step_in_backward=step_in_backward
+        )
         if isinstance(optimizer, type) and issubclass(optimizer, FusedAccumOptimizer):
             raise TypeError("optimizer= cannot be a FusedAccumOptimizer class")
         self._algorithm, generic_class, defaults = parse_algorithm(optimizer, hyperparameters)
         self._config = dict(
-            optimizer=optimizer, accum_steps=accum_steps, master_weights=master_weights,
-            backend=backend, bucket_cap_mb=bucket_cap_mb, step_in_backward=step_in_backward,
-            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, process_group=process_group,
-            shard=shard, reduce_dtype=reduce_dtype, hyperparameters=dict(hyperparameters),
-        )  # fmt: skip
+            optimizer=optimizer,
+            accum_steps=accum_steps,
+            master_weights=master_weights,
+            backend=backend,
+            bucket_cap_mb=bucket_cap_mb,
+            step_in_backward=step_in_backward,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+            process_group=process_group,
+            shard=shard,
+            reduce_dtype=reduce_dtype,
+            hyperparameters=dict(hyperparameters),
+        )
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self.max_grad_norm = max_grad_norm
@@ -149,11 +163,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._generic = GenericPath(generic_class) if generic_class is not None else None
         self._stepper.generic = self._generic
         self._window = GradientWindow(
-            accum_steps=accum_steps, step_in_backward=step_in_backward,
+            accum_steps=accum_steps,
+            step_in_backward=step_in_backward,
             wants_stats=max_grad_norm is not None or skip_nonfinite,
             topology=topology.choose(process_group, shard, reduce_dtype),
-            stepper=self._stepper, label=f"{type(self).__name__} at {id(self):#x}",
-        )  # fmt: skip
+            stepper=self._stepper,
+            label=f"{type(self).__name__} at {id(self):#x}",
+        )
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
         self._attached = False
         super().__init__(params, defaults)
@@ -200,14 +216,25 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if p.is_complex() or not p.is_floating_point() or p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"parameter {label} has dtype {p.dtype}; supported: float32, bfloat16, float16")
             by_key.setdefault((p.device, p.dtype), []).append((p, label))
-        resolved = {key: backends.resolve(self._backend_request, key[0]) for key in by_key}  # may raise: before any buffer
+        resolved = {
+            key: backends.resolve(self._backend_request, key[0]) for key in by_key
+        }  # may raise: before any buffer
         window, new_slots = self._window, []
         for (device, dtype), pairs in by_key.items():
             flat = FlatGroup(
-                len(window.flat_groups), group_index, [p for p, _ in pairs], [l for _, l in pairs],
-                len(window.slots), dtype, device, state_keys(self._algorithm, group), self._master_weights,
-                resolved[(device, dtype)], self._bucket_numel(device), window.topology.sharding,
-            )  # fmt: skip
+                len(window.flat_groups),
+                group_index,
+                [p for p, _ in pairs],
+                [l for _, l in pairs],
+                len(window.slots),
+                dtype,
+                device,
+                state_keys(self._algorithm, group),
+                self._master_weights,
+                resolved[(device, dtype)],
+                self._bucket_numel(device),
+                window.topology.sharding,
+            )
             window.add(flat)  # (DTensor parameters make the topology FSDP2's: topology.Local.join)
             new_slots.extend(flat.slots)
         window.topology.check_optimizer(window, self._generic.cls.__name__ if self._generic is not None else None)
@@ -304,8 +331,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window.flush()
         if window.stepped_in_backward:
             if num_items is not None:
-                raise ValueError("step_in_backward=True already stepped during backward; "
-                                 "num_items cannot apply (normalise the loss instead)")
+                raise ValueError(
+                    "step_in_backward=True already stepped during backward; "
+                    "num_items cannot apply (normalise the loss instead)"
+                )
             # Parameters unfrozen during the window were not hooked: their gradients are in
             # .grad, natively; they join here and step now (their later windows step in backward).
             self._adopt_unfrozen()
@@ -319,10 +348,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._take_user_grads()
         window.finish_reduction()
         scale, skip, norm = window_scale(
-            window, num_items, grad_scale=getattr(self, "grad_scale", None),  # (both set by GradScaler.step)
-            found_inf=getattr(self, "found_inf", None), max_grad_norm=self.max_grad_norm,
+            window,
+            num_items,
+            grad_scale=getattr(self, "grad_scale", None),  # (both set by GradScaler.step)
+            found_inf=getattr(self, "found_inf", None),
+            max_grad_norm=self.max_grad_norm,
             skip_nonfinite=self.skip_nonfinite,
-        )  # fmt: skip
+        )
         if norm is not None:
             self.last_grad_norm = norm
         for flat in window.flat_groups:
@@ -378,8 +410,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         if not self._window.topology.picklable:
-            raise TypeError("a FusedAccumOptimizer with a process_group cannot be pickled or copied "
-                            "(a process group cannot); save its state_dict() instead")  # fmt: skip
+            raise TypeError(
+                "a FusedAccumOptimizer with a process_group cannot be pickled or copied "
+                "(a process group cannot); save its state_dict() instead"
+            )
         return {"config": self._config, "param_groups": self.param_groups, "state_dict": self.state_dict()}
 
     def __setstate__(self, state: dict) -> None:
@@ -394,8 +428,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         algo = self._algorithm or self._generic.cls.__name__
         backends_used = sorted({f.backend for f in self._window.flat_groups})
-        return (f"FusedAccumOptimizer({algo}, accum_steps={self.accum_steps}, backends={backends_used}, "
-                f"groups={len(self.param_groups)}, params={len(self._window.slots)})")  # fmt: skip
+        return (
+            f"FusedAccumOptimizer({algo}, accum_steps={self.accum_steps}, backends={backends_used}, "
+            f"groups={len(self.param_groups)}, params={len(self._window.slots)})"
+        )
 
 
 _ACCUMULATION_DOC = """
@@ -409,40 +445,116 @@ _ACCUMULATION_DOC = """
 class SGD(FusedAccumOptimizer):
     __doc__ = "torch.optim.SGD's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, **accumulation):
-        super().__init__(params, "sgd", lr=lr, momentum=momentum, dampening=dampening,
-                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, foreach=foreach,
-                         differentiable=differentiable, fused=fused, **accumulation)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            "sgd",
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )
 
 
 class Adam(FusedAccumOptimizer):
     __doc__ = "torch.optim.Adam's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
     _name = "adam"
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, **accumulation):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        foreach=None,
+        maximize=False,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=False,
+        **accumulation,
+    ):
         name = "adamw" if decoupled_weight_decay or self._name == "adamw" else "adam"
-        super().__init__(params, name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable, fused=fused, **accumulation)
+        super().__init__(
+            params,
+            name,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )
 
 
 class AdamW(Adam):
     __doc__ = "torch.optim.AdamW's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
     _name = "adamw"
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 **accumulation):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
-                         capturable=capturable, differentiable=differentiable, fused=fused, **accumulation)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )
 
 
 class Lion(FusedAccumOptimizer):
     __doc__ = "Lion (Chen et al. 2023), fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **accumulation):
-        super().__init__(params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize,
-                         **accumulation)
+        super().__init__(
+            params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, **accumulation
+        )

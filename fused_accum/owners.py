@@ -10,6 +10,7 @@ the parameters' dtype) and stands aside.
 Entries are keyed by ``id(param)`` (tensors compare element-wise, not by identity) and hold the
 parameter and the window weakly: neither is kept alive here.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -83,4 +84,3 @@ def _foreign_step(optimizer, args, kwargs) -> None:
                 windows[id(window)] = window
     for window in windows.values():
         window.hand_over(f"{type(optimizer).__name__} at {id(optimizer):#x} stepped its parameters")
-

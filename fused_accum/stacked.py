@@ -33,6 +33,7 @@ running statistics are updated twice, and normalise per chunk in both forms).
 with ``torch.autograd.graph.saved_tensors_hooks``, the device-independent memory figure the tests
 and the demo use to compare the loops.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Sequence
@@ -66,14 +67,10 @@ def split_batch(batch: Any, chunks: int) -> list[Any]:
 def concat_outputs(outputs: Sequence[Any]) -> Any:
     """Concatenate per-chunk outputs (tensors or identically shaped pytrees) along dim 0."""
     flat, spec = _flatten_all(outputs, "outputs")
-    return pytree.tree_unflatten(
-        [_cat_leaf([leaves[i] for leaves in flat], i) for i in range(len(flat[0]))], spec
-    )
+    return pytree.tree_unflatten([_cat_leaf([leaves[i] for leaves in flat], i) for i in range(len(flat[0]))], spec)
 
 
-def stacked_backward(
-    model_fn: Callable[..., Any], chunks: Iterable[Any], loss_fn: Callable[[Any], Tensor]
-) -> Tensor:
+def stacked_backward(model_fn: Callable[..., Any], chunks: Iterable[Any], loss_fn: Callable[[Any], Tensor]) -> Tensor:
     """Loop B as usually written: keep every chunk's graph, concatenate the outputs, compute
     ``loss_fn`` once and call ``backward()`` once. Returns the loss, detached.
 
@@ -87,9 +84,7 @@ def stacked_backward(
     return loss.detach()
 
 
-def cached_backward(
-    model_fn: Callable[..., Any], chunks: Iterable[Any], loss_fn: Callable[[Any], Tensor]
-) -> Tensor:
+def cached_backward(model_fn: Callable[..., Any], chunks: Iterable[Any], loss_fn: Callable[[Any], Tensor]) -> Tensor:
     """Loop B with bounded memory (gradient caching): the same loss and parameter gradients as
     :func:`stacked_backward`, saving the activations of one chunk at a time.
 
@@ -289,10 +284,7 @@ def _flatten_all(trees: Sequence[Any], what: str) -> tuple[list[list[Any]], Any]
 def _cat_leaf(parts: list[Any], index: int) -> Tensor:
     for part in parts:
         if not isinstance(part, Tensor) or part.dim() == 0:
-            raise TypeError(
-                f"output {index} must be a tensor with a batch dim to concatenate, "
-                f"got {_describe(part)}"
-            )
+            raise TypeError(f"output {index} must be a tensor with a batch dim to concatenate, got {_describe(part)}")
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

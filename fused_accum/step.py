@@ -12,6 +12,7 @@ buffers until the cycle collector ran (``tests/test_dropin.py``,
 :func:`window_scale` turns ``num_items``, a GradScaler's scale and flag, clipping and
 ``skip_nonfinite`` into one device scalar per device and a skip flag, without a host sync.
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,8 +70,9 @@ class Stepper:
     # --- what the window calls ---------------------------------------------------------------
 
     @torch.no_grad()  # (also when a backward steps: step_in_backward, create_graph=True)
-    def fused_step(self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(),
-                   grads_overwrite=False) -> None:  # fmt: skip
+    def fused_step(
+        self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
+    ) -> None:
         """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
         if not active:
             return
@@ -110,29 +112,64 @@ class Stepper:
         if self.algorithm == "sgd":
             momentum = group["momentum"]
             bufs = [s.state["momentum_buffer"] for s in active] if momentum != 0 else []
-            ops.sgd_step(params, bufs, accs, *common, momentum, group["dampening"],
-                         group["weight_decay"], group["nesterov"], group["maximize"], *tail,
-                         plan=(flat.plan, layout, bool(bufs)))  # fmt: skip
+            ops.sgd_step(
+                params,
+                bufs,
+                accs,
+                *common,
+                momentum,
+                group["dampening"],
+                group["weight_decay"],
+                group["nesterov"],
+                group["maximize"],
+                *tail,
+                plan=(flat.plan, layout, bool(bufs)),
+            )
             return
         beta1, beta2 = (scalar(b) for b in group["betas"])
         exp_avgs = [s.state["exp_avg"] for s in active]
         if self.algorithm in ("adam", "adamw"):
             maxes = [s.state["max_exp_avg_sq"] for s in active] if group["amsgrad"] else []
-            ops.adam_step(params, exp_avgs, [s.state["exp_avg_sq"] for s in active], maxes, accs, *common,
-                          beta1, beta2, group["eps"], group["weight_decay"], self.algorithm == "adamw",
-                          group["maximize"], *tail, plan=(flat.plan, layout, bool(maxes)))  # fmt: skip
+            ops.adam_step(
+                params,
+                exp_avgs,
+                [s.state["exp_avg_sq"] for s in active],
+                maxes,
+                accs,
+                *common,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                self.algorithm == "adamw",
+                group["maximize"],
+                *tail,
+                plan=(flat.plan, layout, bool(maxes)),
+            )
         else:
-            ops.lion_step(params, exp_avgs, accs, *common, beta1, beta2, group["weight_decay"],
-                          group["maximize"], *tail, plan=(flat.plan, layout))  # fmt: skip
+            ops.lion_step(
+                params,
+                exp_avgs,
+                accs,
+                *common,
+                beta1,
+                beta2,
+                group["weight_decay"],
+                group["maximize"],
+                *tail,
+                plan=(flat.plan, layout),
+            )
 
     def rehome(self, flat: FlatGroup) -> None:
         """Move ``flat``'s buffers to where its parameters now are (a model moved, or
         materialised with ``to_empty``, after the optimizer was built)."""
         device = flat.slots[0].param.device
         if device.type == "meta":
-            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported "
-                               "devices: fused_accum always fuses, and these parameters are on the meta device; "
-                               "materialise the model (to_empty() or to()) before stepping")  # fmt: skip
+            raise RuntimeError(
+                "`fused=True` requires all the params to be floating point Tensors of supported "
+                "devices: fused_accum always fuses, and these parameters are on the meta device; "
+                "materialise the model (to_empty() or to()) before stepping"
+            )
         flat.rehome(device, backends.resolve(self.backend_request, device))
         if self.generic is not None:
             self.generic.retarget(flat, self.state)

@@ -25,6 +25,7 @@ as they complete, and data-parallel buckets are reduced while the backward still
 The hooks hold the window weakly and nothing below holds it, so deleting the optimizer frees
 everything at once; a finaliser then removes the hooks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -177,19 +178,35 @@ class GradientWindow:
         self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
         self.lock = threading.RLock()  # (autograd runs one thread per device)
         this = weakref.ref(self)
-        self._arrivals = make_arrivals(functools.partial(_before_backward, this),
-                                       functools.partial(_queue_end, this),
-                                       functools.partial(_bucket_complete, this),
-                                       functools.partial(_fold_hooked, this),
-                                       functools.partial(_backward_raised, this))  # fmt: skip
+        self._arrivals = make_arrivals(
+            functools.partial(_before_backward, this),
+            functools.partial(_queue_end, this),
+            functools.partial(_bucket_complete, this),
+            functools.partial(_fold_hooked, this),
+            functools.partial(_backward_raised, this),
+        )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
         self.changes = change_counter()  # of its slots' has_grad, in_stats, grad_view (see flat)
         self.count = BackwardCount(self._arrivals, accum_steps, self.changes)
-        self._folder = Folder(arrivals=self._arrivals, flat_groups=self.flat_groups, count=self.count,
-                              stepper=stepper, topology=topology, changes=self.changes, label=label,
-                              step_in_backward=step_in_backward, wants_stats=wants_stats, lock=self.lock)  # fmt: skip
-        self._exposure = Exposure(arrivals=self._arrivals, slots=self.slots, flat_groups=self.flat_groups,
-                                  changes=self.changes, folder=self._folder)  # fmt: skip
+        self._folder = Folder(
+            arrivals=self._arrivals,
+            flat_groups=self.flat_groups,
+            count=self.count,
+            stepper=stepper,
+            topology=topology,
+            changes=self.changes,
+            label=label,
+            step_in_backward=step_in_backward,
+            wants_stats=wants_stats,
+            lock=self.lock,
+        )
+        self._exposure = Exposure(
+            arrivals=self._arrivals,
+            slots=self.slots,
+            flat_groups=self.flat_groups,
+            changes=self.changes,
+            folder=self._folder,
+        )
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     @property
@@ -211,12 +228,15 @@ class GradientWindow:
         self.topology.add(flat)
         self._exposure.forget()  # new slots: show again
         numbers = self._folder.add(flat)
-        positions = {s.key: (numbers[b], pos) for b, bucket in enumerate(flat.buckets)
-                     for pos, s in enumerate(bucket.slots)}  # fmt: skip
-        self._arrivals.extend([len(b.slots) for b in flat.buckets],
-                              [positions[s.key][0] for s in flat.slots],
-                              [positions[s.key][1] for s in flat.slots],
-                              [s.name for s in flat.slots])  # fmt: skip
+        positions = {
+            s.key: (numbers[b], pos) for b, bucket in enumerate(flat.buckets) for pos, s in enumerate(bucket.slots)
+        }
+        self._arrivals.extend(
+            [len(b.slots) for b in flat.buckets],
+            [positions[s.key][0] for s in flat.slots],
+            [positions[s.key][1] for s in flat.slots],
+            [s.name for s in flat.slots],
+        )
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
         self._params.extend(s.param for s in flat.slots)
@@ -248,8 +268,10 @@ class GradientWindow:
         if self.detached_because is not None:
             return
         if self.pending():
-            warnings.warn(f"{self.label} was detached ({reason}) with gradients accumulated in its "
-                          "window: they are discarded", stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"{self.label} was detached ({reason}) with gradients accumulated in its window: they are discarded",
+                stacklevel=4,
+            )
         _detach_all(self._arrivals, self._handles)
         owners.release(self, [s.param for s in self.slots])
         for slot in self.slots:
@@ -273,8 +295,7 @@ class GradientWindow:
 
     def check_attached(self) -> None:
         if self.detached_because is not None:
-            raise RuntimeError(f"{self.label} can no longer step: {self.detached_because}. "
-                               "Use the newer optimizer.")  # fmt: skip
+            raise RuntimeError(f"{self.label} can no longer step: {self.detached_because}. Use the newer optimizer.")
 
     # --- hooks ------------------------------------------------------------------------------
 

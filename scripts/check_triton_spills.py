@@ -9,6 +9,7 @@ dtype family with every optional operand and switch on (the most live values).
 
 Usage: python scripts/check_triton_spills.py [--arch 90]   (exit 1 on a spill, 0 otherwise)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,10 @@ def compile_kernel(fn, arch: int, num_warps: int, **constexprs):
             signature[name] = "i64"
         else:
             signature[name] = "fp32"
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": tb.FP_FUSION})  # fmt: skip
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "enable_fp_fusion": tb.FP_FUSION}
+    )
 
 
 def resource_usage(compiled) -> dict:
@@ -73,23 +74,48 @@ def variants():
     f32, bf16, f16 = tl.float32, tl.bfloat16, tl.float16
     block = dict(BLOCK=tb.BLOCK)
     for grad in (bf16, f16, f32):  # statistics on and acc read: the most live values
-        yield (f"accumulate grad={grad}", kernels.accumulate_kernel, tb.NUM_WARPS,
-               dict(GRAD_DTYPE=grad, OVERWRITE=False, STATS=True, **block))  # fmt: skip
-    yield ("reduce_stats", kernels.reduce_stats_kernel, tb.REDUCE_WARPS,
-           dict(HAS_SUMSQ=True, HAS_FOUND_INF=True, BLOCK=tb.REDUCE_BLOCK))  # fmt: skip
+        yield (
+            f"accumulate grad={grad}",
+            kernels.accumulate_kernel,
+            tb.NUM_WARPS,
+            dict(GRAD_DTYPE=grad, OVERWRITE=False, STATS=True, **block),
+        )
+    yield (
+        "reduce_stats",
+        kernels.reduce_stats_kernel,
+        tb.REDUCE_WARPS,
+        dict(HAS_SUMSQ=True, HAS_FOUND_INF=True, BLOCK=tb.REDUCE_BLOCK),
+    )
     # (param dtype, lp dtype or None): fp32 masters with/without a bf16 copy, bf16 params alone
     families = [(f32, bf16), (f32, None), (bf16, None)]
     # every switch on; the fused last micro-batch (grad + acc read) for each family, and the
     # plain step from acc for the first (20 variants, ~1 min on 2 cores; cached by Triton after)
     for (param, lp), fused, on in [(f, True, True) for f in families] + [(families[0], False, True)]:
-        common = dict(PARAM_DTYPE=param, LP_DTYPE=lp or f32, GRAD_DTYPE=bf16, HAS_LP=lp is not None,
-                      FUSED=fused, GRADS_OVERWRITE=False, HAS_FOUND_INF=on, MAXIMIZE=on, **block)  # fmt: skip
+        common = dict(
+            PARAM_DTYPE=param,
+            LP_DTYPE=lp or f32,
+            GRAD_DTYPE=bf16,
+            HAS_LP=lp is not None,
+            FUSED=fused,
+            GRADS_OVERWRITE=False,
+            HAS_FOUND_INF=on,
+            MAXIMIZE=on,
+            **block,
+        )
         tag = f"param={param} lp={lp} fused={fused} switches={'on' if on else 'off'}"
-        yield (f"sgd {tag}", kernels.sgd_kernel, tb.NUM_WARPS,
-               dict(common, HAS_WEIGHT_DECAY=on, HAS_MOMENTUM=True, NESTEROV=on))  # fmt: skip
+        yield (
+            f"sgd {tag}",
+            kernels.sgd_kernel,
+            tb.NUM_WARPS,
+            dict(common, HAS_WEIGHT_DECAY=on, HAS_MOMENTUM=True, NESTEROV=on),
+        )
         for amsgrad in (False, True):
-            yield (f"adam amsgrad={amsgrad} {tag}", kernels.adam_kernel, tb.NUM_WARPS,
-                   dict(common, HAS_WEIGHT_DECAY=True, DECOUPLED=on, AMSGRAD=amsgrad))  # fmt: skip
+            yield (
+                f"adam amsgrad={amsgrad} {tag}",
+                kernels.adam_kernel,
+                tb.NUM_WARPS,
+                dict(common, HAS_WEIGHT_DECAY=True, DECOUPLED=on, AMSGRAD=amsgrad),
+            )
         yield (f"lion {tag}", kernels.lion_kernel, tb.NUM_WARPS, common)
 
 
@@ -110,9 +136,10 @@ def main() -> int:
         worst[kernel] = max(worst.get(kernel, 0), usage.get("REG", 0))
         if usage.get("STACK", 0) or usage.get("LOCAL", 0):
             bad.append(f"{name}: {usage}")
-    print(f"[check_triton_spills] triton {triton.__version__}, sm_{args.arch}: {n} variants compiled in "
-          f"{time.time() - start:.0f} s; most registers per kernel: "
-          + ", ".join(f"{k} {v}" for k, v in worst.items()))  # fmt: skip
+    print(
+        f"[check_triton_spills] triton {triton.__version__}, sm_{args.arch}: {n} variants compiled in "
+        f"{time.time() - start:.0f} s; most registers per kernel: " + ", ".join(f"{k} {v}" for k, v in worst.items())
+    )
     for line in bad:
         print(f"[check_triton_spills] SPILL {line}")
     if bad:

@@ -11,6 +11,7 @@ summary); the rest get a stand-in from here that does what the real stage does t
                     its outcome), a skip, and (matrix) parametrised cases
   triton-sweep OUT  writes OUT/triton_sweep.csv a row at a time, with the real sweep's columns
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CONFTEST = '''def pytest_configure(config):
+CONFTEST = """def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: stand-in for a GPU test (device_check.sh --dry-run)")
-'''
+"""
 
 CORE = '''"""Stand-in for the core GPU test files (device_check.sh --dry-run)."""
 import pytest
@@ -68,10 +69,21 @@ def triton_sweep(out: Path) -> None:
         for i, block in enumerate(sweep.BLOCKS):
             for op, per_elem in sweep.BYTES_PER_ELEMENT.items():
                 gbps = 50.0 + i
-                rows.add(dict(op=op, numel=2**16, block=block, num_warps=sweep.WARPS[0],
-                              programs_per_sm=sweep.PROGRAMS_PER_SM[0], chunk=4096, programs=16,
-                              ms=round(per_elem * 2**16 / gbps / 1e6, 4), gbps=gbps,
-                              pct_of_copy=round(100 * gbps / copy, 1), copy_gbps=copy))
+                rows.add(
+                    dict(
+                        op=op,
+                        numel=2**16,
+                        block=block,
+                        num_warps=sweep.WARPS[0],
+                        programs_per_sm=sweep.PROGRAMS_PER_SM[0],
+                        chunk=4096,
+                        programs=16,
+                        ms=round(per_elem * 2**16 / gbps / 1e6, 4),
+                        gbps=gbps,
+                        pct_of_copy=round(100 * gbps / copy, 1),
+                        copy_gbps=copy,
+                    )
+                )
     finally:
         rows.close()
     print(f"triton-sweep stand-in: wrote {out / 'triton_sweep.csv'}")
@@ -83,7 +95,9 @@ def main(argv) -> int:
         return 2
     what, where = argv[0], Path(argv[1])
     if what == "build":
-        print(f"build stand-in: the real stage runs `setup.py build_ext --inplace` with FUSED_ACCUM_BUILD_CUDA=1 in {where}")
+        print(
+            f"build stand-in: the real stage runs `setup.py build_ext --inplace` with FUSED_ACCUM_BUILD_CUDA=1 in {where}"
+        )
     elif what == "write-tests":
         write_tests(where)
     else:

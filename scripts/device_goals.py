@@ -21,6 +21,7 @@ stopped at its limit still leaves one. Every goal reads "met", "MISSED" or "not 
 
   python scripts/device_goals.py --out OUT --scratch DIR [--device cpu --smoke --dry-run]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,16 @@ def verdict(misses: Sequence[str]) -> str:
 
 
 def _largest_flat(rows, op):
-    picked = [r for r in rows if r["op"] == op and r["workload"] == "flat" and r.get("grad_dtype") in ("bf16", "-")
-              and r["kind"] == "fused_accum" and r["provider"] in GPU_BACKENDS and truthy(r["ok"])]
+    picked = [
+        r
+        for r in rows
+        if r["op"] == op
+        and r["workload"] == "flat"
+        and r.get("grad_dtype") in ("bf16", "-")
+        and r["kind"] == "fused_accum"
+        and r["provider"] in GPU_BACKENDS
+        and truthy(r["ok"])
+    ]
     if not picked:
         return None, []
     largest = max(int(r["numel"]) for r in picked)
@@ -116,14 +125,20 @@ def goal_triton_vs_cuda(kernel_rows) -> Dict[str, str]:
         return not_measured("no group with both cuda and triton rows in kernels.csv")
     large = {k: x for k, x in ratios.items() if k[2] >= LARGE_NUMEL}
     worst_all = max(ratios, key=ratios.get)
-    text = (f"worst triton/cuda time over all {len(ratios)} groups {ratios[worst_all]:.2f}x "
-            f"({' '.join(map(str, worst_all))})")
+    text = (
+        f"worst triton/cuda time over all {len(ratios)} groups {ratios[worst_all]:.2f}x "
+        f"({' '.join(map(str, worst_all))})"
+    )
     if not large:
-        return {"measured": text + f"; no group of >= {LARGE_NUMEL // 2**20}M elements",
-                "verdict": "not measured (no bandwidth-bound group)"}
+        return {
+            "measured": text + f"; no group of >= {LARGE_NUMEL // 2**20}M elements",
+            "verdict": "not measured (no bandwidth-bound group)",
+        }
     worst = max(large, key=large.get)
-    text = (f"worst over the {len(large)} groups of >= {LARGE_NUMEL // 2**20}M elements {large[worst]:.3f}x "
-            f"({' '.join(map(str, worst))}), median {statistics.median(large.values()):.3f}x; " + text)
+    text = (
+        f"worst over the {len(large)} groups of >= {LARGE_NUMEL // 2**20}M elements {large[worst]:.3f}x "
+        f"({' '.join(map(str, worst))}), median {statistics.median(large.values()):.3f}x; " + text
+    )
     return {"measured": text, "verdict": verdict([] if large[worst] <= TRITON_GOAL else ["triton"])}
 
 
@@ -133,10 +148,12 @@ def goal_e2e(e2e_rows) -> Dict[str, str]:
     if ours is None or native is None or not math.isfinite(num(ours["window_ms"])):
         return not_measured("no fused_accum and torch_native rows in end_to_end.csv")
     ratio = num(native["window_ms"]) / num(ours["window_ms"])
-    text = (f"fused_accum {num(ours['window_ms']):.1f} ms/window [{num(ours['window_ms_min']):.1f}, "
-            f"{num(ours['window_ms_max']):.1f}] ({ours.get('note', '')}), torch_native "
-            f"{num(native['window_ms']):.1f} ms [{num(native['window_ms_min']):.1f}, {num(native['window_ms_max']):.1f}]: "
-            f"native/ours {ratio:.3f}x; final loss {num(ours['final_loss']):.4f} vs {num(native['final_loss']):.4f}")
+    text = (
+        f"fused_accum {num(ours['window_ms']):.1f} ms/window [{num(ours['window_ms_min']):.1f}, "
+        f"{num(ours['window_ms_max']):.1f}] ({ours.get('note', '')}), torch_native "
+        f"{num(native['window_ms']):.1f} ms [{num(native['window_ms_min']):.1f}, {num(native['window_ms_max']):.1f}]: "
+        f"native/ours {ratio:.3f}x; final loss {num(ours['final_loss']):.4f} vs {num(native['final_loss']):.4f}"
+    )
     return {"measured": text, "verdict": verdict([] if ratio >= 1.0 else ["slower than native"])}
 
 
@@ -147,13 +164,18 @@ def goal_wgrad(wgrad_rows) -> Dict[str, str]:
         shapes.setdefault(key, {})[r["provider"]] = num(r["ms"])
     parts, misses = [], []
     for backend in GPU_BACKENDS:
-        ratios = {k: v[f"fused:{backend}"] / v["bf16_gemm"] for k, v in shapes.items()
-                  if f"fused:{backend}" in v and v.get("bf16_gemm", 0) > 0}
+        ratios = {
+            k: v[f"fused:{backend}"] / v["bf16_gemm"]
+            for k, v in shapes.items()
+            if f"fused:{backend}" in v and v.get("bf16_gemm", 0) > 0
+        }
         if not ratios:
             continue
         worst = max(ratios, key=ratios.get)
-        parts.append(f"{backend}: worst fused/GEMM {ratios[worst]:.3f}x (M={worst[0]} N={worst[1]} K={worst[2]}), "
-                     f"median {statistics.median(ratios.values()):.3f}x over {len(ratios)} shapes")
+        parts.append(
+            f"{backend}: worst fused/GEMM {ratios[worst]:.3f}x (M={worst[0]} N={worst[1]} K={worst[2]}), "
+            f"median {statistics.median(ratios.values()):.3f}x over {len(ratios)} shapes"
+        )
         if ratios[worst] > 1.0:
             misses.append(backend)
     if not parts:
@@ -169,7 +191,9 @@ def junit_cases(scratch: Path) -> Dict[str, List[Dict[str, str]]]:
         try:
             root = ET.parse(path).getroot()
         except (ET.ParseError, OSError) as err:
-            out[path.stem] = [{"classname": "", "name": f"(unreadable {path.name}: {err})", "outcome": "error", "message": ""}]
+            out[path.stem] = [
+                {"classname": "", "name": f"(unreadable {path.name}: {err})", "outcome": "error", "message": ""}
+            ]
             continue
         for case in root.iter("testcase"):
             outcome, message = "passed", ""
@@ -180,20 +204,30 @@ def junit_cases(scratch: Path) -> Dict[str, List[Dict[str, str]]]:
                     text = (child.get("message") or child.text or "").strip()
                     message = text.splitlines()[0][:200] if text else ""
                     break
-            cases.append({"classname": case.get("classname", ""), "name": case.get("name", ""), "outcome": outcome,
-                          "message": message})
+            cases.append(
+                {
+                    "classname": case.get("classname", ""),
+                    "name": case.get("name", ""),
+                    "outcome": outcome,
+                    "message": message,
+                }
+            )
         out[path.stem] = cases
     return out
 
 
 def goal_capture(cases_by_stage) -> Dict[str, str]:
     module, test = CAPTURE_TEST
-    found = [c for cases in cases_by_stage.values() for c in cases
-             if c["classname"].endswith(module) and c["name"].startswith(test + "[")]
+    found = [
+        c
+        for cases in cases_by_stage.values()
+        for c in cases
+        if c["classname"].endswith(module) and c["name"].startswith(test + "[")
+    ]
     if not found:
         return not_measured(f"{module}.py::{test} did not report (its stage killed, or not collected)")
-    parts = [f"{c['name'][len(test):]} {c['outcome']}" + (f": {c['message']}" if c["message"] else "") for c in found]
-    misses = [c["name"][len(test):] for c in found if c["outcome"] in ("failed", "error")]
+    parts = [f"{c['name'][len(test) :]} {c['outcome']}" + (f": {c['message']}" if c["message"] else "") for c in found]
+    misses = [c["name"][len(test) :] for c in found if c["outcome"] in ("failed", "error")]
     if not misses and all(c["outcome"] == "skipped" for c in found):
         return {"measured": "; ".join(parts), "verdict": "not measured (skipped)"}
     return {"measured": "; ".join(parts), "verdict": verdict(misses)}
@@ -207,8 +241,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def count_launches(device: torch.device, backends_to_run: Sequence[str], count: int = 2048, numel: int = 256,
-                   k: int = 4) -> List[Dict]:
+def count_launches(
+    device: torch.device, backends_to_run: Sequence[str], count: int = 2048, numel: int = 256, k: int = 4
+) -> List[Dict]:
     """Kernels launched in each backward of a k-backward window and in its step, and the calls of
     the package's ops there, counted with the torch profiler after one unprofiled window
     (compilation, tables, state allocation). On a CPU (the dry run) each op call is its own
@@ -222,15 +257,18 @@ def count_launches(device: torch.device, backends_to_run: Sequence[str], count: 
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for backend in backends_to_run:
-        for name, make in (("adamw", lambda ps: fused_accum.AdamW(ps, lr=1e-3, weight_decay=0.01, accum_steps=k,
-                                                                  backend=backend)),
-                           ("sgd", lambda ps: fused_accum.SGD(ps, lr=1e-3, momentum=0.9, accum_steps=k,
-                                                              backend=backend)),
-                           ("lion", lambda ps: fused_accum.Lion(ps, lr=1e-4, accum_steps=k, backend=backend))):
-            params = [torch.nn.Parameter(0.02 * torch.randn(numel, device=device, generator=gen).to(torch.bfloat16))
-                      for _ in range(count)]
-            grads = [[torch.randn(numel, device=device, generator=gen).to(torch.bfloat16) for _ in params]
-                     for _ in range(k)]
+        for name, make in (
+            ("adamw", lambda ps: fused_accum.AdamW(ps, lr=1e-3, weight_decay=0.01, accum_steps=k, backend=backend)),
+            ("sgd", lambda ps: fused_accum.SGD(ps, lr=1e-3, momentum=0.9, accum_steps=k, backend=backend)),
+            ("lion", lambda ps: fused_accum.Lion(ps, lr=1e-4, accum_steps=k, backend=backend)),
+        ):
+            params = [
+                torch.nn.Parameter(0.02 * torch.randn(numel, device=device, generator=gen).to(torch.bfloat16))
+                for _ in range(count)
+            ]
+            grads = [
+                [torch.randn(numel, device=device, generator=gen).to(torch.bfloat16) for _ in params] for _ in range(k)
+            ]
             opt = make(params)
             phases = [(f"backward {i + 1}", lambda i=i: torch.autograd.backward(params, grads[i])) for i in range(k)]
             phases.append(("step", opt.step))
@@ -246,13 +284,15 @@ def count_launches(device: torch.device, backends_to_run: Sequence[str], count: 
                 events = prof.events()
                 calls = [e.name for e in events if e.device_type == cpu and e.name.startswith("fused_accum")]
                 if device.type == "cuda":
-                    kernels = [e.name for e in events if e.device_type == gpu
-                               and not e.name.startswith(("Memcpy", "Memset"))]
+                    kernels = [
+                        e.name for e in events if e.device_type == gpu and not e.name.startswith(("Memcpy", "Memset"))
+                    ]
                     copies = [e.name for e in events if e.device_type == gpu and e.name.startswith("Memcpy")]
                 else:
                     kernels, copies = calls, []
-                counts[phase] = dict(kernels=len(kernels), calls=len(calls), copies=len(copies),
-                                     names=sorted({n[:60] for n in kernels}))
+                counts[phase] = dict(
+                    kernels=len(kernels), calls=len(calls), copies=len(copies), names=sorted({n[:60] for n in kernels})
+                )
             opt.zero_grad()
             rows.append({"backend": backend, "optimizer": name, "counts": counts})
             del opt, params, grads
@@ -267,8 +307,11 @@ def goal_launches(rows: List[Dict]) -> Dict[str, str]:
     parts, misses = [], []
     for r in rows:
         per_call = {phase: c["kernels"] / max(c["calls"], 1) for phase, c in r["counts"].items()}
-        phases = ", ".join(f"{phase}: {c['calls']} op calls, {c['kernels']} kernels"
-                           + (f" + {c['copies']} copies" if c["copies"] else "") for phase, c in r["counts"].items())
+        phases = ", ".join(
+            f"{phase}: {c['calls']} op calls, {c['kernels']} kernels"
+            + (f" + {c['copies']} copies" if c["copies"] else "")
+            for phase, c in r["counts"].items()
+        )
         names = sorted({n for c in r["counts"].values() for n in c["names"]})
         parts.append(f"{r['backend']} {r['optimizer']} ({phases}; kernels: {', '.join(names)})")
         if max(c["kernels"] for c in r["counts"].values()) == 0:
@@ -289,8 +332,9 @@ def window_traffic(device: torch.device, backends_to_run: Sequence[str], smoke: 
     gen = torch.Generator(device=device).manual_seed(0)
     init = [0.02 * torch.randn(s, device=device, generator=gen) for s in workload.shapes]
     init = [t.to(torch.bfloat16) for t in init]
-    grads = [[torch.randn(s, device=device, generator=gen).to(torch.bfloat16) for s in workload.shapes]
-             for _ in range(k)]
+    grads = [
+        [torch.randn(s, device=device, generator=gen).to(torch.bfloat16) for s in workload.shapes] for _ in range(k)
+    ]
     hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
     def fresh():
@@ -328,7 +372,7 @@ def window_traffic(device: torch.device, backends_to_run: Sequence[str], smoke: 
     times: Dict[str, List[float]] = {name: [] for name in providers}
     order = list(providers)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[: r % len(order)]:  # rotated: drift falls on all
+        for name in order[r % len(order) :] + order[: r % len(order)]:  # rotated: drift falls on all
             _sync(device)
             t0 = time.perf_counter()
             window(name)
@@ -336,14 +380,22 @@ def window_traffic(device: torch.device, backends_to_run: Sequence[str], smoke: 
             times[name].append((time.perf_counter() - t0) * 1e3)
     copy = common.copy_ceiling(device, 2**30 if not smoke else 2**24, common.TimingConfig(samples=5))
     numel = workload.numel
-    out = {"workload": f"{workload.name} ({len(workload.shapes)} tensors, {numel / 1e6:.1f}M params)",
-           "copy_gbps": copy["gbps"], "rows": {}}
+    out = {
+        "workload": f"{workload.name} ({len(workload.shapes)} tensors, {numel / 1e6:.1f}M params)",
+        "copy_gbps": copy["gbps"],
+        "rows": {},
+    }
     for name, ts in times.items():
         ms = statistics.median(ts)
         bytes_per = TRAFFIC_BYTES["torch" if name == "torch" else "fused_accum"]
-        out["rows"][name] = {"ms": ms, "min": min(ts), "max": max(ts), "how": providers[name][2],
-                             "update_err": errors[name],
-                             "pct_of_copy": 100 * numel * bytes_per / (ms * 1e-3) / 1e9 / copy["gbps"]}
+        out["rows"][name] = {
+            "ms": ms,
+            "min": min(ts),
+            "max": max(ts),
+            "how": providers[name][2],
+            "update_err": errors[name],
+            "pct_of_copy": 100 * numel * bytes_per / (ms * 1e-3) / 1e9 / copy["gbps"],
+        }
     return out
 
 
@@ -357,15 +409,19 @@ def goal_traffic(result: Optional[Dict]) -> Dict[str, str]:
     if not result or len(result["rows"]) < 2:
         return not_measured("no fused_accum backend to time")
     torch_ms = result["rows"]["torch"]["ms"]
-    parts = [f"{result['workload']}, copy {result['copy_gbps']:.0f} GB/s; torch ({result['rows']['torch']['how']}) "
-             f"{torch_ms:.2f} ms ({result['rows']['torch']['pct_of_copy']:.0f}% of copy at 182 B/param)"]
+    parts = [
+        f"{result['workload']}, copy {result['copy_gbps']:.0f} GB/s; torch ({result['rows']['torch']['how']}) "
+        f"{torch_ms:.2f} ms ({result['rows']['torch']['pct_of_copy']:.0f}% of copy at 182 B/param)"
+    ]
     misses = []
     for name, r in result["rows"].items():
         if name == "torch":
             continue
         ratio = torch_ms / r["ms"]
-        parts.append(f"{name} {r['ms']:.2f} ms [{r['min']:.2f}, {r['max']:.2f}] ({r['pct_of_copy']:.0f}% of copy at "
-                     f"108 B/param): {ratio:.2f}x, update vs torch's {r['update_err']:.1e}")
+        parts.append(
+            f"{name} {r['ms']:.2f} ms [{r['min']:.2f}, {r['max']:.2f}] ({r['pct_of_copy']:.0f}% of copy at "
+            f"108 B/param): {ratio:.2f}x, update vs torch's {r['update_err']:.1e}"
+        )
         if r["update_err"] > TRAFFIC_UPDATE_TOL:
             misses.append(f"{name} trains differently")
         elif ratio < TRAFFIC_GOAL:
@@ -378,8 +434,12 @@ def goal_traffic(result: Optional[Dict]) -> Dict[str, str]:
 
 def _nvidia_smi() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or "no answer"
     except (OSError, subprocess.SubprocessError):
         return "nvidia-smi unavailable"
@@ -403,21 +463,30 @@ def header(args) -> List[str]:
     available = common.backend_availability(kind)
     lines = ["# GPU check summary", ""]
     if args.dry_run:
-        lines += ["**DRY RUN** (benchmarks/device_check.sh --dry-run): the GPU work was replaced by CPU stand-ins; "
-                  "no number below is a GPU measurement.", ""]
-    lines += [f"- device: {device}; driver: {_nvidia_smi()}",
-              f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
-              f"python {sys.version.split()[0]}",
-              f"- commit {commit['commit']}" + (" (dirty)" if commit.get("dirty") else ""),
-              f"- backends on {kind}: " + "; ".join(f"{n} {why or 'available'}" for n, why in available.items()),
-              f"- written {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}", ""]
+        lines += [
+            "**DRY RUN** (benchmarks/device_check.sh --dry-run): the GPU work was replaced by CPU stand-ins; "
+            "no number below is a GPU measurement.",
+            "",
+        ]
+    lines += [
+        f"- device: {device}; driver: {_nvidia_smi()}",
+        f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, "
+        f"python {sys.version.split()[0]}",
+        f"- commit {commit['commit']}" + (" (dirty)" if commit.get("dirty") else ""),
+        f"- backends on {kind}: " + "; ".join(f"{n} {why or 'available'}" for n, why in available.items()),
+        f"- written {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+        "",
+    ]
     return lines
 
 
 def table(rows: List[List[str]], head: List[str]) -> List[str]:
     clean = lambda s: str(s).replace("|", "/").replace("\n", " ")  # noqa: E731
-    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(clean(c) for c in row) + " |" for row in rows] + [""])
+    return (
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        + ["| " + " | ".join(clean(c) for c in row) + " |" for row in rows]
+        + [""]
+    )
 
 
 def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> str:
@@ -426,24 +495,39 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
     kernel_rows = read_csv(out / "kernels.csv")
     cases = junit_cases(scratch)
     goals = [
-        ("accumulate >= 92% of a device-to-device copy (bf16 grads into fp32, add)",
-         goal_pct_of_copy(kernel_rows, "accumulate_add", ACCUM_GOAL_PCT), "kernels.csv"),
-        ("fused AdamW >= 88% of the copy (from acc, fp32 masters, bf16 params)",
-         goal_pct_of_copy(kernel_rows, "adamw", ADAMW_GOAL_PCT), "kernels.csv"),
-        ("k = 8 window's gradient traffic, no model: >= 1.6x torch's grad_dtype=float32 way (182 vs 108 B/param)",
-         goal_traffic(traffic) if traffic is not None else not_measured(notes.get("traffic", "not run")),
-         "this stage"),
-        ("whole k = 8 window of the small bf16 GPT no slower than the native loop",
-         goal_e2e(read_csv(out / "end_to_end.csv")), "end_to_end.csv"),
-        ("2,048 small tensors in <= 2 launches per op",
-         goal_launches(launches) if launches is not None else not_measured(notes.get("launches", "not run")),
-         "this stage (torch profiler)"),
+        (
+            "accumulate >= 92% of a device-to-device copy (bf16 grads into fp32, add)",
+            goal_pct_of_copy(kernel_rows, "accumulate_add", ACCUM_GOAL_PCT),
+            "kernels.csv",
+        ),
+        (
+            "fused AdamW >= 88% of the copy (from acc, fp32 masters, bf16 params)",
+            goal_pct_of_copy(kernel_rows, "adamw", ADAMW_GOAL_PCT),
+            "kernels.csv",
+        ),
+        (
+            "k = 8 window's gradient traffic, no model: >= 1.6x torch's grad_dtype=float32 way (182 vs 108 B/param)",
+            goal_traffic(traffic) if traffic is not None else not_measured(notes.get("traffic", "not run")),
+            "this stage",
+        ),
+        (
+            "whole k = 8 window of the small bf16 GPT no slower than the native loop",
+            goal_e2e(read_csv(out / "end_to_end.csv")),
+            "end_to_end.csv",
+        ),
+        (
+            "2,048 small tensors in <= 2 launches per op",
+            goal_launches(launches) if launches is not None else not_measured(notes.get("launches", "not run")),
+            "this stage (torch profiler)",
+        ),
         ("Triton within 5% of CUDA", goal_triton_vs_cuda(kernel_rows), "kernels.csv"),
         ("fused wgrad no slower than the bf16 GEMM alone", goal_wgrad(read_csv(out / "wgrad.csv")), "wgrad.csv"),
         ("graph capture of a whole window replayed equal to eager", goal_capture(cases), "gpu-core junit"),
     ]
     lines = header(args) + ["## Goals", ""]
-    lines += table([[g, r["verdict"], r["measured"], src] for g, r, src in goals], ["goal", "verdict", "measured", "from"])
+    lines += table(
+        [[g, r["verdict"], r["measured"], src] for g, r, src in goals], ["goal", "verdict", "measured", "from"]
+    )
 
     lines += ["## Other numbers", ""]
     results = {}
@@ -454,20 +538,28 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
     copy = results.get("copy", {})
     if copy.get("start"):
         drift = f", end {copy['end']['gbps']:.0f} GB/s (drift {copy['drift_pct']:+.1f}%)" if copy.get("end") else ""
-        lines.append(f"- copy ceiling: start {copy['start']['gbps']:.0f} GB/s{drift}; "
-                     f"{len(results.get('skipped', []))} kernel groups skipped by the time budget")
+        lines.append(
+            f"- copy ceiling: start {copy['start']['gbps']:.0f} GB/s{drift}; "
+            f"{len(results.get('skipped', []))} kernel groups skipped by the time budget"
+        )
     sweep = read_csv(out / "triton_sweep.csv")
     for op in sorted({r["op"] for r in sweep}):
         best = max((r for r in sweep if r["op"] == op), key=lambda r: num(r["pct_of_copy"]))
-        lines.append(f"- triton sweep, best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
-                     f"{best['programs_per_sm']}: {best['pct_of_copy']}% of copy ({len(sweep)} rows)")
+        lines.append(
+            f"- triton sweep, best {op}: BLOCK {best['block']} warps {best['num_warps']} programs/SM "
+            f"{best['programs_per_sm']}: {best['pct_of_copy']}% of copy ({len(sweep)} rows)"
+        )
     for r in read_csv(out / "triton_host.csv"):
         if r.get("goal_ms"):
-            lines.append(f"- triton launcher host time, {r['op']} on {r['tensors']} tensors: {r['median_ms']} ms "
-                         f"(goal {r['goal_ms']} ms on the development CPU: {'met' if truthy(r['meets_goal']) else 'MISSED'})")
+            lines.append(
+                f"- triton launcher host time, {r['op']} on {r['tensors']} tensors: {r['median_ms']} ms "
+                f"(goal {r['goal_ms']} ms on the development CPU: {'met' if truthy(r['meets_goal']) else 'MISSED'})"
+            )
     for r in read_csv(scratch / "wgrad_e2e.csv"):
-        lines.append(f"- wgrad e2e tiny GPT, converted={r['converted']}: {num(r['window_ms']):.1f} ms/window, "
-                     f"final loss {num(r['final_loss']):.4f}, peak {num(r['peak_bytes']) / 2**20:.0f} MiB")
+        lines.append(
+            f"- wgrad e2e tiny GPT, converted={r['converted']}: {num(r['window_ms']):.1f} ms/window, "
+            f"final loss {num(r['final_loss']):.4f}, peak {num(r['peak_bytes']) / 2**20:.0f} MiB"
+        )
     lines.append("")
 
     lines += ["## Tests", ""]
@@ -475,8 +567,11 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
     for stage, stage_cases in cases.items():
         counts = {o: sum(c["outcome"] == o for c in stage_cases) for o in ("passed", "failed", "error", "skipped")}
         test_rows.append([stage] + [str(counts[o]) for o in ("passed", "failed", "error", "skipped")])
-    lines += table(test_rows, ["stage", "passed", "failed", "errors", "skipped"]) if test_rows else [
-        "no junit file: no test stage reported", ""]
+    lines += (
+        table(test_rows, ["stage", "passed", "failed", "errors", "skipped"])
+        if test_rows
+        else ["no junit file: no test stage reported", ""]
+    )
     bad = [(s, c) for s, cs in cases.items() for c in cs if c["outcome"] in ("failed", "error")]
     for stage, c in bad[:40]:
         lines.append(f"- {stage}: {c['classname']}::{c['name']} {c['outcome']}: {c['message']}")
@@ -487,8 +582,10 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
     stages = read_csv(scratch / "stages.csv")
     if stages:
         lines += ["## Stages (before this one)", ""]
-        lines += table([[r["stage"], r["outcome"], r["exit"], r["seconds"], r["limit"]] for r in stages],
-                       ["stage", "outcome", "exit", "seconds", "limit"])
+        lines += table(
+            [[r["stage"], r["outcome"], r["exit"], r["seconds"], r["limit"]] for r in stages],
+            ["stage", "outcome", "exit", "seconds", "limit"],
+        )
     return "\n".join(lines)
 
 

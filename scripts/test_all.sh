@@ -8,6 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${FUSED_ACCUM_TEST_PYTHON:-.venv/bin/python}
 
+if [[ ${1:-} != --cpu-suite ]]; then
+  echo "== the formatter: ruff format --check (pyproject.toml [tool.ruff]; fix with: .venv/bin/ruff format .)"
+  "$(dirname "$PY")/ruff" format --check --quiet .
+fi
+
 echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
 "$PY" -m pytest -q tests --ignore=tests/integration
 

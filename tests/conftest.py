@@ -1,6 +1,7 @@
 """Fixtures several test files share (the shared constants and builders are in helpers.py).
 
 Also loaded for tests/integration: nothing here imports more than pytest and torch up front."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """A dispatch mode that records the name of every op reaching the dispatcher (tests check that
 eager calls skip the custom-op wrapper)."""
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

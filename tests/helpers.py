@@ -4,6 +4,7 @@ optimizer gives its buffers, relative errors, and the small model the contract t
 Imported by name (``from helpers import ...``): pytest puts tests/ on sys.path, as it does for
 dispatch_record.py and lion_reference.py. The shared fixtures are in conftest.py.
 """
+
 from __future__ import annotations
 
 import copy
@@ -122,7 +123,8 @@ def assert_params_match(ours: nn.Module, ref: nn.Module, rtol=RTOL):
 def assert_grads_match(ours: nn.Module, ref: nn.Module, rtol=RTOL, when=""):
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None), (
-            f"{name}.grad {when}: {'None' if p.grad is None else 'set'}, torch's {'None' if q.grad is None else 'set'}")
+            f"{name}.grad {when}: {'None' if p.grad is None else 'set'}, torch's {'None' if q.grad is None else 'set'}"
+        )
         if q.grad is not None:
             assert_rel(p.grad, q.grad, rtol, f"{name}.grad {when}")
 
@@ -166,8 +168,10 @@ def twins(seed=0, cls=Net):
 def data(n, micro=4, seed=1, dtype=torch.float32):
     """``n`` micro-batches ``(x, y)`` of ``micro`` samples for Net (6 features in, 3 out)."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(micro, 6, generator=gen).to(dtype), torch.randn(micro, 3, generator=gen).to(dtype))
-            for _ in range(n)]  # fmt: skip
+    return [
+        (torch.randn(micro, 6, generator=gen).to(dtype), torch.randn(micro, 3, generator=gen).to(dtype))
+        for _ in range(n)
+    ]
 
 
 def mse(model, x, y):

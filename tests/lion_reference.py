@@ -1,5 +1,6 @@
 """An independent plain-torch Lion, written from the paper (Chen et al. 2023, "Symbolic Discovery
 of Optimization Algorithms", Algorithm 2): the oracle the tests hold fused_accum.Lion to."""
+
 import torch
 
 

@@ -2,6 +2,7 @@
 tiny run writes. Benchmark *numbers* are not asserted (they depend on the machine); what makes
 them numbers is: the arithmetic from time to GB/s to % of copy to speedup, and the contents.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,6 +24,7 @@ if str(REPO) not in sys.path:  # benchmarks/ is not installed with the package; 
 
 from benchmarks import common, end_to_end, kernels, window  # noqa: E402
 from benchmarks import run as bench_run  # noqa: E402
+
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -197,8 +199,14 @@ def test_workloads_have_the_shapes_they_claim():
 
 
 def _ctx():
-    return kernels.Context(torch.device("cpu"), common.TimingConfig(samples=2, warmup_ms=0.0, min_sample_ms=0.0),
-                           cache_bytes=2**16, copy_gbps=10.0, seed=0, max_rotations=2)
+    return kernels.Context(
+        torch.device("cpu"),
+        common.TimingConfig(samples=2, warmup_ms=0.0, min_sample_ms=0.0),
+        cache_bytes=2**16,
+        copy_gbps=10.0,
+        seed=0,
+        max_rotations=2,
+    )
 
 
 def _fake_backend(monkeypatch, module):
@@ -209,7 +217,9 @@ def _fake_backend(monkeypatch, module):
 def _reference_with(**changes):
     from fused_accum.backends import reference
 
-    fake = types.SimpleNamespace(**{n: getattr(reference, n) for n in ("accumulate", "sgd_step", "adam_step", "lion_step")})
+    fake = types.SimpleNamespace(
+        **{n: getattr(reference, n) for n in ("accumulate", "sgd_step", "adam_step", "lion_step")}
+    )
     for name, fn in changes.items():
         setattr(fake, name, fn)
     return fake
@@ -280,10 +290,12 @@ def test_a_raising_provider_becomes_a_failed_row(monkeypatch):
 
 def test_speedup_is_best_torch_time_over_row_time():
     base = dict(op="accumulate_add", workload="flat", numel=10, grad_dtype="bf16")
-    rows = [dict(base, provider="torch_loop", kind="torch", ms=4.0),
-            dict(base, provider="torch_foreach", kind="torch", ms=2.0),
-            dict(base, provider="cuda", kind="fused_accum", ms=0.5),
-            dict(base, numel=20, provider="cuda", kind="fused_accum", ms=1.0)]  # no torch row
+    rows = [
+        dict(base, provider="torch_loop", kind="torch", ms=4.0),
+        dict(base, provider="torch_foreach", kind="torch", ms=2.0),
+        dict(base, provider="cuda", kind="fused_accum", ms=0.5),
+        dict(base, numel=20, provider="cuda", kind="fused_accum", ms=1.0),
+    ]  # no torch row
     kernels.add_speedups(rows)
     assert [r["speedup_vs_torch"] for r in rows[:3]] == [0.5, 1.0, 4.0]
     assert all(r["best_torch"] == "torch_foreach" for r in rows[:3])
@@ -312,7 +324,13 @@ def test_smoke_run_succeeds_and_writes_every_file(smoke_run):
     rc, out, _, _, _ = smoke_run
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "cpu_adam.csv", "end_to_end.csv", "kernels.csv", "kernels.png", "results.json", "window.csv"]
+        "cpu_adam.csv",
+        "end_to_end.csv",
+        "kernels.csv",
+        "kernels.png",
+        "results.json",
+        "window.csv",
+    ]
     assert (out / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -326,8 +344,12 @@ def test_smoke_run_covers_every_op_provider_and_workload(smoke_run):
         for op in kernels.ACC_OPS:
             expected |= {(op, w.name, str(w.numel), "bf16", p) for p in ("torch_loop", "torch_foreach", *ours)}
     for w in cfg["step_workloads"]:
-        for op, torch_side in [("sgd", ("torch_fused", "torch_foreach")), ("adamw", ("torch_fused", "torch_foreach")),
-                               ("lion", ("torch_foreach",)), ("adamw_fused_last", ("torch_fused", "torch_foreach"))]:
+        for op, torch_side in [
+            ("sgd", ("torch_fused", "torch_foreach")),
+            ("adamw", ("torch_fused", "torch_foreach")),
+            ("lion", ("torch_foreach",)),
+            ("adamw_fused_last", ("torch_fused", "torch_foreach")),
+        ]:
             dt = "bf16" if op == "adamw_fused_last" else "-"
             expected |= {(op, w.name, str(w.numel), dt, p) for p in (*torch_side, *ours)}
     got = {(r["op"], r["workload"], r["numel"], r["grad_dtype"], r["provider"]) for r in rows}
@@ -426,7 +448,9 @@ def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
     assert len({r["first_loss"] for r in rows.values()}) == 1
     assert len({r["n_params"] for r in rows.values()}) == 1
     # fp32 accumulation and fp32 master AdamW both ways: the same training, up to rounding.
-    assert float(rows["fused_accum"]["final_loss"]) == pytest.approx(float(rows["torch_native"]["final_loss"]), abs=1e-2)
+    assert float(rows["fused_accum"]["final_loss"]) == pytest.approx(
+        float(rows["torch_native"]["final_loss"]), abs=1e-2
+    )
     assert float(rows["fused_accum"]["final_loss"]) < float(rows["fused_accum"]["first_loss"])
     native_ms = float(rows["torch_native"]["window_ms"])
     for r in rows.values():
@@ -434,11 +458,38 @@ def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
 
 
 WINDOW_COLUMNS = [
-    "section", "model", "dtype", "n_tensors", "numel", "accum_steps", "provider", "threads", "window_ms",
-    "ms_min", "ms_max", "ms_q1", "ms_q3", "iqr_pct", "rounds", "speedup_vs_native", "speedup_vs_native_paired",
-    "extra_us_per_param_mb", "check_update_err", "check_loss_rel_diff", "check_loss", "ok", "hooks", "note",
-    "speedup_vs_native_fp32acc", "speedup_vs_native_fp32acc_paired", "thread_scaling",
-    "git_commit", "device_name", "torch", "date_utc"]
+    "section",
+    "model",
+    "dtype",
+    "n_tensors",
+    "numel",
+    "accum_steps",
+    "provider",
+    "threads",
+    "window_ms",
+    "ms_min",
+    "ms_max",
+    "ms_q1",
+    "ms_q3",
+    "iqr_pct",
+    "rounds",
+    "speedup_vs_native",
+    "speedup_vs_native_paired",
+    "extra_us_per_param_mb",
+    "check_update_err",
+    "check_loss_rel_diff",
+    "check_loss",
+    "ok",
+    "hooks",
+    "note",
+    "speedup_vs_native_fp32acc",
+    "speedup_vs_native_fp32acc_paired",
+    "thread_scaling",
+    "git_commit",
+    "device_name",
+    "torch",
+    "date_utc",
+]
 
 
 def test_smoke_window_rows_cover_every_model_dtype_and_provider(smoke_run):
@@ -453,13 +504,16 @@ def test_smoke_window_rows_cover_every_model_dtype_and_provider(smoke_run):
     cfg = bench_run.make_config(torch.device("cpu"), "smoke")["window"]
     labels = [window.model_label(m, cfg) for m in window.MODELS]
     assert {(r["model"], r["dtype"], r["provider"]) for r in rows} == {
-        (m, d, p) for m in labels for d in ("fp32", "bf16") for p in window.providers_for(d)}
+        (m, d, p) for m in labels for d in ("fp32", "bf16") for p in window.providers_for(d)
+    }
     assert {r["model"]: int(r["n_tensors"]) for r in rows} == {labels[0]: 16, labels[1]: 1 * 12 + 4}
     median = {(r["model"], r["dtype"], r["provider"]): float(r["window_ms"]) for r in rows}
     for r in rows:
         assert r["ok"] == "True", r
         assert r["threads"] == "1" and int(r["rounds"]) == 2 and r["section"] == "window"
-        assert float(r["ms_min"]) <= float(r["ms_q1"]) <= float(r["window_ms"]) <= float(r["ms_q3"]) <= float(r["ms_max"])
+        assert (
+            float(r["ms_min"]) <= float(r["ms_q1"]) <= float(r["window_ms"]) <= float(r["ms_q3"]) <= float(r["ms_max"])
+        )
         native = median[(r["model"], r["dtype"], "native")]
         assert float(r["speedup_vs_native"]) == pytest.approx(native / float(r["window_ms"]), rel=1e-9)
         assert float(r["thread_scaling"]) == 1.0
@@ -474,8 +528,19 @@ def test_smoke_window_rows_cover_every_model_dtype_and_provider(smoke_run):
 
 
 def _tiny_window(**kw):
-    sizes = dict(accum_steps=2, rounds=3, warmup_windows=1, param_count=8, param_numel=32, gpt_layers=1, gpt_d=16,
-                 gpt_heads=2, gpt_vocab=32, gpt_seq=8, gpt_micro_batch=1)
+    sizes = dict(
+        accum_steps=2,
+        rounds=3,
+        warmup_windows=1,
+        param_count=8,
+        param_numel=32,
+        gpt_layers=1,
+        gpt_d=16,
+        gpt_heads=2,
+        gpt_vocab=32,
+        gpt_seq=8,
+        gpt_micro_batch=1,
+    )
     return window.WindowConfig(**{**sizes, **kw})
 
 
@@ -485,7 +550,8 @@ def test_window_times_one_and_two_threads_in_one_process():
     rows = window.run(cfg, torch.device("cpu"))
     assert torch.get_num_threads() == threads  # restored
     assert [(r["threads"], r["provider"]) for r in rows] == [
-        (n, p) for n in (1, 2) for p in ("native", "fused_accum", "fused_accum_pyhooks")]  # fewest threads first
+        (n, p) for n in (1, 2) for p in ("native", "fused_accum", "fused_accum_pyhooks")
+    ]  # fewest threads first
     one = {r["provider"]: r["window_ms"] for r in rows if r["threads"] == 1}
     for r in rows:
         assert r["ok"] and r["rounds"] == 3
@@ -514,6 +580,7 @@ def test_window_check_fails_a_provider_that_skips_work(monkeypatch):
             for p in params[: len(params) // 2]:
                 p.grad = None  # as if the last micro-batch's hooks never ran for half the params
             step()
+
         return step_without_last_grad, note
 
     monkeypatch.setattr(window, "_make_step", lazy)
@@ -544,8 +611,19 @@ def test_window_pyhooks_provider_sets_the_knob_only_while_building(monkeypatch):
 
 def test_time_budget_skips_groups_but_still_writes(tmp_path):
     threads = torch.get_num_threads()
-    rc = bench_run.main(["--smoke", "--out", str(tmp_path), "--time-budget", "0", "--suite", "accumulate,e2e",
-                         "--threads", str(threads + 1)])
+    rc = bench_run.main(
+        [
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--time-budget",
+            "0",
+            "--suite",
+            "accumulate,e2e",
+            "--threads",
+            str(threads + 1),
+        ]
+    )
     payload = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0
     assert payload["meta"]["torch_threads"] == threads + 1
@@ -563,9 +641,24 @@ def test_unknown_suite_is_rejected():
 
 def test_runs_as_a_script(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--smoke", "--suite", "accumulate", "--out", str(tmp_path),
-         "--seed", "1", "--threads", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "benchmarks/run.py",
+            "--smoke",
+            "--suite",
+            "accumulate",
+            "--out",
+            str(tmp_path),
+            "--seed",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(tmp_path / "kernels.csv") as f:
         ops = {r["op"] for r in csv.DictReader(f)}
@@ -598,7 +691,9 @@ def test_cuda_event_timing_agrees_with_the_wall_clock():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_smoke_run_on_cuda(tmp_path):
-    rc = bench_run.main(["--smoke", "--device", "cuda", "--out", str(tmp_path), "--seed", "5", "--suite", "accumulate,step"])
+    rc = bench_run.main(
+        ["--smoke", "--device", "cuda", "--out", str(tmp_path), "--seed", "5", "--suite", "accumulate,step"]
+    )
     payload = json.loads((tmp_path / "results.json").read_text())
     providers = {r["provider"] for r in payload["kernels"]}
     assert rc == 0, [r for r in payload["kernels"] if not r["ok"]]

@@ -8,6 +8,7 @@ one that hangs until its SIGINT, and one that ignores SIGINT until the SIGKILL a
 It must still run every later stage and leave exactly the 8 files, each CSV with its header and
 rows. The same checks must fail on a copy of the script in which a failed stage stops the run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,10 +26,28 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "device_check.sh"
-STAGES = ["toolchain", "build", "gpu-core", "gpu-matrix", "kernels", "e2e", "triton-sweep", "triton-host",
-          "wgrad", "goals"]
-FILES = {"device_check.log", "summary.md", "results.json", "kernels.csv", "end_to_end.csv", "triton_sweep.csv",
-         "triton_host.csv", "wgrad.csv"}
+STAGES = [
+    "toolchain",
+    "build",
+    "gpu-core",
+    "gpu-matrix",
+    "kernels",
+    "e2e",
+    "triton-sweep",
+    "triton-host",
+    "wgrad",
+    "goals",
+]
+FILES = {
+    "device_check.log",
+    "summary.md",
+    "results.json",
+    "kernels.csv",
+    "end_to_end.csv",
+    "triton_sweep.csv",
+    "triton_host.csv",
+    "wgrad.csv",
+}
 STOP_MARKER = "[[ $rc -eq 0 ]] || status=1  # a failed stage never stops the next"
 PLANTED = dict(
     DEVICE_CHECK_PLANT="toolchain=fail,build=hang,gpu-matrix=hang-hard",
@@ -40,8 +59,9 @@ PLANTED = dict(
 def dry_run(out: Path, script: Path = SCRIPT, **env) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "FUSED_ACCUM_GIT_COMMIT": "0123abc", **env}
     full_env.pop("TRITON_INTERPRET", None)  # as on the GPU machine: the triton-host stage sets none
-    return subprocess.run(["bash", str(script), "--dry-run"], cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        ["bash", str(script), "--dry-run"], cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600
+    )
 
 
 def outcomes(log: str) -> dict:
@@ -117,8 +137,11 @@ def test_the_summary_names_every_goal_and_each_stage(planted):
     _, out, _ = planted
     text = (out / "summary.md").read_text()
     assert "DRY RUN" in text and "commit 0123abc" in text
-    goals = [line for line in text.splitlines() if line.startswith("| ") and ("met" in line or "MISSED" in line
-                                                                             or "not measured" in line)]
+    goals = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and ("met" in line or "MISSED" in line or "not measured" in line)
+    ]
     assert len(goals) == 8, text  # the issue's eight GPU goals, each with a verdict
     # the stand-in capture test passed: its goal is read from the gpu-core junit file
     assert re.search(r"\| graph capture of a whole window replayed equal to eager \| met \|", text), text
@@ -165,9 +188,28 @@ def test_without_a_gpu_and_without_dry_run_it_says_so(tmp_path):
 def test_an_interrupted_benchmark_run_writes_what_it_measured(tmp_path):
     """SIGINT (what `timeout -s INT` sends at a stage's limit) after the first group: the run
     stops, and kernels.csv and results.json hold the rows measured so far."""
-    proc = subprocess.Popen([sys.executable, "benchmarks/run.py", "--quick", "--device", "cpu", "--threads", "1",
-                             "--suite", "accumulate", "--out", str(tmp_path), "--no-plot", "--seed", "1"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "benchmarks/run.py",
+            "--quick",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--suite",
+            "accumulate",
+            "--out",
+            str(tmp_path),
+            "--no-plot",
+            "--seed",
+            "1",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (tmp_path / "kernels.csv").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -192,8 +234,9 @@ def test_csv_appender_writes_each_row_as_it_comes(tmp_path):
     assert not path.exists()  # no rows, no file
     out.add({"a": 1, "b": 2.5})
     with open(path, newline="") as f:  # readable while still open: flushed per row
-        assert list(csv.DictReader(f)) == [{"a": "1", "b": "2.5", "git_commit": "c0ffee", "device_name": "d",
-                                            "torch": "t", "date_utc": "now"}]
+        assert list(csv.DictReader(f)) == [
+            {"a": "1", "b": "2.5", "git_commit": "c0ffee", "device_name": "d", "torch": "t", "date_utc": "now"}
+        ]
     out.add({"a": 3, "b": 4})
     with pytest.raises(ValueError):
         out.add({"a": 5, "c": 6})  # a row with other columns is a bug

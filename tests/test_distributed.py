@@ -5,6 +5,7 @@ Each scenario spawns 2 ranks that train the same model on their own data and sav
 parameters; the parent computes the single-process reference (the average of the ranks' losses,
 or the token-weighted sum for num_items) with torch.optim and compares.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,16 @@ def local_loss(model, rank, window, micro, reduction="mean"):
 #                  process_group): the hooks stand aside and DDP reduces; the trainer clips .grad
 #   ddp_wgrad      DDP over a model whose Linears were converted (fused_accum.nn): under DDP they
 #                  return the ordinary weight gradient, which DDP must see
-SCENARIOS = ["adamw", "sgd_num_items", "clip_every", "clip_no_sync", "ddp", "ddp_no_sync", "ddp_bucket_view",
-             "ddp_wgrad"]
+SCENARIOS = [
+    "adamw",
+    "sgd_num_items",
+    "clip_every",
+    "clip_no_sync",
+    "ddp",
+    "ddp_no_sync",
+    "ddp_bucket_view",
+    "ddp_wgrad",
+]
 CLIP = 0.5
 
 
@@ -76,16 +85,18 @@ class _Ranked(nn.Module):
 def _build(scenario, model, rank):
     group = dist.group.WORLD
     if scenario == "adamw":
-        return model, fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, max_grad_norm=CLIP,
-                                        process_group=group, bucket_cap_mb=1e-4)  # fmt: skip
+        return model, fused_accum.AdamW(
+            model.parameters(), lr=1e-2, accum_steps=K, max_grad_norm=CLIP, process_group=group, bucket_cap_mb=1e-4
+        )
     if scenario == "sgd_num_items":
         return model, fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, accum_steps=K, process_group=group)
     if scenario.startswith("clip"):
         return model, fused_accum.AdamW(model.parameters(), lr=1e-2, process_group=group, bucket_cap_mb=1e-4)
     if scenario == "ddp_wgrad":
         fused_accum.nn.convert_linears_(model)
-    ddp = nn.parallel.DistributedDataParallel(_Ranked(model, rank), find_unused_parameters=True,
-                                              gradient_as_bucket_view=scenario == "ddp_bucket_view")  # fmt: skip
+    ddp = nn.parallel.DistributedDataParallel(
+        _Ranked(model, rank), find_unused_parameters=True, gradient_as_bucket_view=scenario == "ddp_bucket_view"
+    )
     return ddp, fused_accum.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -107,7 +118,9 @@ def _worker(rank, path, scenario):
                         x, y = data(rank, window, micro, n=4 + rank)
                         ((wrapped(x) - y) ** 2).sum(dim=1).mean().div(K).backward()
                     else:
-                        local_loss(model, rank, window, micro, "sum" if scenario == "sgd_num_items" else "mean").backward()
+                        local_loss(
+                            model, rank, window, micro, "sum" if scenario == "sgd_num_items" else "mean"
+                        ).backward()
             grads.append([p.grad.clone() for p in model.parameters()])  # the group's, at window end
             if scenario not in ("adamw", "sgd_num_items"):
                 norms.append(nn.utils.clip_grad_norm_(model.parameters(), CLIP))  # as a trainer does
@@ -121,8 +134,9 @@ def _worker(rank, path, scenario):
             # the stress test below catches that), and none stays held after its wait.
             assert opt._window.topology.reducer.handoff.holding == 0
         norm = opt.last_grad_norm if scenario == "adamw" else (norms[-1] if norms else None)
-        torch.save({"params": [p.detach() for p in model.parameters()], "grads": grads, "norm": norm},
-                   f"{path}.rank{rank}")  # fmt: skip
+        torch.save(
+            {"params": [p.detach() for p in model.parameters()], "grads": grads, "norm": norm}, f"{path}.rank{rank}"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -171,7 +185,6 @@ def test_process_group_needs_initialised_distributed():
         fused_accum.SGD(nn.Linear(2, 2).parameters(), lr=0.1, process_group=object())
 
 
-
 # --- stress: many short runs in a row -----------------------------------------------------------
 
 STRESS_RUNS = 50
@@ -187,8 +200,14 @@ def _short_run(rank, path, run):
     try:
         torch.manual_seed(rank)
         model = nn.Linear(5, 3)
-        opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=2, max_grad_norm=1.0,
-                                process_group=dist.group.WORLD, shard=(None, "state", "grads")[run % 3])  # fmt: skip
+        opt = fused_accum.AdamW(
+            model.parameters(),
+            lr=1e-2,
+            accum_steps=2,
+            max_grad_norm=1.0,
+            process_group=dist.group.WORLD,
+            shard=(None, "state", "grads")[run % 3],
+        )
         for _ in range(2):
             for _ in range(2):
                 model(torch.randn(4, 5)).square().mean().backward()

@@ -13,6 +13,7 @@ sums are formed in the same order as torch's native ``.grad`` accumulation (fp32
 after another), so a correct implementation is at a few ulp; a missing division, a wrong clip
 factor or a skipped micro-batch is >= 1e-3.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,6 +41,7 @@ HYPER = {
 
 
 # --- helpers ------------------------------------------------------------------------------
+
 
 def hook_count(p) -> int:
     """Tensor hooks plus post-accumulate-grad hooks registered on ``p``."""
@@ -94,16 +96,19 @@ class AlbertNet(nn.Module):
 
 # --- issue 14, numbered items ---------------------------------------------------------------
 
+
 # issue 14, item 1
 @pytest.mark.parametrize("name", list(OURS))
 def test_group_params_given_as_generator_are_trained(name):
     """{"params": model.head.parameters(), "lr": ...}: the usual per-group form."""
     ours, ref = twins()
     hyper = dict(HYPER[name])
-    opt = OURS[name]([{"params": ours.body.parameters()},
-                      {"params": ours.head.parameters(), "lr": hyper["lr"] * 3}], **hyper)
-    ropt = getattr(torch.optim, name)([{"params": ref.body.parameters()},
-                                       {"params": ref.head.parameters(), "lr": hyper["lr"] * 3}], **hyper)
+    opt = OURS[name](
+        [{"params": ours.body.parameters()}, {"params": ours.head.parameters(), "lr": hyper["lr"] * 3}], **hyper
+    )
+    ropt = getattr(torch.optim, name)(
+        [{"params": ref.body.parameters()}, {"params": ref.head.parameters(), "lr": hyper["lr"] * 3}], **hyper
+    )
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
     before = [p.detach().clone() for p in ours.parameters()]
     for x, y in data(3):
@@ -128,7 +133,7 @@ def test_short_window_grad_visible_to_clipping_and_step_matches_torch():
     batches = data(10)
     start = 0
     for n in (4, 2, 3, 1):
-        window, start = batches[start:start + n], start + n
+        window, start = batches[start : start + n], start + n
         for x, y in window:
             (mse(ours, x, y) / n).backward()
             (mse(ref, x, y) / n).backward()
@@ -219,8 +224,7 @@ def test_max_grad_norm_clips_as_torch_when_the_last_backward_raises_and_is_retri
     .grad keeps it); the retry adds a full gradient. Same sequence on both sides. With one
     bucket per parameter the head's bucket is folded (and its stats taken) before the error."""
     ours, ref = twins(cls=BoomNet)
-    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, max_grad_norm=0.05,
-                            bucket_cap_mb=bucket_cap_mb)
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=2, max_grad_norm=0.05, bucket_cap_mb=bucket_cap_mb)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for s in range(2):
         (x0, y0), (x1, y1) = data(2, seed=s)
@@ -356,8 +360,9 @@ def test_failed_constructor_leaves_no_hooks_and_no_owner():
     with pytest.raises(ValueError):  # "some parameters appear in more than one parameter group"
         torch.optim.AdamW([{"params": list(ref.body.parameters())}, {"params": [ref.head.weight, ref.body.weight]}])
     with pytest.raises(ValueError):
-        fused_accum.AdamW([{"params": list(model.body.parameters())},
-                           {"params": [model.head.weight, model.body.weight]}])
+        fused_accum.AdamW(
+            [{"params": list(model.body.parameters())}, {"params": [model.head.weight, model.body.weight]}]
+        )
     assert [hook_count(p) for p in model.parameters()] == counts, "hooks left by a failed constructor"
     # autograd fills .grad as usual, and a later optimizer takes the parameters without complaint
     x, y = data(1)[0]
@@ -422,8 +427,11 @@ def test_all_four_state_dict_hook_kinds_run_as_in_torch():
     ours, ref = twins()
     got = _events_for(fused_accum.AdamW, ours)
     want = _events_for(torch.optim.AdamW, ref)
-    assert want == (["state_dict_pre", "state_dict_post", "load_pre", "load_post:lr=0.123"],
-                    "added by post hook", 0.123)
+    assert want == (
+        ["state_dict_pre", "state_dict_post", "load_pre", "load_post:lr=0.123"],
+        "added by post hook",
+        0.123,
+    )
     assert got == want
 
 
@@ -579,8 +587,7 @@ def test_del_frees_buffers_and_parameters_without_the_cycle_collector():
         mse(model, x, y).backward()
         p = model.body.weight
         buf = p.grad._base if p.grad._base is not None else p.grad  # the accumulator .grad views
-        refs = {"optimizer": weakref.ref(opt), "accumulator": weakref.ref(buf),
-                "parameter": weakref.ref(p)}
+        refs = {"optimizer": weakref.ref(opt), "accumulator": weakref.ref(buf), "parameter": weakref.ref(p)}
         exp_avg = opt.state.get(p, {}).get("exp_avg")
         if exp_avg is not None:
             refs["exp_avg buffer"] = weakref.ref(exp_avg._base if exp_avg._base is not None else exp_avg)
@@ -666,6 +673,7 @@ def test_grad_still_exposed_after_load_state_dict():
 
 # --- "Tests the suite is missing" (optimizer bullets) -----------------------------------------
 
+
 def test_missing_max_grad_norm_with_num_items():
     """The clip norm is the norm of the gradient after dividing by num_items."""
     ours, ref = twins()
@@ -706,8 +714,9 @@ def test_missing_clip_factor_is_capped_at_one():
 
 def test_missing_generic_path_with_num_items_and_clipping():
     ours, ref = twins()
-    opt = FusedAccumOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
-                              accum_steps=2, max_grad_norm=0.05)
+    opt = FusedAccumOptimizer(
+        ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, accum_steps=2, max_grad_norm=0.05
+    )
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for s in range(3):
         window = data(2, micro=3 + s, seed=20 + s)
@@ -729,8 +738,9 @@ def test_missing_generic_path_skip_nonfinite():
     """A window with an inf gradient is skipped whole (params and momentum untouched); the
     next windows train as torch does when that step is skipped."""
     ours, ref = twins()
-    opt = FusedAccumOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
-                              accum_steps=2, skip_nonfinite=True)
+    opt = FusedAccumOptimizer(
+        ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, accum_steps=2, skip_nonfinite=True
+    )
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for s in range(3):
         window = data(2, seed=30 + s)
@@ -820,6 +830,7 @@ class TwoBranch(nn.Module):
 
 # --- Newest optimizer wins ---------------------------------------------------------------------
 
+
 def test_newest_optimizer_takes_over_and_the_old_one_refuses_to_step():
     ours, ref = twins()
     old = fused_accum.AdamW(ours.parameters(), lr=1e-2)
@@ -865,8 +876,7 @@ def test_newest_optimizer_constructor_is_all_or_nothing():
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     counts = [hook_count(p) for p in ours.parameters()]
     with pytest.raises(ValueError):
-        fused_accum.AdamW([{"params": list(ours.body.parameters())},
-                           {"params": [ours.head.weight, ours.body.weight]}])
+        fused_accum.AdamW([{"params": list(ours.body.parameters())}, {"params": [ours.head.weight, ours.body.weight]}])
     assert [hook_count(p) for p in ours.parameters()] == counts
     for x, y in data(3):
         mse(ours, x, y).backward()
@@ -879,6 +889,7 @@ def test_newest_optimizer_constructor_is_all_or_nothing():
 
 
 # --- torch.optim's surface: maximize, .grad after every backward ---------------------------------
+
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
 def test_surface_maximize_matches_torch(name):

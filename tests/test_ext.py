@@ -11,6 +11,7 @@ checks what is particular to the extension:
   one kernel-argument table, a tensor of more than 2^31 elements, CUDA graph capture (no host
   sync), and device mismatches.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -56,7 +57,11 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
     lr = torch.tensor(0.01, dtype=torch.float64, device=device)
     coef = torch.tensor(0.5, device=device)
     kwargs = dict(
-        lp_params=[torch.zeros(n, device=device, dtype=(torch.bfloat16, torch.float16)[i % 2]) for i, n in enumerate(sizes)] if lp else [],
+        lp_params=[
+            torch.zeros(n, device=device, dtype=(torch.bfloat16, torch.float16)[i % 2]) for i, n in enumerate(sizes)
+        ]
+        if lp
+        else [],
         grads=[_randn(n, torch.bfloat16, device, gen) for n in sizes] if fused else [],
         grad_alpha=0.5,
         grads_overwrite=False,
@@ -82,9 +87,17 @@ def _op_args(algo, args, kwargs):
     hyper = [v for k, v in kwargs.items() if k not in tail]
     if algo.startswith("adam"):  # the op takes max_exp_avg_sqs (empty: no amsgrad) after exp_avg_sqs
         args = list(args[:3]) + [kwargs.get("max_exp_avg_sqs", [])] + list(args[3:])
-    return tuple(args) + tuple(hyper) + (
-        kwargs["lp_params"], kwargs["grads"], kwargs["grad_alpha"], kwargs["grads_overwrite"], kwargs["found_inf"],
-    )  # fmt: skip
+    return (
+        tuple(args)
+        + tuple(hyper)
+        + (
+            kwargs["lp_params"],
+            kwargs["grads"],
+            kwargs["grad_alpha"],
+            kwargs["grads_overwrite"],
+            kwargs["found_inf"],
+        )
+    )
 
 
 def _clone_tree(x):
@@ -162,7 +175,9 @@ def test_compiles_without_graph_break():
 
 def _bad_accumulate(change):
     gen = torch.Generator().manual_seed(4)
-    acc, offsets, grads = _accumulate_args("cpu", gen, sizes=(4, 6), pad=64)  # slices at 0 and 64: the messages name them
+    acc, offsets, grads = _accumulate_args(
+        "cpu", gen, sizes=(4, 6), pad=64
+    )  # slices at 0 and 64: the messages name them
     found_inf, sumsq = torch.zeros(()), torch.zeros(())
     kw = dict(acc=acc, offsets=offsets, grads=grads, found_inf=found_inf, sumsq=sumsq)
     change(kw)
@@ -171,13 +186,28 @@ def _bad_accumulate(change):
 
 # The layout checks (offsets order, bounds, dtypes) are tested on every backend in test_kernels.py.
 ACCUMULATE_ERRORS = {
-    "acc dtype": (lambda kw: kw.__setitem__("acc", kw["acc"].double()), r"accumulate_: acc must be a 1-D contiguous float32 tensor \(the flat accumulator\), got Double"),
+    "acc dtype": (
+        lambda kw: kw.__setitem__("acc", kw["acc"].double()),
+        r"accumulate_: acc must be a 1-D contiguous float32 tensor \(the flat accumulator\), got Double",
+    ),
     "lengths": (lambda kw: kw["grads"].pop(), r"offsets has 2 entries but grads has 1 tensors"),
-    "grad overruns the next slice": (lambda kw: kw["grads"].__setitem__(0, torch.zeros(65)), r"offsets\[1\] is 64, before 65, where the previous slice ends"),
-    "grad dtype": (lambda kw: kw["grads"].__setitem__(1, torch.zeros(6, dtype=torch.int32)), r"grads\[1\] must be float32, bfloat16 or float16, got Int"),
-    "found_inf": (lambda kw: kw.__setitem__("found_inf", torch.zeros(2)), r"found_inf must be a one-element float32 tensor"),
-    "sumsq dtype": (lambda kw: kw.__setitem__("sumsq", torch.zeros((), dtype=torch.float64)), r"sumsq must be a one-element float32 tensor, got Double"),
-}  # fmt: skip
+    "grad overruns the next slice": (
+        lambda kw: kw["grads"].__setitem__(0, torch.zeros(65)),
+        r"offsets\[1\] is 64, before 65, where the previous slice ends",
+    ),
+    "grad dtype": (
+        lambda kw: kw["grads"].__setitem__(1, torch.zeros(6, dtype=torch.int32)),
+        r"grads\[1\] must be float32, bfloat16 or float16, got Int",
+    ),
+    "found_inf": (
+        lambda kw: kw.__setitem__("found_inf", torch.zeros(2)),
+        r"found_inf must be a one-element float32 tensor",
+    ),
+    "sumsq dtype": (
+        lambda kw: kw.__setitem__("sumsq", torch.zeros((), dtype=torch.float64)),
+        r"sumsq must be a one-element float32 tensor, got Double",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(ACCUMULATE_ERRORS))
@@ -193,24 +223,72 @@ def _set(i, value):
 
 STEP_ERRORS = {
     "state length": ("adam", lambda a, kw: a[1].pop(), r"adam_step_: exp_avgs has 2 tensors but params has 3"),
-    "state dtype": ("lion", lambda a, kw: a[1].__setitem__(0, a[1][0].bfloat16()), r"lion_step_: exp_avgs\[0\] must be float32, got BFloat16"),
-    "state numel": ("adam", lambda a, kw: a[2].__setitem__(2, torch.zeros(2)), r"exp_avg_sqs\[2\] has 2 elements but params\[2\] has 1"),
+    "state dtype": (
+        "lion",
+        lambda a, kw: a[1].__setitem__(0, a[1][0].bfloat16()),
+        r"lion_step_: exp_avgs\[0\] must be float32, got BFloat16",
+    ),
+    "state numel": (
+        "adam",
+        lambda a, kw: a[2].__setitem__(2, torch.zeros(2)),
+        r"exp_avg_sqs\[2\] has 2 elements but params\[2\] has 1",
+    ),
     "momentum missing": ("sgd", _set(1, []), r"sgd_step_: momentum_bufs has 0 tensors but params has 3"),
     "acc dtype": ("sgd", lambda a, kw: a[2].__setitem__(0, a[2][0].half()), r"accs\[0\] must be float32, got Half"),
-    "param dtype": ("adam", lambda a, kw: a[0].__setitem__(1, a[0][1].double()), r"params\[1\] must be float32, bfloat16 or float16, got Double"),
+    "param dtype": (
+        "adam",
+        lambda a, kw: a[0].__setitem__(1, a[0][1].double()),
+        r"params\[1\] must be float32, bfloat16 or float16, got Double",
+    ),
     "steps shape": ("adam", _set(4, torch.ones(2)), r"steps must be a contiguous 1-D float32 tensor of 3 step counts"),
-    "steps dtype": ("lion", _set(3, torch.ones(3, dtype=torch.float64)), r"steps must be a contiguous 1-D float32 tensor"),
-    "lr dtype": ("adam", _set(5, torch.tensor(0.1, dtype=torch.float16)), r"adam_step_: lr must be a one-element float64 or float32 tensor, got Half"),
-    "lr shape": ("lion", _set(4, torch.ones(2, dtype=torch.float64)), r"lion_step_: lr must be a one-element float64 or float32 tensor, got Double of shape \[2\]"),
+    "steps dtype": (
+        "lion",
+        _set(3, torch.ones(3, dtype=torch.float64)),
+        r"steps must be a contiguous 1-D float32 tensor",
+    ),
+    "lr dtype": (
+        "adam",
+        _set(5, torch.tensor(0.1, dtype=torch.float16)),
+        r"adam_step_: lr must be a one-element float64 or float32 tensor, got Half",
+    ),
+    "lr shape": (
+        "lion",
+        _set(4, torch.ones(2, dtype=torch.float64)),
+        r"lion_step_: lr must be a one-element float64 or float32 tensor, got Double of shape \[2\]",
+    ),
     "coef shape": ("sgd", _set(5, torch.ones(2)), r"coef must be a one-element float32 tensor"),
     "lp length": ("adam", lambda a, kw: kw["lp_params"].pop(), r"lp_params has 2 tensors, expected 0 \(none\) or 3"),
-    "lp dtype": ("sgd", lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)), r"lp_params\[0\] must be float32, bfloat16 or float16, got Char"),
-    "grads numel": ("lion", lambda a, kw: kw["grads"].__setitem__(1, torch.zeros(3)), r"grads\[1\] has 3 elements but params\[1\] has 300"),
-    "found_inf": ("adam", lambda a, kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)), r"found_inf must be a one-element float32 tensor, got Bool"),
-    "amsgrad length": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].pop(), r"adam_step_: max_exp_avg_sqs has 2 tensors but params has 3"),
-    "amsgrad dtype": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(1, kw["max_exp_avg_sqs"][1].half()), r"max_exp_avg_sqs\[1\] must be float32, got Half"),
-    "amsgrad numel": ("adam_amsgrad", lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(0, torch.zeros(4)), r"max_exp_avg_sqs\[0\] has 4 elements but params\[0\] has 5"),
-}  # fmt: skip
+    "lp dtype": (
+        "sgd",
+        lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)),
+        r"lp_params\[0\] must be float32, bfloat16 or float16, got Char",
+    ),
+    "grads numel": (
+        "lion",
+        lambda a, kw: kw["grads"].__setitem__(1, torch.zeros(3)),
+        r"grads\[1\] has 3 elements but params\[1\] has 300",
+    ),
+    "found_inf": (
+        "adam",
+        lambda a, kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)),
+        r"found_inf must be a one-element float32 tensor, got Bool",
+    ),
+    "amsgrad length": (
+        "adam_amsgrad",
+        lambda a, kw: kw["max_exp_avg_sqs"].pop(),
+        r"adam_step_: max_exp_avg_sqs has 2 tensors but params has 3",
+    ),
+    "amsgrad dtype": (
+        "adam_amsgrad",
+        lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(1, kw["max_exp_avg_sqs"][1].half()),
+        r"max_exp_avg_sqs\[1\] must be float32, got Half",
+    ),
+    "amsgrad numel": (
+        "adam_amsgrad",
+        lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(0, torch.zeros(4)),
+        r"max_exp_avg_sqs\[0\] has 4 elements but params\[0\] has 5",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(STEP_ERRORS))
@@ -253,8 +331,15 @@ def test_strided_params_are_written_back(algo):
 def test_empty_lists_and_zero_size_tensors():
     ext.accumulate(torch.zeros(0), torch.zeros(0, dtype=torch.int64), [], 1.0, False, None, None)
     acc = torch.ones(64)
-    ext.accumulate(acc, torch.tensor([0, 3, 6]), [torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)]
-                   + [torch.zeros(0)], 1.0, False, None, None)  # fmt: skip
+    ext.accumulate(
+        acc,
+        torch.tensor([0, 3, 6]),
+        [torch.zeros(0), torch.full((3,), 2.0, dtype=torch.bfloat16)] + [torch.zeros(0)],
+        1.0,
+        False,
+        None,
+        None,
+    )
     assert acc[3:6].tolist() == [3.0] * 3 and acc[:3].tolist() == [1.0] * 3 and bool((acc[6:] == 1).all())
     gen = torch.Generator().manual_seed(8)
     args, kwargs = _step_args("adam", "cpu", gen, sizes=(0, 17, 0))
@@ -266,7 +351,9 @@ def test_empty_lists_and_zero_size_tensors():
     _step(ext, "lion", args, kwargs)  # nothing to do, and no error
 
 
-@pytest.mark.skipif(shutil.which("nm") is None or not sys.platform.startswith("linux"), reason="needs nm (binutils), Linux")
+@pytest.mark.skipif(
+    shutil.which("nm") is None or not sys.platform.startswith("linux"), reason="needs nm (binutils), Linux"
+)
 def test_extension_is_built_with_openmp():
     """at::parallel_for is an inline template: without -fopenmp it compiles to a serial loop in
     _C, silently (issue 11: a second thread gave 1.07x). With it, _C calls libgomp."""
@@ -322,8 +409,15 @@ def test_cuda_triton_and_reference_agree(algo):
     sizes = (1, 4097, (1 << 20) + 3, 77)
     if algo == "accumulate":
         acc, offsets, grads = _accumulate_args("cuda", gen, sizes=sizes)
-        inputs = dict(acc=acc, offsets=offsets, grads=grads, alpha=0.3, overwrite=False,
-                      found_inf=torch.zeros((), device="cuda"), sumsq=torch.zeros((), device="cuda"))  # fmt: skip
+        inputs = dict(
+            acc=acc,
+            offsets=offsets,
+            grads=grads,
+            alpha=0.3,
+            overwrite=False,
+            found_inf=torch.zeros((), device="cuda"),
+            sumsq=torch.zeros((), device="cuda"),
+        )
         run = lambda m, x: m.accumulate(**x)  # noqa: E731
     else:
         args, kwargs = _step_args(algo, "cuda", gen, sizes=sizes)

@@ -8,6 +8,7 @@ ranks ("cpu" device mesh) runs every scenario, both optimizers on identical copi
 the parent compares. The model's tensor sizes do not divide by 2 and one parameter has a single
 row (rank 1's shard of it is empty).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -110,8 +111,10 @@ def pair(rank, mp_policy=None, dtype=torch.float32, clip=None, foreach=False):
     models = [shard(Net().to(dtype), mp_policy) for _ in range(3 if foreach else 2)]
     extra = {} if clip is None else dict(max_grad_norm=clip)
     hyper = HYPER if dtype == torch.float32 else BF16_HYPER
-    opts = [fused_accum.AdamW(models[0].parameters(), accum_steps=K, **hyper, **extra),
-            torch.optim.AdamW(models[1].parameters(), fused=True, **hyper)]  # fmt: skip
+    opts = [
+        fused_accum.AdamW(models[0].parameters(), accum_steps=K, **hyper, **extra),
+        torch.optim.AdamW(models[1].parameters(), fused=True, **hyper),
+    ]
     if foreach:
         opts.append(torch.optim.AdamW(models[2].parameters(), foreach=True, **hyper))
     return models, opts
@@ -142,11 +145,20 @@ def _worker(rank, path):
                     train(model, opt, rank, [window], no_sync=no_sync, clip=None if opt is ours else clip, log=log)
                 if window == 0:
                     first = [full(mine), full(theirs)]
-            results[name] = dict(ours=full(mine), torch=full(theirs), first=first, log=logs[0], norm=ours.last_grad_norm,
-                                 torch_norm=logs[1].get("torch_norm"), foreach=full(models[2]) if fp32 else None)  # fmt: skip
+            results[name] = dict(
+                ours=full(mine),
+                torch=full(theirs),
+                first=first,
+                log=logs[0],
+                norm=ours.last_grad_norm,
+                torch_norm=logs[1].get("torch_norm"),
+                foreach=full(models[2]) if fp32 else None,
+            )
             # the fp32 slices cover this rank's local shards, no more
-            results[name]["held"] = (sum(s.acc.numel() for s in ours._window.slots),
-                                     sum(p.numel() for p in mine.parameters()))  # fmt: skip
+            results[name]["held"] = (
+                sum(s.acc.numel() for s in ours._window.slots),
+                sum(p.numel() for p in mine.parameters()),
+            )
             state = ours.state[mine.out.weight]
             results[name]["state"] = {k: (type(v).__name__, tuple(v.shape)) for k, v in state.items()}
             saved = ours.state_dict()["state"]
@@ -185,8 +197,10 @@ def _worker(rank, path):
         attempts = {
             "process_group": lambda: fused_accum.AdamW(mine.parameters(), process_group=dist.group.WORLD),
             "generic": lambda: fused_accum.FusedAccumOptimizer(mine.parameters(), torch.optim.RMSprop),
-            "mixed_clip": lambda: fused_accum.AdamW([*mine.parameters(), nn.Parameter(torch.ones(2))], max_grad_norm=1.0),
-        }  # fmt: skip
+            "mixed_clip": lambda: fused_accum.AdamW(
+                [*mine.parameters(), nn.Parameter(torch.ones(2))], max_grad_norm=1.0
+            ),
+        }
         for key, attempt in attempts.items():
             try:
                 attempt()
@@ -274,8 +288,17 @@ def test_grad_and_state_are_dtensors(ranks):
         got = rank["fp32"]
         assert got["log"]["grad"][:2] == ("DTensor", torch.float32)  # ours: fp32, over the accumulator
         assert got["log"]["grad_after_step_same"]
-        assert got["state"] == {"step": ("Tensor", ()), "exp_avg": ("DTensor", (5, 12)), "exp_avg_sq": ("DTensor", (5, 12))}
-        assert rank["bf16"]["saved"] == {"step": "Tensor", "exp_avg": "DTensor", "exp_avg_sq": "DTensor", "master": "DTensor"}
+        assert got["state"] == {
+            "step": ("Tensor", ()),
+            "exp_avg": ("DTensor", (5, 12)),
+            "exp_avg_sq": ("DTensor", (5, 12)),
+        }
+        assert rank["bf16"]["saved"] == {
+            "step": "Tensor",
+            "exp_avg": "DTensor",
+            "exp_avg_sq": "DTensor",
+            "master": "DTensor",
+        }
         # FSDP2 hands over the first micro-batch's gradient in the param's dtype; the window then
         # shows the fp32 DTensor over its accumulator slice, and FSDP2 adds later ones into it
         assert rank["bf16"]["log"]["grad"][:2] == ("DTensor", torch.float32)
@@ -319,8 +342,10 @@ def _worker_hsdp(rank, path):
         log = {}
         train(models[0], ours, rank, [0])
         train(models[1], ref, rank, [0], clip=CLIP, log=log)
-        torch.save(dict(ours=full(models[0]), torch=full(models[1]), norm=ours.last_grad_norm,
-                        torch_norm=log["torch_norm"]), f"{path}.rank{rank}")  # fmt: skip
+        torch.save(
+            dict(ours=full(models[0]), torch=full(models[1]), norm=ours.last_grad_norm, torch_norm=log["torch_norm"]),
+            f"{path}.rank{rank}",
+        )
     finally:
         dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ are the checks that need real kernels, streams and graphs.
 Data: fresh random values (never zeros), outputs poisoned with NaN before the call; tolerances
 are stated where used.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -95,8 +96,18 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
         # variant's module on its first launch, which the driver refuses inside a capture. The
         # step's variant (its dtypes and flags) runs here on copies at other addresses, so its
         # table is still a miss in the capture below, as the test intends.
-        tb.adam_step([p.clone() for p in params], [x.clone() for x in m], [x.clone() for x in v], accs, steps, lr,
-                     coef, lp_params=[x.clone() for x in lp], found_inf=found_inf.clone(), **HYPER)  # fmt: skip
+        tb.adam_step(
+            [p.clone() for p in params],
+            [x.clone() for x in m],
+            [x.clone() for x in v],
+            accs,
+            steps,
+            lr,
+            coef,
+            lp_params=[x.clone() for x in lp],
+            found_inf=found_inf.clone(),
+            **HYPER,
+        )
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -123,13 +134,29 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
         t.fill_(float("nan"))
     sumsq.fill_(0.25)
     found_inf.zero_()
-    want = dict(flat=flat.clone(), params=[p.clone() for p in params], m=[x.clone() for x in m],
-                v=[x.clone() for x in v], lp=[x.clone() for x in lp], sumsq=sumsq.clone(),
-                found_inf=found_inf.clone())  # fmt: skip
+    want = dict(
+        flat=flat.clone(),
+        params=[p.clone() for p in params],
+        m=[x.clone() for x in m],
+        v=[x.clone() for x in v],
+        lp=[x.clone() for x in lp],
+        sumsq=sumsq.clone(),
+        found_inf=found_inf.clone(),
+    )
     want_accs = [want["flat"][o : o + n] for o, n in zip(offsets.tolist(), sizes)]
     reference.accumulate(want["flat"], offsets, grads, 0.5, False, want["found_inf"], want["sumsq"])
-    reference.adam_step(want["params"], want["m"], want["v"], want_accs, steps, lr, coef,
-                        lp_params=want["lp"], found_inf=want["found_inf"], **HYPER)  # fmt: skip
+    reference.adam_step(
+        want["params"],
+        want["m"],
+        want["v"],
+        want_accs,
+        steps,
+        lr,
+        coef,
+        lp_params=want["lp"],
+        found_inf=want["found_inf"],
+        **HYPER,
+    )
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(flat, want["flat"], **ACC_TOL["triton"])
@@ -173,8 +200,15 @@ def test_triton_compiles_one_accumulate_variant_whatever_the_alignment():
             flat, offsets, _ = _flat(sizes, gen)
             grads = [torch.randn(n, generator=gen).to(DEV, torch.bfloat16) for n in sizes]
             # found_inf and sumsq as views at 4-byte offsets: alignments 4, 8, 12, 16
-            tb.accumulate(flat, offsets, grads, 1.0, False, stats[shift : shift + 1].view(()),
-                          stats[4 + shift : 5 + shift].view(()))  # fmt: skip
+            tb.accumulate(
+                flat,
+                offsets,
+                grads,
+                1.0,
+                False,
+                stats[shift : shift + 1].view(()),
+                stats[4 + shift : 5 + shift].view(()),
+            )
             calls += 1
     torch.cuda.synchronize()
     assert calls == 20
@@ -247,8 +281,20 @@ def test_adam_500_tensors_fused_with_misaligned_grads(name, amsgrad):
     want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
     extra = dict(max_exp_avg_sqs=vmax) if amsgrad else {}
     be.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, grads=grads, grad_alpha=0.25, **extra, **HYPER)
-    reference.adam_step(want[0], want[1], want[2], accs, steps, lr, coef, lp_params=want[4], grads=grads,
-                        grad_alpha=0.25, **(dict(max_exp_avg_sqs=want[3]) if amsgrad else {}), **HYPER)  # fmt: skip
+    reference.adam_step(
+        want[0],
+        want[1],
+        want[2],
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params=want[4],
+        grads=grads,
+        grad_alpha=0.25,
+        **(dict(max_exp_avg_sqs=want[3]) if amsgrad else {}),
+        **HYPER,
+    )
     for got_list, want_list in zip((params, m, v, vmax), want[:4]):
         for got, exp in zip(got_list, want_list):
             torch.testing.assert_close(got, exp, **STEP_TOL)
@@ -291,7 +337,12 @@ def test_cuda_ops_replay_in_a_graph_on_new_data():
     lr.fill_(3e-3)  # a new lr reaches the replay: it is read on the device
     steps.fill_(9.0)
     sumsq.zero_()
-    want_flat, want_p, want_m, want_v = flat.clone(), [p.clone() for p in params], [x.clone() for x in m], [x.clone() for x in v]
+    want_flat, want_p, want_m, want_v = (
+        flat.clone(),
+        [p.clone() for p in params],
+        [x.clone() for x in m],
+        [x.clone() for x in v],
+    )
     want_sumsq, want_inf = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
     want_accs = [want_flat[o : o + n] for o, n in zip(offsets.tolist(), sizes)]
     reference.accumulate(want_flat, offsets, grads, 1.0, False, want_inf, want_sumsq)

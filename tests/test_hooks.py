@@ -5,6 +5,7 @@ Every test runs on both implementations (``hooks`` fixture). The rest of the sui
 C++ hooks where the extension is built; scripts/test_all.sh runs the drop-in tests on the Python
 ones too.
 """
+
 import gc
 import warnings
 
@@ -99,6 +100,7 @@ def test_a_post_accumulate_grad_hook_sees_and_edits_the_running_sum(hooks):
         def hook(p):
             seen[side].append(p.grad.clone())
             p.grad.clamp_(-0.05, 0.05)
+
         return hook
 
     a[0].weight.register_post_accumulate_grad_hook(clamp("ours"))
@@ -232,13 +234,15 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
     # gradients are torch's either way, bit for bit.
     a, b = _pair()
     # lr=0: the parameters stay equal to b's, which no optimizer steps
-    opt = fused_accum.AdamW(a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9 if clip else None,
-                            bucket_cap_mb=50 * 4 / 2**20)
+    opt = fused_accum.AdamW(
+        a.parameters(), lr=0.0, accum_steps=4, max_grad_norm=1e9 if clip else None, bucket_cap_mb=50 * 4 / 2**20
+    )
     n_buckets = len(opt._window._folder.bucket_ids)
     calls = []
     original = type(opt._window._folder).bucket_complete  # (the fold of a bucket the hooks did not fold)
-    monkeypatch.setattr(type(opt._window._folder), "bucket_complete",
-                        lambda self, *args: (calls.append(args[0]), original(self, *args)))
+    monkeypatch.setattr(
+        type(opt._window._folder), "bucket_complete", lambda self, *args: (calls.append(args[0]), original(self, *args))
+    )
     per_backward = []
     for window in range(2):
         for x in _batches(4, seed=window):
@@ -427,8 +431,9 @@ def test_middle_backwards_run_without_python_and_still_count(cpp_hooks, monkeypa
     # torch's all the same.
     a, b = _pair()
     # plain SGD: ours and torch's round its update alike, so the models stay equal
-    opt = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=4, max_grad_norm=1e9 if clip else None,
-                          bucket_cap_mb=50 * 4 / 2**20)
+    opt = fused_accum.SGD(
+        a.parameters(), lr=0.25, accum_steps=4, max_grad_norm=1e9 if clip else None, bucket_cap_mb=50 * 4 / 2**20
+    )
     ref = torch.optim.SGD(b.parameters(), lr=0.25)
     calls = _python_calls(monkeypatch, opt)
     per_backward = []

@@ -12,6 +12,7 @@ kernel that skips an element or a tensor fails. Sizes cover 1, 2, primes, powers
 past them (one block and one more than a block for any block size up to 4096), and more than 110
 tensors in one call (the point where a kernel-argument metadata table typically fills).
 """
+
 from __future__ import annotations
 
 import os
@@ -172,9 +173,11 @@ BAD_LAYOUTS = {
     "int32_offsets": (lambda flat, offs: (flat, offs.int()), "offsets must be a 1-D int64 CPU tensor"),
     "2d_offsets": (lambda flat, offs: (flat, offs.view(1, 2)), "offsets must be a 1-D int64 CPU tensor"),
     "bf16_acc": (lambda flat, offs: (flat.bfloat16(), offs), "acc must be a 1-D contiguous float32"),
-    "strided_acc": (lambda flat, offs: (torch.zeros(2 * flat.numel(), device=flat.device)[::2], offs),
-                    "acc must be a 1-D contiguous float32"),
-}  # fmt: skip
+    "strided_acc": (
+        lambda flat, offs: (torch.zeros(2 * flat.numel(), device=flat.device)[::2], offs),
+        "acc must be a 1-D contiguous float32",
+    ),
+}
 
 
 @pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
@@ -211,9 +214,7 @@ def _step_inputs(algo, sizes, param_kind, device, gen):
     n_state = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}[algo]
     param_dtype = torch.bfloat16 if param_kind == "bf16" else torch.float32
     params = [torch.randn(n, generator=gen).to(device=device, dtype=param_dtype) for n in sizes]
-    states = [
-        [torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(n_state)
-    ]
+    states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(n_state)]
     lp = []
     if param_kind == "master":
         lp = [torch.full((n,), float("nan"), device=device, dtype=LOW[i % 2]) for i, n in enumerate(sizes)]
@@ -291,8 +292,7 @@ def _f32(x: float) -> float:
 def _decay_probe(lr: float) -> float:
     """A weight decay at which 1 - lr * wd rounds to another fp32 from the double lr than from lr
     rounded to fp32 first (most do not: the two products differ by ~5e-8 relative)."""
-    return next(wd for wd in (k / 100 for k in range(1, 1000))
-                if _f32(1 - lr * wd) != _f32(1 - _f32(lr) * wd))  # fmt: skip
+    return next(wd for wd in (k / 100 for k in range(1, 1000)) if _f32(1 - lr * wd) != _f32(1 - _f32(lr) * wd))
 
 
 @pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
@@ -327,21 +327,69 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
         want = torch.full_like(got, value)
         assert torch.equal(got, want), f"{what}: got {got[0].item()!r}, want {value!r}"
 
-    got = run(lambda mod, ps, m, v, accs, steps: mod.sgd_step(
-        ps, [], accs, steps, lr, one, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-        maximize=False), p=0.0, m=0.0, v=0.0, g=1.0)  # fmt: skip
+    got = run(
+        lambda mod, ps, m, v, accs, steps: mod.sgd_step(
+            ps, [], accs, steps, lr, one, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False
+        ),
+        p=0.0,
+        m=0.0,
+        v=0.0,
+        g=1.0,
+    )
     expect(got, _f32(-held), "SGD's -lr")
-    got = run(lambda mod, ps, m, v, accs, steps: mod.adam_step(
-        ps, m, v, accs, steps, lr, one, beta1=0.9, beta2=0.0, eps=0.0, weight_decay=0.0,
-        decoupled=False, maximize=False), p=0.0, m=1.0, v=1.0, g=1.0)  # fmt: skip
+    got = run(
+        lambda mod, ps, m, v, accs, steps: mod.adam_step(
+            ps,
+            m,
+            v,
+            accs,
+            steps,
+            lr,
+            one,
+            beta1=0.9,
+            beta2=0.0,
+            eps=0.0,
+            weight_decay=0.0,
+            decoupled=False,
+            maximize=False,
+        ),
+        p=0.0,
+        m=1.0,
+        v=1.0,
+        g=1.0,
+    )
     expect(got, step_size(held), "Adam's step size")
-    got = run(lambda mod, ps, m, v, accs, steps: mod.adam_step(
-        ps, m, v, accs, steps, lr, one, beta1=0.9, beta2=0.999, eps=1.0, weight_decay=wd,
-        decoupled=True, maximize=False), p=1.0, m=0.0, v=0.0, g=0.0)  # fmt: skip
+    got = run(
+        lambda mod, ps, m, v, accs, steps: mod.adam_step(
+            ps,
+            m,
+            v,
+            accs,
+            steps,
+            lr,
+            one,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1.0,
+            weight_decay=wd,
+            decoupled=True,
+            maximize=False,
+        ),
+        p=1.0,
+        m=0.0,
+        v=0.0,
+        g=0.0,
+    )
     expect(got, _f32(1 - held * wd), "AdamW's decay factor")
-    got = run(lambda mod, ps, m, v, accs, steps: mod.lion_step(
-        ps, m, accs, steps, lr, one, beta1=0.9, beta2=0.99, weight_decay=wd, maximize=False),
-        p=1.0, m=0.0, v=0.0, g=0.0)  # fmt: skip
+    got = run(
+        lambda mod, ps, m, v, accs, steps: mod.lion_step(
+            ps, m, accs, steps, lr, one, beta1=0.9, beta2=0.99, weight_decay=wd, maximize=False
+        ),
+        p=1.0,
+        m=0.0,
+        v=0.0,
+        g=0.0,
+    )
     expect(got, _f32(1 - held * wd), "Lion's decay factor")
 
 
@@ -355,9 +403,18 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
     p, accs = torch.zeros(4, device=device), flat_layout([4], device, fill=1.0).views
     with pytest.raises((ValueError, RuntimeError), match=r"lr must be a one-element float64 or float32 tensor"):
         backends.get(backend).sgd_step(
-            [p], [], accs, torch.ones(1, device=device), lr, torch.ones((), device=device),
-            momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
-        )  # fmt: skip
+            [p],
+            [],
+            accs,
+            torch.ones(1, device=device),
+            lr,
+            torch.ones((), device=device),
+            momentum=0.0,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+        )
 
 
 # --- the same numbers as torch.optim's fused CPU optimizers ----------------------------------
@@ -367,13 +424,16 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
 # above 0.5), SGD's dampening and nesterov, and SGD without momentum.
 TORCH_FUSED = {
     "adam": (torch.optim.Adam, dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)),
-    "adam_amsgrad_maximize": (torch.optim.Adam, dict(betas=(0.9, 0.99), weight_decay=0.01, amsgrad=True, maximize=True)),
+    "adam_amsgrad_maximize": (
+        torch.optim.Adam,
+        dict(betas=(0.9, 0.99), weight_decay=0.01, amsgrad=True, maximize=True),
+    ),
     "adamw": (torch.optim.AdamW, dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
     "adamw_amsgrad_beta1_low": (torch.optim.AdamW, dict(betas=(0.3, 0.999), weight_decay=0.05, amsgrad=True)),
     "sgd_momentum": (torch.optim.SGD, dict(momentum=0.9, dampening=0.1, weight_decay=0.01)),
     "sgd_nesterov_maximize": (torch.optim.SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True)),
     "sgd_plain": (torch.optim.SGD, dict(weight_decay=0.01)),
-}  # fmt: skip
+}
 TORCH_FUSED_BACKENDS = CPU_BACKENDS  # the reference too: here every backend is checked against torch
 # The states torch keeps, in the order _run_op_steps keeps them.
 STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -423,19 +483,36 @@ def _run_op_steps(module, cls, opts, lr, params0, grads):
         steps = torch.full((n,), float(i + 1))
         if cls is torch.optim.SGD:
             module.sgd_step(
-                params, states[0] if states else [], accs, steps, lr_t, coef,
-                momentum=opts.get("momentum", 0.0), dampening=opts.get("dampening", 0.0),
-                weight_decay=opts.get("weight_decay", 0.0), nesterov=opts.get("nesterov", False),
+                params,
+                states[0] if states else [],
+                accs,
+                steps,
+                lr_t,
+                coef,
+                momentum=opts.get("momentum", 0.0),
+                dampening=opts.get("dampening", 0.0),
+                weight_decay=opts.get("weight_decay", 0.0),
+                nesterov=opts.get("nesterov", False),
                 maximize=opts.get("maximize", False),
-            )  # fmt: skip
+            )
         else:
             amsgrad = dict(max_exp_avg_sqs=states[2]) if opts.get("amsgrad") else {}
             module.adam_step(
-                params, states[0], states[1], accs, steps, lr_t, coef,
-                beta1=opts["betas"][0], beta2=opts["betas"][1], eps=opts.get("eps", 1e-8),
-                weight_decay=opts["weight_decay"], decoupled=cls is torch.optim.AdamW,
-                maximize=opts.get("maximize", False), **amsgrad,
-            )  # fmt: skip
+                params,
+                states[0],
+                states[1],
+                accs,
+                steps,
+                lr_t,
+                coef,
+                beta1=opts["betas"][0],
+                beta2=opts["betas"][1],
+                eps=opts.get("eps", 1e-8),
+                weight_decay=opts["weight_decay"],
+                decoupled=cls is torch.optim.AdamW,
+                maximize=opts.get("maximize", False),
+                **amsgrad,
+            )
     return params, states
 
 
@@ -492,8 +569,11 @@ def test_steps_match_torch_fused_within_1e_7(backend, case):
 
 
 # fused_accum's optimizer of each torch.optim class, with the same keyword arguments.
-FUSED_CLASSES = {torch.optim.SGD: fused_accum.SGD, torch.optim.Adam: fused_accum.Adam,
-                 torch.optim.AdamW: fused_accum.AdamW}  # fmt: skip
+FUSED_CLASSES = {
+    torch.optim.SGD: fused_accum.SGD,
+    torch.optim.Adam: fused_accum.Adam,
+    torch.optim.AdamW: fused_accum.AdamW,
+}
 
 
 def _optimizer_run(make, lr, params0, grads):
@@ -568,8 +648,18 @@ def test_lion_matches_an_independent_implementation(backend):
     exp_avgs = [torch.zeros_like(p) for p in params]
     module = backends.get(backend)
     for i, step_grads in enumerate(grads):
-        module.lion_step(params, exp_avgs, [g.clone() for g in step_grads], torch.full((len(params),), i + 1.0),
-                         _op_lr(lr), torch.tensor(1.0), beta1=beta1, beta2=beta2, weight_decay=wd, maximize=False)
+        module.lion_step(
+            params,
+            exp_avgs,
+            [g.clone() for g in step_grads],
+            torch.full((len(params),), i + 1.0),
+            _op_lr(lr),
+            torch.tensor(1.0),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=wd,
+            maximize=False,
+        )
     for got, want in zip(params + exp_avgs, want_p + want_m):
         if backend == "triton":
             assert ((got - want).norm() / want.norm()).item() <= 1e-7

@@ -13,6 +13,7 @@ Three layers of tests:
 Backends: ``reference`` and ``cpu`` here; ``triton`` in a ``TRITON_INTERPRET=1`` process
 (``-k triton``); ``cuda`` (and triton on CUDA) with ``-m gpu`` on a CUDA machine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,7 +70,9 @@ def _check_close(acc, base, overwrite, g, x):
     bound = 64 * m * 2.0**-24 * scale + 1e-30
     err = (acc.double().cpu() - exact).abs()
     assert torch.isfinite(acc).all(), "acc has non-finite entries (an element was skipped or junk was read)"
-    assert (err <= bound).all(), f"max error {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()].item():.3g}"
+    assert (err <= bound).all(), (
+        f"max error {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()].item():.3g}"
+    )
 
 
 # --- the op --------------------------------------------------------------------------------------
@@ -158,7 +161,12 @@ def test_cpu_backend_bounds_its_upcast_copies():
         (torch.zeros(4, 3), torch.zeros(2, 4), torch.zeros(2, 2), r"input must be \[\.\.\., 3\]"),
         (torch.zeros(4, 3), torch.zeros(2, 4), torch.zeros(3, 3), "leading"),
         (torch.zeros(4, 3), torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 3), "same dtype"),
-        (torch.zeros(4, 3), torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64), "bf16, fp16 or fp32"),
+        (
+            torch.zeros(4, 3),
+            torch.zeros(2, 4, dtype=torch.float64),
+            torch.zeros(2, 3, dtype=torch.float64),
+            "bf16, fp16 or fp32",
+        ),
     ],
     ids=["acc-dtype", "acc-strides", "acc-1d", "g-width", "x-width", "leading", "mixed-dtype", "fp64"],
 )
@@ -180,7 +188,13 @@ def test_wgrad_backend_selection_goes_through_backends_resolve():
 def test_opcheck(backend):
     for dtype in (torch.float32, torch.bfloat16):
         for overwrite in (False, True):
-            args = (_rand(5, 3), _rand(2, 4, 5, dtype=dtype, seed=1), _rand(2, 4, 3, dtype=dtype, seed=2), overwrite, backend)
+            args = (
+                _rand(5, 3),
+                _rand(2, 4, 5, dtype=dtype, seed=1),
+                _rand(2, 4, 3, dtype=dtype, seed=2),
+                overwrite,
+                backend,
+            )
             torch.library.opcheck(ops.wgrad_accumulate_, args)
 
 
@@ -308,7 +322,9 @@ def test_convert_handles_subclasses():
     lazy = nn.LazyLinear(3)
     model = nn.ModuleList([mha, OwnForward(2, 2), lazy])
     fnn.convert_linears_(model)
-    assert isinstance(mha.out_proj, fnn.Linear) and isinstance(mha.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    assert isinstance(mha.out_proj, fnn.Linear) and isinstance(
+        mha.out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear
+    )
     assert type(model[1]) is OwnForward and type(lazy) is nn.LazyLinear
     q = torch.randn(5, 1, 8)
     mha(q, q, q)[0].sum().backward()  # MultiheadAttention still works after conversion
@@ -438,9 +454,12 @@ class _Spy:
 def _mlp(seed=0, width=16, dtype=torch.float32):
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, 2 * width, bias=False), nn.Tanh(),
+        nn.Linear(width, 2 * width),
+        nn.GELU(),
+        nn.Linear(2 * width, 2 * width, bias=False),
+        nn.Tanh(),
         nn.Linear(2 * width, width),
-    ).to(dtype)  # fmt: skip
+    ).to(dtype)
 
 
 def _train(model, opt, windows, accum, data_seed=1, autocast=False, forward=None):
@@ -466,7 +485,9 @@ def test_converted_model_trains_like_unconverted(monkeypatch, backend, autocast)
     conv = fnn.convert_linears_(copy.deepcopy(ref))
     spy = _Spy(monkeypatch)
     opt_ref = FusedAccumOptimizer(ref.parameters(), "adamw", lr=1e-2, weight_decay=0.1, accum_steps=3, backend=backend)
-    opt_conv = FusedAccumOptimizer(conv.parameters(), "adamw", lr=1e-2, weight_decay=0.1, accum_steps=3, backend=backend)
+    opt_conv = FusedAccumOptimizer(
+        conv.parameters(), "adamw", lr=1e-2, weight_decay=0.1, accum_steps=3, backend=backend
+    )
     g_ref = _train(ref, opt_ref, windows=4, accum=3, autocast=autocast)
     g_conv = _train(conv, opt_conv, windows=4, accum=3, autocast=autocast)
     assert spy.given == 4 * 3 * 3 and spy.refused == 0  # every weight, every micro-batch, fused
@@ -490,7 +511,9 @@ def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(n_in, n_out, bias=False)).to(torch.bfloat16)
     conv = fnn.convert_linears_(copy.deepcopy(ref))
-    opts = [FusedAccumOptimizer(mod.parameters(), "adamw", lr=1e-3, accum_steps=k, backend="auto") for mod in (ref, conv)]
+    opts = [
+        FusedAccumOptimizer(mod.parameters(), "adamw", lr=1e-3, accum_steps=k, backend="auto") for mod in (ref, conv)
+    ]
     gen = torch.Generator().manual_seed(1)
     oracle = torch.zeros(n_out, n_in, dtype=torch.float64)
     for _ in range(k):
@@ -501,8 +524,10 @@ def test_bf16_weights_closer_to_fp64_oracle_than_unfused(monkeypatch):
             (mod(x) * c).sum().backward()
     err_unfused = norm_rel_err(ref[0].weight.grad, oracle)
     err_fused = norm_rel_err(conv[0].weight.grad, oracle)
-    print(f"relative error vs fp64 oracle: unfused {err_unfused:.3g}, fused {err_fused:.3g}, "
-          f"ratio {err_unfused / max(err_fused, 1e-30):.3g}")  # fmt: skip
+    print(
+        f"relative error vs fp64 oracle: unfused {err_unfused:.3g}, fused {err_fused:.3g}, "
+        f"ratio {err_unfused / max(err_fused, 1e-30):.3g}"
+    )
     # measured 2026-11-30: unfused ~1.1e-3, fused ~1e-7 (fp32 summation only)
     assert err_fused < 1e-6
     assert err_unfused > 100 * err_fused
@@ -523,7 +548,10 @@ def test_peak_memory_of_backward_drops_by_the_weight_gradients():
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)]).to(torch.bfloat16)
     conv = fnn.convert_linears_(copy.deepcopy(ref))
-    opts = [FusedAccumOptimizer(m.parameters(), "adamw", accum_steps=4, backend="auto", bucket_cap_mb=1000) for m in (ref, conv)]
+    opts = [
+        FusedAccumOptimizer(m.parameters(), "adamw", accum_steps=4, backend="auto", bucket_cap_mb=1000)
+        for m in (ref, conv)
+    ]
     backend = backends.resolve("auto", "cpu")
     x = torch.randn(4, tokens // 4, width).to(torch.bfloat16)
     peaks = []
@@ -542,9 +570,11 @@ def test_peak_memory_of_backward_drops_by_the_weight_gradients():
     gemm_workspace = max(0, _peak_bytes(lambda: g.matmul(w)) - 2 * tokens * width)
     allowance = temp + 6 * tokens * width + gemm_workspace
     saved = peaks[0] - peaks[1]
-    print(f"backward peak: unfused {peaks[0]} B, fused {peaks[1]} B, saved {saved} B; "
-          f"weight gradients {wgrad_bytes} B; fused allowance {allowance} B ({backend}; "
-          f"GEMM workspace {gemm_workspace} B)")  # fmt: skip
+    print(
+        f"backward peak: unfused {peaks[0]} B, fused {peaks[1]} B, saved {saved} B; "
+        f"weight gradients {wgrad_bytes} B; fused allowance {allowance} B ({backend}; "
+        f"GEMM workspace {gemm_workspace} B)"
+    )
     assert saved >= wgrad_bytes - allowance - 4096  # 4 KiB: small tensors (a scalar loss, shapes) either run may hold
     assert saved >= wgrad_bytes // 2
     del opts
@@ -620,7 +650,10 @@ def test_frozen_weights(monkeypatch):
     conv = fnn.convert_linears_(copy.deepcopy(ref))
     spy = _Spy(monkeypatch)
     frozen_before = conv[2].weight.detach().clone()
-    opts = [FusedAccumOptimizer([p for p in m.parameters() if p.requires_grad], "adamw", lr=1e-2, accum_steps=2) for m in (ref, conv)]
+    opts = [
+        FusedAccumOptimizer([p for p in m.parameters() if p.requires_grad], "adamw", lr=1e-2, accum_steps=2)
+        for m in (ref, conv)
+    ]
     _train(ref, opts[0], 2, 2)
     _train(conv, opts[1], 2, 2)
     assert spy.given == 2 * 2 * 2  # the frozen weight is never asked for
@@ -676,8 +709,10 @@ def test_clipping_and_num_items_see_the_fused_gradients(monkeypatch, accum_steps
     ref = _mlp()
     conv = fnn.convert_linears_(copy.deepcopy(ref))
     spy = _Spy(monkeypatch)
-    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05)
-            for m in (ref, conv)]  # fmt: skip
+    opts = [
+        FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05)
+        for m in (ref, conv)
+    ]
     gen = torch.Generator().manual_seed(3)
     for window in range(3):
         for j in range(3):
@@ -700,7 +735,9 @@ def test_non_finite_fused_gradient_skips_the_step(monkeypatch):
     with torch.no_grad():
         ref[0].weight[:, 3] = 0
     conv = fnn.convert_linears_(copy.deepcopy(ref))
-    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, skip_nonfinite=True) for m in (ref, conv)]
+    opts = [
+        FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, skip_nonfinite=True) for m in (ref, conv)
+    ]
     gen = torch.Generator().manual_seed(4)
     for window in range(3):
         before = [p.detach().clone() for p in conv.parameters()]
@@ -726,7 +763,9 @@ def test_step_in_backward_gets_ordinary_gradients(monkeypatch):
     ref = _mlp()
     conv = fnn.convert_linears_(copy.deepcopy(ref))
     spy = _Spy(monkeypatch)
-    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, step_in_backward=True) for m in (ref, conv)]
+    opts = [
+        FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-2, accum_steps=2, step_in_backward=True) for m in (ref, conv)
+    ]
     gen = torch.Generator().manual_seed(5)
     for window in range(2):
         for j in range(2):
@@ -744,9 +783,15 @@ def test_step_in_backward_gets_ordinary_gradients(monkeypatch):
 def test_hf_llama_with_tied_embeddings_converts_and_trains_alike(monkeypatch):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
     conv = copy.deepcopy(ref)
@@ -786,8 +831,10 @@ def test_gpu_converted_bf16_mlp_memory_precision_and_training(backend):
     torch.manual_seed(0)
     ref = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(4)]).to("cuda", torch.bfloat16)
     conv = fnn.convert_linears_(copy.deepcopy(ref))
-    opts = [FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-4, accum_steps=k, backend=backend, bucket_cap_mb=1000)
-            for m in (ref, conv)]  # fmt: skip
+    opts = [
+        FusedAccumOptimizer(m.parameters(), "adamw", lr=1e-4, accum_steps=k, backend=backend, bucket_cap_mb=1000)
+        for m in (ref, conv)
+    ]
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(tokens, width, generator=gen).to("cuda", torch.bfloat16) for _ in range(k)]
     peaks = []

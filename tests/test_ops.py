@@ -6,6 +6,7 @@ tracing; ``torch.compile(fullgraph=True)`` then proves a step that calls the ops
 without a graph break. Run on the reference backend (the kernel backends register their own
 ops, checked in their own tests).
 """
+
 import pytest
 import torch
 
@@ -22,8 +23,28 @@ def _adam_args(n=5, with_grads=False):
     params, m, v, accs = [t(), t()], [t(), t()], [t().abs(), t().abs()], [acc[:n], acc[n:]]
     grads = [t().bfloat16(), t().bfloat16()] if with_grads else []
     lr = torch.tensor(0.01, dtype=torch.float64)  # as the optimizer passes it (FlatGroup.lr)
-    return acc, (params, m, v, [], accs, torch.tensor([1.0, 3.0]), lr, torch.tensor(0.5),
-            0.9, 0.99, 1e-8, 0.01, True, False, [], grads, 1.0, False, torch.zeros(()), "reference")
+    return acc, (
+        params,
+        m,
+        v,
+        [],
+        accs,
+        torch.tensor([1.0, 3.0]),
+        lr,
+        torch.tensor(0.5),
+        0.9,
+        0.99,
+        1e-8,
+        0.01,
+        True,
+        False,
+        [],
+        grads,
+        1.0,
+        False,
+        torch.zeros(()),
+        "reference",
+    )
 
 
 def test_opcheck_accumulate():
@@ -43,10 +64,29 @@ def test_opcheck_sgd_and_lion():
     gen = torch.Generator().manual_seed(1)
     t = lambda: [torch.randn(4, generator=gen)]  # noqa: E731
     common = (torch.tensor([2.0]), torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0))
-    torch.library.opcheck(ops.sgd_step_, (t(), t(), t(), *common, 0.9, 0.0, 0.0, True, False,
-                                          [torch.empty(4, dtype=torch.bfloat16)], [], 1.0, False, None, "reference"))
-    torch.library.opcheck(ops.lion_step_, (t(), t(), t(), *common, 0.9, 0.99, 0.1, False,
-                                           [], [], 1.0, False, None, "reference"))
+    torch.library.opcheck(
+        ops.sgd_step_,
+        (
+            t(),
+            t(),
+            t(),
+            *common,
+            0.9,
+            0.0,
+            0.0,
+            True,
+            False,
+            [torch.empty(4, dtype=torch.bfloat16)],
+            [],
+            1.0,
+            False,
+            None,
+            "reference",
+        ),
+    )
+    torch.library.opcheck(
+        ops.lion_step_, (t(), t(), t(), *common, 0.9, 0.99, 0.1, False, [], [], 1.0, False, None, "reference")
+    )
 
 
 def test_compiled_step_has_no_graph_break():

@@ -5,6 +5,7 @@ state_dict, pickling, errors) behaves as with a torch optimizer.
 Parametrised over every backend available in the process: ``reference`` always, ``cpu`` when
 the C++ extension is built, ``triton`` under ``TRITON_INTERPRET=1`` (its own process).
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,10 +38,12 @@ def make_model(seed=0, dtype=torch.float32):
 def batches(n_steps, k, micro, seed=1, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     return [
-        [(torch.randn(micro, 6, generator=gen, dtype=dtype), torch.randn(micro, 3, generator=gen, dtype=dtype))
-         for _ in range(k)]
+        [
+            (torch.randn(micro, 6, generator=gen, dtype=dtype), torch.randn(micro, 3, generator=gen, dtype=dtype))
+            for _ in range(k)
+        ]
         for _ in range(n_steps)
-    ]  # fmt: skip
+    ]
 
 
 def mse_mean(model, x, y):
@@ -335,7 +338,9 @@ def test_state_dict_mid_window_resumes_bit_exactly(backend, param_dtype, tmp_pat
     run(resumed_model, resumed_opt, data[1:], start=2)
     for p, q in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(p, q)
-    for (_, a), (_, b) in zip(sorted(opt.state_dict()["state"].items()), sorted(resumed_opt.state_dict()["state"].items())):
+    for (_, a), (_, b) in zip(
+        sorted(opt.state_dict()["state"].items()), sorted(resumed_opt.state_dict()["state"].items())
+    ):
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
@@ -389,11 +394,15 @@ def test_groups_frozen_named_empty_and_added(backend):
     frozen = nn.Parameter(torch.randn(3), requires_grad=False)
     extra = nn.Parameter(torch.randn(4))
     opt = FusedAccumOptimizer(
-        [{"params": list(model[0].parameters()), "lr": 0.1},
-         {"params": [model[2].weight, frozen], "lr": 0.0},
-         {"params": []}],
-        "sgd", lr=0.01, backend=backend,
-    )  # fmt: skip
+        [
+            {"params": list(model[0].parameters()), "lr": 0.1},
+            {"params": [model[2].weight, frozen], "lr": 0.0},
+            {"params": []},
+        ],
+        "sgd",
+        lr=0.01,
+        backend=backend,
+    )
     opt.add_param_group({"params": [extra, model[2].bias], "momentum": 0.9})
     before = {id(p): p.detach().clone() for p in [*model.parameters(), frozen, extra]}
     x, y = batches(1, 1, micro=4)[0][0]
@@ -465,8 +474,11 @@ def test_lr_may_be_a_tensor():
 def test_signatures_match_torch_optim():
     import inspect
 
-    for ours, theirs in ((fused_accum.SGD, torch.optim.SGD), (fused_accum.Adam, torch.optim.Adam),
-                         (fused_accum.AdamW, torch.optim.AdamW)):  # fmt: skip
+    for ours, theirs in (
+        (fused_accum.SGD, torch.optim.SGD),
+        (fused_accum.Adam, torch.optim.Adam),
+        (fused_accum.AdamW, torch.optim.AdamW),
+    ):
         mine = inspect.signature(ours.__init__).parameters
         for name, param in inspect.signature(theirs.__init__).parameters.items():
             assert name in mine, (ours, name)
@@ -530,9 +542,12 @@ def test_step_in_backward_equals_the_separate_step(backend, algo):
     gets no gradient in the last micro-batch is still stepped from its accumulator."""
     name, _, hyper = ALGOS[algo]
     models = [make_model(), make_model()]
-    opts = [FusedAccumOptimizer(m.parameters(), name, accum_steps=3, backend=backend,
-                                step_in_backward=fused, bucket_cap_mb=1e-4, **hyper)
-            for m, fused in zip(models, (False, True))]  # fmt: skip
+    opts = [
+        FusedAccumOptimizer(
+            m.parameters(), name, accum_steps=3, backend=backend, step_in_backward=fused, bucket_cap_mb=1e-4, **hyper
+        )
+        for m, fused in zip(models, (False, True))
+    ]
     for window in batches(3, 3, micro=2):
         for m, o in zip(models, opts):
             for j, (x, y) in enumerate(window):
@@ -556,8 +571,7 @@ def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
     """With accum_steps the norm comes out of the last accumulate pass; without, from a
     separate pass at step. Both must equal torch's clip_grad_norm_ on the large batch."""
     ours, big = make_model(), make_model()
-    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05,
-                            backend=backend)  # fmt: skip
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=accum_steps, max_grad_norm=0.05, backend=backend)
     ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
     for window in batches(3, 3, micro=4):
         for x, y in window:
@@ -579,8 +593,7 @@ def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
 def test_skip_nonfinite_leaves_everything_untouched(backend, algo):
     name, _, hyper = ALGOS[algo]
     model = make_model()
-    opt = FusedAccumOptimizer(model.parameters(), name, accum_steps=2, skip_nonfinite=True,
-                              backend=backend, **hyper)  # fmt: skip
+    opt = FusedAccumOptimizer(model.parameters(), name, accum_steps=2, skip_nonfinite=True, backend=backend, **hyper)
     data = batches(2, 2, micro=4)
     for x, y in data[0]:
         mse_mean(model, x, y).backward()
@@ -801,9 +814,14 @@ def test_on_cuda_bf16_model_matches_fp32_large_batch(backend, step_in_backward):
     stats, bf16 params with fp32 masters, the fused last micro-batch."""
     ours = make_model(dtype=torch.bfloat16).cuda()
     big = make_model().cuda()
-    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, accum_steps=4, backend=backend,
-                            step_in_backward=step_in_backward,
-                            max_grad_norm=None if step_in_backward else 10.0)  # fmt: skip
+    opt = fused_accum.AdamW(
+        ours.parameters(),
+        lr=1e-2,
+        accum_steps=4,
+        backend=backend,
+        step_in_backward=step_in_backward,
+        max_grad_norm=None if step_in_backward else 10.0,
+    )
     ref = torch.optim.AdamW(big.parameters(), lr=1e-2)
     for window in batches(3, 4, micro=8):
         for x, y in window:

@@ -5,6 +5,7 @@ per-step value on the device (lr as a tensor, step counts, the clip/unscale coef
 skip flag) and makes no host-to-device copy once a configuration has run eagerly, so a captured
 window replays what eager execution does.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,13 @@ def test_a_captured_window_replays_like_eager(backend):
     opt = fused_accum.AdamW(captured.parameters(), capturable=True, **kw)
     ref = fused_accum.AdamW(eager.parameters(), **copy.deepcopy(kw))
     gen = torch.Generator(device="cuda").manual_seed(1)
-    data = [[(torch.randn(16, 64, device="cuda", generator=gen), torch.randn(16, 8, device="cuda", generator=gen))
-             for _ in range(K)] for _ in range(6)]  # fmt: skip
+    data = [
+        [
+            (torch.randn(16, 64, device="cuda", generator=gen), torch.randn(16, 8, device="cuda", generator=gen))
+            for _ in range(K)
+        ]
+        for _ in range(6)
+    ]
     static_x = [torch.zeros(16, 64, device="cuda") for _ in range(K)]
     static_y = [torch.zeros(16, 8, device="cuda") for _ in range(K)]
 

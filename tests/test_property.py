@@ -14,6 +14,7 @@ optimizer. The oracle is the same loop on a twin model with torch.optim (native 
 Bounded: ``max_examples`` examples, derandomized (the same examples on every run), < 60 s on a
 CPU. Tolerance: parameters within RTOL relative (max |diff| / max |param|) after the loop.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,13 +69,20 @@ def configs(draw):
     if algo == "sgd":
         momentum = draw(st.sampled_from([0.0, 0.9]))
         nesterov = momentum > 0 and draw(st.booleans())
-        hyper = dict(lr=draw(st.sampled_from([0.05, 0.2])), momentum=momentum, nesterov=nesterov,
-                     weight_decay=draw(st.sampled_from([0.0, 0.01])))
+        hyper = dict(
+            lr=draw(st.sampled_from([0.05, 0.2])),
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=draw(st.sampled_from([0.0, 0.01])),
+        )
     elif algo == "lion":
         hyper = dict(lr=1e-3, weight_decay=draw(st.sampled_from([0.0, 0.1])))
     else:
-        hyper = dict(lr=draw(st.sampled_from([1e-3, 1e-2])), weight_decay=draw(st.sampled_from([0.0, 0.1])),
-                     amsgrad=draw(st.booleans()))
+        hyper = dict(
+            lr=draw(st.sampled_from([1e-3, 1e-2])),
+            weight_decay=draw(st.sampled_from([0.0, 0.1])),
+            amsgrad=draw(st.booleans()),
+        )
     windows = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
     resume_at = None
     if draw(st.booleans()):  # a checkpoint inside some window: (window index, after j backwards)
@@ -181,8 +189,7 @@ def run_ours(cfg, data):
     return model
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs())
 def test_matches_torch_optim_with_native_grad_accumulation(cfg):
     note(repr(cfg))
@@ -192,8 +199,9 @@ def test_matches_torch_optim_with_native_grad_accumulation(cfg):
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         diff = (p.detach() - q.detach()).abs().max().item()
         scale = q.detach().abs().max().item()
-        assert math.isfinite(diff) and diff <= RTOL * scale, \
+        assert math.isfinite(diff) and diff <= RTOL * scale, (
             f"{name}: relative error {diff / scale if scale else math.inf:.3g} > {RTOL:g}"
+        )
 
 
 # --- what users do to the model between micro-batches and steps (issue 22) --------------------
@@ -280,9 +288,14 @@ def _cast_round_trip(model, opt, x, y):
 
 
 EVENTS = {
-    "edit_params": _edit_params, "load_model_state": _scaled_state_dict, "edit_grads": _edit_grads,
-    "clip_grad_value": _clip_value, "clear_one_grad": _clear_one_grad, "raised_backward": _raised_backward,
-    "raised_then_zero_grad": _raised_then_zero_grad, "reset_state": _reset_state,
+    "edit_params": _edit_params,
+    "load_model_state": _scaled_state_dict,
+    "edit_grads": _edit_grads,
+    "clip_grad_value": _clip_value,
+    "clear_one_grad": _clear_one_grad,
+    "raised_backward": _raised_backward,
+    "raised_then_zero_grad": _raised_then_zero_grad,
+    "reset_state": _reset_state,
     "cast_round_trip": _cast_round_trip,
 }
 # Only between windows (after zero_grad): a cast mid-window makes torch's module.to cast .grad
@@ -293,7 +306,9 @@ AT_WINDOW_START_ONLY = {"cast_round_trip"}
 @st.composite
 def event_configs(draw):
     cfg = draw(configs())
-    cfg.update(tied=False, twice=False, resume_at=None, num_items=False, clip=draw(st.sampled_from([None, "max_grad_norm"])))
+    cfg.update(
+        tied=False, twice=False, resume_at=None, num_items=False, clip=draw(st.sampled_from([None, "max_grad_norm"]))
+    )
     events = []
     for n in cfg["windows"]:
         name = draw(st.sampled_from(sorted(EVENTS)))
@@ -328,8 +343,7 @@ def run_with_events(cfg, data, ours):
     return model
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=event_configs())
 def test_matches_torch_optim_when_the_user_touches_the_model(cfg):
     note(repr(cfg))
@@ -339,5 +353,6 @@ def test_matches_torch_optim_when_the_user_touches_the_model(cfg):
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         diff = (p.detach() - q.detach()).abs().max().item()
         scale = q.detach().abs().max().item()
-        assert math.isfinite(diff) and diff <= RTOL * scale, \
+        assert math.isfinite(diff) and diff <= RTOL * scale, (
             f"{name}: relative error {diff / scale if scale else math.inf:.3g} > {RTOL:g}"
+        )

@@ -8,6 +8,7 @@ reference with torch.optim and compares. The model's tensor sizes do not divide 
 size, one parameter only gets gradients on rank 0, one is split across the ranks' shards, and
 with tiny buckets some slots hold no piece on rank 1 (only padding falls there).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,8 +73,13 @@ SCENARIOS = {
 
 
 def _optimizer(model, shard, algorithm, kind, cap, ends, **extra):
-    common = dict(process_group=dist.group.WORLD, shard=shard, bucket_cap_mb=cap,
-                  accum_steps=K if ends == "accum_steps" else None, **extra)  # fmt: skip
+    common = dict(
+        process_group=dist.group.WORLD,
+        shard=shard,
+        bucket_cap_mb=cap,
+        accum_steps=K if ends == "accum_steps" else None,
+        **extra,
+    )
     if kind == "clip":
         common["max_grad_norm"] = CLIP
     if algorithm == "adamw":
@@ -135,8 +141,11 @@ def _memory(rank):
                 pinned = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
                 before = _reachable_bytes()
                 kw = dict(process_group=dist.group.WORLD, shard=shard, accum_steps=K)
-                opt = (fused_accum.AdamW(model.parameters(), lr=1e-3, **kw) if algorithm == "adamw"
-                       else fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, **kw))  # fmt: skip
+                opt = (
+                    fused_accum.AdamW(model.parameters(), lr=1e-3, **kw)
+                    if algorithm == "adamw"
+                    else fused_accum.SGD(model.parameters(), lr=0.1, momentum=0.9, **kw)
+                )
                 for _ in range(WINDOWS):
                     for x in batches:
                         model(x).float().square().mean().backward()
@@ -187,9 +196,12 @@ def _worker(rank, path):
             results[f"resume_{shard}"] = dict(
                 params=[p.detach().clone() for p in copy.parameters()],
                 state_keys=sorted(saved["state"][0]),
-                shapes=[(type(v).__name__, tuple(v.shape), tuple(v.to_local().shape))
-                        for k, v in sorted(saved["state"][0].items()) if k != "step"],  # fmt: skip
-            )  # fmt: skip
+                shapes=[
+                    (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape))
+                    for k, v in sorted(saved["state"][0].items())
+                    if k != "step"
+                ],
+            )
         # bf16 parameters with fp32 masters: the sharded modes against the replicated one
         for shard in (None, "state", "grads"):
             model = Net().to(torch.bfloat16)
@@ -246,7 +258,7 @@ def _worker(rank, path):
             results[f"dcp_storage_{shard}"] = dict(
                 resumed=[p.detach().clone() for p in copy.parameters()],
                 uninterrupted=[p.detach().clone() for p in model.parameters()],
-            )  # fmt: skip
+            )
         # shard="grads" with bf16 on the wire
         model = Net()
         opt = _optimizer(model, "grads", "adamw", "clip", 1e-5, "accum_steps", reduce_dtype=torch.bfloat16)
@@ -257,13 +269,26 @@ def _worker(rank, path):
         for shard in (None, "state", "grads"):
             torch.manual_seed(0)
             model = Net()
-            opt = fused_accum.Lion(model.parameters(), lr=1e-3, weight_decay=0.1, accum_steps=K,
-                                   process_group=dist.group.WORLD, shard=shard, bucket_cap_mb=1e-5)  # fmt: skip
+            opt = fused_accum.Lion(
+                model.parameters(),
+                lr=1e-3,
+                weight_decay=0.1,
+                accum_steps=K,
+                process_group=dist.group.WORLD,
+                shard=shard,
+                bucket_cap_mb=1e-5,
+            )
             _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
             results[f"lion_{shard}"] = [p.detach().clone() for p in model.parameters()]
             model = Net()
-            opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=K, skip_nonfinite=True,
-                                    process_group=dist.group.WORLD, shard=shard)  # fmt: skip
+            opt = fused_accum.AdamW(
+                model.parameters(),
+                lr=1e-2,
+                accum_steps=K,
+                skip_nonfinite=True,
+                process_group=dist.group.WORLD,
+                shard=shard,
+            )
             after = []
             for window in range(WINDOWS):
                 for micro in range(K):
@@ -437,7 +462,9 @@ def test_gathered_state_dict_reshards(ranks):
     model.load_state_dict(saved["model"])
     opt = fused_accum.AdamW(model.parameters(), lr=1e-2, max_grad_norm=CLIP)
     opt.load_state_dict(saved["state_dict"])
-    assert [tuple(opt.state[p]["exp_avg"].shape) for p in model.parameters()] == [tuple(p.shape) for p in model.parameters()]
+    assert [tuple(opt.state[p]["exp_avg"].shape) for p in model.parameters()] == [
+        tuple(p.shape) for p in model.parameters()
+    ]
     _single_process(model, opt, range(1, WINDOWS))
     assert _rel(list(model.parameters()), params) <= REL
     # the same through torch.distributed.checkpoint's storage: saved by 2 ranks, loaded by one

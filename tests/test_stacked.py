@@ -6,6 +6,7 @@ the forms differ only in summation order (a matmul over 32 rows against 4 of 8, 
 chunk gradients), about 1e-7 relative; FP32_TOL = 1e-5 leaves two orders of margin and still
 fails any real mistake (a missing chunk or an unscaled loss is an error of 0.1 or more).
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,9 +61,7 @@ class RecordedDropout(nn.Module):
 
 
 def tower(p_drop: float, d_in: int = 12, hidden: int = 48, d_out: int = 16) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(d_in, hidden), nn.Tanh(), RecordedDropout(p_drop), nn.Linear(hidden, d_out)
-    )
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), RecordedDropout(p_drop), nn.Linear(hidden, d_out))
 
 
 class DualEncoder(nn.Module):
@@ -213,7 +212,11 @@ def test_saved_activation_bytes_cached_one_chunk_stacked_k_chunks():
     # Wide hidden layers (256) and narrow outputs (8) so one chunk's activations (8 rows x 3
     # layers x 256 fp32 = 24 KiB, plus masks) dwarf the loss graph over the outputs (32 x 8).
     enc = nn.Sequential(
-        nn.Linear(12, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 256), nn.ReLU(),
+        nn.Linear(12, 256),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(256, 256),
+        nn.ReLU(),
         nn.Linear(256, 8),
     )
     model_fn = lambda q, d: (enc(q), enc(d))  # noqa: E731
@@ -350,8 +353,7 @@ def test_cached_backward_with_a_learnable_temperature_is_still_k_backwards():
     def loss_with(tau):
         return lambda out: info_nce(out, tau=tau.exp())
 
-    opt = FusedAccumOptimizer([*model.parameters(), log_tau], "adamw", lr=1e-2, accum_steps=K,
-                              step_in_backward=True)  # fmt: skip
+    opt = FusedAccumOptimizer([*model.parameters(), log_tau], "adamw", lr=1e-2, accum_steps=K, step_in_backward=True)
     ref = torch.optim.AdamW([*twin.parameters(), twin_tau], lr=1e-2)
     batch = pair_batch()
     cached_backward(model, split_batch(batch, K), loss_with(log_tau))

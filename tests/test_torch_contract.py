@@ -19,6 +19,7 @@ where the arithmetic is the same: SGD against torch's CPU for-loop SGD (the same
 the same order: measured equal bit for bit), the Triton backend against the reference backend
 (measured equal), and ours against ours (a resumed run against the uninterrupted one).
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,8 +58,11 @@ LR_SGD, LR_ADAM = 2.0**-4, 2.0**-7
 def snapshot(model: nn.Module, opt) -> tuple:
     """Copies of the parameters and of every state tensor, to check a step changed nothing."""
     params = [p.detach().clone() for p in model.parameters()]
-    state = {id(p): {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-             for p in model.parameters() if p in opt.state}  # fmt: skip
+    state = {
+        id(p): {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        for p in model.parameters()
+        if p in opt.state
+    }
     return params, state
 
 
@@ -68,7 +72,7 @@ def assert_unchanged(model: nn.Module, opt, before: tuple, what: str):
         assert torch.equal(b, p.detach()), f"{name} changed by {what}"
     now = {id(p) for p in model.parameters() if opt.state.get(p)}
     assert now == set(state), f"{what} created or dropped optimizer state"
-    for (name, p) in model.named_parameters():
+    for name, p in model.named_parameters():
         for key, value in state.get(id(p), {}).items():
             assert torch.equal(opt.state[p][key], value), f"state {key!r} of {name} changed by {what}"
 
@@ -143,8 +147,9 @@ def test_bias_free_fused_linears_count_microbatches_and_step_like_nn_linear(monk
         return target
 
     monkeypatch.setattr(fnn, "_wgrad_target", spy)
-    opt = fused_accum.AdamW(ours.parameters(), lr=LR_ADAM, weight_decay=0.1, accum_steps=accum_steps,
-                            max_grad_norm=0.05, backend=backend)  # fmt: skip
+    opt = fused_accum.AdamW(
+        ours.parameters(), lr=LR_ADAM, weight_decay=0.1, accum_steps=accum_steps, max_grad_norm=0.05, backend=backend
+    )
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR_ADAM, weight_decay=0.1)
     k = 3
     for window in range(3):
@@ -233,7 +238,8 @@ def test_amsgrad_switched_on_later_matches_torch(backend, switch_at):
         ropt.zero_grad()
         for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
             assert sorted(opt.state[p]) == sorted(ropt.state[q]), (
-                f"window {window}: opt.state[{name}] has {sorted(opt.state[p])}, torch's {sorted(ropt.state[q])}")
+                f"window {window}: opt.state[{name}] has {sorted(opt.state[p])}, torch's {sorted(ropt.state[q])}"
+            )
             for key, value in ropt.state[q].items():
                 assert_rel(opt.state[p][key], value, what=f"window {window}: state {key!r} of {name}")
         assert_params_match(ours, ref)
@@ -577,8 +583,9 @@ def test_skip_nonfinite_when_only_the_sum_of_squares_overflows(backend, accum_st
     sum comes from the last accumulate pass (accum_steps) or from the step (no hint); torch
     twin: skip when get_total_norm is not finite."""
     ours, ref = twins(cls=Spiky)
-    opt = fused_accum.AdamW(ours.parameters(), lr=LR_ADAM, accum_steps=accum_steps, skip_nonfinite=True,
-                            backend=backend)  # fmt: skip
+    opt = fused_accum.AdamW(
+        ours.parameters(), lr=LR_ADAM, accum_steps=accum_steps, skip_nonfinite=True, backend=backend
+    )
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR_ADAM)
     gen = torch.Generator().manual_seed(110)
     for window in range(4):

@@ -10,6 +10,7 @@
   non-contiguous parameters written back, torch.compile tracing the op without a graph break;
 - ``-m gpu``: the same on CUDA tensors, and a tensor of more than 2**31 elements (int64 offsets).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,9 +33,7 @@ kernels = tb.kernels
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ([pytest.param("cpu", id="cpu")] if INTERPRETED else []) + (
     # the interpreter refuses CUDA tensors (the tables hold device addresses it cannot read)
-    [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
-    if torch.cuda.is_available() and not INTERPRETED
-    else []
+    [pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() and not INTERPRETED else []
 )
 needs_device = pytest.mark.skipif(
     not DEVICES, reason="Triton kernels run on CUDA, or on CPU only under TRITON_INTERPRET=1"
@@ -111,8 +110,15 @@ def test_alignment_is_decided_by_the_addresses_not_the_size():
 
 def test_table_rows_match_the_kernels_columns():
     t = {name: torch.zeros(8) for name in ("acc", "grad", "param", "lp", "state0", "state1", "state2")}
-    columns = dict(acc=kernels.ACC, grad=kernels.GRAD, param=kernels.PARAM, lp=kernels.LP,
-                   state0=kernels.STATE0, state1=kernels.STATE1, state2=kernels.STATE2)  # fmt: skip
+    columns = dict(
+        acc=kernels.ACC,
+        grad=kernels.GRAD,
+        param=kernels.PARAM,
+        lp=kernels.LP,
+        state0=kernels.STATE0,
+        state1=kernels.STATE1,
+        state2=kernels.STATE2,
+    )
     addresses = {c.value: (np.array([t[name].data_ptr()]), 4) for name, c in columns.items() if name != "grad"}
     tables = tb._build(torch.device("cpu"), np.array([7]), np.array([5]), addresses, False)
     row = tables.tensors[0].tolist()
@@ -133,7 +139,11 @@ def test_no_argument_is_specialised_on_value_or_alignment(name):
     buffer, a tensor count of 1 or a multiple of 16 must not compile a new variant: only the
     constexprs (dtypes, switches, BLOCK) select one."""
     fn = getattr(kernels, name)
-    loose = [p.name for p in fn.params if not p.is_constexpr and not (p.do_not_specialize and p.do_not_specialize_on_alignment)]
+    loose = [
+        p.name
+        for p in fn.params
+        if not p.is_constexpr and not (p.do_not_specialize and p.do_not_specialize_on_alignment)
+    ]
     assert loose == []
     assert any(p.is_constexpr for p in fn.params)
 
@@ -151,12 +161,15 @@ def test_step_requires_exactly_one_step_count_per_tensor():
         tb.sgd_step(p, bufs, accs, torch.ones(1), one, one, **hyper)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("bf16_acc", r"accs\[1\] must be a 1-D contiguous float32"),
-    ("short_param", r"params\[0\] must have 5 elements"),
-    ("strided_state", r"exp_avg_sqs\[1\] must be a 1-D contiguous float32"),
-    ("int_lp", r"lp_params\[1\] must be bfloat16, float16 or float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("bf16_acc", r"accs\[1\] must be a 1-D contiguous float32"),
+        ("short_param", r"params\[0\] must have 5 elements"),
+        ("strided_state", r"exp_avg_sqs\[1\] must be a 1-D contiguous float32"),
+        ("int_lp", r"lp_params\[1\] must be bfloat16, float16 or float32"),
+    ],
+)
 def test_step_validation_names_the_bad_tensor(case, message):
     """The whole-list checks of a plan miss fall back to the per-tensor ones for the message."""
     params, accs = [torch.randn(5), torch.randn(3)], [torch.randn(5), torch.randn(3)]
@@ -172,8 +185,22 @@ def test_step_validation_names_the_bad_tensor(case, message):
         lp[1] = torch.zeros(3, dtype=torch.int32)
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=message):
-        tb.adam_step(params, m, v, accs, torch.ones(2), one, one, lp_params=lp, beta1=0.9, beta2=0.999,
-                     eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False)  # fmt: skip
+        tb.adam_step(
+            params,
+            m,
+            v,
+            accs,
+            torch.ones(2),
+            one,
+            one,
+            lp_params=lp,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            decoupled=True,
+            maximize=False,
+        )
 
 
 def test_capture_arena_hands_out_fresh_aligned_slices_until_released(monkeypatch):
@@ -249,8 +276,14 @@ def _compile_sm90(fn, pointers, **constexprs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    types = {"chunks": "*i64", "tensors": "*i64", "first": "i64", "chunk": "i64", "n": "i64",
-             **{name: "*fp32" for name in pointers}}
+    types = {
+        "chunks": "*i64",
+        "tensors": "*i64",
+        "first": "i64",
+        "chunk": "i64",
+        "n": "i64",
+        **{name: "*fp32" for name in pointers},
+    }
     types.update({name: "i64" for name in fn.arg_names if name.endswith("_bits")})
     signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32") for n in fn.arg_names}
     src = ASTSource(
@@ -297,9 +330,13 @@ compiles = pytest.mark.skipif(not _COMPILABLE, reason="needs the compiled (not i
 @compiles
 def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
     compiled = _compile_sm90(
-        kernels.accumulate_kernel, ("partial_sumsq", "partial_bad"),
-        GRAD_DTYPE=tl.bfloat16, OVERWRITE=False, STATS=False, BLOCK=tb.BLOCK,
-    )  # fmt: skip
+        kernels.accumulate_kernel,
+        ("partial_sumsq", "partial_bad"),
+        GRAD_DTYPE=tl.bfloat16,
+        OVERWRITE=False,
+        STATS=False,
+        BLOCK=tb.BLOCK,
+    )
     accesses = _global_accesses(compiled.asm["ptx"])
     # aligned rows: bf16 grad 4 elements = 8 bytes (v2.b32); fp32 acc 16 bytes (v4.b32)
     assert {"ld.global.v2.b32", "ld.global.v4.b32", "st.global.v4.b32"} <= accesses
@@ -312,11 +349,21 @@ def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
 @compiles
 def test_fused_adamw_compiles_vectorized_in_one_layout_with_ieee_sqrt():
     compiled = _compile_sm90(
-        kernels.adam_kernel, ("steps", "lr_ptr", "coef_ptr", "found_inf"),
-        PARAM_DTYPE=tl.float32, LP_DTYPE=tl.bfloat16, GRAD_DTYPE=tl.bfloat16, HAS_LP=True,
-        FUSED=True, GRADS_OVERWRITE=False, HAS_FOUND_INF=True, MAXIMIZE=False,
-        HAS_WEIGHT_DECAY=True, DECOUPLED=True, AMSGRAD=False, BLOCK=tb.BLOCK,
-    )  # fmt: skip
+        kernels.adam_kernel,
+        ("steps", "lr_ptr", "coef_ptr", "found_inf"),
+        PARAM_DTYPE=tl.float32,
+        LP_DTYPE=tl.bfloat16,
+        GRAD_DTYPE=tl.bfloat16,
+        HAS_LP=True,
+        FUSED=True,
+        GRADS_OVERWRITE=False,
+        HAS_FOUND_INF=True,
+        MAXIMIZE=False,
+        HAS_WEIGHT_DECAY=True,
+        DECOUPLED=True,
+        AMSGRAD=False,
+        BLOCK=tb.BLOCK,
+    )
     ptx = compiled.asm["ptx"]
     accesses = _global_accesses(ptx)
     assert {"ld.global.v2.b32", "ld.global.v4.b32", "st.global.v4.b32", "st.global.v2.b32"} <= accesses
@@ -475,10 +522,20 @@ def test_triton_adam_amsgrad_matches_reference(device, found):
     found_inf = torch.tensor(found, device=device)
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False)
     want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
-    tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf,
-                 max_exp_avg_sqs=vmax, **hyper)  # fmt: skip
-    reference.adam_step(want[0], want[1], want[2], accs, steps, lr, coef, lp_params=want[4],
-                        found_inf=found_inf, max_exp_avg_sqs=want[3], **hyper)  # fmt: skip
+    tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf, max_exp_avg_sqs=vmax, **hyper)
+    reference.adam_step(
+        want[0],
+        want[1],
+        want[2],
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params=want[4],
+        found_inf=found_inf,
+        max_exp_avg_sqs=want[3],
+        **hyper,
+    )
     assert torch.isnan(vmax[2][5]) == (found == 0.0)
     for got_list, want_list in zip((params, m, v, vmax), want):
         for got, exp in zip(got_list, want_list):
@@ -634,7 +691,9 @@ def test_triton_plan_checks_its_first_call_and_every_new_dtype(device):
     flat, offsets, _ = _flat_views([5, 9], device)
     plan = object()
     with pytest.raises(ValueError, match=r"grads\[1\]"):
-        tb.accumulate(flat, offsets, [torch.ones(5, device=device), torch.ones(200, device=device)], 1.0, False, plan=plan)
+        tb.accumulate(
+            flat, offsets, [torch.ones(5, device=device), torch.ones(200, device=device)], 1.0, False, plan=plan
+        )
     tb.accumulate(flat, offsets, [torch.ones(5, device=device), torch.ones(9, device=device)], 1.0, True, plan=plan)
     bad = [torch.ones(5, device=device), torch.ones(9, device=device, dtype=torch.float64)]
     with pytest.raises(ValueError, match=r"grads\[1\] must be bfloat16, float16 or float32"):
@@ -672,10 +731,31 @@ def test_triton_adamw_with_a_plan_follows_new_parameters_active_sets_and_moved_b
     def step(rows, plan, lp_now, grads=()):
         pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         wlp = [t.clone() for t in lp_now]
-        tb.adam_step(pick(masters), pick(m), pick(v), pick(accs), steps[rows], lr, coef, lp_params=lp_now,
-                     grads=list(grads), plan=plan, **hyper)  # fmt: skip
-        reference.adam_step(pick(want[0]), pick(want[1]), pick(want[2]), pick(accs), steps[rows], lr, coef,
-                            lp_params=wlp, grads=list(grads), **hyper)  # fmt: skip
+        tb.adam_step(
+            pick(masters),
+            pick(m),
+            pick(v),
+            pick(accs),
+            steps[rows],
+            lr,
+            coef,
+            lp_params=lp_now,
+            grads=list(grads),
+            plan=plan,
+            **hyper,
+        )
+        reference.adam_step(
+            pick(want[0]),
+            pick(want[1]),
+            pick(want[2]),
+            pick(accs),
+            steps[rows],
+            lr,
+            coef,
+            lp_params=wlp,
+            grads=list(grads),
+            **hyper,
+        )
         for got, exp in zip(masters + m + v, want[0] + want[1] + want[2]):
             # test_kernels' STEP_TOL: beta**step in another order than the reference, 1e-5
             torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
@@ -772,11 +852,16 @@ def test_host_benchmark_runs_every_row_and_restores_the_kernels(tmp_path):
         rows = list(csv.DictReader(f))
     cases = [(r["op"], r["case"], r["tensors"]) for r in rows]
     assert cases == [("floor: map(data_ptr)", "-", "2048")] + [
-        (op, case, str(n)) for n in (16, 2048) for op in ("accumulate", "adamw", "sgd", "lion")
+        (op, case, str(n))
+        for n in (16, 2048)
+        for op in ("accumulate", "adamw", "sgd", "lion")
         for case in ("plan", "plan, new", "no plan")
-    ]  # fmt: skip
+    ]
     assert all(0 < float(r["p10_ms"]) <= float(r["median_ms"]) <= float(r["p90_ms"]) for r in rows)
     # the verdict columns are filled exactly for the goal rows (2,048 tensors, planned, cached)
     assert [(r["op"], r["goal_ms"]) for r in rows if r["goal_ms"]] == [
-        ("accumulate", "0.5"), ("adamw", "1.0"), ("sgd", "1.0"), ("lion", "1.0")
+        ("accumulate", "0.5"),
+        ("adamw", "1.0"),
+        ("sgd", "1.0"),
+        ("lion", "1.0"),
     ]

@@ -12,6 +12,7 @@ master is) from the same bf16 gradients summed in fp32, then rounded to bf16: wi
 ulp of the largest element (at most 2**-7 of it), since a one-ulp fp32 difference in the
 master can round either way. A stale master is off by the whole edit (>= 1e-1).
 """
+
 from __future__ import annotations
 
 import copy

@@ -16,6 +16,7 @@ there, but only as a test of the kernels, thousands of times slower than the ref
 ``FUSED_ACCUM_BACKEND`` (environment) or an explicit name forces a backend. Forcing one that is
 not available is an error; falling back during auto selection is logged once per reason.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,10 +62,12 @@ class Backend(NamedTuple):
 # The order is NAMES' order, which error messages and benchmarks list.
 _REGISTRY = {
     "reference": Backend("reference", _any_device, takes_plan=False, fast_folds=False, wgrad="wgrad:reference"),
-    "triton": Backend("triton", _cuda_or_interpreted, takes_plan=True, fast_folds=False, wgrad="triton.wgrad:wgrad_accumulate"),
+    "triton": Backend(
+        "triton", _cuda_or_interpreted, takes_plan=True, fast_folds=False, wgrad="triton.wgrad:wgrad_accumulate"
+    ),
     "cpu": Backend("ext", _cpu_only, takes_plan=False, fast_folds=True, wgrad="wgrad:cpu"),
     "cuda": Backend("ext", _cuda_only, takes_plan=False, fast_folds=True, wgrad="wgrad:cuda"),
-}  # fmt: skip
+}
 NAMES = tuple(_REGISTRY)
 _AUTO_ORDER = {"cuda": ("cuda", "triton", "reference"), "other": ("cpu", "reference")}
 ENV_VAR = "FUSED_ACCUM_BACKEND"

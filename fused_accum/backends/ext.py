@@ -15,6 +15,7 @@ build time (``_C.build.json``, written by setup.py next to ``_C``) is compared w
 one first; on a difference ``_C`` is not loaded and one warning names both versions and the
 command that rebuilds it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -61,15 +62,19 @@ def _load():
         return None, why
     built = _built_against(spec.origin)
     if built is not None and _release(built) != _release(torch.__version__):
-        why = (f"fused_accum._C was built against torch {built} but torch {torch.__version__} is installed, so it "
-               f"is not loaded and fused_accum runs on its reference/Triton backends; {REBUILD}")
+        why = (
+            f"fused_accum._C was built against torch {built} but torch {torch.__version__} is installed, so it "
+            f"is not loaded and fused_accum runs on its reference/Triton backends; {REBUILD}"
+        )
         warnings.warn(why, RuntimeWarning, stacklevel=3)
         return None, why
     try:
         from fused_accum import _C
     except ImportError as err:  # an undefined symbol: built for another torch (or a broken build)
-        why = (f"fused_accum._C (built against torch {built or 'unrecorded'}) does not load with torch "
-               f"{torch.__version__}: {err}; fused_accum runs on its reference/Triton backends; {REBUILD}")
+        why = (
+            f"fused_accum._C (built against torch {built or 'unrecorded'}) does not load with torch "
+            f"{torch.__version__}: {err}; fused_accum runs on its reference/Triton backends; {REBUILD}"
+        )
         warnings.warn(why, RuntimeWarning, stacklevel=3)
         return None, why
     return _C, ""
@@ -81,7 +86,7 @@ OPS = ("accumulate_", "sgd_step_", "adam_step_", "lion_step_")
 
 
 def unavailable_reason(name: str) -> str:
-    """"" when fused_accum._C has kernels for backend ``name`` ("cpu" or "cuda"), else why not."""
+    """ "" when fused_accum._C has kernels for backend ``name`` ("cpu" or "cuda"), else why not."""
     if _C is None:
         return _WHY_NOT
     if name == "cuda" and not _C.built_with_cuda:
@@ -138,10 +143,23 @@ def sgd_step(
     found_inf: Optional[Tensor] = None,
 ) -> None:
     torch.ops.fused_accum_ext.sgd_step_(
-        list(params), list(momentum_bufs), list(accs), steps, lr, coef,
-        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
-        list(lp_params), list(grads), float(grad_alpha), bool(grads_overwrite), found_inf,
-    )  # fmt: skip
+        list(params),
+        list(momentum_bufs),
+        list(accs),
+        steps,
+        lr,
+        coef,
+        float(momentum),
+        float(dampening),
+        float(weight_decay),
+        bool(nesterov),
+        bool(maximize),
+        list(lp_params),
+        list(grads),
+        float(grad_alpha),
+        bool(grads_overwrite),
+        found_inf,
+    )
 
 
 def adam_step(
@@ -167,12 +185,26 @@ def adam_step(
     max_exp_avg_sqs: Sequence[Tensor] = (),
 ) -> None:
     torch.ops.fused_accum_ext.adam_step_(
-        list(params), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(accs), steps,
-        lr, coef,
-        float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-        bool(maximize), list(lp_params), list(grads), float(grad_alpha), bool(grads_overwrite),
+        list(params),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        list(accs),
+        steps,
+        lr,
+        coef,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(decoupled),
+        bool(maximize),
+        list(lp_params),
+        list(grads),
+        float(grad_alpha),
+        bool(grads_overwrite),
         found_inf,
-    )  # fmt: skip
+    )
 
 
 def lion_step(
@@ -194,7 +226,19 @@ def lion_step(
     found_inf: Optional[Tensor] = None,
 ) -> None:
     torch.ops.fused_accum_ext.lion_step_(
-        list(params), list(exp_avgs), list(accs), steps, lr, coef,
-        float(beta1), float(beta2), float(weight_decay), bool(maximize),
-        list(lp_params), list(grads), float(grad_alpha), bool(grads_overwrite), found_inf,
-    )  # fmt: skip
+        list(params),
+        list(exp_avgs),
+        list(accs),
+        steps,
+        lr,
+        coef,
+        float(beta1),
+        float(beta2),
+        float(weight_decay),
+        bool(maximize),
+        list(lp_params),
+        list(grads),
+        float(grad_alpha),
+        bool(grads_overwrite),
+        found_inf,
+    )

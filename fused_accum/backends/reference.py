@@ -37,6 +37,7 @@ Conventions shared by all ops (and so by all backends):
   ``coef * (grad_alpha * grad + (0 if grads_overwrite else acc))`` and ``acc`` is not written
   (it is ready to be overwritten by the next window either way).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -152,8 +153,7 @@ def _lr(lr: Tensor) -> Tensor:
     makes (the C++ binding's check_lr, the triton launcher's)."""
     if lr.dtype not in (torch.float64, torch.float32) or lr.numel() != 1:
         raise ValueError(
-            f"lr must be a one-element float64 or float32 tensor, got {lr.dtype} with "
-            f"{lr.numel()} elements"
+            f"lr must be a one-element float64 or float32 tensor, got {lr.dtype} with {lr.numel()} elements"
         )
     return lr.double()
 

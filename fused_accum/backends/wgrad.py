@@ -28,6 +28,7 @@ This op uses none of the C++ extension: ``cpu`` and ``cuda`` are the names of th
 accumulator's group runs on, and their wgrad is ``torch`` BLAS (oneDNN/MKL, cuBLAS) called as
 measured below.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -72,8 +73,7 @@ def check(acc: Tensor, grad_output: Tensor, input: Tensor) -> Tuple[Tensor, Tens
         )
     if grad_output.dtype != input.dtype:
         raise ValueError(
-            f"wgrad_accumulate: grad_output ({grad_output.dtype}) and input ({input.dtype}) "
-            f"must have the same dtype"
+            f"wgrad_accumulate: grad_output ({grad_output.dtype}) and input ({input.dtype}) must have the same dtype"
         )
     return grad_output.reshape(-1, n_out), input.reshape(-1, k_in)
 

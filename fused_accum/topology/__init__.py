@@ -34,6 +34,7 @@ The choice is made once: at construction (:func:`choose`), except that :class:`L
 own module: :mod:`.native` (DDP owns ``.grad``), :mod:`.replicated` (``process_group=``),
 :mod:`.zero` (``shard="state"``/``"grads"``), :mod:`.fsdp` (FSDP2's DTensor parameters).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +66,10 @@ class Local:
         if not any(is_dtensor(s.param) for s in flat.slots):
             return self
         if window.took_gradients():
-            raise ValueError("DTensor parameters cannot join an optimizer whose plain parameters "
-                             "already took gradients through its hooks")  # fmt: skip
+            raise ValueError(
+                "DTensor parameters cannot join an optimizer whose plain parameters "
+                "already took gradients through its hooks"
+            )
         from .fsdp import FSDP2
 
         return FSDP2()
@@ -157,18 +160,19 @@ def check_arguments(process_group, shard, reduce_dtype, *, fused: bool, step_in_
     """The constructor's data-parallel keywords, checked before anything is built (``fused``:
     the algorithm is one of ours, not a torch.optim class)."""
     if step_in_backward and process_group is not None:
-        raise ValueError("step_in_backward=True steps before the window is reduced across "
-                         "process_group: they cannot be combined")
+        raise ValueError(
+            "step_in_backward=True steps before the window is reduced across process_group: they cannot be combined"
+        )
     if shard not in SHARD_MODES:
         raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
     if shard is not None and process_group is None:
         raise ValueError(f"shard={shard!r} needs a process_group to shard across")
     if shard is not None and not fused:
-        raise ValueError("shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
-                         "class steps whole parameters")  # fmt: skip
+        raise ValueError(
+            "shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim class steps whole parameters"
+        )
     if reduce_dtype is not None and shard != "grads":
-        raise ValueError("reduce_dtype= applies to shard='grads' only (the window-level "
-                         "reductions are fp32)")  # fmt: skip
+        raise ValueError("reduce_dtype= applies to shard='grads' only (the window-level reductions are fp32)")
 
 
 def choose(process_group=None, shard: Optional[str] = None, reduce_dtype=None) -> Local:

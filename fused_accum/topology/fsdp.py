@@ -11,6 +11,7 @@ summed over the mesh (:class:`fused_accum.distributed.ShardSums`). Chosen when t
 parameters join (a step may come before any backward: torch.distributed.checkpoint's
 ``set_optimizer_state_dict`` steps with zero gradients to make state).
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,8 +68,10 @@ class FSDP2(Local):
 
     def check_optimizer(self, window, generic: Optional[str]) -> None:
         if generic is not None:
-            raise ValueError(f"optimizer={generic} cannot step DTensor parameters (it would see local "
-                             "shards as whole parameters); use a fused algorithm (sgd, adam, adamw, lion)")  # fmt: skip
+            raise ValueError(
+                f"optimizer={generic} cannot step DTensor parameters (it would see local "
+                "shards as whole parameters); use a fused algorithm (sgd, adam, adamw, lion)"
+            )
         if window.wants_stats:  # (made now: it refuses parameters on more than one mesh)
             self._sums = ShardSums(s.param for s in window.slots)
 

@@ -6,6 +6,7 @@ nothing and the step takes ``.grad`` as a user-assigned gradient (optimizer's
 ``_take_user_grads``). Chosen at the first backward, by :meth:`Local.resolve`, since the DDP
 wrapper may be built after the optimizer.
 """
+
 from __future__ import annotations
 
 from . import Local

@@ -6,6 +6,7 @@ backward without ``accum_steps`` (each may be the last) and after ``no_sync()`` 
 first one outside it (DDP's rule). Buckets are launched in one fixed order on every rank
 (:class:`fused_accum.distributed.WindowReducer`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,10 @@ class Replicated(Local):
 
     def join(self, window, flat):
         if any(is_dtensor(s.param) for s in flat.slots):
-            raise ValueError("the parameters are DTensors (FSDP2's fully_shard or tensor parallelism), "
-                             "whose gradients FSDP2 reduces: process_group= and shard= cannot be added")  # fmt: skip
+            raise ValueError(
+                "the parameters are DTensors (FSDP2's fully_shard or tensor parallelism), "
+                "whose gradients FSDP2 reduces: process_group= and shard= cannot be added"
+            )
         return self
 
     def resolve(self, params):

@@ -10,6 +10,7 @@ gradient: each backward's gradients are folded into a staging buffer per bucket,
 at the backward's end and added into this rank's part; ``.grad`` is the placeholder throughout.
 The step updates this rank's parts and all-gathers the parameters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ class ShardedGrad(Tensor):
             f"unscaled ({func}). Pass max_grad_norm= (and skip_nonfinite=) to the optimizer instead "
             "of calling clip_grad_norm_ (the global norm is then in opt.last_grad_norm); "
             "use shard=None to read .grad."
-        )  # fmt: skip
+        )
 
     def __repr__(self):
         return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
@@ -59,12 +60,13 @@ class Zero(replicated.Replicated):
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
 
-
     def reduced_error(self, window):
-        raise RuntimeError(f"{window.label}: shard='state' reduces once per window and this window was "
-                           "already reduce-scattered; call step() (and zero_grad()) before the next "
-                           "backward, or run all but the window's last backward under opt.no_sync() "
-                           "or with accum_steps set")  # fmt: skip
+        raise RuntimeError(
+            f"{window.label}: shard='state' reduces once per window and this window was "
+            "already reduce-scattered; call step() (and zero_grad()) before the next "
+            "backward, or run all but the window's last backward under opt.no_sync() "
+            "or with accum_steps set"
+        )
 
     def add(self, flat) -> None:
         for slot in flat.slots:
@@ -117,8 +119,10 @@ class Zero(replicated.Replicated):
 
     def take_user_grad(self, flat_groups, slot, grad: Tensor) -> bool:
         if self._reduced:
-            raise RuntimeError(f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
-                               "sharded optimizer once its window is reduce-scattered")  # fmt: skip
+            raise RuntimeError(
+                f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
+                "sharded optimizer once its window is reduce-scattered"
+            )
         if slot.acc is not None:
             return False  # "state": the window copies it into the whole accumulator
         # "grads": this rank's gradient, staged in its bucket and reduce-scattered with the rest

@@ -6,6 +6,7 @@ Every run here uses k = 4 accumulation steps and an epoch of 11 micro-batches (2
 batch size 2): windows of 4, 4 and 3 micro-batches, so each epoch ends with a short window,
 where all three trainers step early.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,10 +65,19 @@ def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, n_inner=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.2,
-        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_inner=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.2,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied, as GPT-2 is
@@ -182,9 +192,10 @@ def differences(reference: Run, fused: Run) -> list:
         problems.append(
             f"optimizer step count per parameter: torch {sorted(set(reference.param_steps))}, "
             f"fused {sorted(set(fused.param_steps))} (first differing parameter index {first[0]}: "
-            f"torch {first[1]}, fused {first[2]})" if first else
-            f"optimizer step counts: {len(reference.param_steps)} params in torch, {len(fused.param_steps)} in fused"
-        )  # fmt: skip
+            f"torch {first[1]}, fused {first[2]})"
+            if first
+            else f"optimizer step counts: {len(reference.param_steps)} params in torch, {len(fused.param_steps)} in fused"
+        )
     if len(fused.grad_norms) != len(reference.grad_norms):
         problems.append(f"logged grad norms: torch logged {len(reference.grad_norms)}, fused {len(fused.grad_norms)}")
     for i, (r, f) in enumerate(zip(reference.grad_norms, fused.grad_norms)):
@@ -193,7 +204,7 @@ def differences(reference: Run, fused: Run) -> list:
                 f"logged grad norm of optimizer step {i + 1} (first difference): torch {r:.7g}, fused {f:.7g} "
                 f"(relative difference {abs(f - r) / max(abs(r), 1e-12):.2e}); all torch "
                 f"{[round(x, 5) for x in reference.grad_norms]}, all fused {[round(x, 5) for x in fused.grad_norms]}"
-            )  # fmt: skip
+            )
             break
     worst_name, worst = None, 0.0
     for name, ref in reference.params.items():
@@ -202,7 +213,9 @@ def differences(reference: Run, fused: Run) -> list:
         if math.isnan(rel) or rel > worst and not math.isnan(worst):
             worst_name, worst = name, rel
     if not worst <= PARAM_RTOL:  # also nan
-        problems.append(f"parameters: worst relative difference {worst:.2e} in {worst_name!r} (tolerance {PARAM_RTOL:g})")
+        problems.append(
+            f"parameters: worst relative difference {worst:.2e} in {worst_name!r} (tolerance {PARAM_RTOL:g})"
+        )
     for key, ref in reference.extra.items():
         got = fused.extra.get(key)
         if isinstance(ref, (list, tuple)) and ref and isinstance(ref[0], float):

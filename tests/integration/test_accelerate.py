@@ -8,13 +8,27 @@ last window of each epoch has 3, and Accelerate steps it at the end of the data 
 two epochs: 6 optimizer steps. The resume test saves with ``save_state`` after the first epoch
 and continues in a fresh model, optimizer and Accelerator with ``load_state``.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from _common import (BATCH, K, MAX_GRAD_NORM, OPTIMIZERS, Run, StepCounter, TokenDataset, check_reference_sane,
-                     compare, compare_stages, param_steps, snapshot, tiny_gpt2)  # fmt: skip
+from _common import (
+    BATCH,
+    K,
+    MAX_GRAD_NORM,
+    OPTIMIZERS,
+    Run,
+    StepCounter,
+    TokenDataset,
+    check_reference_sane,
+    compare,
+    compare_stages,
+    param_steps,
+    snapshot,
+    tiny_gpt2,
+)
 
 import accelerate  # noqa: E402,F401  (pinned in requirements-integration.txt)
 from accelerate import Accelerator  # noqa: E402
@@ -62,9 +76,12 @@ def train(kind: str, tmp_path, epochs=range(EPOCHS), save_to=None, resume_from=N
         accelerator.save_state(str(save_to))
     unwrapped = accelerator.unwrap_model(model)
     return Run(
-        step_calls=counter.count, param_steps=param_steps(opt.optimizer), grad_norms=norms,
-        params=snapshot(unwrapped), extra={"learning_rates": lrs},
-    )  # fmt: skip
+        step_calls=counter.count,
+        param_steps=param_steps(opt.optimizer),
+        grad_norms=norms,
+        params=snapshot(unwrapped),
+        extra={"learning_rates": lrs},
+    )
 
 
 _references: dict = {}  # the torch run, shared by the parametrized test
@@ -90,5 +107,7 @@ def test_save_state_load_state_resume(tmp_path):
 
     fused_first = train("fused", tmp_path, epochs=range(1), save_to=tmp_path / "fused_ckpt")
     fused_second = train("fused", tmp_path, epochs=range(1, EPOCHS), resume_from=tmp_path / "fused_ckpt")
-    compare_stages((first, fused_first, "Accelerate, first epoch (then save_state)"),
-                   (second, fused_second, "Accelerate, second epoch (after load_state into a fresh model and optimizer)"))
+    compare_stages(
+        (first, fused_first, "Accelerate, first epoch (then save_state)"),
+        (second, fused_second, "Accelerate, second epoch (after load_state into a fresh model and optimizer)"),
+    )

@@ -9,14 +9,28 @@ skipped and the scale backs off, then grows again every 2 good steps, so every p
 scaler (skip, unscaled step, growth) runs. Compared: the scale after each window, which steps
 were skipped, the clip's norms and the trained parameters.
 """
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-from _common import (BATCH, K, LR, MAX_GRAD_NORM, OPTIMIZERS, WEIGHT_DECAY, Run, StepCounter, TokenDataset,
-                     compare, param_steps, snapshot, tiny_gpt2)  # fmt: skip
+from _common import (
+    BATCH,
+    K,
+    LR,
+    MAX_GRAD_NORM,
+    OPTIMIZERS,
+    WEIGHT_DECAY,
+    Run,
+    StepCounter,
+    TokenDataset,
+    compare,
+    param_steps,
+    snapshot,
+    tiny_gpt2,
+)
 
 EPOCHS = 3
 INIT_SCALE = 2.0**20  # fp16 overflows at it in the first windows (checked below)
@@ -40,7 +54,7 @@ def train(kind: str) -> Run:
     for _ in range(EPOCHS):
         batches = list(loader)
         for start in range(0, len(batches), K):
-            for batch in batches[start:start + K]:
+            for batch in batches[start : start + K]:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = model(**batch).loss / K
                 scaler.scale(loss).backward()
@@ -53,8 +67,13 @@ def train(kind: str) -> Run:
             scaler.update()
             scales.append(scaler.get_scale())
             opt.zero_grad()
-    return Run(step_calls=counter.count, param_steps=param_steps(opt), grad_norms=norms, params=snapshot(model),
-               extra={"scales": scales, "overflowed": overflowed})
+    return Run(
+        step_calls=counter.count,
+        param_steps=param_steps(opt),
+        grad_norms=norms,
+        params=snapshot(model),
+        extra={"scales": scales, "overflowed": overflowed},
+    )
 
 
 def test_fp16_grad_scaler_unscale_clip_step_matches_torch_adamw():

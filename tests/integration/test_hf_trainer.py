@@ -5,14 +5,29 @@ micro-batches (windows of 4, 4, 3), max_grad_norm=1.0, two epochs: 6 optimizer s
 optimizer reaches the Trainer in both documented ways: ``optimizers=(opt, sched)`` and
 ``optimizer_cls_and_kwargs``.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import fused_accum
-from _common import (BATCH, K, LR, MAX_GRAD_NORM, OPTIMIZERS, WEIGHT_DECAY, Run, StepCounter, TokenDataset,
-                     check_reference_sane, compare, param_steps, snapshot, tiny_gpt2)  # fmt: skip
+from _common import (
+    BATCH,
+    K,
+    LR,
+    MAX_GRAD_NORM,
+    OPTIMIZERS,
+    WEIGHT_DECAY,
+    Run,
+    StepCounter,
+    TokenDataset,
+    check_reference_sane,
+    compare,
+    param_steps,
+    snapshot,
+    tiny_gpt2,
+)
 
 import transformers  # noqa: E402  (pinned in requirements-integration.txt)
 from transformers import Trainer, TrainingArguments  # noqa: E402
@@ -23,12 +38,26 @@ STEPS = EPOCHS * 3  # windows of 4, 4 and 3 micro-batches per epoch
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
     kwargs = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=BATCH, gradient_accumulation_steps=K,
-        max_grad_norm=MAX_GRAD_NORM, num_train_epochs=EPOCHS, learning_rate=LR, weight_decay=WEIGHT_DECAY,
-        lr_scheduler_type="linear", warmup_steps=0, logging_steps=1, logging_strategy="steps",
-        save_strategy="no", eval_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
-        dataloader_num_workers=0, seed=0, data_seed=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=K,
+        max_grad_norm=MAX_GRAD_NORM,
+        num_train_epochs=EPOCHS,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        logging_steps=1,
+        logging_strategy="steps",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        data_seed=0,
+    )
     kwargs.update(overrides)
     return TrainingArguments(**kwargs)
 
@@ -38,11 +67,16 @@ def finish(trainer: Trainer, counter: StepCounter) -> Run:
     lrs = [entry["learning_rate"] for entry in trainer.state.log_history if "learning_rate" in entry]
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return Run(
-        step_calls=counter.count, param_steps=param_steps(trainer.optimizer), grad_norms=[float(n) for n in logged],
+        step_calls=counter.count,
+        param_steps=param_steps(trainer.optimizer),
+        grad_norms=[float(n) for n in logged],
         params=snapshot(trainer.model),
-        extra={"global_step": trainer.state.global_step, "learning_rates": [float(x) for x in lrs],
-               "logged_losses": [float(x) for x in losses]},
-    )  # fmt: skip
+        extra={
+            "global_step": trainer.state.global_step,
+            "learning_rates": [float(x) for x in lrs],
+            "logged_losses": [float(x) for x in losses],
+        },
+    )
 
 
 def run_with_optimizers(kind: str, tmp_path) -> Run:
@@ -51,8 +85,9 @@ def run_with_optimizers(kind: str, tmp_path) -> Run:
     opt = OPTIMIZERS[kind](model.parameters())
     sched = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=STEPS)
     counter = StepCounter(opt)
-    trainer = Trainer(model=model, args=training_args(tmp_path / kind), train_dataset=TokenDataset(),
-                      optimizers=(opt, sched))  # fmt: skip
+    trainer = Trainer(
+        model=model, args=training_args(tmp_path / kind), train_dataset=TokenDataset(), optimizers=(opt, sched)
+    )
     trainer.train()
     return finish(trainer, counter)
 
@@ -74,10 +109,16 @@ def run_with_cls_and_kwargs(kind: str, tmp_path) -> Run:
             counters.append(StepCounter(opt))
             return opt
 
-    trainer = CountingTrainer(model=model, args=training_args(tmp_path / kind.replace(", ", "_")), train_dataset=TokenDataset(),
-                              optimizer_cls_and_kwargs=(cls, kwargs))  # fmt: skip
+    trainer = CountingTrainer(
+        model=model,
+        args=training_args(tmp_path / kind.replace(", ", "_")),
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=(cls, kwargs),
+    )
     trainer.train()
-    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, cls)
+    assert isinstance(
+        trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, cls
+    )
     assert len(counters) == 1
     return finish(trainer, counters[0])
 

@@ -7,6 +7,7 @@ A tiny regression MLP (a LightningModule whose ``configure_optimizers`` builds t
 ``Tuner(trainer).lr_find(model)`` then ``trainer.fit(model)`` on the same model (two optimizers
 on the same parameters, one after the other), and resuming ``fit`` from a checkpoint.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from _common import (BATCH, K, OPTIMIZERS, SAMPLES, Run, StepCounter, check_reference_sane, compare, compare_stages,
-                     param_steps, snapshot, total_grad_norm)  # fmt: skip
+from _common import (
+    BATCH,
+    K,
+    OPTIMIZERS,
+    SAMPLES,
+    Run,
+    StepCounter,
+    check_reference_sane,
+    compare,
+    compare_stages,
+    param_steps,
+    snapshot,
+    total_grad_norm,
+)
 
 import lightning as L  # noqa: E402  (pinned in requirements-integration.txt)
 from lightning.pytorch.tuner import Tuner  # noqa: E402
@@ -60,19 +73,31 @@ def data() -> torch.utils.data.DataLoader:
 
 def trainer(tmp_path, max_epochs=EPOCHS, precision="32-true") -> "L.Trainer":
     return L.Trainer(
-        max_epochs=max_epochs, accumulate_grad_batches=K, gradient_clip_val=CLIP, gradient_clip_algorithm="norm",
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0, precision=precision,
-    )  # fmt: skip
+        max_epochs=max_epochs,
+        accumulate_grad_batches=K,
+        gradient_clip_val=CLIP,
+        gradient_clip_algorithm="norm",
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+        precision=precision,
+    )
 
 
 def result(model: TinyRegressor, t: "L.Trainer", norms=None, **extra) -> Run:
     counter = model.counters[-1]
     return Run(
-        step_calls=counter.count, param_steps=param_steps(t.optimizers[0]),
-        grad_norms=model.grad_norms if norms is None else norms, params=snapshot(model),
+        step_calls=counter.count,
+        param_steps=param_steps(t.optimizers[0]),
+        grad_norms=model.grad_norms if norms is None else norms,
+        params=snapshot(model),
         extra={"global_step": t.global_step, **extra},
-    )  # fmt: skip
+    )
 
 
 def fit(kind: str, tmp_path, precision="32-true") -> Run:
@@ -95,8 +120,11 @@ def test_bf16_mixed_with_gradient_clip_val(tmp_path):
     scaler; ours says so to GradScaler only."""
     reference = fit("torch", tmp_path / "torch", precision="bf16-mixed")
     check_reference_sane(reference, STEPS)
-    compare(reference, fit("fused", tmp_path / "fused", precision="bf16-mixed"),
-            "Lightning fit(precision='bf16-mixed', accumulate_grad_batches=4, gradient_clip_val)")  # fmt: skip
+    compare(
+        reference,
+        fit("fused", tmp_path / "fused", precision="bf16-mixed"),
+        "Lightning fit(precision='bf16-mixed', accumulate_grad_batches=4, gradient_clip_val)",
+    )
 
 
 # lr_find's optimizer steps: 10 epochs of 3 windows. Its callback records the loss only at
@@ -108,13 +136,20 @@ LR_FIND_STEPS = 30
 def lr_find_then_fit(kind: str, tmp_path) -> tuple:
     model = TinyRegressor(kind)
     t = trainer(tmp_path / kind, max_epochs=LR_FIND_STEPS // 3)
-    finder = Tuner(t).lr_find(model, train_dataloaders=data(), min_lr=1e-3, max_lr=0.3,
-                              num_training=LR_FIND_STEPS, early_stop_threshold=None)  # fmt: skip
+    finder = Tuner(t).lr_find(
+        model, train_dataloaders=data(), min_lr=1e-3, max_lr=0.3, num_training=LR_FIND_STEPS, early_stop_threshold=None
+    )
     found = Run(
-        step_calls=model.counters[-1].count, param_steps=[], grad_norms=list(model.grad_norms), params={},
-        extra={"lr_find losses": [float(x) for x in finder.results["loss"]],
-               "suggestion": finder.suggestion(), "model.lr after lr_find": model.lr},
-    )  # fmt: skip
+        step_calls=model.counters[-1].count,
+        param_steps=[],
+        grad_norms=list(model.grad_norms),
+        params={},
+        extra={
+            "lr_find losses": [float(x) for x in finder.results["loss"]],
+            "suggestion": finder.suggestion(),
+            "model.lr after lr_find": model.lr,
+        },
+    )
     model.grad_norms = []
     t.fit(model, train_dataloaders=data())
     return found, result(model, t)
@@ -125,8 +160,10 @@ def test_lr_find_then_fit(tmp_path):
     assert ref_find.step_calls == LR_FIND_STEPS and ref_find.extra["suggestion"] is not None
     assert ref_fit.extra["global_step"] == ref_fit.step_calls == LR_FIND_STEPS
     fused_find, fused_fit = lr_find_then_fit("fused", tmp_path)
-    compare_stages((ref_find, fused_find, "Lightning Tuner.lr_find"),
-                   (ref_fit, fused_fit, "Lightning fit after lr_find, same model"))
+    compare_stages(
+        (ref_find, fused_find, "Lightning Tuner.lr_find"),
+        (ref_fit, fused_fit, "Lightning fit after lr_find, same model"),
+    )
 
 
 def test_checkpoint_resume(tmp_path):
@@ -152,5 +189,7 @@ def test_checkpoint_resume(tmp_path):
     assert first.grad_norms + second.grad_norms == pytest.approx(uninterrupted.grad_norms, rel=1e-6)
     for name, p in uninterrupted.params.items():
         torch.testing.assert_close(second.params[name], p, rtol=1e-6, atol=1e-7)
-    compare_stages((first, runs["fused"][0], "Lightning, first epoch (then save_checkpoint)"),
-                   (second, runs["fused"][1], "Lightning, fit(ckpt_path=...) to the second epoch"))
+    compare_stages(
+        (first, runs["fused"][0], "Lightning, first epoch (then save_checkpoint)"),
+        (second, runs["fused"][1], "Lightning, fit(ckpt_path=...) to the second epoch"),
+    )

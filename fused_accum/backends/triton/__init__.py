@@ -42,6 +42,7 @@ which declare what they mutate. These kernels are deliberately *not* wrapped wit
 addresses in a table, which Inductor's mutation analysis of a wrapped kernel cannot see, so it
 would treat the accumulators and parameters as unchanged and could reorder or drop their reads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,7 +123,7 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 def unavailable_reason(name: str) -> str:
-    """"" when this backend can run (where it may run is decided in backends.availability)."""
+    """ "" when this backend can run (where it may run is decided in backends.availability)."""
     major = int(triton.__version__.split(".")[0])
     return "" if major >= 3 else f"the triton backend needs triton >= 3.0, found {triton.__version__}"
 
@@ -226,8 +227,9 @@ def chunk_size(total_elements: int, sm_count: int) -> int:
 _aligned = tables.aligned
 
 
-def _build(device: torch.device, numel: np.ndarray, index: np.ndarray,
-           addresses: Dict[int, tuple], capturing: bool) -> tables.Tables:  # fmt: skip
+def _build(
+    device: torch.device, numel: np.ndarray, index: np.ndarray, addresses: Dict[int, tuple], capturing: bool
+) -> tables.Tables:
     """The device tables of one launch: ``addresses`` maps a table column to (addresses,
     element size) for the rows, absent columns stay 0."""
     n = len(numel)
@@ -248,10 +250,14 @@ def _build(device: torch.device, numel: np.ndarray, index: np.ndarray,
         except RuntimeError as e:
             raise RuntimeError(
                 "fused_accum triton backend: copying a launch table to the GPU failed"
-                + (" during CUDA-graph capture; run the same call once before capturing (a "
-                   "warm-up) so the table exists, or use the cuda backend" if capturing else "")
+                + (
+                    " during CUDA-graph capture; run the same call once before capturing (a "
+                    "warm-up) so the table exists, or use the cuda backend"
+                    if capturing
+                    else ""
+                )
                 + f": {e}"
-            ) from e  # fmt: skip
+            ) from e
     else:
         table = host
     split = n * tables.ROW
@@ -272,12 +278,15 @@ def _arena_slice(device: torch.device, host: Tensor) -> Tensor:
         if arena is None or arena[1] + host.numel() > arena[0].numel():
             raise RuntimeError(
                 "fused_accum triton backend: a launch table is needed during CUDA-graph capture "
-                + ("before any eager call on this device pinned its capture arena: run the captured "
-                   "calls once before capturing (a warm-up)" if arena is None else
-                   f"but the {CAPTURE_ARENA_BYTES >> 20} MB capture arena is full: call "
-                   "release_captured_tables() after deleting old graphs, or raise "
-                   "FUSED_ACCUM_TRITON_CAPTURE_ARENA_MB")
-            )  # fmt: skip
+                + (
+                    "before any eager call on this device pinned its capture arena: run the captured "
+                    "calls once before capturing (a warm-up)"
+                    if arena is None
+                    else f"but the {CAPTURE_ARENA_BYTES >> 20} MB capture arena is full: call "
+                    "release_captured_tables() after deleting old graphs, or raise "
+                    "FUSED_ACCUM_TRITON_CAPTURE_ARENA_MB"
+                )
+            )
         start = arena[1]
         arena[1] += host.numel() + (-host.numel()) % 2  # slices stay 16-byte aligned
     out = arena[0][start : start + host.numel()]
@@ -376,17 +385,33 @@ def accumulate(
             else:  # never dereferenced (STATS=False), any tensor will do
                 part_sq = part_bad = group_tables.chunks
             kernels.accumulate_kernel[(group_tables.n_chunks,)](
-                group_tables.chunks, group_tables.tensors, part_sq, part_bad, first, float(alpha), group_tables.chunk,
-                GRAD_DTYPE=_TL_DTYPE[dtype], OVERWRITE=bool(overwrite), STATS=stats,
-                BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
-            )  # fmt: skip
+                group_tables.chunks,
+                group_tables.tensors,
+                part_sq,
+                part_bad,
+                first,
+                float(alpha),
+                group_tables.chunk,
+                GRAD_DTYPE=_TL_DTYPE[dtype],
+                OVERWRITE=bool(overwrite),
+                STATS=stats,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+                enable_fp_fusion=FP_FUSION,
+            )
         if stats:
             kernels.reduce_stats_kernel[(1,)](
-                partials[0], partials[1], launch.total_chunks,
-                sumsq if sumsq is not None else partials, found_inf if found_inf is not None else partials,
-                HAS_SUMSQ=sumsq is not None, HAS_FOUND_INF=found_inf is not None,
-                BLOCK=REDUCE_BLOCK, num_warps=REDUCE_WARPS, enable_fp_fusion=FP_FUSION,
-            )  # fmt: skip
+                partials[0],
+                partials[1],
+                launch.total_chunks,
+                sumsq if sumsq is not None else partials,
+                found_inf if found_inf is not None else partials,
+                HAS_SUMSQ=sumsq is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=REDUCE_BLOCK,
+                num_warps=REDUCE_WARPS,
+                enable_fp_fusion=FP_FUSION,
+            )
     del keep  # the copies may go: the launches are queued on the stream in order
 
 
@@ -467,14 +492,27 @@ def _step(
     with _on(device):
         for (param_dtype, lp_dtype, grad_dtype), group_tables, _ in launch.launches:
             kernel[(group_tables.n_chunks,)](
-                group_tables.chunks, group_tables.tensors, *steps_arg, lr, coef,
+                group_tables.chunks,
+                group_tables.tensors,
+                *steps_arg,
+                lr,
+                coef,
                 found_inf if found_inf is not None else coef,  # not read unless HAS_FOUND_INF
-                group_tables.chunk, float(grad_alpha), *scalars,
-                PARAM_DTYPE=_TL_DTYPE[param_dtype], LP_DTYPE=_TL_DTYPE[lp_dtype],
-                GRAD_DTYPE=_TL_DTYPE[grad_dtype], HAS_LP=bool(lp_params), FUSED=bool(grads),
-                GRADS_OVERWRITE=bool(grads_overwrite), HAS_FOUND_INF=found_inf is not None,
-                **flags, BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=FP_FUSION,
-            )  # fmt: skip
+                group_tables.chunk,
+                float(grad_alpha),
+                *scalars,
+                PARAM_DTYPE=_TL_DTYPE[param_dtype],
+                LP_DTYPE=_TL_DTYPE[lp_dtype],
+                GRAD_DTYPE=_TL_DTYPE[grad_dtype],
+                HAS_LP=bool(lp_params),
+                FUSED=bool(grads),
+                GRADS_OVERWRITE=bool(grads_overwrite),
+                HAS_FOUND_INF=found_inf is not None,
+                **flags,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+                enable_fp_fusion=FP_FUSION,
+            )
     for original, copy in write_back:
         original.copy_(copy)
     del keep
@@ -503,13 +541,28 @@ def sgd_step(
     """reference.sgd_step in one launch per dtype group (``plan``: see _step)."""
     states = OrderedDict(momentum_bufs=momentum_bufs) if momentum != 0 else OrderedDict()
     _step(
-        kernels.sgd_kernel, "sgd_step", params, states, accs, steps, lr, coef,
-        lp_params, grads, grad_alpha, grads_overwrite, found_inf,
+        kernels.sgd_kernel,
+        "sgd_step",
+        params,
+        states,
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
         scalars=(float(momentum), 1.0 - float(dampening), float(weight_decay)),
-        flags=dict(MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
-                   HAS_MOMENTUM=momentum != 0, NESTEROV=bool(nesterov)),
+        flags=dict(
+            MAXIMIZE=bool(maximize),
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            HAS_MOMENTUM=momentum != 0,
+            NESTEROV=bool(nesterov),
+        ),
         plan=plan,
-    )  # fmt: skip
+    )
 
 
 def adam_step(
@@ -541,14 +594,38 @@ def adam_step(
     if max_exp_avg_sqs:
         states["max_exp_avg_sqs"] = max_exp_avg_sqs
     _step(
-        kernels.adam_kernel, "adam_step", params, states, accs, steps, lr, coef,
-        lp_params, grads, grad_alpha, grads_overwrite, found_inf,
-        scalars=(_bits(beta1), _bits(beta2), _bits(weight_decay), float(beta1), float(beta2),
-                 1.0 - float(beta1), 1.0 - float(beta2), float(eps), float(weight_decay)),
-        flags=dict(MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
-                   DECOUPLED=bool(decoupled), AMSGRAD=bool(max_exp_avg_sqs)),
+        kernels.adam_kernel,
+        "adam_step",
+        params,
+        states,
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
+        scalars=(
+            _bits(beta1),
+            _bits(beta2),
+            _bits(weight_decay),
+            float(beta1),
+            float(beta2),
+            1.0 - float(beta1),
+            1.0 - float(beta2),
+            float(eps),
+            float(weight_decay),
+        ),
+        flags=dict(
+            MAXIMIZE=bool(maximize),
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            DECOUPLED=bool(decoupled),
+            AMSGRAD=bool(max_exp_avg_sqs),
+        ),
         plan=plan,
-    )  # fmt: skip
+    )
 
 
 def lion_step(
@@ -574,10 +651,20 @@ def lion_step(
     ``plan``: see _step)."""
     del steps
     _step(
-        kernels.lion_kernel, "lion_step", params, OrderedDict(exp_avgs=exp_avgs), accs, None, lr, coef,
-        lp_params, grads, grad_alpha, grads_overwrite, found_inf,
-        scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2),
-                 _bits(weight_decay)),
+        kernels.lion_kernel,
+        "lion_step",
+        params,
+        OrderedDict(exp_avgs=exp_avgs),
+        accs,
+        None,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
+        scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), _bits(weight_decay)),
         flags=dict(MAXIMIZE=bool(maximize)),
         plan=plan,
-    )  # fmt: skip
+    )

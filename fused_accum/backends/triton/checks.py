@@ -7,6 +7,7 @@ caller plan's first call), and a hit relies on what they established (see the pa
 ``__init__``). Each per-tensor check first runs over whole lists, one C call per tensor, and only
 when that fails tensor by tensor, for the message: the loop costs ~10 us per tensor.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,7 @@ def device_of(t: Tensor) -> torch.device:
     if INTERPRETED and device.type != "cpu":
         # the interpreter copies tensor arguments to the host, but not the tensors that the
         # tables address: it would dereference device addresses on the CPU
-        raise RuntimeError(
-            f"under TRITON_INTERPRET=1 the triton backend runs on CPU tensors only, got {device}"
-        )
+        raise RuntimeError(f"under TRITON_INTERPRET=1 the triton backend runs on CPU tensors only, got {device}")
     return device
 
 
@@ -52,8 +51,7 @@ def _check_acc(name: str, i: int, t: Tensor, device: torch.device) -> None:
 def _check_same(name: str, i: int, t: Tensor, numel: int, device: torch.device) -> None:
     if t.numel() != numel or t.device != device:
         raise ValueError(
-            f"{name}[{i}] must have {numel} elements on {device} like accs[{i}], "
-            f"got {t.numel()} on {t.device}"
+            f"{name}[{i}] must have {numel} elements on {device} like accs[{i}], got {t.numel()} on {t.device}"
         )
 
 
@@ -83,9 +81,16 @@ def check_scalar(name: str, t: Optional[Tensor], device: torch.device) -> None:
 def accumulate_is_simple(acc: Tensor, offsets: Tensor, grads: List[Tensor]) -> bool:
     """The cheap checks of every accumulate call (a few attributes of two tensors); when they
     fail, reference.slice_starts says why, or there is nothing to do (no gradients)."""
-    return not (acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous()
-                or offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.device.type != "cpu"
-                or len(offsets) != len(grads) or not grads)  # fmt: skip
+    return not (
+        acc.dtype != torch.float32
+        or acc.dim() != 1
+        or not acc.is_contiguous()
+        or offsets.dtype != torch.int64
+        or offsets.dim() != 1
+        or offsets.device.type != "cpu"
+        or len(offsets) != len(grads)
+        or not grads
+    )
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: List[Tensor], numels: tuple) -> np.ndarray:
@@ -116,8 +121,15 @@ def step_lengths(name: str, params, states: dict, accs, lp_params, grads) -> Non
         raise ValueError(f"{name}: grads must be empty or as long as params ({n}), got {len(grads)}")
 
 
-def step_scalars(name: str, n: int, steps: Optional[Tensor], lr: Tensor, coef: Tensor,
-                 found_inf: Optional[Tensor], device: torch.device) -> None:  # fmt: skip
+def step_scalars(
+    name: str,
+    n: int,
+    steps: Optional[Tensor],
+    lr: Tensor,
+    coef: Tensor,
+    found_inf: Optional[Tensor],
+    device: torch.device,
+) -> None:
     """lr, coef, found_inf and steps: the device values a step reads (never the host)."""
     if lr.dtype not in (torch.float64, torch.float32) or lr.numel() != 1 or lr.device != device:
         raise ValueError(
@@ -128,8 +140,9 @@ def step_scalars(name: str, n: int, steps: Optional[Tensor], lr: Tensor, coef: T
     check_scalar("found_inf", found_inf, device)
     # exactly one step count per tensor, as the C++ binding requires (a longer tensor would
     # mean the caller's lists and counts are out of step)
-    if steps is not None and (steps.dtype != torch.float32 or steps.dim() != 1 or steps.numel() != n
-                              or steps.device != device):  # fmt: skip
+    if steps is not None and (
+        steps.dtype != torch.float32 or steps.dim() != 1 or steps.numel() != n or steps.device != device
+    ):
         raise ValueError(
             f"{name}: steps must be a 1-D float32 tensor of {n} step counts (one per param) on "
             f"{device}, got {steps.dtype} of shape {tuple(steps.shape)} on {steps.device}"
@@ -141,14 +154,17 @@ def validate_step(name, params, states, accs, lp_params, grads, device) -> None:
     numels = tuple(map(_numel, accs))
     fp32_lists = [accs, *states.values()]
     float_lists = [xs for xs in (params, lp_params, grads) if xs]
-    ok = all(
-        set(map(_dtype, xs)) == {torch.float32} and set(map(Tensor.dim, xs)) == {1}
-        and all(map(_is_contiguous, xs)) and tuple(map(_numel, xs)) == numels
-        for xs in fp32_lists
-    ) and all(
-        set(map(_dtype, xs)) <= set(FLOAT_DTYPES) and tuple(map(_numel, xs)) == numels
-        for xs in float_lists
-    ) and all(set(map(_device, xs)) == {device} for xs in fp32_lists + float_lists)  # fmt: skip
+    ok = (
+        all(
+            set(map(_dtype, xs)) == {torch.float32}
+            and set(map(Tensor.dim, xs)) == {1}
+            and all(map(_is_contiguous, xs))
+            and tuple(map(_numel, xs)) == numels
+            for xs in fp32_lists
+        )
+        and all(set(map(_dtype, xs)) <= set(FLOAT_DTYPES) and tuple(map(_numel, xs)) == numels for xs in float_lists)
+        and all(set(map(_device, xs)) == {device} for xs in fp32_lists + float_lists)
+    )
     if ok:
         return
     for i in range(len(params)):

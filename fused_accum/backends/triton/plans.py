@@ -16,6 +16,7 @@ Every call takes one path (the package's ``__init__``), whether or not the calle
 The key is (where, stream, chunking, read); a hit launches the cached tables, a miss builds
 them from the template's columns and the read's.
 """
+
 from __future__ import annotations
 
 import operator
@@ -117,8 +118,11 @@ def accumulate_columns(acc: Tensor, template: Template, ptrs: tuple) -> tables.C
 STATE_COLUMNS = (kernels.STATE0.value, kernels.STATE1.value, kernels.STATE2.value)
 # The lists a step reads every call: their table column and their place in a dtype group's key
 # (param, lp, grad dtypes).
-_READ_COLUMNS = {"params": (kernels.PARAM.value, 0), "lp_params": (kernels.LP.value, 1),
-                 "grads": (kernels.GRAD.value, 2)}  # fmt: skip
+_READ_COLUMNS = {
+    "params": (kernels.PARAM.value, 0),
+    "lp_params": (kernels.LP.value, 1),
+    "grads": (kernels.GRAD.value, 2),
+}
 
 
 def step_where(name: str, plan, device, params, states, accs, lp_params, grads) -> Key:
@@ -175,6 +179,11 @@ def step_columns(template: Template, read: dict, ptrs: list, dtypes: list) -> Tu
         columns[column] = (np.asarray(addresses, dtype=np.int64), lambda key, p=position: key[p].itemsize)
     read_dtypes = dict(zip(read, dtypes))
     fp32 = [torch.float32] * len(template.numels)
-    keys = list(zip(template.param_dtypes or read_dtypes["params"],
-                    read_dtypes.get("lp_params") or fp32, read_dtypes.get("grads") or fp32))  # fmt: skip
+    keys = list(
+        zip(
+            template.param_dtypes or read_dtypes["params"],
+            read_dtypes.get("lp_params") or fp32,
+            read_dtypes.get("grads") or fp32,
+        )
+    )
     return columns, keys

@@ -8,6 +8,7 @@ with numpy over whole columns, and splits a call's tensors into the dtype groups
 specialised on (one launch each). It holds no state and touches no device: the package's
 ``__init__`` sizes the chunks and copies the result to the device.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -61,8 +62,9 @@ def aligned(addresses: Dict[int, Tuple[np.ndarray, int]]) -> np.ndarray:
     return ok.astype(np.int64)
 
 
-def host_tables(numel: np.ndarray, index: np.ndarray, addresses: Dict[int, Tuple[np.ndarray, int]],
-                chunk: int) -> Tuple[Tensor, int]:  # fmt: skip
+def host_tables(
+    numel: np.ndarray, index: np.ndarray, addresses: Dict[int, Tuple[np.ndarray, int]], chunk: int
+) -> Tuple[Tensor, int]:
     """The tensor table and then the chunk table of one launch, flat in one int64 CPU tensor
     (so that one copy moves both), and the number of chunks. ``addresses`` maps a table column
     to (addresses, element size) for the rows; absent columns stay 0."""

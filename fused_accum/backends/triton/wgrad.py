@@ -18,6 +18,7 @@ the tiling, masks, strides and epilogue. There the tiles are upcast to fp32 befo
 (Triton 3.9's interpreter multiplies bf16 tiles as raw 16-bit integers: errors of 1e9 on
 1 x 1 x 1), so the bf16 MMA itself is only exercised on a GPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,12 +47,23 @@ INTERPRETED_BLOCKS = (16, 16, 16)
 # their divisibility lets the acc tile's loads and stores vectorise.
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["M"])
 def wgrad_kernel(
-    acc_ptr, g_ptr, x_ptr,
-    M, N, K,
-    stride_gm, stride_gn, stride_xm, stride_xk,
-    OVERWRITE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
+    acc_ptr,
+    g_ptr,
+    x_ptr,
+    M,
+    N,
+    K,
+    stride_gm,
+    stride_gn,
+    stride_xm,
+    stride_xk,
+    OVERWRITE: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_n = pid // tiles_k
@@ -67,11 +79,13 @@ def wgrad_kernel(
         # g^T tile [BLOCK_N, BLOCK_M] and x tile [BLOCK_M, BLOCK_K]; rows past M read 0.
         g_t = tl.load(
             g_ptr + offs_n[:, None] * stride_gn + offs_m[None, :] * stride_gm,
-            mask=mask_n[:, None] & mask_m[None, :], other=0.0,
+            mask=mask_n[:, None] & mask_m[None, :],
+            other=0.0,
         )
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
         )
         if UPCAST:  # the interpreter's tl.dot reads bf16 as raw 16-bit integers (numpy has no bf16)
             g_t = g_t.to(tl.float32)
@@ -99,7 +113,22 @@ def wgrad_accumulate(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite:
     ieee = g.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k),)
     wgrad_kernel[grid](
-        acc, g, x, m, n, k, g.stride(0), g.stride(1), x.stride(0), x.stride(1),
-        OVERWRITE=overwrite, IEEE=ieee or interpreted, UPCAST=interpreted, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )  # fmt: skip
+        acc,
+        g,
+        x,
+        m,
+        n,
+        k,
+        g.stride(0),
+        g.stride(1),
+        x.stride(0),
+        x.stride(1),
+        OVERWRITE=overwrite,
+        IEEE=ieee or interpreted,
+        UPCAST=interpreted,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
