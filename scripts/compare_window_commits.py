@@ -65,6 +65,7 @@ rounds gives p < 0.05 (the count of rounds new was slower, against a fair coin) 
 of workers (3 or more) saw it the same way; otherwise "within noise". Compare it with the
 native control's lines: a fused_accum difference no larger than the control's is not one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -120,10 +121,17 @@ def snapshot(rev: str, dest: str) -> Dict[str, str]:
             copied += 1
         dirty = git("status", "--porcelain", "--untracked-files=normal").strip()
         changed = len(dirty.splitlines()) if dirty else 0
-        return {"rev": WORKTREE, "label": f"worktree (HEAD {head}, {changed} paths changed vs HEAD)",
-                "head": head, "content_sha": digest.hexdigest()[:12], "files": str(copied)}
+        return {
+            "rev": WORKTREE,
+            "label": f"worktree (HEAD {head}, {changed} paths changed vs HEAD)",
+            "head": head,
+            "content_sha": digest.hexdigest()[:12],
+            "files": str(copied),
+        }
     sha = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
-    archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", sha], check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", REPO, "archive", "--format=tar", sha], check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
     subject = git("log", "-1", "--format=%s", sha).strip()
     return {"rev": rev, "label": f"{sha[:7]} ({subject[:60]})", "head": sha[:7], "content_sha": sha[:12]}
@@ -160,8 +168,9 @@ def build_extension(tree: str, use_cache: bool, name: str) -> str:
     env.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
     t0 = time.perf_counter()
     log(f"[{name}] building fused_accum._C in {tree} (setup.py build_ext --inplace) ...")
-    out = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env, capture_output=True, text=True
+    )
     if out.returncode != 0:
         sys.stderr.write(out.stdout[-6000:] + out.stderr[-6000:])
         raise SystemExit(f"[{name}] the extension build failed in {tree}")
@@ -203,9 +212,15 @@ def worker_main(tree: str) -> None:
         return bool(path) and os.path.realpath(path).startswith(os.path.realpath(tree) + os.sep)
 
     c_file = getattr(ext._C, "__file__", None) if ext._C is not None else None
-    hello = {"fused_accum": fused_accum.__file__, "window_py": W.__file__, "C": c_file,
-             "C_unavailable": getattr(ext, "_WHY_NOT", ""), "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "pid": os.getpid()}
+    hello = {
+        "fused_accum": fused_accum.__file__,
+        "window_py": W.__file__,
+        "C": c_file,
+        "C_unavailable": getattr(ext, "_WHY_NOT", ""),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
     hello["isolated"] = inside(fused_accum.__file__) and inside(W.__file__) and inside(c_file)
     proto.write(json.dumps(hello) + "\n")
 
@@ -222,8 +237,10 @@ def worker_main(tree: str) -> None:
                 cell = W.prepare_cell(model_name, dtype, cfg, device)
                 label = f"{cell.base['model']} {dtype}"
                 cells[label] = cell
-                checks[label] = {p: {k: c[k] for k in ("ok", "hooks", "check_update_err", "check_loss_rel_diff")}
-                                 for p, c in cell.checks.items()}
+                checks[label] = {
+                    p: {k: c[k] for k in ("ok", "hooks", "check_update_err", "check_loss_rel_diff")}
+                    for p, c in cell.checks.items()
+                }
             import gc
 
             gc.collect()
@@ -244,13 +261,21 @@ class Worker:
     def __init__(self, name: str, tree: str, logdir: str):
         self.name, self.tree = name, tree
         env = {k: v for k, v in os.environ.items() if not k.startswith("FUSED_ACCUM_")}
-        env.update(PYTHONPATH=tree, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
-                   PYTHONDONTWRITEBYTECODE="1")
+        env.update(
+            PYTHONPATH=tree, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS), PYTHONDONTWRITEBYTECODE="1"
+        )
         self.log_path = os.path.join(logdir, f"worker-{name}.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), "--worker", tree],
-                                     cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", os.path.abspath(__file__), "--worker", tree],
+            cwd=tree,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+        )
 
     def send(self, **req) -> None:
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -297,7 +322,7 @@ def sign_test(above: int, below: int) -> float:
     n, k = above + below, min(above, below)
     if n == 0:
         return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 def summarize(samples, cells, providers, segment_of: Sequence[int]) -> List[Dict]:
@@ -318,43 +343,72 @@ def summarize(samples, cells, providers, segment_of: Sequence[int]) -> List[Dict
                     verdict = "slower"
                 elif max(seg_ratios) < 1:
                     verdict = "faster"
-            rows.append(dict(cell=cell, provider=p, rounds=len(ratios),
-                             old_ms=statistics.median(old), old_q1=oq[0], old_q3=oq[2],
-                             new_ms=statistics.median(new), new_q1=nq[0], new_q3=nq[2],
-                             ratio=statistics.median(new) / statistics.median(old),
-                             paired=rq[1], paired_q1=rq[0], paired_q3=rq[2],
-                             paired_min=min(ratios), paired_max=max(ratios), new_slower_rounds=slower,
-                             p_sign=p_sign, segment_ratios=seg_ratios, verdict=verdict,
-                             old_samples=old, new_samples=new))
+            rows.append(
+                dict(
+                    cell=cell,
+                    provider=p,
+                    rounds=len(ratios),
+                    old_ms=statistics.median(old),
+                    old_q1=oq[0],
+                    old_q3=oq[2],
+                    new_ms=statistics.median(new),
+                    new_q1=nq[0],
+                    new_q3=nq[2],
+                    ratio=statistics.median(new) / statistics.median(old),
+                    paired=rq[1],
+                    paired_q1=rq[0],
+                    paired_q3=rq[2],
+                    paired_min=min(ratios),
+                    paired_max=max(ratios),
+                    new_slower_rounds=slower,
+                    p_sign=p_sign,
+                    segment_ratios=seg_ratios,
+                    verdict=verdict,
+                    old_samples=old,
+                    new_samples=new,
+                )
+            )
     return rows
 
 
 def print_table(rows: List[Dict]) -> None:
     log("")
-    log(f"{'model dtype':<21} {'provider':<12} {'old ms [IQR]':>22} {'new ms [IQR]':>22} "
-        f"{'new/old':>7} {'paired [IQR] (min..max)':>32} {'new slower':>10} {'pairs of workers':>16}  verdict")
+    log(
+        f"{'model dtype':<21} {'provider':<12} {'old ms [IQR]':>22} {'new ms [IQR]':>22} "
+        f"{'new/old':>7} {'paired [IQR] (min..max)':>32} {'new slower':>10} {'pairs of workers':>16}  verdict"
+    )
     for r in rows:
-        log(f"{r['cell']:<21} {r['provider']:<12} "
+        log(
+            f"{r['cell']:<21} {r['provider']:<12} "
             f"{r['old_ms']:7.1f} [{r['old_q1']:6.1f}..{r['old_q3']:6.1f}] "
             f"{r['new_ms']:7.1f} [{r['new_q1']:6.1f}..{r['new_q3']:6.1f}] "
             f"{r['ratio']:7.3f} {r['paired']:6.3f} [{r['paired_q1']:.3f}..{r['paired_q3']:.3f}] "
             f"({r['paired_min']:.2f}..{r['paired_max']:.2f}) {r['new_slower_rounds']:>4}/{r['rounds']:<3} "
-            f"   {min(r['segment_ratios']):.3f}..{max(r['segment_ratios']):.3f}  {r['verdict']}")
+            f"   {min(r['segment_ratios']):.3f}..{max(r['segment_ratios']):.3f}  {r['verdict']}"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--old", default=DEFAULT_OLD, help=f"commit (default {DEFAULT_OLD})")
     ap.add_argument("--new", default=WORKTREE, help=f"commit, or '{WORKTREE}' (default): the working tree as it is now")
     ap.add_argument("--quick", action="store_true", help="10 rounds in 2 pairs of workers, 40 s of timing at most")
     ap.add_argument("--rounds", type=int, help="timed rounds in all (default 60, --quick 10)")
-    ap.add_argument("--segments", type=int, help="pairs of fresh workers the rounds are shared among "
-                    "(default 6, --quick 2; a verdict needs 3 or more)")
-    ap.add_argument("--budget-s", type=float, help="timing seconds in all, shared among the segments "
-                    "(default 200, --quick 40)")
-    ap.add_argument("--providers", default="fused_accum,native",
-                    help="window.PROVIDERS to time (default fused_accum,native: native is the control)")
+    ap.add_argument(
+        "--segments",
+        type=int,
+        help="pairs of fresh workers the rounds are shared among (default 6, --quick 2; a verdict needs 3 or more)",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, help="timing seconds in all, shared among the segments (default 200, --quick 40)"
+    )
+    ap.add_argument(
+        "--providers",
+        default="fused_accum,native",
+        help="window.PROVIDERS to time (default fused_accum,native: native is the control)",
+    )
     ap.add_argument("--models", default="params,gpt2")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--warmup-rounds", type=int, default=1)
@@ -371,13 +425,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     budget = args.budget_s if args.budget_s is not None else (40.0 if args.quick else 200.0)
     segments = max(1, min(rounds, args.segments or (2 if args.quick else 6)))
     providers = [p for p in args.providers.split(",") if p]
-    cfg = {"models": tuple(m for m in args.models.split(",") if m),
-           "dtypes": tuple(d for d in args.dtypes.split(",") if d)}
+    cfg = {
+        "models": tuple(m for m in args.models.split(",") if m),
+        "dtypes": tuple(d for d in args.dtypes.split(",") if d),
+    }
     t_start = time.perf_counter()
     load0 = os.getloadavg()
-    log(f"compare_window_commits: old={args.old} new={args.new}; torch threads = {THREADS} in each worker "
+    log(
+        f"compare_window_commits: old={args.old} new={args.new}; torch threads = {THREADS} in each worker "
         f"(torch.set_num_threads({THREADS}), OMP/MKL_NUM_THREADS={THREADS}); "
-        f"{os.cpu_count()} cores; load {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+        f"{os.cpu_count()} cores; load {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}"
+    )
 
     tmp = tempfile.mkdtemp(prefix="fa-compare-window-")
     workers: Dict[str, Worker] = {}
@@ -409,11 +467,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 hello = w.recv()
                 info[side]["worker"] = hello
                 if not hello["isolated"]:
-                    raise SystemExit(f"[{side}] the worker did not import fused_accum, its _C and "
-                                     f"benchmarks.window from its copy {w.tree}: {hello}")
+                    raise SystemExit(
+                        f"[{side}] the worker did not import fused_accum, its _C and "
+                        f"benchmarks.window from its copy {w.tree}: {hello}"
+                    )
                 if seg == 0:
-                    log(f"[{side}] worker: fused_accum from {hello['fused_accum']}, _C {hello['C']}, "
-                        f"{hello['threads']} thread(s), torch {hello['torch']}")
+                    log(
+                        f"[{side}] worker: fused_accum from {hello['fused_accum']}, _C {hello['C']}, "
+                        f"{hello['threads']} thread(s), torch {hello['torch']}"
+                    )
             for w in workers.values():  # both build their cells at once: untimed
                 w.send(op="prepare", cfg=cfg)
             prepared = {side: w.recv() for side, w in workers.items()}
@@ -421,8 +483,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 cells = prepared["old"]["cells"]
                 samples = {c: {s: {p: [] for p in providers} for s in ("old", "new")} for c in cells}
             if prepared["new"]["cells"] != cells or prepared["old"]["cells"] != cells:
-                raise SystemExit(f"old and new build different cells: {prepared['old']['cells']} vs "
-                                 f"{prepared['new']['cells']}")
+                raise SystemExit(
+                    f"old and new build different cells: {prepared['old']['cells']} vs {prepared['new']['cells']}"
+                )
             for side in ("old", "new"):
                 for cell, checks in prepared[side]["checks"].items():
                     for p in providers:
@@ -434,16 +497,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         if not c["ok"] or (p.startswith("fused_accum") and c["hooks"] == "none"):
                             bad.append(f"{side} {cell} {p}: {c}")
                 if seg == 0:
-                    hooks = {p: sorted({c[p]["hooks"] for c in prepared[side]["checks"].values()})
-                             for p in providers}
-                    log(f"[{side}] cells checked against torch: "
-                        f"{'all ok' if not any(b.startswith(side) for b in bad) else 'SOME WRONG'}; hooks {hooks}")
+                    hooks = {p: sorted({c[p]["hooks"] for c in prepared[side]["checks"].values()}) for p in providers}
+                    log(
+                        f"[{side}] cells checked against torch: "
+                        f"{'all ok' if not any(b.startswith(side) for b in bad) else 'SOME WRONG'}; hooks {hooks}"
+                    )
             if seg == 0:
                 for b in bad:
                     log(f"CHECK FAILED: {b}")
-                log(f"[setup] {time.perf_counter() - t_start:.0f} s; k = {prepared['old']['accum_steps']}, "
+                log(
+                    f"[setup] {time.perf_counter() - t_start:.0f} s; k = {prepared['old']['accum_steps']}, "
                     f"{len(cells)} cells x {len(providers)} providers x 2 sides per round; {segments} segments "
-                    f"of up to {per_segment} rounds, each with a fresh pair of workers")
+                    f"of up to {per_segment} rounds, each with a fresh pair of workers"
+                )
             seg_rounds = 0
             for r in range(args.warmup_rounds + per_segment):
                 timed = r >= args.warmup_rounds
@@ -461,15 +527,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     seg_rounds += 1
                     segment_of.append(seg)
                     if done % 10 == 0 or done == rounds:
-                        log(f"[timing] segment {seg + 1}/{segments}: {done}/{rounds} rounds, "
-                            f"{timing_s:.0f} s timed, load {os.getloadavg()[0]:.2f}")
+                        log(
+                            f"[timing] segment {seg + 1}/{segments}: {done}/{rounds} rounds, "
+                            f"{timing_s:.0f} s timed, load {os.getloadavg()[0]:.2f}"
+                        )
                     if done >= rounds:
                         break
                     # the budget is shared out: this segment's part of it, past its own start
-                    if (seg_rounds >= MIN_SEGMENT_ROUNDS
-                            and timing_s > budget * (seg + 1) / segments):
-                        log(f"[timing] segment {seg + 1}: its share of the {budget:.0f} s budget is spent "
-                            f"after {seg_rounds} rounds")
+                    if seg_rounds >= MIN_SEGMENT_ROUNDS and timing_s > budget * (seg + 1) / segments:
+                        log(
+                            f"[timing] segment {seg + 1}: its share of the {budget:.0f} s budget is spent "
+                            f"after {seg_rounds} rounds"
+                        )
                         break
             for w in workers.values():
                 w.close()
@@ -477,31 +546,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         load1 = os.getloadavg()
         rows = summarize(samples, cells, providers, segment_of)
-        log(f"\nold = {info['old']['label']}\nnew = {info['new']['label']}"
-            + (f", content {info['new']['content_sha']}" if args.new == WORKTREE else ""))
-        log(f"one thread per worker; {done} timed rounds in {len(set(segment_of))} fresh worker pairs "
+        log(
+            f"\nold = {info['old']['label']}\nnew = {info['new']['label']}"
+            + (f", content {info['new']['content_sha']}" if args.new == WORKTREE else "")
+        )
+        log(
+            f"one thread per worker; {done} timed rounds in {len(set(segment_of))} fresh worker pairs "
             f"(+{args.warmup_rounds} untimed each), interleaved; "
             f"ms per window of k = {prepared['old']['accum_steps']} (8 fwd+bwd, step, zero_grad); "
-            f"ratio new/old > 1: new slower")
+            f"ratio new/old > 1: new slower"
+        )
         print_table(rows)
         ctrl = [r for r in rows if r["provider"] == "native"]
         if ctrl:
             lo, hi = min(r["paired"] for r in ctrl), max(r["paired"] for r in ctrl)
             slo = min(min(r["segment_ratios"]) for r in ctrl)
             shi = max(max(r["segment_ratios"]) for r in ctrl)
-            log(f"\ncontrol: native runs the same torch code in both workers; its paired new/old is "
+            log(
+                f"\ncontrol: native runs the same torch code in both workers; its paired new/old is "
                 f"{lo:.3f}..{hi:.3f} over the cells ({slo:.3f}..{shi:.3f} per pair of workers): a fused_accum "
-                f"ratio inside that is not a difference this run resolves")
-        log(f"load average: {load0[0]:.2f} at the start, {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end; "
-            f"{time.perf_counter() - t_start:.0f} s in all")
+                f"ratio inside that is not a difference this run resolves"
+            )
+        log(
+            f"load average: {load0[0]:.2f} at the start, {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end; "
+            f"{time.perf_counter() - t_start:.0f} s in all"
+        )
         if bad:
             log(f"{len(bad)} provider checks FAILED (see above)")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"old": info["old"], "new": info["new"], "threads": THREADS, "rounds": done,
-                           "segments": segments, "segment_of_round": segment_of,
-                           "load_start": load0, "load_end": load1, "checks_failed": bad, "rows": rows,
-                           "checks": {s: prepared[s]["checks"] for s in prepared}}, f, indent=1)
+                json.dump(
+                    {
+                        "old": info["old"],
+                        "new": info["new"],
+                        "threads": THREADS,
+                        "rounds": done,
+                        "segments": segments,
+                        "segment_of_round": segment_of,
+                        "load_start": load0,
+                        "load_end": load1,
+                        "checks_failed": bad,
+                        "rows": rows,
+                        "checks": {s: prepared[s]["checks"] for s in prepared},
+                    },
+                    f,
+                    indent=1,
+                )
             log(f"wrote {args.json}")
         return 1 if bad else 0
     finally:
