@@ -25,12 +25,10 @@ class Exposure:
     works on the window's slots and flat groups, through the hooks' table, and asks the folder
     (fused_accum.fold) for the topology and to invalidate the window's norm."""
 
-    def __init__(self, *, arrivals, slots: list, flat_groups: list, changes, folder) -> None:
-        self.arrivals = arrivals
-        self.slots = slots  # (the window's lists: they grow as groups are added)
-        self.flat_groups = flat_groups
-        self.changes = changes
+    def __init__(self, folder, slots: list) -> None:
         self.folder = folder
+        self.arrivals, self.flat_groups, self.changes = folder.arrivals, folder.flat_groups, folder.changes
+        self.slots = slots  # (the window's list: it grows as groups are added)
         self.shown = False  # .grad currently shows the window
         self._shown_at: Optional[int] = None  # the change count when .grad was last shown
 

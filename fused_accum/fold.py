@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .flat import HAS_GRAD, IN_STATS, Bucket, FlatGroup, assign_all
+from .flat import HAS_GRAD, IN_STATS, Bucket, FlatGroup, assign_all, change_counter
 
 _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
@@ -83,6 +83,51 @@ class Stats:
         return {flat.device: self.tensors(flat.device) for flat in flat_groups}
 
 
+class BackwardCount:
+    """The window's count of backward passes: ``microbatches`` in this window, ``total`` over
+    its life (never reset: what ``Slot.folded_in`` holds, so a new window needs no pass over the
+    slots). Both include the backwards the C++ hooks ran quietly, which they count themselves:
+    each read takes those over first."""
+
+    def __init__(self, arrivals, accum_steps: Optional[int], changes) -> None:
+        self._arrivals = arrivals
+        self.accum_steps = accum_steps
+        self._changes = changes
+        self._microbatches = 0
+        self._total = 0
+
+    def _take_quiet(self) -> None:
+        quiet = self._arrivals.take_quiet_backwards()
+        if quiet:
+            self._microbatches += quiet
+            self._total += quiet
+
+    @property
+    def microbatches(self) -> int:
+        self._take_quiet()
+        return self._microbatches
+
+    @microbatches.setter
+    def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
+        self._take_quiet()
+        self._microbatches = value
+        self._arrivals.arm_quiet(0, self._changes)  # (which backward is the last may have moved)
+
+    @property
+    def total(self) -> int:
+        self._take_quiet()
+        return self._total
+
+    def add_one(self) -> None:
+        self._take_quiet()
+        self._microbatches += 1
+        self._total += 1
+
+    def last_backward(self) -> bool:
+        """The backward now running ends the window (known only with accum_steps)."""
+        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
+
+
 class Folder:
     """Folds buckets into the accumulators, and decides the hooks' fast path.
 
@@ -95,11 +140,10 @@ class Folder:
         *,
         arrivals,
         flat_groups: list,
-        count,
         stepper,
         topology,
-        changes,
         label: str,
+        accum_steps,
         step_in_backward: bool,
         wants_stats: bool,
         lock,
@@ -107,10 +151,10 @@ class Folder:
         self.arrivals = arrivals
         self.lock = lock  # the window's: hooks run on one autograd thread per device
         self.flat_groups = flat_groups  # (the window's list: it grows as groups are added)
-        self.count = count  # the window's backward count (window.BackwardCount)
+        self.changes = change_counter()  # of the window's slots' has_grad, in_stats, grad_view
+        self.count = BackwardCount(arrivals, accum_steps, self.changes)
         self.stepper = stepper
         self.topology = topology  # (the window replaces it once decided: see GradientWindow.topology)
-        self.changes = changes
         self.label = label
         self.step_in_backward = step_in_backward
         self.wants_stats = wants_stats
@@ -125,13 +169,24 @@ class Folder:
         self._granted_at: Optional[int] = None
         self._granted: tuple = ([], [], [], [])
 
-    def add(self, flat: FlatGroup) -> list:
-        """A flat group's buckets get the hooks' next bucket numbers; returns those numbers."""
+    def add(self, flat: FlatGroup) -> None:
+        """A flat group joins: its slots count changes here, its buckets get the hooks' next
+        bucket numbers, and the hooks' table learns each slot's bucket and position."""
+        for slot in flat.slots:
+            slot.changes = self.changes
         first = len(self.bucket_ids)
         self.bucket_ids.extend((flat.index, b) for b in range(len(flat.buckets)))
         self.plans.extend(object() for _ in flat.buckets)
         self.forget_grants()
-        return list(range(first, len(self.bucket_ids)))
+        position = {
+            s.key: (first + b, pos) for b, bucket in enumerate(flat.buckets) for pos, s in enumerate(bucket.slots)
+        }
+        self.arrivals.extend(
+            [len(b.slots) for b in flat.buckets],
+            [position[s.key][0] for s in flat.slots],
+            [position[s.key][1] for s in flat.slots],
+            [s.name for s in flat.slots],
+        )
 
     def forget_grants(self) -> None:
         self._granted_at = None  # new slots, views or nodes: decide again

@@ -40,7 +40,7 @@ from torch import Tensor
 from . import owners
 from .arrivals import make_arrivals
 from .exposure import Exposure
-from .flat import LOW_PRECISION, FlatGroup, Slot, assign_all, change_counter
+from .flat import LOW_PRECISION, FlatGroup, Slot, assign_all
 from .fold import Folder, WgradTarget
 from .topology import Local
 
@@ -116,51 +116,6 @@ def _detach_all(arrivals, handles: list) -> None:
     handles.clear()
 
 
-class BackwardCount:
-    """The window's count of backward passes: ``microbatches`` in this window, ``total`` over
-    its life (never reset: what ``Slot.folded_in`` holds, so a new window needs no pass over the
-    slots). Both include the backwards the C++ hooks ran quietly, which they count themselves:
-    each read takes those over first."""
-
-    def __init__(self, arrivals, accum_steps: Optional[int], changes) -> None:
-        self._arrivals = arrivals
-        self.accum_steps = accum_steps
-        self._changes = changes
-        self._microbatches = 0
-        self._total = 0
-
-    def _take_quiet(self) -> None:
-        quiet = self._arrivals.take_quiet_backwards()
-        if quiet:
-            self._microbatches += quiet
-            self._total += quiet
-
-    @property
-    def microbatches(self) -> int:
-        self._take_quiet()
-        return self._microbatches
-
-    @microbatches.setter
-    def microbatches(self, value: int) -> None:  # (a step starts anew; a checkpoint resumes)
-        self._take_quiet()
-        self._microbatches = value
-        self._arrivals.arm_quiet(0, self._changes)  # (which backward is the last may have moved)
-
-    @property
-    def total(self) -> int:
-        self._take_quiet()
-        return self._total
-
-    def add_one(self) -> None:
-        self._take_quiet()
-        self._microbatches += 1
-        self._total += 1
-
-    def last_backward(self) -> bool:
-        """The backward now running ends the window (known only with accum_steps)."""
-        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
-
-
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure, and the end of the window."""
 
@@ -186,27 +141,19 @@ class GradientWindow:
             functools.partial(_backward_raised, this),
         )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
-        self.changes = change_counter()  # of its slots' has_grad, in_stats, grad_view (see flat)
-        self.count = BackwardCount(self._arrivals, accum_steps, self.changes)
         self._folder = Folder(
             arrivals=self._arrivals,
             flat_groups=self.flat_groups,
-            count=self.count,
             stepper=stepper,
             topology=topology,
-            changes=self.changes,
             label=label,
+            accum_steps=accum_steps,
             step_in_backward=step_in_backward,
             wants_stats=wants_stats,
             lock=self.lock,
         )
-        self._exposure = Exposure(
-            arrivals=self._arrivals,
-            slots=self.slots,
-            flat_groups=self.flat_groups,
-            changes=self.changes,
-            folder=self._folder,
-        )
+        self.count = self._folder.count  # (fold.BackwardCount: what the folds ask, the window counts)
+        self._exposure = Exposure(self._folder, self.slots)
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     @property
@@ -222,21 +169,10 @@ class GradientWindow:
     # --- membership ------------------------------------------------------------------------
 
     def add(self, flat: FlatGroup) -> None:
-        for slot in flat.slots:
-            slot.changes = self.changes
         self.topology = self.topology.join(self, flat)
         self.topology.add(flat)
         self._exposure.forget()  # new slots: show again
-        numbers = self._folder.add(flat)
-        positions = {
-            s.key: (numbers[b], pos) for b, bucket in enumerate(flat.buckets) for pos, s in enumerate(bucket.slots)
-        }
-        self._arrivals.extend(
-            [len(b.slots) for b in flat.buckets],
-            [positions[s.key][0] for s in flat.slots],
-            [positions[s.key][1] for s in flat.slots],
-            [s.name for s in flat.slots],
-        )
+        self._folder.add(flat)
         self.flat_groups.append(flat)
         self.slots.extend(flat.slots)
         self._params.extend(s.param for s in flat.slots)

@@ -266,7 +266,7 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
 
 def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
     # The window re-exposes .grad and re-grants fast folds only when a slot's state changed
-    # (its window.changes counter), and the C++ hooks run middle backwards without Python only while nothing
+    # (its window's change counter, fold.Folder.changes), and the C++ hooks run middle backwards without Python only while nothing
     # did: clearing, replacing, editing in place and stepping between the middle micro-batches
     # must each still show torch's .grad after the next backward.
     a, b = _pair()
