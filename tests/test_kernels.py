@@ -639,8 +639,10 @@ def test_lion_matches_an_independent_implementation(backend):
     """100 Lion steps against lucidrains' formula. reference and cpu: bit for bit (lr = 1e-4,
     Lion's default, not exact in fp32, reaches the op as the float64 tensor the optimizer passes;
     the kernels round it to fp32 and form 1 - lr * wd in double, as lucidrains' ops do with a
-    Python float). triton: ||diff|| / ||lucidrains|| <= 1e-7 (it evaluates its own FMAs; a wrong
-    order of sign and momentum update moves params by ~lr = 1e-4 relative)."""
+    Python float). triton: ||diff|| / ||lucidrains|| <= 100 * 2**-24 (= 6e-6: it evaluates its
+    own FMAs, at most an fp32 rounding apart per step, and 100 steps can add them up on the
+    one-element tensor, where the norm averages nothing (1.7e-7 seen with triton 3.6); a wrong
+    order of sign and momentum update moves params by ~lr = 1e-4 relative, 17x more)."""
     lr, beta1, beta2, wd = 1e-4, 0.9, 0.99, 0.1
     params0, grads = _random_run([1, 7, 1000, 4099], _seed("lion"))
     want_p, want_m = _lion_lucidrains(params0, grads, lr, beta1, beta2, wd)
@@ -662,7 +664,7 @@ def test_lion_matches_an_independent_implementation(backend):
         )
     for got, want in zip(params + exp_avgs, want_p + want_m):
         if backend == "triton":
-            assert ((got - want).norm() / want.norm()).item() <= 1e-7
+            assert ((got - want).norm() / want.norm()).item() <= len(grads) * 2.0**-24
         else:
             assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
 
