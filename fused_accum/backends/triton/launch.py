@@ -1,0 +1,397 @@
+"""The four ops: argument checks, the plan looked up (or built) in the package's cache, and
+the launches. :func:`accumulate` has its own launcher; the three steps share :func:`_step`.
+
+What the package (``__init__``) owns, the plan cache, the CUDA-graph registry and arena and the
+launch configuration (``BLOCK``, ``NUM_WARPS``...), is read from it at call time through
+``_pkg``, never imported by name: tests and benchmarks patch those names on the package module
+(``backends.get("triton")``), and a copy bound here at import would keep launching with the old
+value. The package re-exports the ops, so callers find them where they always were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import sys
+from collections import OrderedDict
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+import triton.language as tl
+
+from .. import reference
+from . import checks, kernels, plans
+
+# The package module itself, partly initialised while it imports this one; only its attributes
+# at call time are read, by which point it is complete.
+_pkg = sys.modules[__package__]
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _stream(device: torch.device) -> int:
+    # A table is used on the stream its copy was queued on (and is freed to that stream).
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device, not on the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _bits(x: float) -> int:
+    """The IEEE bits of a double, as the int64 that the kernels bitcast back (Triton would pass
+    a Python float as fp32)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+# --- accumulate ------------------------------------------------------------------------------
+
+
+def accumulate(
+    acc: Tensor,
+    offsets: Tensor,
+    grads: List[Tensor],
+    alpha: float,
+    overwrite: bool,
+    found_inf: Optional[Tensor] = None,
+    sumsq: Optional[Tensor] = None,
+    plan=None,
+) -> None:
+    """reference.accumulate, in one launch per gradient dtype (+1 for found_inf/sumsq).
+
+    ``plan``: optional, any hashable the caller never reuses for other parameters. It promises
+    that in every call with this plan ``grads[i]`` is a gradient of the same parameter as in the
+    plan's first call: the same size and strides (autograd's layout contract gives a parameter's
+    gradients its strides); only its address and dtype may change. ``acc`` and ``offsets`` are
+    checked by value as usual. Then a call reads two things per gradient (address, dtype)
+    instead of four."""
+    if not checks.accumulate_is_simple(acc, offsets, grads):
+        reference.slice_starts(acc, offsets, grads)  # raises with the reason, or nothing to do
+        if not grads:
+            return
+    device = checks.device_of(acc)
+    checks.check_scalar("found_inf", found_inf, device)
+    checks.check_scalar("sumsq", sumsq, device)
+    keep: list = []
+    capturing = _capturing(device)
+    template = None
+    if plan is not None:
+        where = plans.accumulate_where(plan, device, acc, offsets)
+        template = _pkg._template(where, lambda: plans.accumulate_template(acc, offsets, grads))
+    if template is None:  # no plan (or an unusable one): this call is a plan of its own
+        grads = checks.readable(grads, keep)
+        where = plans.accumulate_where(None, device, acc, offsets, tuple(map(plans.numel, grads)))
+    key = plans.Key(where, _stream(device), _pkg._config(), plans.addresses_and_dtypes(grads))
+    launch = _pkg._lookup(key, capturing)
+    if launch is None:
+        if template is None:  # a call without a plan is checked on a miss only
+            template = plans.accumulate_template(acc, offsets, grads)
+        ptrs, dtypes = tuple(map(plans.data_ptr, grads)), tuple(map(plans.dtype, grads))
+        checks.check_dtypes("grads", grads, dtypes)
+        columns = plans.accumulate_columns(acc, template, ptrs)
+        launch = _pkg._make_plan(device, template.numels, columns, [(d,) for d in dtypes], capturing)
+        _pkg._store(key, launch, capturing)
+    if launch.total_chunks == 0:
+        return
+    stats = found_inf is not None or sumsq is not None
+    # row 0: per-chunk sums of squares, row 1: per-chunk non-finite flags
+    partials = torch.empty((2, launch.total_chunks), dtype=torch.float32, device=device) if stats else None
+    with _on(device):
+        for (dtype,), group_tables, first in launch.launches:
+            if stats:
+                part_sq, part_bad = partials[0], partials[1]
+            else:  # never dereferenced (STATS=False), any tensor will do
+                part_sq = part_bad = group_tables.chunks
+            kernels.accumulate_kernel[(group_tables.n_chunks,)](
+                group_tables.chunks,
+                group_tables.tensors,
+                part_sq,
+                part_bad,
+                first,
+                float(alpha),
+                group_tables.chunk,
+                GRAD_DTYPE=_TL_DTYPE[dtype],
+                OVERWRITE=bool(overwrite),
+                STATS=stats,
+                BLOCK=_pkg.BLOCK,
+                num_warps=_pkg.NUM_WARPS,
+                enable_fp_fusion=_pkg.FP_FUSION,
+            )
+        if stats:
+            kernels.reduce_stats_kernel[(1,)](
+                partials[0],
+                partials[1],
+                launch.total_chunks,
+                sumsq if sumsq is not None else partials,
+                found_inf if found_inf is not None else partials,
+                HAS_SUMSQ=sumsq is not None,
+                HAS_FOUND_INF=found_inf is not None,
+                BLOCK=_pkg.REDUCE_BLOCK,
+                num_warps=_pkg.REDUCE_WARPS,
+                enable_fp_fusion=_pkg.FP_FUSION,
+            )
+    del keep  # the copies may go: the launches are queued on the stream in order
+
+
+# --- optimizer steps -------------------------------------------------------------------------
+
+
+def _step(
+    kernel,
+    name: str,
+    params: List[Tensor],
+    states: "OrderedDict[str, List[Tensor]]",
+    accs: List[Tensor],
+    steps: Optional[Tensor],
+    lr: Tensor,
+    coef: Tensor,
+    lp_params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    grad_alpha: float,
+    grads_overwrite: bool,
+    found_inf: Optional[Tensor],
+    scalars: tuple,
+    flags: dict,
+    plan=None,
+) -> None:
+    """The launcher shared by the three step ops: check, look the plan up, launch.
+
+    ``states`` are the optimizer-state lists by argument name (0 to 3 of them, fp32 like
+    accs, in table columns STATE0..STATE2); ``scalars`` and ``flags`` are the kernel's own
+    hyper-parameters and constexpr switches. Without ``plan``, per call each tensor's address
+    is read, with the sizes of accs and grads, the dtypes of params, lp_params and grads and
+    their contiguity; a miss of the table cache checks everything else.
+
+    ``plan``: optional, any hashable the caller never reuses for other parameters. It promises
+    that in every call with this plan the lists hold the same parameters in the same order, and
+    that ``accs``, the state lists and, when ``lp_params`` are given, ``params`` (the masters)
+    are the same tensors, each at a fixed address relative to the first of its list (views of
+    one flat buffer that moves, if ever, as a whole; the first addresses are checked each
+    call). What a model or a backward owns is read each call, address and dtype: ``lp_params``,
+    or ``params`` when there are none, and ``grads``; their sizes and strides are promised.
+    """
+    checks.step_lengths(name, params, states, accs, lp_params, grads)
+    n = len(params)
+    if n == 0:
+        return
+    device = checks.device_of(accs[0])
+    checks.step_scalars(name, n, steps, lr, coef, found_inf, device)
+    # The kernels read a double (torch's fused optimizers take lr as one): an fp32 lr is widened
+    # on its device, exactly (no host sync, capturable), rather than compiling a second variant.
+    lr = lr if lr.dtype == torch.float64 else lr.to(torch.float64)
+
+    keep: list = []
+    write_back: list = []
+    capturing = _capturing(device)
+    template = None
+    if plan is not None:
+        where = plans.step_where(name, plan, device, params, states, accs, lp_params, grads)
+        template = _pkg._template(
+            where, lambda: plans.step_template(name, params, states, accs, lp_params, grads, device)
+        )
+    if template is None:  # no plan (or an unusable one): this call is a plan of its own
+        params = checks.writable(params, write_back)
+        lp_params = checks.writable(lp_params, write_back)
+        grads = checks.readable(grads, keep)
+        where = plans.unplanned_step_where(name, device, params, states, accs, lp_params, grads)
+    read = plans.step_read(params, lp_params, grads)
+    ptrs = [tuple(map(plans.data_ptr, xs)) for xs in read.values()]
+    dtypes = [tuple(map(plans.dtype, xs)) for xs in read.values()]
+    key = plans.Key(where, _stream(device), _pkg._config(), *ptrs, *dtypes)
+    launch = _pkg._lookup(key, capturing)
+    if launch is None:
+        if template is None:  # a call without a plan is checked on a miss only
+            template = plans.step_template(name, params, states, accs, lp_params, grads, device)
+        for what, xs, ds in zip(read, read.values(), dtypes):
+            checks.check_dtypes(what, xs, ds)
+        columns, keys = plans.step_columns(template, read, ptrs, dtypes)
+        launch = _pkg._make_plan(device, template.numels, columns, keys, capturing)
+        _pkg._store(key, launch, capturing)
+
+    steps_arg = () if steps is None else (steps.contiguous(),)
+    with _on(device):
+        for (param_dtype, lp_dtype, grad_dtype), group_tables, _ in launch.launches:
+            kernel[(group_tables.n_chunks,)](
+                group_tables.chunks,
+                group_tables.tensors,
+                *steps_arg,
+                lr,
+                coef,
+                found_inf if found_inf is not None else coef,  # not read unless HAS_FOUND_INF
+                group_tables.chunk,
+                float(grad_alpha),
+                *scalars,
+                PARAM_DTYPE=_TL_DTYPE[param_dtype],
+                LP_DTYPE=_TL_DTYPE[lp_dtype],
+                GRAD_DTYPE=_TL_DTYPE[grad_dtype],
+                HAS_LP=bool(lp_params),
+                FUSED=bool(grads),
+                GRADS_OVERWRITE=bool(grads_overwrite),
+                HAS_FOUND_INF=found_inf is not None,
+                **flags,
+                BLOCK=_pkg.BLOCK,
+                num_warps=_pkg.NUM_WARPS,
+                enable_fp_fusion=_pkg.FP_FUSION,
+            )
+    for original, copy in write_back:
+        original.copy_(copy)
+    del keep
+
+
+def sgd_step(
+    params: List[Tensor],
+    momentum_bufs: List[Tensor],
+    accs: List[Tensor],
+    steps: Tensor,
+    lr: Tensor,
+    coef: Tensor,
+    *,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    lp_params: Sequence[Tensor] = (),
+    grads: Sequence[Tensor] = (),
+    grad_alpha: float = 1.0,
+    grads_overwrite: bool = False,
+    found_inf: Optional[Tensor] = None,
+    plan=None,
+) -> None:
+    """reference.sgd_step in one launch per dtype group (``plan``: see _step)."""
+    states = OrderedDict(momentum_bufs=momentum_bufs) if momentum != 0 else OrderedDict()
+    _step(
+        kernels.sgd_kernel,
+        "sgd_step",
+        params,
+        states,
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
+        scalars=(float(momentum), 1.0 - float(dampening), float(weight_decay)),
+        flags=dict(
+            MAXIMIZE=bool(maximize),
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            HAS_MOMENTUM=momentum != 0,
+            NESTEROV=bool(nesterov),
+        ),
+        plan=plan,
+    )
+
+
+def adam_step(
+    params: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    accs: List[Tensor],
+    steps: Tensor,
+    lr: Tensor,
+    coef: Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    lp_params: Sequence[Tensor] = (),
+    grads: Sequence[Tensor] = (),
+    grad_alpha: float = 1.0,
+    grads_overwrite: bool = False,
+    found_inf: Optional[Tensor] = None,
+    max_exp_avg_sqs: Sequence[Tensor] = (),
+    plan=None,
+) -> None:
+    """reference.adam_step (Adam / AdamW; amsgrad with a non-empty ``max_exp_avg_sqs``) in
+    one launch per dtype group (``plan``: see _step)."""
+    states = OrderedDict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+    if max_exp_avg_sqs:
+        states["max_exp_avg_sqs"] = max_exp_avg_sqs
+    _step(
+        kernels.adam_kernel,
+        "adam_step",
+        params,
+        states,
+        accs,
+        steps,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
+        scalars=(
+            _bits(beta1),
+            _bits(beta2),
+            _bits(weight_decay),
+            float(beta1),
+            float(beta2),
+            1.0 - float(beta1),
+            1.0 - float(beta2),
+            float(eps),
+            float(weight_decay),
+        ),
+        flags=dict(
+            MAXIMIZE=bool(maximize),
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            DECOUPLED=bool(decoupled),
+            AMSGRAD=bool(max_exp_avg_sqs),
+        ),
+        plan=plan,
+    )
+
+
+def lion_step(
+    params: List[Tensor],
+    exp_avgs: List[Tensor],
+    accs: List[Tensor],
+    steps: Tensor,
+    lr: Tensor,
+    coef: Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool,
+    lp_params: Sequence[Tensor] = (),
+    grads: Sequence[Tensor] = (),
+    grad_alpha: float = 1.0,
+    grads_overwrite: bool = False,
+    found_inf: Optional[Tensor] = None,
+    plan=None,
+) -> None:
+    """reference.lion_step in one launch per dtype group (``steps`` is unused, as there;
+    ``plan``: see _step)."""
+    del steps
+    _step(
+        kernels.lion_kernel,
+        "lion_step",
+        params,
+        OrderedDict(exp_avgs=exp_avgs),
+        accs,
+        None,
+        lr,
+        coef,
+        lp_params,
+        grads,
+        grad_alpha,
+        grads_overwrite,
+        found_inf,
+        scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), _bits(weight_decay)),
+        flags=dict(MAXIMIZE=bool(maximize)),
+        plan=plan,
+    )
