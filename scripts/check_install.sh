@@ -57,6 +57,7 @@ fi
 # build/ kept between runs; tar keeps the files' times, so ninja sees unchanged sources as such.
 mkdir -p "$SRC"
 find "$SRC" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+rm -rf "$SRC"/build/lib*  # (the Python files of the last build: a module since removed would ship)
 git ls-files -co --exclude-standard -z | tar --null -T - -cf - | tar -xf - -C "$SRC"
 cd "$SRC"
 
