@@ -129,6 +129,7 @@ def assign_all(slots, name: str, value) -> None:
 
 # C-level getters, for the per-slot loops that read these
 HAS_GRAD, IN_STATS, GRAD_VIEW = (operator.attrgetter(f"_{n}") for n in ("has_grad", "in_stats", "grad_view"))
+FOLDED_IN = operator.attrgetter("folded_in")
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -17,14 +17,17 @@ to them, and a decision holds while the counter keeps its value.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from . import backends, ops
-from .flat import HAS_GRAD, IN_STATS, Bucket, FlatGroup, assign_all, change_counter
+from .flat import FOLDED_IN, HAS_GRAD, IN_STATS, Bucket, FlatGroup, assign_all, change_counter
 
+_IS_NONE = functools.partial(operator.is_, None)  # (C-level: no Python call per gradient)
 _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
 
@@ -267,15 +270,18 @@ class Folder:
         window's norm and non-finite flag."""
         now = self.count.total
         stale = False  # a value in the norm/flag is no longer final
-        for slot in slots:
+        entered = False  # some slot entered the norm/flag now
+        for slot in slots:  # (the stored fields, counted once below: a per-slot loop of the last backward)
             if slot.folded_in == now:
                 self.pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
                 stale = True  # (then stats is False: see fold)
-            elif slot.in_stats:
+            elif slot._in_stats:
                 stale = True
             elif stats:
-                slot.in_stats = True
+                slot._in_stats = entered = True
             slot.folded_in = now
+        if entered:
+            slots[0].changes[0] += 1
         assign_all(slots, "has_grad", True)
         if stale:
             self.invalidate_stats()
@@ -301,7 +307,7 @@ class Folder:
         """Fold the gradients that arrived for ``bucket`` (``grads`` by position in it, None where
         nothing arrived as a tensor): one op call per (overwrite, add) kind, an accumulate, or on
         the window's last micro-batch with ``step_in_backward`` the fused step."""
-        if any(g is None for g in grads):  # (not `None in grads`: that compares tensors with ==)
+        if any(map(_IS_NONE, grads)):  # (not `None in grads`: that compares tensors with ==)
             arrived = [(s, g) for s, g in zip(bucket.slots, grads) if g is not None]
             in_order, grads = [s for s, _ in arrived], [g for _, g in arrived]
         else:
@@ -355,7 +361,7 @@ class Folder:
                 self.mark_folded(slots, False)
                 continue
             now = self.count.total
-            stats = local_stats and all(s.folded_in != now for s in slots)
+            stats = local_stats and now not in map(FOLDED_IN, slots)
             found_inf, sumsq = self.stats.tensors(flat.device) if stats else (None, None)
             if len(slots) == len(bucket.slots):
                 offsets = bucket.offsets

@@ -228,11 +228,12 @@ class Stepper:
     def show_state(self, flat: FlatGroup, slot: Slot, group) -> None:
         """Put ``opt.state[p]``: torch's state names, as fp32 views of the flat buffers (in-place
         edits go through)."""
-        entry = StateEntry()
+        views = {}
         if ALGORITHMS[self.algorithm].has_step:
-            entry["step"] = flat.steps[slot.index]
+            views["step"] = flat.steps[slot.index]
         for key in state_keys(self.algorithm, group):
-            entry[key] = flat.state_view(slot, slot.state[key])
+            views[key] = flat.state_view(slot, slot.state[key])
+        entry = StateEntry(views)  # (dict's constructor: not an edit, unlike entry[key] = ...)
         self.state[slot.param] = entry
         self.shown[slot.key] = entry
 
