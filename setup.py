@@ -1,12 +1,13 @@
 """Installs fused_accum and builds its C++/CUDA extension, fused_accum._C.
 
-`pip install --no-build-isolation .` (or `--no-deps -e .`, what ./run does) builds the extension
-against the torch already installed; a plain `pip install .` builds in an isolated environment
-without torch and stops with one line saying so. Next to the extension the build writes
-fused_accum/_C.build.json, the torch it was built against, which fused_accum.backends.ext reads
-before loading the extension (a C++ ABI mismatch otherwise shows up as an undefined symbol, or
-worse). The CPU kernels are always built; the CUDA kernels are built
-when both nvcc and a CUDA build of torch are present. That is decided from the toolkit and
+`pip install --no-build-isolation .` (or `--no-deps -e .`, what ./run does; for a wheel
+`pip wheel --no-build-isolation --no-deps .`) builds the extension against the torch already
+installed; a plain `pip install .` builds in an isolated environment without torch and stops with
+one line saying so, and where no torch is installed at all, two lines say which to install. Next
+to the extension the build writes fused_accum/_C.build.json, the torch it was built against,
+which fused_accum.backends.ext reads before loading the extension (a C++ ABI mismatch otherwise
+shows up as an undefined symbol, or worse). The CPU kernels are always built; the CUDA kernels
+are built when both nvcc and a CUDA build of torch are present. That is decided from the toolkit and
 torch.version.cuda, never from torch.cuda.is_available(): CI compiles the CUDA kernels on machines
 without a GPU.
 
@@ -23,6 +24,7 @@ Environment:
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,11 +41,18 @@ DEFAULT_CUDA_HOME = (
 
 # pip builds in an isolated environment by default, which has no torch (pyproject.toml cannot ask
 # for one: pip would download a CUDA build of several GB, and the extension must match the torch
-# the user runs anyway). Said in one line, as flash-attn and apex do, instead of a traceback.
-NO_TORCH = (
+# the user runs anyway). Said in one line, as flash-attn and apex do, instead of a traceback; and
+# where there is no torch at all, build isolation or not, two lines saying which torch to install.
+ISOLATED = (
     "fused_accum builds its C++ extension against the torch you have installed, which pip's build "
-    "isolation hides: run `pip install --no-build-isolation .` (torch installed first; the same flag for "
-    "pip wheel and git+URL installs; FUSED_ACCUM_NO_EXT=1 builds no extension)"
+    "isolation hides: run `pip install --no-build-isolation .` (the same flag for git+URL installs; "
+    "for a wheel `pip wheel --no-build-isolation --no-deps .`; FUSED_ACCUM_NO_EXT=1 builds no extension)"
+)
+TORCH_SUGGESTED = "2.13.0"  # the CPU suite's torch (./run installs it too)
+NO_TORCH = (
+    "fused_accum builds its C++ extension against the installed torch, and {python} has no torch.\n"
+    "Install torch first: `pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu` (the "
+    "CPU build; any {spec} works, a CUDA build for the CUDA kernels), then `pip install --no-build-isolation .`"
 )
 # Written next to fused_accum._C: the torch it was compiled against (read by backends/ext.py).
 BUILD_RECORD = "_C.build.json"
@@ -53,11 +62,28 @@ def _log(msg):
     print(f"[fused_accum setup] {msg}", file=sys.stderr)
 
 
+def _torch_spec():
+    """The supported range, as pyproject.toml declares it (its dependencies line)."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        found = re.search(r'"(torch\s*[<>=~!][^"]*)"', f.read())
+    return found.group(1).replace(" ", "") if found else "torch>=2.11,<2.15"
+
+
+def _torch_outside_build_env():
+    """Whether this interpreter imports torch without pip's build isolation, which replaces
+    PYTHONPATH with its own overlay of the build requirements and turns off the user site."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True)
+    return probe.returncode == 0
+
+
 def _import_torch():
     try:
         import torch
     except ImportError:
-        raise SystemExit(NO_TORCH) from None
+        if _torch_outside_build_env():
+            raise SystemExit(ISOLATED) from None
+        raise SystemExit(NO_TORCH.format(python=sys.executable, pin=TORCH_SUGGESTED, spec=_torch_spec())) from None
     return torch
 
 
