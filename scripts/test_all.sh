@@ -4,43 +4,71 @@
 #   bash scripts/test_all.sh               everything
 #   bash scripts/test_all.sh --cpu-suite   the three pytest stages only (scripts/test_oldest_torch.sh
 #                                          runs them on torch 2.11 with FUSED_ACCUM_TEST_PYTHON)
+# Ends with one line: "fused_accum: all N stages passed in M min S s", or the stage that failed.
 set -euo pipefail
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
 PY=${FUSED_ACCUM_TEST_PYTHON:-.venv/bin/python}
 
+if [[ ${1:-} == --cpu-suite ]]; then
+  TOTAL=3 NAME="fused_accum --cpu-suite ($PY)"
+else
+  TOTAL=$(grep -c '^stage "\|^  stage "' "$SELF") NAME=fused_accum  # the stage lines below
+fi
+n=0 current="" start=$SECONDS
+stage() { # stage "what it checks": numbers and announces the next stage
+  n=$((n + 1)) current=$1
+  echo "== $n/$TOTAL $1"
+}
+verdict() {
+  local rc=$? took=$((SECONDS - start))
+  took="$((took / 60)) min $((took % 60)) s"
+  if [[ $rc -eq 0 ]]; then
+    echo "$NAME: all $n stages passed in $took"
+  elif [[ $rc -eq 130 || $rc -eq 143 ]]; then
+    echo "$NAME: STOPPED by a signal at stage $n/$TOTAL ($current), after $took"
+  else
+    echo "$NAME: FAILED at stage $n/$TOTAL ($current), exit $rc, after $took"
+  fi
+}
+trap verdict EXIT
+trap 'exit 130' INT  # (a signal alone would leave the EXIT trap an exit status of 0)
+trap 'exit 143' TERM
+
 if [[ ${1:-} != --cpu-suite ]]; then
-  echo "== the formatter: ruff format --check (pyproject.toml [tool.ruff]; fix with: .venv/bin/ruff format .)"
+  stage "the formatter: ruff format --check (pyproject.toml [tool.ruff]; fix with: .venv/bin/ruff format .)"
   "$(dirname "$PY")/ruff" format --check --quiet .
 fi
 
-echo "== pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
+stage "pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
 "$PY" -m pytest -q tests --ignore=tests/integration
 
 # The C++ hooks (fused_accum._C.Arrivals) ran above; their Python twin keeps the same contract.
-echo "== pytest: the drop-in contract again on the Python hooks (FUSED_ACCUM_PYTHON_HOOKS=1)"
+stage "pytest: the drop-in contract again on the Python hooks (FUSED_ACCUM_PYTHON_HOOKS=1)"
 FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
-echo "== pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
+stage "pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
 TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py tests/test_torch_contract.py -k triton
 [[ ${1:-} == --cpu-suite ]] && exit 0
 
-echo "== C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"
+stage "C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"
 bash scripts/ctest.sh
 
-echo "== the CUDA extension compiles and links for sm_80 and sm_90 against both ends of the declared"
+stage "the CUDA extension compiles and links for sm_80 and sm_90 against both ends of the declared"
 echo "   torch range (2.14.1 and 2.11.0, cu130), no spills"
 bash scripts/check_cuda_build.sh 2.14.1 2.11.0
 
 # The whole CPU suite on 2.11 would take CI from ~15 to near 30 minutes: here the slice where
 # torch versions differ (the extension, the hooks, the optimizer contract); the whole of it is
 # `bash scripts/test_oldest_torch.sh` (README, "Tests").
-echo "== pytest on the oldest declared torch (2.11.0): the extension, hooks, ops, optimizer and drop-in tests"
+stage "pytest on the oldest declared torch (2.11.0): the extension, hooks, ops, optimizer and drop-in tests"
 bash scripts/test_oldest_torch.sh --ci
 
-echo "== install as a user: pip install . stops with one line; a wheel records its torch; a different torch is said"
+stage "install as a user, by the README's commands: pip install . stops with one line, so does a venv without"
+echo "   torch (naming one to install); the wheel is fused_accum's alone and records its torch; another torch is said"
 bash scripts/check_install.sh
 
 # Its own process (the frameworks are heavy to import, and Accelerate keeps per-process state).
-echo "== pytest: HF Trainer, Accelerate and Lightning on fused_accum.AdamW against torch.optim.AdamW"
+stage "pytest: HF Trainer, Accelerate and Lightning on fused_accum.AdamW against torch.optim.AdamW"
 HF_HUB_OFFLINE=1 "$PY" -m pytest -q tests/integration
