@@ -103,6 +103,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
     nodes_.resize(slot_bucket_.size());
     hidden_.resize(slot_bucket_.size());
     shown_.resize(slot_bucket_.size());
+    shown_data_.resize(slot_bucket_.size());
   }
 
   // Usually run by Python, with the GIL. A hook that outlived the window's last Python
@@ -258,6 +259,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
       if (show[key] && view.defined()) {
         if (!grad.is_same(view)) grad = view;
         shown_[key] = view;
+        shown_data_[key] = view.const_data_ptr();
       } else {
         if (view.defined() && grad.is_same(view)) grad.reset();
         shown_[key].reset();
@@ -344,7 +346,10 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   std::vector<int64_t> changed_locked(bool any) {
     std::vector<int64_t> out;
     for (size_t key = 0; key < nodes_.size(); ++key) {
-      if (nodes_[key] && !param_of(key).grad().is_same(shown_[key])) {
+      if (!nodes_[key]) continue;
+      // (the same tensor re-pointed by `p.grad.data = t` is a change too: its memory is not ours)
+      const at::Tensor& grad = param_of(key).grad();
+      if (!grad.is_same(shown_[key]) || (grad.defined() && grad.const_data_ptr() != shown_data_[key])) {
         out.push_back(key);
         if (any) break;
       }
@@ -552,6 +557,7 @@ class Arrivals : public std::enable_shared_from_this<Arrivals> {
   void hook_locked(int64_t key, NodePtr node);  // (with mutex_ held)
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
   std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
+  std::vector<const void*> shown_data_;  // by slot: where that view's memory was when shown
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
   std::vector<int64_t> overwritten_;  // see take_overwritten

@@ -66,12 +66,21 @@ ALGORITHMS = {
 }
 
 
-def validate_hyperparameters(algorithm: str, h: dict) -> None:
-    """torch.optim's checks, in torch's order and with torch's messages (Lion: the same style)."""
+def validate_hyperparameters(algorithm: str, h: dict, constructor: bool = False) -> None:
+    """torch.optim's checks, in torch's order and with torch's messages (Lion: the same style).
+    ``constructor``: also those torch makes of its constructor's arguments only (not of a group
+    added later): a tensor lr or betas with ``foreach=True``."""
     lr = h["lr"]
+    adam = algorithm in ("adam", "adamw")
+    foreach_refuses_tensors = constructor and adam and h.get("foreach") and not h.get("capturable")
+    if isinstance(lr, Tensor) and foreach_refuses_tensors:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
+    if algorithm == "sgd":
+        if lr < 0.0:  # (torch's SGD test: a NaN lr passes it, as there)
+            raise ValueError(f"Invalid learning rate: {lr}")
+    elif not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr}")
     if algorithm == "sgd":
         if h["momentum"] < 0.0:
@@ -93,6 +102,8 @@ def validate_hyperparameters(algorithm: str, h: dict) -> None:
     if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, Tensor) for b in betas)):
         raise ValueError("betas must be either both floats or both Tensors")
     for i, b in enumerate(betas):
+        if isinstance(b, Tensor) and foreach_refuses_tensors:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
         if isinstance(b, Tensor) and b.numel() != 1:
             raise ValueError(f"Tensor betas[{i}] must be 1-element")
     if h.get("differentiable"):
@@ -119,8 +130,15 @@ def parse_algorithm(optimizer, hyperparameters: dict) -> tuple:
         if key not in defaults:
             raise TypeError(f"unexpected keyword {key!r} for optimizer {name!r}; expected one of {sorted(defaults)}")
         defaults[key] = value
-    validate_hyperparameters(name, defaults)
+    validate_hyperparameters(name, defaults, constructor=True)
     return name, None, defaults
+
+
+def check_after_groups(algorithm, defaults: dict) -> None:
+    """The check torch's SGD, Adam and AdamW make once their groups are accepted (before any
+    hook is attached here: a constructor that fails changes nothing)."""
+    if algorithm in ("sgd", "adam", "adamw") and defaults.get("fused") and defaults.get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
 def state_keys(algorithm, group: dict) -> tuple:

@@ -315,7 +315,7 @@ class PythonArrivals:
                 if show[key] and view is not None:
                     if param.grad is not view:
                         param.grad = view
-                    self._shown[key] = view
+                    self._shown[key] = (view, view.data_ptr())
                 else:
                     if view is not None and param.grad is view:
                         param.grad = None
@@ -332,7 +332,13 @@ class PythonArrivals:
 
     def changed(self) -> list:
         with self._lock:
-            return [key for key, node in self._nodes.items() if node.variable.grad is not self._shown.get(key)]
+            changed = []
+            for key, node in self._nodes.items():
+                grad, (view, data) = node.variable.grad, self._shown.get(key, (None, None))
+                # (the same tensor re-pointed by `p.grad.data = t` is a change too)
+                if grad is not view or grad is not None and grad.data_ptr() != data:
+                    changed.append(key)
+            return changed
 
     def has_arrivals(self) -> bool:
         with self._lock:

@@ -123,6 +123,7 @@ def load_state_dict(opt, saved: dict) -> None:
             "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
         )
     window = opt._window
+    opt._adopt_unfrozen()  # (unfrozen since the last step: they get slots, and their state, now)
     window.discard()
     opt.state.clear()
     id_to_param = {}
@@ -137,6 +138,8 @@ def load_state_dict(opt, saved: dict) -> None:
         slot = window.slot_for(p)
         if slot is not None and pid in saved_state:
             _load_param_state(opt, slot, saved_state[pid])
+        elif pid in saved_state:  # frozen now: kept in opt.state, as torch keeps it, and loaded
+            opt.state[p] = dict(saved_state[pid])  # into its slot when it is unfrozen (adopt_saved)
     for key, value in saved_state.items():
         if key not in id_to_param:  # not a parameter's: kept as is, as torch does
             opt.state[key] = value
@@ -145,6 +148,14 @@ def load_state_dict(opt, saved: dict) -> None:
     window.expose()  # the gradients the checkpoint held show in .grad, as they did when saved
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
+
+
+def adopt_saved(opt, slot: Slot) -> None:
+    """A parameter unfrozen after a checkpoint was loaded: the state the checkpoint held for it
+    (kept in ``opt.state`` meanwhile, see load_state_dict) goes into its new slot."""
+    entry = opt.state.get(slot.param)
+    if entry:
+        _load_param_state(opt, slot, dict(entry))
 
 
 def _load_param_state(opt, slot: Slot, entry: dict) -> None:

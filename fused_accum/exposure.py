@@ -61,6 +61,14 @@ class Exposure:
             slot = self.slots[key]
             grad = slot.param.grad
             if grad is slot.grad_view:
+                if grad.data_ptr() == slot.acc.data_ptr():
+                    continue
+                # `p.grad.data = t` re-pointed the view itself: t is the gradient now, as with
+                # torch; the view (no longer one of the buffer) is replaced by a new one.
+                self.take_user_grad(slot, grad)
+                self.flat_groups[slot.flat_index].renew_grad_view(slot)
+                slot.param.grad = None if before_backward else slot.grad_view
+                changed = True
                 continue
             if grad is None:
                 changed |= slot.has_grad

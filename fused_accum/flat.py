@@ -38,6 +38,10 @@ from torch import Tensor
 
 ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Partial active sets whose device index a flat group keeps (FlatGroup.active_index): the few a
+# loop repeats (layers unused on some steps) stay cached; routing that picks a new set of
+# experts most steps reuses none, and would otherwise grow the cache by one tensor per step.
+ACTIVE_SETS_KEPT = 16
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
 
 
@@ -307,6 +311,11 @@ class FlatGroup:
         slot.master = self.master[part] if self.has_master else None
         slot.state = {key: buf[part] for key, buf in self.state.items()}
 
+    def renew_grad_view(self, slot: Slot) -> None:
+        """A new ``.grad`` view of ``slot``'s accumulator slice (the old one was re-pointed
+        elsewhere through ``.data``)."""
+        slot.grad_view = slot.full_view = slot.acc.view(slot.param.shape)
+
     def rehome(self, device, backend) -> None:
         """The parameters moved or were cast (``model.to(device)``, ``model.to(torch.bfloat16)``,
         or ``to_empty`` after building on the meta device): move the buffers after them. State
@@ -507,10 +516,13 @@ class FlatGroup:
     def active_index(self, indices: tuple) -> Tensor:
         """A device tensor of slot ``indices`` (a partial active set), made once per distinct
         set: no host-to-device copy inside later steps (and none under CUDA-graph capture)."""
-        index = self._index_cache.get(indices)
+        cache = self._index_cache
+        index = cache.pop(indices, None)
         if index is None:
             index = torch.tensor(indices, dtype=torch.int64, device=self.device)
-            self._index_cache[indices] = index
+            if len(cache) >= ACTIVE_SETS_KEPT:  # (MoE routing: a new set most steps)
+                del cache[next(iter(cache))]  # the least recently used
+        cache[indices] = index  # (most recent last)
         return index
 
     def nbytes(self) -> int:

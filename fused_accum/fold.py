@@ -168,6 +168,9 @@ class Folder:
         self.plans: list = []
         self.pieces_seen = False  # some slot received two gradients in one micro-batch
         self.stepped_in_backward = False  # step_in_backward stepped this window already
+        # step_in_backward may step this window: from construction, zero_grad() or a window
+        # cleared whole, until step() (GradientWindow.after_step says why)
+        self.may_step_in_backward = step_in_backward
         # the change count when the fast folds were last decided, and what was decided
         self._granted_at: Optional[int] = None
         self._granted: tuple = ([], [], [], [])
@@ -326,7 +329,7 @@ class Folder:
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self.stepper.rehome(flat)
         last = self.count.last_backward()
-        fuse_step = self.step_in_backward and last and not self.pieces_seen
+        fuse_step = self.may_step_in_backward and last and not self.pieces_seen
         # On the window's last backward the values written are final: the same pass adds them
         # to the window's norm and non-finite flag (unless a reduction changes them after).
         local_stats = last and self.wants_stats and not self.topology.syncs(self.count)

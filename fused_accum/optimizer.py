@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from . import backends, checkpoint
 from .algorithms import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
-from .algorithms import parse_algorithm, state_keys, validate_hyperparameters
+from .algorithms import check_after_groups, parse_algorithm, state_keys, validate_hyperparameters
 from . import topology
 from .flat import SUPPORTED_DTYPES, FlatGroup, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
 from .generic import GenericPath
@@ -110,6 +111,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         """The generic path's torch.optim optimizer, or None."""
         return self._generic.inner if self._generic is not None else None
 
+    @torch.inference_mode(False)  # built under inference_mode, the buffers would be inference tensors
     def __init__(
         self,
         params: Iterable,
@@ -171,8 +173,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             label=f"{type(self).__name__} at {id(self):#x}",
         )
         self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
+        self._warned_unstarted = False  # (step_in_backward: see _warn_unstarted_window)
+        self._group_params: list = []  # by group: ids of its params as added (see _check_groups)
         self._attached = False
         super().__init__(params, defaults)
+        check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
         # detached) only once every group has been accepted.
         self._window.attach(self._window.slots)
@@ -180,6 +185,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- construction ----------------------------------------------------------------------
 
+    @torch.inference_mode(False)
     def add_param_group(self, param_group: dict) -> None:
         """Add a group as torch.optim does (generators, names, the same errors), then give its
         parameters buffers and, once the optimizer is built, hooks. All or nothing."""
@@ -189,6 +195,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
+        self._group_params.append(list(map(id, self.param_groups[-1]["params"])))
 
     def _build_group(self, group_index: int) -> None:
         group = self.param_groups[group_index]
@@ -256,6 +263,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             by_group.setdefault(group_index, []).append((p, label))
         for group_index, members in by_group.items():
             for slot in self._make_flat_groups(group_index, members):
+                checkpoint.adopt_saved(self, slot)  # (a checkpoint loaded while it was frozen)
                 if slot.param.grad is not None:
                     self._window.take_user_grad(slot, slot.param.grad)
 
@@ -294,6 +302,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         after ``accum_steps`` backward passes, or after every backward when that is None."""
         return self._window.topology.no_sync()
 
+    @torch.compiler.disable  # (eager, as step: it works on the hooks' table and Python state)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the window. ``set_to_none=True`` (default): every ``.grad`` becomes None and
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
@@ -315,12 +324,17 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- step ---------------------------------------------------------------------------------
 
+    # Eager under torch.compile (a graph break): the step is already one fused kernel per flat
+    # group, and traced, its writes to the device scalars it reads (lr, the coefficient) were
+    # lost on Dynamo's restarts, so a compiled step moved no parameter (torch 2.13).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
         gradient by it (an int, float or device tensor; see the README's "Sums, like .grad")."""
         window = self._window
         window.check_attached()
+        self._check_groups()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -344,6 +358,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             window.after_step()
             window.expose()
             return loss
+        if self.step_in_backward and not window.may_step_in_backward and window.microbatches:
+            self._warn_unstarted_window()
         window.reconcile()
         self._take_user_grads()
         window.finish_reduction()
@@ -372,6 +388,39 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window.after_step()
         window.expose()
         return loss
+
+    def _check_groups(self) -> None:
+        """Raise if a group's ``params`` list was edited (torch's optimizers walk the lists at
+        every step; here each parameter's buffers and hooks were made when its group was added),
+        or if the parameters were left on the meta device."""
+        groups = self.param_groups
+        if len(groups) != len(self._group_params) or any(
+            list(map(id, g["params"])) != ids for g, ids in zip(groups, self._group_params)
+        ):
+            raise RuntimeError(
+                f"{type(self).__name__}: the parameters of a param group changed since it was added "
+                "(a parameter appended to or removed from group['params']); fused_accum gives each "
+                "parameter its buffers and hooks when its group is added: use add_param_group() for "
+                "new parameters, or build a new optimizer"
+            )
+        for flat in self._window.flat_groups:
+            if flat.device.type == "meta" and flat.slots[0].param.is_meta:
+                raise RuntimeError(
+                    f"{type(self).__name__}: its parameters are on the meta device. model.to_empty() "
+                    "makes new parameters, which an optimizer built before cannot follow (their "
+                    "gradients never reach it): build the optimizer after to_empty()"
+                )
+
+    def _warn_unstarted_window(self) -> None:
+        if not self._warned_unstarted:
+            self._warned_unstarted = True
+            warnings.warn(
+                "step_in_backward=True: this window began without zero_grad() after the last step(), "
+                "so none of its backwards stepped (a backward between step() and zero_grad() may be "
+                "another model's: DCGAN's generator loss reaches the discriminator); it steps now, at "
+                "step(). Call opt.zero_grad() between windows to step in the last backward.",
+                stacklevel=3,
+            )
 
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
@@ -424,6 +473,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             group.pop("window_microbatches", None)
         FusedAccumOptimizer.__init__(self, groups, **config, **hyper)
         self.load_state_dict(state["state_dict"])
+
+    def __copy__(self) -> "FusedAccumOptimizer":
+        """A shallow copy, as torch's: another handle on the same groups, state and window
+        (``__getstate__`` would build a second optimizer over the same parameters, which would
+        detach this one)."""
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __repr__(self) -> str:
         algo = self._algorithm or self._generic.cls.__name__

@@ -57,17 +57,55 @@ def release(window, params) -> None:
             del _OWNERS[id(p)]
 
 
-def is_ours(optimizer, depth: int = 4) -> bool:
-    """Whether ``optimizer`` is a fused_accum optimizer, or a trainer's wrapper around one
-    (Accelerate's AcceleratedOptimizer and its kind keep the wrapped one in ``.optimizer``)."""
-    for _ in range(depth):
-        if optimizer is None:
-            return False
-        # (the second: the torch.optim optimizer that fused_accum's generic path steps with)
-        if getattr(optimizer, "_fused_accum_owner", False) or getattr(optimizer, "_fused_accum_inner", False):
-            return True
-        optimizer = getattr(optimizer, "optimizer", None)
-    return False
+def _is_ours(optimizer) -> bool:
+    # (the second: the torch.optim optimizer that fused_accum's generic path steps with)
+    return getattr(optimizer, "_fused_accum_owner", False) or getattr(optimizer, "_fused_accum_inner", False)
+
+
+def is_ours(optimizer, depth: int = 3) -> bool:
+    """Whether ``optimizer`` is a fused_accum optimizer or holds one: a trainer's wrapper
+    (Accelerate's AcceleratedOptimizer keeps it in ``.optimizer``, Lightning's in
+    ``._optimizer``), an optimizer built over ours that delegates its step to it (SAM's
+    ``base_optimizer``, ZeroRedundancyOptimizer's ``optim``), or one that shares our param
+    groups (SAM's ``param_groups`` are its base's). Such a step ends in ours: it takes nothing
+    over. Attributes are searched ``depth`` optimizers deep (an attribute's value, or the
+    elements of a list, tuple or dict attribute)."""
+    if optimizer is None:
+        return False
+    if _is_ours(optimizer):
+        return True
+    if depth == 0:
+        return False
+    try:
+        held = list(vars(optimizer).values())
+    except TypeError:  # (no __dict__)
+        return False
+    for value in held:
+        candidates = (
+            value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        )
+        for candidate in candidates:
+            if isinstance(candidate, (dict, list, tuple, str, int, float, type(None))) or not hasattr(
+                candidate, "step"
+            ):
+                continue
+            if is_ours(candidate, depth - 1):
+                return True
+    return _shares_our_groups(optimizer)
+
+
+def _shares_our_groups(optimizer) -> bool:
+    """Whether ``optimizer``'s param groups are a live fused_accum optimizer's own dicts."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return False
+    first = groups[0]
+    window = (
+        next((owner(p) for p in first.get("params", ()) if owner(p) is not None), None)
+        if isinstance(first, dict)
+        else None
+    )
+    return window is not None and any(g is first for g in window.param_groups())
 
 
 def _foreign_step(optimizer, args, kwargs) -> None:

@@ -178,6 +178,10 @@ class GradientWindow:
         self._params.extend(s.param for s in flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
 
+    def param_groups(self) -> list:
+        """The optimizer's param groups (what its step reads)."""
+        return self._stepper.param_groups
+
     def slot_for(self, param: Tensor) -> Optional[Slot]:
         slot = self._slot_of.get(id(param))
         return slot if slot is not None and slot.param is param else None
@@ -356,6 +360,11 @@ class GradientWindow:
     def stepped_in_backward(self) -> bool:
         return self._folder.stepped_in_backward
 
+    @property
+    def may_step_in_backward(self) -> bool:
+        """step_in_backward may step this window (it was started: see after_step)."""
+        return self._folder.may_step_in_backward
+
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
         with self.lock:
@@ -385,7 +394,8 @@ class GradientWindow:
     def _count_microbatch(self) -> None:
         syncs = self.topology.syncs(self.count)
         self.count.add_one()
-        if self.step_in_backward and self.count.microbatches == self.accum_steps and not self._folder.pieces_seen:
+        folder = self._folder
+        if folder.may_step_in_backward and self.count.microbatches == self.accum_steps and not folder.pieces_seen:
             self._folder.step_the_rest()
         elif syncs:
             self.finish_reduction()
@@ -427,7 +437,20 @@ class GradientWindow:
     def after_step(self) -> None:
         """The optimizer stepped: the next backward starts counting micro-batches anew. The
         accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
-        until ``zero_grad()``); a backward before ``zero_grad()`` adds to them."""
+        until ``zero_grad()``); a backward before ``zero_grad()`` adds to them, and is never
+        stepped in backward: a backward after the step and before the next window is started
+        is not that window's (DCGAN: G's loss reaches D's parameters after D's step)."""
+        self._restart_counts()
+        self._folder.may_step_in_backward = False
+
+    def _start_window(self) -> None:
+        """A window starts: ``zero_grad()``, or every gradient cleared (``model.zero_grad()``)."""
+        self._restart_counts()
+        self._folder.may_step_in_backward = self.step_in_backward
+
+    def _restart_counts(self) -> None:
+        """Micro-batches are counted anew; what the last window decided (stepped, its norm) is
+        forgotten."""
         self.count.microbatches = 0
         self._folder.stepped_in_backward = False
         if self.step_in_backward:
@@ -444,13 +467,17 @@ class GradientWindow:
             self.follow_moved_params()
         if set_to_none or self.topology.sharded:
             self.discard()
-            return
-        self.flush()
-        self.reconcile()
-        self._exposure.zero_held()
-        self.invalidate_stats()
-        self.after_step()
-        self.expose()
+        else:
+            self.flush()
+            self.reconcile()
+            self._exposure.zero_held()
+            self.invalidate_stats()
+            self._start_window()
+            self.expose()
+        if _current_graph_task_id() >= 0:
+            # Called from a hook while a backward runs: what arrives after is the new window's,
+            # and that backward, now not quiet (Python changed the window), ends here and counts.
+            self._queue_end_of_backward(arrived=True)
 
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
@@ -466,4 +493,4 @@ class GradientWindow:
         self._arrivals.hide = False  # a .grad the user sets now is added to by the next backward
         self.topology.reset()
         assign_all(self.slots, "has_grad", False)
-        self.after_step()
+        self._start_window()

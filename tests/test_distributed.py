@@ -58,6 +58,9 @@ def local_loss(model, rank, window, micro, reduction="mean"):
 #                  process_group): the hooks stand aside and DDP reduces; the trainer clips .grad
 #   ddp_wgrad      DDP over a model whose Linears were converted (fused_accum.nn): under DDP they
 #                  return the ordinary weight gradient, which DDP must see
+#   ddp_zero_redundancy  DDP, and torch's ZeroRedundancyOptimizer built over fused_accum.AdamW
+#                  (optimizer_class=): its step is a torch.optim step that delegates to ours, which
+#                  must not take it for another optimizer taking the parameters over
 SCENARIOS = [
     "adamw",
     "sgd_num_items",
@@ -67,6 +70,7 @@ SCENARIOS = [
     "ddp_no_sync",
     "ddp_bucket_view",
     "ddp_wgrad",
+    "ddp_zero_redundancy",
 ]
 CLIP = 0.5
 
@@ -97,6 +101,10 @@ def _build(scenario, model, rank):
     ddp = nn.parallel.DistributedDataParallel(
         _Ranked(model, rank), find_unused_parameters=True, gradient_as_bucket_view=scenario == "ddp_bucket_view"
     )
+    if scenario == "ddp_zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fused_accum.AdamW, lr=1e-2)
     return ddp, fused_accum.AdamW(model.parameters(), lr=1e-2)
 
 
