@@ -313,6 +313,17 @@ def _worker(rank, path):
                 results[f"scaler_{shard}"] = None
             except RuntimeError as err:
                 results[f"scaler_{shard}"] = str(err)
+        # zero_grad(set_to_none=False) between windows: shard="grads" has no full gradient to
+        # zero and show, so it discards as set_to_none=True would; equal to the replicated run
+        for shard in (None, "grads"):
+            model = Net()
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
+            for window in range(WINDOWS):
+                for micro in range(K):
+                    loss_of(model, rank, window, micro, "mean").backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            results[f"zero_kept_{shard}"] = [p.detach().clone() for p in model.parameters()]
         results["memory"] = _memory(rank)
         results["path"] = path
         torch.save(results, f"{path}.rank{rank}")
@@ -512,6 +523,11 @@ def test_lion_and_global_skip_match_replicated(ranks, shard):
         # window 1 had a NaN on rank 1 only: no rank stepped
         assert all(torch.equal(a, b) for a, b in zip(after[0], after[1]))
         assert not all(torch.equal(a, b) for a, b in zip(after[1], after[2]))
+
+
+def test_zero_grad_keeping_grads_then_a_window_matches_replicated_with_shard_grads(ranks):
+    for rank in ranks:
+        assert _rel(rank["zero_kept_grads"], rank["zero_kept_None"]) <= REL
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])

@@ -610,3 +610,29 @@ def test_skip_nonfinite_when_only_the_sum_of_squares_overflows(backend, accum_st
         opt.zero_grad()
         ropt.zero_grad()
     assert_params_match(ours, ref)
+
+
+# --- the defaults table ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_each_algorithms_defaults_are_torchs(name):
+    """``FusedAccumOptimizer(params, name)`` and our class of that name take torch.optim's
+    defaults, every key and value (a wrong default, e.g. AdamW's weight decay, changes every
+    run that relies on it)."""
+    torch_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    ours_cls = {"sgd": fused_accum.SGD, "adam": fused_accum.Adam, "adamw": fused_accum.AdamW}[name]
+    params = [nn.Parameter(torch.randn(2))]
+    want = torch_cls(params).defaults
+    assert fused_accum.FusedAccumOptimizer(params, name).defaults == want
+    assert fused_accum.FusedAccumOptimizer(params, name.upper()).defaults == want
+    assert ours_cls(params).defaults == want
+
+
+def test_lions_defaults_are_the_papers():
+    """Lion has no torch.optim class: the paper's (Chen et al. 2023) lr 1e-4, betas (0.9, 0.99),
+    no weight decay, by name and by class."""
+    params = [nn.Parameter(torch.randn(2))]
+    want = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
+    assert fused_accum.FusedAccumOptimizer(params, "lion").defaults == want
+    assert fused_accum.Lion(params).defaults == want

@@ -496,3 +496,201 @@ def test_create_graph_grad_carries_no_graph_and_says_so_as_documented():
     (hvp_ref,) = torch.autograd.grad(g_ref.square().sum(), ref[0].weight)
     assert rel_err(hvp_ours, hvp_ref) == 0  # the same graph on the same values: torch's numbers
     assert opt.microbatches == 1  # (autograd.grad leaves the window alone)
+
+
+# --- behaviours the suite did not pin (issue 26, "Tests the suite is missing") ------------------
+
+
+def test_a_grad_cleared_after_the_last_backward_drops_out_of_max_grad_norm():
+    """``p.grad = None`` after the window's last backward: the clip's norm is torch's
+    clip_grad_norm_ over the gradients left (the last pass had already added it in)."""
+    model, ref = mlp(0), mlp(0)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=2, max_grad_norm=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(6)
+    for w in range(3):
+        for m in (model, ref):
+            for batch in data[2 * w : 2 * w + 2]:
+                (loss_of(m, batch) / 2).backward()
+            m[2].weight.grad = None
+        ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        ref_opt.step()
+        assert_rel(opt.last_grad_norm, ref_norm, RTOL, f"window {w}: the norm")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_close(model, ref)
+
+
+def test_step_in_backward_rereads_bf16_params_edited_between_windows():
+    """An in-place edit of bf16 parameters between windows (``p.mul_(0.5)``) reaches the masters
+    before the backward that steps: bit-equal to the same run stepping at step()."""
+    runs = []
+    for step_in_backward in (True, False):
+        model = mlp(0, torch.bfloat16)
+        opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=2, step_in_backward=step_in_backward)
+        for w, window in enumerate(batches(6, dtype=torch.bfloat16)[i : i + 2] for i in range(0, 6, 2)):
+            if w == 1:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+            for batch in window:
+                (loss_of(model, batch) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
+def test_a_state_dict_after_an_in_place_edit_of_bf16_params_holds_the_edited_master():
+    """state_dict() after ``p.mul_(0.5)`` and before any step: the saved master is the edited
+    weight's, so the run resumed from it is bit-equal to the uninterrupted one."""
+
+    def run(resume: bool):
+        model = mlp(0, torch.bfloat16)
+        opt = fused_accum.AdamW(model.parameters(), lr=1e-2)
+        data = batches(4, dtype=torch.bfloat16)
+        for i, batch in enumerate(data):
+            if i == 2:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+                if resume:
+                    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+                    model = mlp(1, torch.bfloat16)
+                    model.load_state_dict(saved[0])
+                    opt = fused_accum.AdamW(model.parameters(), lr=1e-2)
+                    opt.load_state_dict(saved[1])
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    for p, q in zip(run(False).parameters(), run(True).parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_mid_window_replaces_the_window_a_documented_difference():
+    """``load_state_dict`` in a live window replaces it by the checkpoint's (a checkpoint holds
+    its window: ``accum`` mid-window), where torch's leaves ``.grad`` alone (README, "Deliberate
+    differences"): loaded from a window boundary, ``.grad`` is None and the next step starts
+    from the gradients after the load, as the checkpointed run would."""
+    model, twin = mlp(0), mlp(0)
+    opt, twin_opt = (fused_accum.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    data = batches(3)
+    saved = opt.state_dict()  # at a window boundary: no accum
+    loss_of(model, data[0]).backward()
+    opt.load_state_dict(saved)
+    assert all(p.grad is None for p in model.parameters()) and opt.microbatches == 0
+    loss_of(model, data[1]).backward()
+    loss_of(twin, data[1]).backward()
+    mid = twin_opt.state_dict()  # mid-window: its accum is data[1]'s gradient
+    loss_of(model, data[2]).backward()
+    opt.load_state_dict(mid)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert opt.microbatches == 1
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_called_by_a_tensor_hook_mid_backward_starts_the_window_there(set_to_none, hooks):
+    """A hook that calls ``opt.zero_grad()`` during a backward: what arrived before is
+    discarded and what arrives after is the new window, as torch's ``.grad`` shows it; the
+    count includes that backward."""
+    seen, counts = [], []
+    for impl in ("ours", "torch"):
+        model = mlp(0)
+        opt = (fused_accum.SGD if impl == "ours" else torch.optim.SGD)(model.parameters(), lr=0.1)
+        calls = []
+
+        def hook(grad, opt=opt, calls=calls):
+            calls.append(1)
+            if len(calls) == 2:
+                opt.zero_grad(set_to_none=set_to_none)
+            return grad
+
+        model[2].weight.register_hook(hook)  # (the head: reached first, so body arrives after)
+        grads = []
+        for batch in batches(4):
+            loss_of(model, batch).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            if impl == "ours":
+                counts.append(opt.microbatches)
+        opt.step()
+        seen.append((grads, [p.detach().clone() for p in model.parameters()]))
+    (ours, ours_params), (ref, ref_params) = seen
+    for i, (got, want) in enumerate(zip(ours, ref)):
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None), f"backward {i}"
+            if w is not None:
+                assert_rel(g, w, RTOL, f"backward {i}: .grad")
+    for p, q in zip(ours_params, ref_params):
+        assert_rel(p, q)
+    assert counts == [1, 1, 2, 3]
+
+
+def test_a_post_accumulate_grad_hook_under_create_graph_sees_the_backwards_gradient_a_documented_difference(
+    hooks,
+):
+    """With ``backward(create_graph=True)`` torch's post-accumulate-grad hook sees ``.grad`` as
+    the running sum with its graph (g1 + g2 at the second backward). Here the gradient with a
+    graph goes through AccumulateGrad alone, so the hook sees that backward's gradient (g2,
+    with its graph); after the backward ``.grad`` is the fp32 running sum, without a graph
+    (README, "Deliberate differences")."""
+
+    def run(ours: bool):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(3))
+        opt = fused_accum.SGD([w], lr=0.1) if ours else None  # (kept: deleted, it unhooks)
+        seen = []
+        w.register_post_accumulate_grad_hook(lambda p: seen.append((p.grad.detach().clone(), p.grad.grad_fn)))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            ((w * torch.randn(3, generator=gen)).sum() ** 2).backward(create_graph=True)
+        assert opt is None or opt.microbatches == 2
+        return seen, w.grad.detach().clone(), w.grad.grad_fn
+
+    ours, ours_grad, ours_fn = run(True)
+    ref, ref_grad, ref_fn = run(False)
+    assert torch.equal(ours[0][0], ref[0][0]) and ours[0][1] is not None  # g1, with its graph
+    g2 = ref[1][0] - ref[0][0]
+    assert_rel(ours[1][0], g2, RTOL, "the second hook: g2")
+    assert ours[1][1] is not None
+    assert_rel(ours_grad, ref_grad, RTOL, ".grad after: the running sum")
+    assert ref_fn is not None and ours_fn is None
+
+
+def test_under_ddp_a_branch_left_unused_after_model_zero_grad_is_not_stepped_again(tmp_path):
+    """One process, gloo, ``find_unused_parameters=True``: after ``model.zero_grad()`` a window
+    that does not use a branch gives it no gradient, so the step leaves it (and its state) alone,
+    as torch's does."""
+    import torch.distributed as dist
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk, self.branch = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x, use_branch=True):
+            out = self.trunk(x)
+            return out + self.branch(x) if use_branch else out
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        ours, ref = Branchy(), Branchy()
+        ddp = nn.parallel.DistributedDataParallel(ours, find_unused_parameters=True)
+        opt = fused_accum.AdamW(ours.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        data = batches(4)
+        for i, (x, y) in enumerate(data):
+            use = i < 2
+            for model, o in ((ddp, opt), (ref, ref_opt)):
+                o.zero_grad() if i == 0 else (ours if model is ddp else ref).zero_grad()
+                (model(x, use) - y).square().mean().backward()
+                o.step()
+        assert_close(ours, ref)
+        assert float(opt.state[ours.branch.weight]["step"]) == float(ref_opt.state[ref.branch.weight]["step"]) == 2
+    finally:
+        dist.destroy_process_group()
