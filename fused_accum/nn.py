@@ -10,9 +10,20 @@ take the gradient now; if so it runs :func:`fused_accum.ops.wgrad_accumulate` (t
 ``grad_output^T @ input`` into the slice with fp32 accumulation, overwriting on the window's
 first gradient), tells the window the slice has arrived (``target.done()``), and returns no
 weight gradient. Otherwise -- no ``FusedAccumOptimizer`` trains the weight, or the window says
-it cannot take an in-place gradient now -- it returns the ordinary weight gradient, exactly as
-``nn.Linear`` would (same dtype, same GEMM), so hooks, ``.grad`` and other optimizers see
-nothing different. The input and bias gradients are always the ordinary ones.
+it cannot take an in-place gradient now -- it returns the ordinary weight gradient, bit for bit
+``nn.Linear``'s, so hooks, ``.grad`` and other optimizers see nothing different. The input and
+bias gradients, and the output, are always the ordinary ones, bit for bit.
+
+"Bit for bit" holds whatever the CPU because the forward and backward run torch's own ops
+on the same operands: at::native::linear's addmm or mm on the same [M, K] view (or copy) of the
+input, and the derivatives torch's autograd uses for them (``mm_mat1_backward`` and
+``mm_mat2_backward``: for a row-major weight, g^T x, not (x^T g)^T, which rounds differently on
+some CPUs), summed for the bias where torch's engine sums it. tests/test_nn.py records the GEMMs
+and sums of both under a dispatch mode and requires the same calls on operands of the same
+shapes, strides and dtypes. A weight that does not require grad goes to ``F.linear`` itself
+(there is no weight gradient to fuse), as do calls this restatement does not cover (complex
+dtypes, non-strided or mkldnn tensors, a weight that is not a matrix). (On a GPU the same
+argument holds, cuBLAS being handed the same calls; not yet checked on one.)
 
 Compatibility decisions:
 
@@ -43,7 +54,9 @@ Compatibility decisions:
 from __future__ import annotations
 
 import functools
-from typing import Optional
+import math
+import os
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +85,71 @@ def _cast(t: Optional[Tensor], dtype: Optional[torch.dtype]) -> Optional[Tensor]
     return t.to(dtype)
 
 
+# --- torch's own op sequence -------------------------------------------------------------------
+# "Exactly nn.Linear" means the same aten ops on the same operands (shapes, strides, dtypes), not
+# the same mathematics: a GEMM's rounding depends on which operand it is handed transposed, and
+# which order rounds differently depends on the CPU (on an AMD Zen 4/5 with AVX-512, (x^T g)^T
+# and g^T x differ in ~40% of an fp32 (6, 40) x (10, 40) weight gradient; on others they agree).
+# So the helpers below restate at::native::linear (aten/src/ATen/native/Linear.cpp, as torch
+# 2.13 has it) and the mm/addmm formulas of tools/autograd/derivatives.yaml (mm_mat1_backward,
+# mm_mat2_backward in torch/csrc/autograd/FunctionsManual.cpp), and tests/test_nn.py records the
+# ops of both under a dispatch mode and requires them equal, on each torch the suite runs on: a
+# torch that changes its own sequence fails a test instead of drifting by an ulp.
+
+
+@functools.lru_cache(maxsize=None)
+def _flatten_forced() -> bool:
+    # TORCH_LINEAR_FLATTEN_3D=1: torch flattens a non-contiguous input after .contiguous();
+    # read once, as torch's parseLinearFlatten3d does
+    return os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"
+
+
+def _addmm_path(x: Tensor, b: Optional[Tensor]) -> Tuple[bool, bool]:
+    """(whether torch's linear runs addmm on the 2-D view of ``x`` with the bias fused in,
+    whether it first makes ``x`` contiguous); otherwise it runs matmul, then ``add_(b)``.
+
+    at::native::linear: a 2-D input with a bias is one addmm; an input of any other rank is
+    flattened to [M, K] for addmm when the bias is "likely fusable" (1-D after squeeze,
+    contiguous) and the input contiguous (or made so under TORCH_LINEAR_FLATTEN_3D=1). Both
+    paths multiply the same [M, K] rows; they differ in where the bias gradient is summed from
+    (the [M, N] gradient, or the N-D one).
+    """
+    if b is None:
+        return False, False
+    if x.dim() == 2:
+        return True, False
+    if not ((b.dim() == 1 or b.squeeze().dim() == 1) and b.is_contiguous()):
+        return False, False
+    if x.is_contiguous():
+        return True, False
+    if _flatten_forced():
+        return True, True
+    return False, False
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as the [M, features] matrix torch's linear multiplies: ``reshape`` (a view where
+    the strides allow one, else a contiguous copy) with M spelled out (``-1`` is ambiguous when
+    a size is 0), as _flatten_nd_linear and matmul's fold do; a 1-D ``t`` becomes [1, features]."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """at::sum_to, which the autograd engine applies to a broadcast bias's gradient."""
+    if len(shape) == 0:
+        return grad.sum()
+    lead = grad.dim() - len(shape)
+    dims = list(range(lead)) + [i for i in range(lead, grad.dim()) if shape[i - lead] == 1 and grad.shape[i] != 1]
+    if dims:
+        grad = grad.sum(dims, keepdim=True)
+    return grad.view(shape) if lead > 0 else grad
+
+
+def _column_major(t: Tensor) -> bool:
+    # the test mm_mat1_backward / mm_mat2_backward apply to the matrix whose gradient they return
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
 class _LinearWgradIntoAccumulator(torch.autograd.Function):
     """F.linear whose backward hands the weight gradient to the window when it can take it."""
 
@@ -79,11 +157,23 @@ class _LinearWgradIntoAccumulator(torch.autograd.Function):
     def forward(ctx, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         dtype = _autocast_dtype(input.device.type)
         x, w, b = _cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype)
+        fused_bias, make_contiguous = _addmm_path(x, b)
+        # at::native::linear's GEMM, written out rather than F.linear: matmul folds an N-D input
+        # with no [M, K] view into one mm only when the weight requires grad, and the autocast
+        # copy made here (grad mode is off in forward) does not, so F.linear would multiply a
+        # transposed 3-D input by bmm where torch's autocast Linear runs mm
         with torch.autocast(input.device.type, enabled=False):
-            out = F.linear(x, w, b)
+            x2 = _rows(x.contiguous() if make_contiguous else x)
+            out = torch.addmm(b, x2, w.t()) if fused_bias else x2.mm(w.t())
+            if x.dim() != 2:
+                out = out.view(*x.shape[:-1], w.shape[0])
+            if b is not None and not fused_bias:
+                out = out.add_(b) if type(out) is Tensor and type(b) is Tensor else out + b
         ctx.save_for_backward(x, w)
         ctx.weight = weight  # the parameter (not its autocast copy): the window knows it
         ctx.dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.bias_shape = None if b is None else b.shape
+        ctx.path = (fused_bias, make_contiguous)
         return out
 
     @staticmethod
@@ -91,23 +181,37 @@ class _LinearWgradIntoAccumulator(torch.autograd.Function):
         x, w = ctx.saved_tensors
         input_dtype, weight_dtype, bias_dtype = ctx.dtypes
         need_input, need_weight, need_bias = ctx.needs_input_grad
-        n_out, k_in = w.shape
+        fused_bias, make_contiguous = ctx.path
+        # The operands of torch's mm/addmm: the view's backward reshapes the gradient to
+        # [M, N]; mat1 is the [M, K] input (contiguous first under TORCH_LINEAR_FLATTEN_3D)
+        # and mat2 = weight.t(). (An input with no [M, K] view is copied again here, where
+        # torch saved its forward copy: the same values, and x stays differentiable for
+        # create_graph=True.)
+        g2 = _rows(grad_output)
+        x2 = _rows(x.contiguous() if make_contiguous else x)
         grad_input = grad_weight = grad_bias = None
         if need_input:
-            grad_input = grad_output.matmul(w).to(input_dtype)
+            # mm_mat1_backward: grad @ mat2^T, or (mat2 @ grad^T)^T for a column-major mat1;
+            # then the reshape's backward restores the input's shape
+            gi = w.t().mm(g2.t()).t() if _column_major(x2) else g2.mm(w)
+            grad_input = (gi if x.dim() == 2 else gi.reshape(x.shape)).to(input_dtype)
         if need_bias:
-            grad_bias = grad_output.reshape(-1, n_out).sum(0).to(bias_dtype)
+            # addmm's self gradient is grad [M, N]; matmul + add_'s is the N-D grad; the engine
+            # sums either to the bias's shape
+            grad_bias = _sum_to(g2 if fused_bias else grad_output, ctx.bias_shape).to(bias_dtype)
         if need_weight:
             # create_graph=True (grad mode on in backward) wants a differentiable weight
             # gradient: the in-place GEMM into acc is not one, so return the ordinary gradient.
             target = None if torch.is_grad_enabled() else _wgrad_target(ctx.weight)
             if target is not None:
-                ops.wgrad_accumulate(target.acc, grad_output, x, target.overwrite, target.backend)
+                ops.wgrad_accumulate(target.acc, g2, x2, target.overwrite, target.backend)
                 target.done()
             else:
-                # what F.linear's backward returns: (x^T g)^T, in the compute dtype
-                g2, x2 = grad_output.reshape(-1, n_out), x.reshape(-1, k_in)
-                grad_weight = x2.t().mm(g2).t().to(weight_dtype)
+                # mm_mat2_backward for mat2 = weight.t(), then t()'s backward: for a row-major
+                # weight (mat2 column-major) (grad^T @ mat1)^T^T = g^T x, else (mat1^T @ grad)^T
+                wt = w.t()
+                gw = g2.t().mm(x2) if _column_major(wt) else x2.t().mm(g2).t()
+                grad_weight = gw.to(weight_dtype)
         return grad_input, grad_weight, grad_bias
 
 
@@ -117,7 +221,15 @@ def linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tens
         return F.linear(input, weight, bias)
     if torch._C._are_functorch_transforms_active():  # torch.func.grad/vmap: their own autograd
         return F.linear(input, weight, bias)
-    if not (input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    # Nothing to fuse without a weight gradient (a frozen weight: torch's own graph, whose
+    # matmul may then take its bmm path); and F.linear for what the Function's restatement of
+    # torch's ops does not cover: a weight that is not a strided matrix, an input that is not a
+    # strided tensor of rank >= 1, complex dtypes (their gradients conjugate).
+    if not weight.requires_grad or weight.dim() != 2 or input.dim() == 0:
+        return F.linear(input, weight, bias)
+    if weight.layout != torch.strided or input.layout != torch.strided or input.is_mkldnn:
+        return F.linear(input, weight, bias)
+    if weight.is_complex() or input.is_complex():
         return F.linear(input, weight, bias)
     return _LinearWgradIntoAccumulator.apply(input, weight, bias)
 

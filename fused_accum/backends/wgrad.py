@@ -18,7 +18,18 @@ Contract (every backend; :func:`reference` is the specification and the test ora
   to M rows; M = 0 leaves acc unchanged, or zeroed when overwriting). Both bf16, fp16 or fp32,
   the same dtype, on acc's device, any strides. The product is computed with fp32
   accumulation whatever their dtype; for fp32 inputs it is the same GEMM autograd would run
-  (so TF32 follows ``torch.backends.cuda.matmul.allow_tf32``, as ``nn.Linear``'s does).
+  (so TF32 follows ``torch.backends.cuda.matmul.allow_tf32``, as ``nn.Linear``'s does): for
+  nn.Linear's row-major weight, torch's ``mm_mat2_backward`` computes ``mm(g^T, x)`` on the
+  [M, N] and [M, K] operands, which :mod:`fused_accum.nn` passes as torch's linear has them. So
+  on the reference and cpu backends an overwrite (the window's first gradient of an fp32
+  weight) is bit-equal to the ``.grad`` torch would compute (tests/test_nn.py, on inputs whose
+  two GEMM orders round apart), provided acc is aligned as a fresh tensor is: MKL's sgemm
+  rounds by the output's alignment (on this project's AMD EPYC, an out= view 4 or 8 bytes off
+  rounded apart for some shapes), and the flat buffer's slices start 256 bytes apart
+  (``flat.ALIGN``). cuda makes the same call (not yet checked on a GPU). An add is summed in the
+  GEMM (beta = 1), which may round apart from torch's product-then-add by an ulp (the reference
+  adds the product separately, as AccumulateGrad does). Triton's own kernel keeps the
+  precision, not the bits.
 
 One function per backend, chosen by the backend name the window resolved for the weight's flat
 group: the backends' registry (:func:`fused_accum.backends.wgrad_kernel`) says which function is
