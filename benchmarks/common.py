@@ -23,6 +23,7 @@ Why each piece is the way it is:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
@@ -30,13 +31,15 @@ import math
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -508,44 +511,184 @@ def write_json(path: Path, payload: Dict[str, Any]) -> None:
     _replace_atomically(Path(path), write)
 
 
-def plot_gbps(path: Path, rows: List[Dict[str, Any]], copy_gbps: float, title: str) -> bool:
-    """GB/s against size, one line per provider, one panel per (op, grad dtype); the copy
-    ceiling as a dashed line. Returns False (and writes nothing) without matplotlib or rows."""
-    if not rows:
-        return False
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
-    panels = sorted({(r["op"], r["grad_dtype"]) for r in rows})
-    providers = sorted({r["provider"] for r in rows})
-    colors = {p: f"C{i % 10}" for i, p in enumerate(providers)}  # one colour per provider everywhere
-    cols = min(3, len(panels))
-    nrows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
-    for ax, (op, dt) in zip(axes.flat, panels):
-        panel = [r for r in rows if r["op"] == op and r["grad_dtype"] == dt]
-        for provider in sorted({r["provider"] for r in panel}):
-            pts = sorted((r["numel"], r["gbps"]) for r in panel if r["provider"] == provider)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider, color=colors[provider])
-        ax.axhline(copy_gbps, color="grey", linestyle="--", label="copy")
-        ax.set_xscale("log")
-        ax.set_title(f"{op}, {dt} grads" if dt != "-" else f"{op} (from the fp32 accumulator)", fontsize=10)
-        ax.set_xlabel("elements")
-        ax.set_ylabel("GB/s (byte model)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        return None
+    return plt
+
+
+def _save_figure(plt, fig, path: Path) -> None:
     tmp = Path(str(path) + ".tmp")  # write then rename: a reader never sees half a PNG
     fig.savefig(tmp, dpi=90, format="png")
     plt.close(fig)
     os.replace(tmp, path)
+
+
+# A flat-size sweep with at least this many sizes is drawn as lines against the size; anything
+# with fewer (the step ops time one flat size, and the lists are one size each) as bars per
+# workload: one point per line on a log axis says nothing and its labels overlap.
+MIN_SIZES_FOR_LINES = 3
+
+
+def kernel_panels(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The panels of kernels.png, in order: per (op, grad dtype) a ``lines`` panel of the flat
+    sweep when it has :data:`MIN_SIZES_FOR_LINES` sizes or more, and a ``bars`` panel of every
+    other workload (each list, and the flat sizes when too few for lines), a group of bars per
+    workload, one bar per provider. Each panel: kind, op, grad_dtype, title, rows."""
+    panels = []
+    ops = list(dict.fromkeys(r["op"] for r in rows))  # the order the suite ran them in
+    for op in ops:
+        for dt in sorted({r["grad_dtype"] for r in rows if r["op"] == op}):
+            mine = [r for r in rows if r["op"] == op and r["grad_dtype"] == dt]
+            what = f"{op}, {dt} grads" if dt != "-" else f"{op} (from the fp32 accumulator)"
+            flat = [r for r in mine if r["workload"] == "flat"]
+            lines = flat if len({r["numel"] for r in flat}) >= MIN_SIZES_FOR_LINES else []
+            if lines:
+                panels.append(dict(kind="lines", op=op, grad_dtype=dt, title=f"{what}: one flat tensor", rows=lines))
+            bars = [r for r in mine if not lines or r["workload"] != "flat"]
+            if bars:
+                title = f"{what}: per workload" if lines else what
+                panels.append(dict(kind="bars", op=op, grad_dtype=dt, title=title, rows=bars))
+    return panels
+
+
+def workload_label(row: Dict[str, Any]) -> str:
+    """A bar group's label: the workload, its size and (for lists) its tensor count."""
+    size = fmt_numel(int(row["numel"]))
+    if row["workload"] == "flat":
+        return f"flat {size}"
+    return f"{row['workload']}\n{size}\n{row['n_tensors']} tensors"
+
+
+def _bar_groups(
+    ax,
+    groups: List[str],
+    series: Dict[str, Dict[str, float]],
+    colors: Dict[str, str],
+    fmt: str,
+    whiskers: Optional[Dict[str, Dict[str, tuple]]] = None,
+) -> None:
+    """Grouped bars: one group per label in ``groups``, one bar per series (provider) that has a
+    value there, each labelled with its value in ``fmt`` above the bar (and above its whisker:
+    ``whiskers[series][group] = (low, high)``, drawn as a black line). Labels are upright when a
+    group has at most 3 bars, else turned to read upwards, so that they never overlap."""
+    names = list(series)
+    width = 0.8 / max(1, len(names))
+    rotation = 0 if len(names) <= 3 else 90
+    top = max((v for s in series.values() for v in s.values()), default=1.0)
+    for i, name in enumerate(names):
+        for g, label in enumerate(groups):
+            if label not in series[name]:
+                continue
+            x, y = g + (i - (len(names) - 1) / 2) * width, series[name][label]
+            ax.bar([x], [y], width=width * 0.95, color=colors[name])
+            label_y = y
+            lo_hi = (whiskers or {}).get(name, {}).get(label)
+            if lo_hi is not None:
+                ax.plot([x, x], list(lo_hi), color="black", linewidth=0.8)
+                label_y = max(y, lo_hi[1])
+                top = max(top, lo_hi[1])
+            ax.text(x, label_y + 0.01 * top, fmt.format(y), ha="center", va="bottom", fontsize=6, rotation=rotation)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=6.5 if len(groups) > 3 else 7)
+    ax.set_ylim(0, top * 1.18)  # room above the tallest bar for its label
+
+
+def plot_gbps(path: Path, rows: List[Dict[str, Any]], copy_gbps: float, title: str) -> bool:
+    """kernels.png: GB/s of every provider, the copy ceiling as a dashed line, panels as
+    :func:`kernel_panels` lays them out (lines against size for a flat sweep, grouped bars per
+    workload otherwise), one legend for the figure (a provider has one colour everywhere).
+    Returns False (and writes nothing) without matplotlib or rows."""
+    rows = [r for r in rows if math.isfinite(r["gbps"])]
+    plt = _pyplot() if rows else None
+    if plt is None:
+        return False
+    panels = kernel_panels(rows)
+    providers = sorted({r["provider"] for r in rows})
+    colors = {p: f"C{i % 10}" for i, p in enumerate(providers)}
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        panel_rows = panel["rows"]
+        if panel["kind"] == "lines":
+            for provider in sorted({r["provider"] for r in panel_rows}):
+                pts = sorted((r["numel"], r["gbps"]) for r in panel_rows if r["provider"] == provider)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[provider])
+            ax.set_xscale("log")
+            ax.set_xlabel("elements", fontsize=8)
+        else:
+            order = sorted({(r["workload"] != "flat", int(r["numel"]), workload_label(r)) for r in panel_rows})
+            groups = [label for _, _, label in order]
+            series: Dict[str, Dict[str, float]] = {}
+            for provider in sorted({r["provider"] for r in panel_rows}):
+                series[provider] = {workload_label(r): r["gbps"] for r in panel_rows if r["provider"] == provider}
+            _bar_groups(ax, groups, series, colors, "{:.0f}")
+        ax.axhline(copy_gbps, color="grey", linestyle="--")
+        ax.set_title(panel["title"], fontsize=9)
+        ax.set_ylabel("GB/s (byte model)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in providers]
+    handles.append(plt.Line2D([0], [0], color="grey", linestyle="--"))
+    fig.legend(handles, providers + [f"copy ({copy_gbps:.0f} GB/s)"], loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    _save_figure(plt, fig, path)
+    return True
+
+
+def plot_window(path: Path, rows: List[Dict[str, Any]], title: str) -> bool:
+    """window.png: per model, the ratio native / provider of the median window (> 1: faster
+    than torch's own accumulation), a group of bars per (param dtype, threads), one bar per
+    provider other than native, whiskers from native's median over the provider's quartiles;
+    1.0 (native) as a dashed line. Returns False (and writes nothing) without matplotlib or rows."""
+    rows = [r for r in rows if math.isfinite(r.get("speedup_vs_native", math.nan))]
+    plt = _pyplot() if rows else None
+    if plt is None:
+        return False
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    providers = [p for p in dict.fromkeys(r["provider"] for r in rows) if p != "native"]
+    colors = {p: f"C{i % 10}" for i, p in enumerate(providers)}
+    cell = lambda r: f"{r['dtype']}, {r['threads']} thread" + ("s" if int(r["threads"]) > 1 else "")  # noqa: E731
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes.flat, models):
+        mine = [r for r in rows if r["model"] == model]
+        groups = list(dict.fromkeys(cell(r) for r in mine))
+        native = {cell(r): r["window_ms"] for r in mine if r["provider"] == "native"}
+        by = {(r["provider"], cell(r)): r for r in mine if r["provider"] != "native"}
+        series = {p: {g: by[p, g]["speedup_vs_native"] for g in groups if (p, g) in by} for p in providers}
+        series = {p: s for p, s in series.items() if s}
+        whiskers = {
+            p: {g: (native[g] / by[p, g]["ms_q3"], native[g] / by[p, g]["ms_q1"]) for g in s if g in native}
+            for p, s in series.items()
+        }
+        _bar_groups(ax, groups, series, colors, "{:.2f}x", whiskers)
+        ax.axhline(1.0, color="grey", linestyle="--")
+        first = mine[0]
+        ax.set_title(
+            f"{model}: {first['n_tensors']} tensors, {fmt_numel(int(first['numel']))} params, "
+            f"k = {first['accum_steps']} micro-batches",
+            fontsize=9,
+        )
+        ax.set_ylabel("native / provider, median window (> 1: faster)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in providers]
+    handles.append(plt.Line2D([0], [0], color="grey", linestyle="--"))
+    labels = providers + ["native (torch .grad + AdamW(fused=True)) = 1"]
+    fig.legend(handles, labels, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
+    _save_figure(plt, fig, path)
     return True
 
 
@@ -554,6 +697,25 @@ def fmt_numel(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.4g}{unit}"
     return str(n)
+
+
+@contextlib.contextmanager
+def stop_on_sigint() -> Iterator[None]:
+    """Ctrl-C (SIGINT, as ``timeout -s INT`` sends at a stage's limit) raises KeyboardInterrupt
+    inside the block, whatever the process inherited, and the handler before it is put back
+    after. A process started in the background by a non-interactive shell inherits SIGINT
+    *ignored*, and Python then installs no handler of its own: without this, such a benchmark
+    never hears the signal, runs on to the end and is killed without writing what it measured.
+    Only the main thread may set a handler: elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.SIG_DFL)
 
 
 def log(msg: str) -> None:

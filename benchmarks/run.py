@@ -8,12 +8,20 @@ Writes to ``--out`` (default ``benchmarks/results``):
   window.csv       one row per (model, param dtype, threads, provider): a whole window of k
                    micro-batches + step + zero_grad, ours against torch's (benchmarks/window.py)
   results.json     all of them, with the machine/torch/triton/commit metadata and the copy ceiling
-  kernels.png      GB/s against size on the flat-gradient sweep, one line per provider
+  kernels.png      GB/s per provider: lines against size on the flat-gradient sweep, grouped
+                   bars per workload for the lists and the step ops (benchmarks/common.py)
+  window.png       the window suite: native / ours per model, param dtype and threads
 
 Each CSV is written only when its suite was asked for (``--suite``), and rewritten (atomically)
 after every group, so a run stopped at a time limit keeps what it measured; an interrupt (SIGINT,
-as ``timeout -s INT`` sends) ends the run early and still writes the files. ``--no-plot`` leaves
-kernels.png out (benchmarks/device_check.sh: at most 8 files come back from a lent GPU).
+as ``timeout -s INT`` sends) ends the run early and still writes the files, also when the run
+was started with SIGINT ignored (a background job of a script: ``main`` restores Python's
+handler). ``--no-plot`` leaves the PNGs out (benchmarks/device_check.sh: at most 8 files come
+back from a lent GPU). The last line printed is the verdict: OK, FAILED (which row first) or
+INTERRUPTED, with how many kernel groups ours won.
+
+``--replot DIR`` measures nothing: it draws DIR's PNGs again from DIR/results.json (after a
+change to the plots, or for a folder written with ``--no-plot``).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -24,9 +32,11 @@ a run on a leased GPU ends in time and still writes everything it measured.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -231,7 +241,13 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         "suites time 1 and 2 threads whatever this says",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh)")
-    parser.add_argument("--no-plot", action="store_true", help="write no kernels.png")
+    parser.add_argument("--no-plot", action="store_true", help="write no kernels.png nor window.png")
+    parser.add_argument(
+        "--replot",
+        metavar="DIR",
+        default=None,
+        help="measure nothing: draw kernels.png and window.png again from DIR/results.json, into DIR",
+    )
     args = parser.parse_args(list(argv))
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     unknown = sorted(set(args.suites) - set(SUITES))
@@ -263,6 +279,54 @@ def _summary(kernel_rows: List[Dict], e2e_rows: List[Dict], copy: Dict, window_r
     lines += [end_to_end.format_row(r) for r in e2e_rows]
     lines += [window.format_row(r) for r in window_rows]
     return lines
+
+
+def failed_rows(kernel_rows, e2e_rows, cpu_adam_rows=(), window_rows=()) -> List[Dict]:
+    """The rows that failed to run or disagreed with their oracle. An unavailable optional
+    provider (deepspeed not installed) is a note, not a failure."""
+    bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
+    bad += [r for r in cpu_adam_rows if not r["ok"] and not r["note"].startswith("unavailable")]
+    bad += [r for r in window_rows if not r["ok"]]
+    return bad
+
+
+def _row_label(r: Dict) -> str:
+    if r.get("section") == "window":
+        return f"window {r['model']} {r['dtype']} {r['provider']}"
+    if "variant" in r:
+        return f"e2e {r['variant']}"
+    return f"{r['op']} {r['workload']} {common.fmt_numel(int(r['numel']))} {r.get('grad_dtype', '-')} {r['provider']}"
+
+
+def verdict(kernel_rows, e2e_rows, cpu_adam_rows=(), window_rows=(), skipped=(), interrupted=False) -> str:
+    """The run's last line: whether every row ran and matched its oracle, and, for the kernel
+    groups, how many ours won against torch's best provider (the median ratio)."""
+    bad = failed_rows(kernel_rows, e2e_rows, cpu_adam_rows, window_rows)
+    n = len(kernel_rows) + len(e2e_rows) + len(cpu_adam_rows) + len(window_rows)
+    best: Dict[tuple, float] = {}
+    for r in kernel_rows:  # our best provider per kernel group
+        if r["kind"] == "fused_accum" and r["ok"] and math.isfinite(r.get("speedup_vs_torch", math.nan)):
+            key = (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+            best[key] = max(best.get(key, 0.0), r["speedup_vs_torch"])
+    parts = []
+    if best:
+        wins = sum(x > 1.0 for x in best.values())
+        parts.append(
+            f"ours faster than torch's best in {wins} of {len(best)} kernel groups "
+            f"(median {statistics.median(best.values()):.2f}x)"
+        )
+    window_vs = [r["speedup_vs_native"] for r in window_rows if r["provider"] == "fused_accum" and r["ok"]]
+    if window_vs:
+        parts.append(f"window vs native {min(window_vs):.2f}x to {max(window_vs):.2f}x")
+    if skipped:
+        parts.append(f"{len(skipped)} skipped by the time budget")
+    if interrupted:
+        head = f"INTERRUPTED: {n} rows measured and written"
+    elif bad:
+        head = f"FAILED: {len(bad)} of {n} rows failed or wrong (first: {_row_label(bad[0])})"
+    else:
+        head = f"OK: all {n} rows ran and matched their oracles"
+    return "; ".join([f"verdict: {head}"] + parts)
 
 
 def write_all(
@@ -304,10 +368,33 @@ def write_all(
             paths.append(out / name)
             common.write_csv(paths[-1], list(rows), meta)
     if plot:
-        flat_rows = [r for r in kernel_rows if r["workload"] == "flat" and math.isfinite(r["gbps"])]
         title = f"{meta['device_name']} | torch {meta['torch']} | {meta['git_commit'][:10]} | {meta['date_utc']}"
-        if common.plot_gbps(out / "kernels.png", flat_rows, copy["start"]["gbps"], title):
+        threads = f" | {meta['torch_threads']} torch thread" + ("s" if meta.get("torch_threads") != 1 else "")
+        if common.plot_gbps(out / "kernels.png", kernel_rows, copy["start"]["gbps"], title + threads):
             paths.append(out / "kernels.png")
+        if "window" in suites and common.plot_window(out / "window.png", list(window_rows), title):
+            paths.append(out / "window.png")
+    return paths
+
+
+def replot(folder: Path) -> List[Path]:
+    """kernels.png and window.png drawn again from ``folder``/results.json (the rows a run wrote,
+    titled with that run's machine, torch, commit and date), into ``folder``."""
+    payload = json.loads((folder / "results.json").read_text())
+    meta = payload["meta"]
+    nan = lambda rows: [{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows]  # noqa: E731
+    title = " | ".join(
+        [meta.get("device_name", "?"), f"torch {meta.get('torch', '?')}", str(meta.get("git_commit", "?"))[:10]]
+        + [meta.get("date_utc", "?")]
+    )
+    paths = []
+    kernel_rows = nan(payload.get("kernels", []))
+    if kernel_rows:
+        threads = f" | {meta['torch_threads']} torch thread" + ("s" if meta.get("torch_threads") != 1 else "")
+        if common.plot_gbps(folder / "kernels.png", kernel_rows, payload["copy"]["start"]["gbps"], title + threads):
+            paths.append(folder / "kernels.png")
+    if payload.get("window") and common.plot_window(folder / "window.png", nan(payload["window"]), title):
+        paths.append(folder / "window.png")
     return paths
 
 
@@ -315,6 +402,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the suite; 0 when every provider ran and matched its oracle, else 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    if args.replot is not None:
+        paths = replot(Path(args.replot))
+        print("wrote " + (", ".join(map(str, paths)) or "nothing (no rows, or no matplotlib)"))
+        return 0 if paths else 1
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda was asked for, but torch sees no CUDA device", file=sys.stderr)
@@ -324,7 +415,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(args, argv, device)
+        with common.stop_on_sigint():  # even when started with SIGINT ignored (in the background)
+            return _run(args, argv, device)
     finally:
         torch.set_num_threads(threads_before)  # callers in the same process keep their setting
 
@@ -478,12 +570,10 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
             f"interrupted after {meta['elapsed_s']} s: {len(kernel_rows)} kernel rows, {len(e2e_rows)} "
             f"end-to-end rows written to " + ", ".join(str(p) for p in paths)
         )
+        print(verdict(kernel_rows, e2e_rows, cpu_adam_rows, window_rows, skipped, interrupted=True))
         return 1
 
-    bad = [r for r in kernel_rows if not r["ok"]] + [r for r in e2e_rows if not math.isfinite(r["window_ms"])]
-    # an unavailable optional provider (deepspeed not installed) is a note, not a failure
-    bad += [r for r in cpu_adam_rows if not r["ok"] and not r["note"].startswith("unavailable")]
-    bad += [r for r in window_rows if not r["ok"]]
+    bad = failed_rows(kernel_rows, e2e_rows, cpu_adam_rows, window_rows)
     print("\n".join(["", "summary"] + _summary(kernel_rows, e2e_rows, copy, window_rows)))
     print(
         f"copy drift over the run: {copies['drift_pct']:+.1f}%; {len(kernel_rows)} kernel rows, "
@@ -492,6 +582,7 @@ def _run(args: argparse.Namespace, argv: List[str], device: torch.device) -> int
         f"{len(bad)} failed or wrong; {meta['elapsed_s']} s"
     )
     print("wrote " + ", ".join(str(p) for p in paths))
+    print(verdict(kernel_rows, e2e_rows, cpu_adam_rows, window_rows, skipped))
     return 1 if bad else 0
 
 

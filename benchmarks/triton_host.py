@@ -219,6 +219,11 @@ def format_row(r) -> str:
 
 
 def main(argv=None) -> int:
+    with common.stop_on_sigint():  # even when started with SIGINT ignored (in the background)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Triton launcher host time, kernels stubbed")
     parser.add_argument("--tensors", type=int, nargs="+", default=[148, 2048])
     parser.add_argument("--repeat", type=int, default=200)

@@ -251,6 +251,11 @@ def e2e(device: torch.device, quick: bool, on_row: Callable[[Dict], None] = lamb
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    with common.stop_on_sigint():  # even when started with SIGINT ignored (in the background)
+        return _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wgrad", description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help=f"shapes / {QUICK_SCALE}, tokens {QUICK_TOKENS} (CPU)")

@@ -252,9 +252,65 @@ def test_step_check_flags_an_unwritten_bf16_param(monkeypatch):
     group = kernels.Group("adamw", kernels.many_small(20, 300), None, ("torch_fused", "torch_foreach", "fake"))
     rows = {r["provider"]: r for r in kernels.run_group(group, _ctx())}
     # torch's AdamW (zero state, step 1) matches the reference oracle; the fake leaves the
-    # poisoned random bf16 params as they were.
+    # poisoned random bf16 params as they were: its masters are right, nearly none of its bf16
+    # params is its master rounded.
     assert rows["torch_fused"]["ok"] and rows["torch_foreach"]["ok"]
-    assert not rows["fake"]["ok"] and rows["fake"]["max_rel_err"] > 0.1
+    assert rows["fake"]["max_rel_err"] <= kernels.CHECK_TOL
+    numel = kernels.many_small(20, 300).numel
+    assert not rows["fake"]["ok"] and rows["fake"]["lp_mismatch"] > 0.9 * numel
+
+
+def _adam_then(edit):
+    """reference.adam_step followed by ``edit(params, lp_params)``: a provider that computes
+    its update differently."""
+    from fused_accum.backends import reference
+
+    def adam(params, *args, **kwargs):
+        reference.adam_step(params, *args, **kwargs)
+        edit(params, kwargs["lp_params"])
+
+    return adam
+
+
+def test_step_check_takes_a_master_one_rounding_away_with_its_own_bf16_copy(monkeypatch):
+    """torch's CUDA fused AdamW computes the step in double: its fp32 masters land ~1e-7 from
+    the oracle's, and some of their bf16 copies round the other way. A provider like that is
+    right: its masters are within CHECK_TOL and its bf16 params are its own masters rounded.
+    (Comparing the bf16 params with the oracle's failed it: ~30 of 65,536 flip at 2**-20.)"""
+
+    def nudge(params, lp_params):
+        for p, lp in zip(params, lp_params):
+            p.mul_(1 + 2**-20)  # ~1e-6 relative: far inside CHECK_TOL
+            lp.copy_(p.view(lp.shape))
+
+    _fake_backend(monkeypatch, _reference_with(adam_step=_adam_then(nudge)))
+    group = kernels.Group("adamw", kernels.flat(65536), None, ("fake",))
+    (row,) = kernels.run_group(group, _ctx())
+    assert 1e-7 < row["max_rel_err"] < kernels.CHECK_TOL
+    assert row["lp_mismatch"] == 0 and row["ok"], row
+    # the same provider's bf16 params against the oracle's would have differed somewhere
+    oracle_lp = lambda x: x.to(bf16).float()  # noqa: E731
+    master = torch.randn(65536, generator=torch.Generator().manual_seed(0))
+    assert int((oracle_lp(master) != oracle_lp(master * (1 + 2**-20))).sum()) > 0
+
+
+def test_step_check_flags_a_bf16_copy_of_the_old_master(monkeypatch):
+    """A provider that writes the bf16 params before its update (right masters, stale copy)."""
+
+    def stale(params, *args, **kwargs):
+        from fused_accum.backends import reference
+
+        for p, lp in zip(params, kwargs["lp_params"]):
+            lp.copy_(p.view(lp.shape))
+        reference.adam_step(params, *args, **{**kwargs, "lp_params": ()})
+
+    _fake_backend(monkeypatch, _reference_with(adam_step=stale))
+    group = kernels.Group("adamw", kernels.flat(4096), None, ("reference", "fake"))
+    rows = {r["provider"]: r for r in kernels.run_group(group, _ctx())}
+    assert rows["reference"]["ok"] and rows["reference"]["lp_mismatch"] == 0
+    assert rows["fake"]["max_rel_err"] <= kernels.CHECK_TOL  # its masters are right
+    assert rows["fake"]["lp_mismatch"] > 100 and not rows["fake"]["ok"]
+    assert "bf16 params not their own master rounded" in kernels.format_row(rows["fake"])
 
 
 def test_steps_after_torch_never_run_on_a_zeroed_accumulator(monkeypatch):
@@ -330,8 +386,10 @@ def test_smoke_run_succeeds_and_writes_every_file(smoke_run):
         "kernels.png",
         "results.json",
         "window.csv",
+        "window.png",
     ]
     assert (out / "kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "window.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_smoke_run_covers_every_op_provider_and_workload(smoke_run):
@@ -380,6 +438,8 @@ def test_smoke_run_numbers_are_consistent(smoke_run):
         key = (r["op"], r["workload"], r["numel"], r["grad_dtype"])
         assert float(r["speedup_vs_torch"]) == pytest.approx(best[key] / ms, rel=1e-9)
         assert float(r["max_rel_err"]) <= kernels.CHECK_TOL
+        if r["section"] == "step":  # every step's bf16 params are its own masters, rounded
+            assert r["lp_mismatch"] == "0", r
         assert int(r["samples"]) == 3 and int(r["calls_per_sample"]) >= 1 and int(r["rotations"]) >= 1
 
 
@@ -407,8 +467,12 @@ def test_smoke_cpu_adam_rows_interleave_providers_at_one_and_two_threads(smoke_r
     got = {(r["op"], r["provider"], r["threads"]) for r in rows}
     assert got == {(op, p, t) for op in kernels.CPU_ADAM_OPS for p in ("cpu", "torch_fused") for t in ("1", "2")}
     ms = {(r["op"], r["provider"], r["threads"]): float(r["ms"]) for r in rows}
+    for r in payload["cpu_adam"]:  # what the run printed: no "vs deepspeed nanx"
+        line = kernels.format_cpu_adam_row(r)
+        assert "vs deepspeed not run" in line and "nan" not in line, line
     for r in rows:
         assert r["ok"] == "True" and float(r["max_rel_err_vs_torch"]) <= kernels.CHECK_TOL
+        assert r["deepspeed"] == "not run"  # the smoke run leaves DeepSpeed out
         key = (r["op"], "torch_fused", r["threads"])
         assert float(r["speedup_vs_torch"]) == pytest.approx(ms[key] / float(r["ms"]), rel=1e-9)
         one = ms[(r["op"], r["provider"], "1")]
@@ -435,6 +499,18 @@ def test_deepspeed_is_an_optional_provider(monkeypatch):
     assert by["deepspeed"]["note"] == "unavailable: ModuleNotFoundError: no deepspeed"
     assert not math.isfinite(by["deepspeed"]["ms"])
     assert math.isfinite(by["cpu"]["ms"]) and by["cpu"]["ok"] and by["torch_fused"]["ok"]
+    # the other rows say DeepSpeed is not installed, not "vs deepspeed nanx"
+    line = kernels.format_cpu_adam_row(by["cpu"])
+    assert "vs deepspeed not installed" in line and "nan" not in line, line
+    assert by["cpu"]["deepspeed"] == "not installed"
+
+
+def test_deepspeed_status_says_why_there_is_no_ratio():
+    assert kernels.deepspeed_status(("cpu", "torch_fused"), "") == "not run"
+    assert kernels.deepspeed_status(("cpu", "deepspeed"), "") == "ran"
+    why = "ModuleNotFoundError: No module named 'deepspeed'"
+    assert kernels.deepspeed_status(("cpu", "deepspeed"), why) == "not installed"
+    assert kernels.deepspeed_status(("deepspeed",), "RuntimeError: ninja") == "unavailable (RuntimeError: ninja)"
 
 
 def test_smoke_end_to_end_trains_the_same_model_three_ways(smoke_run):
@@ -661,9 +737,145 @@ def test_runs_as_a_script(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(tmp_path / "kernels.csv") as f:
-        ops = {r["op"] for r in csv.DictReader(f)}
-    assert ops == set(kernels.ACC_OPS)
+        rows = list(csv.DictReader(f))
+    assert {r["op"] for r in rows} == set(kernels.ACC_OPS)
     assert "summary" in proc.stdout and "copy ceiling" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]  # the run ends with its one-line verdict
+    assert last.startswith(f"verdict: OK: all {len(rows)} rows ran and matched their oracles; ours faster than"), last
+
+
+def _kernel_row(op, workload, numel, provider, ms=1.0, ok=True, grad_dtype="bf16", n_tensors=1):
+    kind = "torch" if provider.startswith("torch_") else "fused_accum"
+    return dict(
+        section="accumulate" if op.startswith("accumulate") else "step",
+        op=op,
+        workload=workload,
+        numel=numel,
+        n_tensors=n_tensors,
+        grad_dtype=grad_dtype,
+        provider=provider,
+        kind=kind,
+        ms=ms,
+        gbps=10.0 / ms,
+        ok=ok,
+        max_rel_err=0.0 if ok else 1.0,
+    )
+
+
+def test_verdict_names_the_first_failure_and_counts_the_wins():
+    rows = [
+        _kernel_row("accumulate_add", "flat", 1024, "torch_loop", ms=2.0),
+        _kernel_row("accumulate_add", "flat", 1024, "cpu", ms=1.0),
+        _kernel_row("adamw", "flat", 1024, "torch_fused", ms=1.0, grad_dtype="-"),
+        _kernel_row("adamw", "flat", 1024, "cpu", ms=4.0, grad_dtype="-"),
+    ]
+    kernels.add_speedups(rows)
+    line = bench_run.verdict(rows, [])
+    assert line == (
+        "verdict: OK: all 4 rows ran and matched their oracles; "
+        "ours faster than torch's best in 1 of 2 kernel groups (median 1.12x)"
+    ), line
+    rows[3]["ok"] = False
+    line = bench_run.verdict(rows, [], skipped=["adamw gpt2 124M -"])
+    assert line.startswith("verdict: FAILED: 1 of 4 rows failed or wrong (first: adamw flat 1K - cpu)"), line
+    assert "1 skipped by the time budget" in line
+    assert bench_run.verdict(rows, [], interrupted=True).startswith("verdict: INTERRUPTED: 4 rows measured")
+
+
+def test_kernel_panels_draw_a_sweep_as_lines_and_everything_else_as_bars():
+    """The step ops time one flat size: a line of one point on a log axis says nothing (the
+    committed kernels.png had six such panels); they are bars per workload, as the lists are."""
+    rows = [_kernel_row("accumulate_add", "flat", n, p) for n in (2**16, 2**20, 2**24) for p in ("torch_loop", "cpu")]
+    rows += [_kernel_row("accumulate_add", "uniform_2048x256", 2**19, p, n_tensors=2048) for p in ("torch_loop", "cpu")]
+    rows += [
+        _kernel_row("adamw", w, n, p, grad_dtype="-")
+        for w, n in (("flat", 2**20), ("gpt2", 2**27))
+        for p in ("torch_fused", "cpu")
+    ]
+    panels = common.kernel_panels(rows)
+    assert [(p["op"], p["kind"]) for p in panels] == [
+        ("accumulate_add", "lines"),
+        ("accumulate_add", "bars"),
+        ("adamw", "bars"),
+    ]
+    assert {r["workload"] for r in panels[0]["rows"]} == {"flat"} and len(panels[0]["rows"]) == 6
+    assert {r["workload"] for r in panels[1]["rows"]} == {"uniform_2048x256"}
+    assert {r["workload"] for r in panels[2]["rows"]} == {"flat", "gpt2"}  # the single flat size as a bar
+    assert common.workload_label(panels[1]["rows"][0]) == "uniform_2048x256\n512K\n2048 tensors"
+
+
+def test_plots_write_pngs_from_rows(tmp_path):
+    rows = [_kernel_row("adamw", "flat", 2**20, p, grad_dtype="-") for p in ("torch_fused", "cpu")]
+    assert common.plot_gbps(tmp_path / "k.png", rows, 20.0, "title")
+    window_rows = [
+        dict(
+            model="m",
+            dtype="bf16",
+            threads=1,
+            provider=p,
+            window_ms=ms,
+            ms_q1=ms * 0.9,
+            ms_q3=ms * 1.1,
+            speedup_vs_native=10.0 / ms,
+            n_tensors=3,
+            numel=300,
+            accum_steps=8,
+        )
+        for p, ms in (("native", 10.0), ("fused_accum", 8.0))
+    ]
+    assert common.plot_window(tmp_path / "w.png", window_rows, "title")
+    for name in ("k.png", "w.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not common.plot_window(tmp_path / "none.png", [], "title") and not (tmp_path / "none.png").exists()
+
+
+def test_replot_draws_the_pngs_again_from_results_json(smoke_run, tmp_path):
+    _, out, _, _, _ = smoke_run
+    folder = tmp_path / "again"
+    folder.mkdir()
+    (folder / "results.json").write_bytes((out / "results.json").read_bytes())
+    assert bench_run.main(["--replot", str(folder)]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["kernels.png", "results.json", "window.png"]
+    (folder / "results.json").write_text(json.dumps({"meta": {}, "copy": {}, "kernels": [], "window": []}))
+    (folder / "kernels.png").unlink()
+    assert bench_run.main(["--replot", str(folder)]) == 1 and not (folder / "kernels.png").exists()
+
+
+def test_the_gpu_goal_groups_run_first(monkeypatch):
+    """The full GPU plan has 42 groups and its kernel stage stops starting them at a 30 s budget:
+    the bf16 accumulate and AdamW groups the goals read (flat, >= 16M elements) come first,
+    largest first, where they once ran 28th to 30th."""
+    monkeypatch.setattr(common, "last_level_cache_bytes", lambda device: 50 * 2**20)
+    cuda = torch.device("cuda")  # the plan only names providers; nothing runs on it
+    cfg = bench_run.make_config(cuda, "full")
+    groups = kernels.plan(cuda, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][:1], cfg["step_workloads"])
+    assert len(groups) == 42
+    head = [(g.op, g.workload.numel) for g in groups[:5]]
+    assert head == [
+        ("accumulate_add", 2**28),
+        ("adamw", 2**28),
+        ("accumulate_add", 2**26),
+        ("accumulate_add", 2**24),
+        ("adamw", 2**24),
+    ]
+    assert not any(kernels.is_goal_group(g) for g in groups[5:])
+    assert sorted(map(str, groups)) == sorted(map(str, set(groups)))  # each group once
+
+
+def test_triton_sweep_varies_one_setting_at_a_time():
+    from benchmarks import triton_sweep
+
+    default = (1024, 4, 16)
+    configs = triton_sweep.configurations(default)
+    assert configs[0] == ("default", default)
+    assert len(configs) == 1 + (len(triton_sweep.BLOCKS) - 1) + (len(triton_sweep.WARPS) - 1) + (
+        len(triton_sweep.PROGRAMS_PER_SM) - 1
+    )
+    for varied, config in configs[1:]:
+        differs = [i for i in range(3) if config[i] != default[i]]
+        assert len(differs) == 1 and triton_sweep.SETTINGS[differs[0]] == varied
+    assert {c[0] for _, c in configs} == set(triton_sweep.BLOCKS)  # every BLOCK, 2048 included
+    assert {c[2] for _, c in configs} == set(triton_sweep.PROGRAMS_PER_SM)
 
 
 # --- on a GPU (run by benchmarks/device_check.sh) --------------------------------------------
@@ -702,6 +914,11 @@ def test_smoke_run_on_cuda(tmp_path):
     assert set(kernels.our_backends(torch.device("cuda"))) <= providers
     # device_check.sh builds the extension first: a failed CUDA build must not pass unseen
     assert {"cuda", "triton"} <= providers, providers
+    # torch's CUDA fused AdamW steps in double: its masters are held to the oracle's at
+    # CHECK_TOL, its bf16 params to its own masters (kernels.LP_MISMATCH_TOL), never to the
+    # oracle's bf16, which some of them round away from
+    steps = [r for r in payload["kernels"] if r["section"] == "step"]
+    assert steps and all(r["lp_mismatch"] == 0 and r["max_rel_err"] <= kernels.CHECK_TOL for r in steps)
 
 
 def test_window_phases_times_every_backward_and_the_step_for_both_providers():
