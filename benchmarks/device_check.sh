@@ -6,17 +6,28 @@
 #
 # Stages, each under its own limit, run as `timeout -s INT --kill-after=15 LIMIT ...`: SIGINT
 # first, so pytest prints its summary and a benchmark writes what it measured, then SIGKILL.
+# (GNU timeout gives its child SIGINT's default action even when this script was started with
+# SIGINT ignored, as a background job of another script is; the Python benchmarks restore
+# Python's handler themselves too: tests/test_device_check.py runs the dry run that way.)
 # A failed or killed stage never stops the next, and no stage starts past the total budget.
-#   toolchain     python, torch, triton, nvcc, gcc, ninja, CUDA_HOME, driver, the card's state and
-#                 compute capability, pytest and its plugins (the probes read, never set, the card)
-#   build         the CUDA extension in place (setup.py build_ext --inplace, FUSED_ACCUM_BUILD_CUDA=1)
-#   gpu-core      pytest -m gpu on the core files, serially: the kernels' GPU checks, graph capture,
-#                 the extension, the optimizer, Triton extras, the benchmark plumbing on CUDA
+# The first nvidia-smi on a cold machine takes ~60 s (the driver brings the card up): it runs in
+# the background from the start (`nvidia-smi -L`), overlapping the toolchain and build stages,
+# which need no GPU, and the device stage waits for it.
+#   toolchain     python, torch, triton, nvcc, gcc, ninja, CUDA_HOME, pytest and its plugins, cores
+#   build         the CUDA extension in place (setup.py build_ext --inplace, FUSED_ACCUM_BUILD_CUDA=1,
+#                 CFLAGS/CXXFLAGS -g0: the -g that Python's flags add doubles csrc/hooks.cpp's
+#                 compile time, 58 s against 28 s)
+#   device        waits for the background nvidia-smi -L, then the card: name, compute capability,
+#                 driver, clocks, temperature (the probes read, never set, the card)
+#   gpu-core      pytest -m gpu on the core files, serially (-n 1 under pytest-xdist, so that a test
+#                 that hangs past --timeout ends its worker, not the stage): the kernels' GPU checks,
+#                 graph capture, the extension, the optimizer, Triton extras, the benchmark plumbing
 #   gpu-matrix    pytest -m gpu on every other test file (test_kernels, test_nn, ...), -n 8
 #   kernels       benchmarks/run.py --suite accumulate,step at GPU sizes: % of a copy timed in the
-#                 same run, cuda vs triton vs torch (stops starting groups at its --time-budget)
+#                 same run, cuda vs triton vs torch (the goals' groups first; stops starting groups
+#                 at its --time-budget)
 #   e2e           benchmarks/run.py --suite e2e: the small bf16 GPT's k = 8 window, three ways
-#   triton-sweep  benchmarks/triton_sweep.py: BLOCK x num_warps x programs per SM
+#   triton-sweep  benchmarks/triton_sweep.py: BLOCK, num_warps, programs per SM, one at a time
 #   triton-host   benchmarks/triton_host.py: the Triton launcher's host time, kernels stubbed
 #   wgrad         benchmarks/wgrad.py --e2e: the fused weight-gradient GEMM against the bf16 GEMM
 #   goals         scripts/device_goals.py: launches per op on 2,048 tensors, the k = 8 window's
@@ -31,6 +42,7 @@
 # Usage, from anywhere:
 #   FUSED_ACCUM_GIT_COMMIT=<sha> bash benchmarks/device_check.sh     on the GPU machine
 #   bash benchmarks/device_check.sh --budget                          print the stage budget, exit
+#   bash benchmarks/device_check.sh --commands                        print each stage's command, exit
 #   bash benchmarks/device_check.sh --dry-run                         the plumbing on a CPU
 # Environment:
 #   OUT=DIR        where the 8 files go (the device tool sets it; default build/device_check)
@@ -46,7 +58,8 @@
 #                                             until SIGINT, or ignores SIGINT until SIGKILL
 #   DEVICE_CHECK_LIMITS=stage=S[,...]         that stage's limit in seconds (default 120 each)
 #   DEVICE_CHECK_KILL_AFTER=S                 the SIGKILL grace after SIGINT (default 15)
-# Exit status: 0 only if every stage passed; 2 when there is no GPU and no --dry-run.
+# Exit status: 0 only if every stage passed; 2 when there is no GPU and no --dry-run (no
+# nvidia-smi: at once; nvidia-smi -L names no GPU: after the device stage, the rest not started).
 set -uo pipefail
 
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -59,24 +72,31 @@ case "${1:-}" in
   --dry-run) DRY_RUN=1 ;;
   --budget) MODE=budget ;;
   --toolchain) MODE=toolchain ;;  # internal: the toolchain stage's body, run under its limit
+  --device) MODE=device ;;  # internal: the device stage's body, run under its limit
+  --commands) MODE=commands ;;
   "") ;;
-  *) echo "usage: bash benchmarks/device_check.sh [--dry-run | --budget]" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/device_check.sh [--dry-run | --budget | --commands]" >&2; exit 2 ;;
 esac
 
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONUNBUFFERED=1  # else python holds its output back and a killed stage logs nothing
 
 # --- the budget: stage, limit in seconds ------------------------------------------------------
-# Estimated for a bare H200 machine (16 cores): the build's longest object (csrc/hooks.cpp) takes
-# ~40 s here, so ~45 s with 16 jobs; the Triton JIT of every variant the GPU tests reach ~100 s in
-# all (issue 21: ~130 elementwise variants at ~0.45 s, the wgrad GEMM's at 1-4 s each, fewer now
-# that M is not specialised): the core files compile theirs serially into Triton's disk cache,
+# Estimated for a bare H200 machine (16 cores; issue 26 section 4): the toolchain's probes ~10 s
+# (python and torch imports, no GPU); the build's longest object (csrc/hooks.cpp) 28 s with -g0
+# (58 s with -g), the others compiled beside it by 16 jobs, then the link; the first nvidia-smi
+# ~60 s on a cold machine, from the start, so the device stage waits for what the toolchain and
+# build did not cover, then probes the card (~5 s); the Triton JIT of every variant the GPU tests
+# reach ~100 s in all (~130 elementwise variants at ~0.45 s, the wgrad GEMM's at 1-4 s each):
+# the core files compile theirs serially into Triton's disk cache, 110-120 s with the tests,
 # which the matrix's 8 workers then share; the kernel suite is cut by its own --time-budget of
-# 35 s (then measures the copy again and writes its files); the sweep stops starting
-# configurations after 12 s.
-STAGES=(toolchain build gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad goals)
-declare -A LIMIT=([toolchain]=15 [build]=75 [gpu-core]=95 [gpu-matrix]=85 [kernels]=55 [e2e]=30
-                  [triton-sweep]=25 [triton-host]=10 [wgrad]=40 [goals]=30)
+# 30 s (then measures the copy again and writes its files); the sweep stops starting
+# configurations after 10 s; the launcher host time ~15 s; the goals stage counts launches
+# (23 s measured on a step that synced per parameter, issue 26 section 1) and times the window's
+# traffic: 40-45 s.
+STAGES=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad goals)
+declare -A LIMIT=([toolchain]=20 [build]=50 [device]=25 [gpu-core]=115 [gpu-matrix]=65 [kernels]=50
+                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [goals]=45)
 KILL_AFTER=15
 TOTAL_BUDGET=480  # 8 minutes: a 10-minute command, with a machine start and a rerun's margin
 
@@ -100,6 +120,8 @@ print_budget() {
   for s in "${STAGES[@]}"; do printf '    %-13s %4d s\n' "$s" "${LIMIT[$s]}"; done
   echo "    + $KILL_AFTER s of SIGKILL grace for the last stage = $budget s of $TOTAL_BUDGET s; a stage that runs"
   echo "      over its limit shortens the later ones, so the run ends within $TOTAL_BUDGET s"
+  echo "    the first nvidia-smi (~60 s on a cold machine) runs in the background from the start, beside the"
+  echo "      toolchain and build stages (${LIMIT[toolchain]} + ${LIMIT[build]} s, no GPU needed); the device stage waits for it"
 }
 if [[ $MODE == budget ]]; then
   print_budget
@@ -107,7 +129,7 @@ if [[ $MODE == budget ]]; then
   exit 0
 fi
 
-# --- the toolchain stage's body ----------------------------------------------------------------
+# --- the toolchain and device stages' bodies ---------------------------------------------------
 probe() {  # probe LABEL CMD...: one line (or a few) of a read-only probe, never more than 8 s
   local label=$1
   shift
@@ -115,21 +137,29 @@ probe() {  # probe LABEL CMD...: one line (or a few) of a read-only probe, never
   timeout -k 2 8 "$@" 2>&1 | head -n 6 | tr '\n' ' ' || true
   echo
 }
-if [[ $MODE == toolchain ]]; then
-  probe python "$PY" -c "import sys; print(sys.executable, sys.version.split()[0])"
-  probe torch "$PY" -W ignore -c "import torch; print(torch.__version__, '| CUDA', torch.version.cuda, '| cxx11 abi', torch.compiled_with_cxx11_abi())"
+if [[ $MODE == device ]]; then  # DEVICE_CHECK_WARMUP: the background nvidia-smi -L's files
+  waited=0
+  until [[ -s ${DEVICE_CHECK_WARMUP:?}.rc ]]; do sleep 0.5; waited=$((waited + 1)); done
+  read -r warm_rc warm_s <"$DEVICE_CHECK_WARMUP.rc"
+  printf '%-16s ' "nvidia-smi -L:"
+  echo "exit $warm_rc after $warm_s s from the start (waited $((waited / 2)) s here): $(head -n 4 "$DEVICE_CHECK_WARMUP" | tr '\n' ' ')"
   probe device "$PY" -W ignore -c "import torch
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(p.name, '| compute capability', f'{p.major}.{p.minor}', '|', p.multi_processor_count, 'SMs |', round(p.total_memory / 2**30), 'GiB')
 else:
     print('no CUDA device')"
+  probe driver nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw,compute_cap --format=csv,noheader
+  exit 0
+fi
+if [[ $MODE == toolchain ]]; then  # nothing here touches the GPU (the device stage does)
+  probe python "$PY" -c "import sys; print(sys.executable, sys.version.split()[0])"
+  probe torch "$PY" -W ignore -c "import torch; print(torch.__version__, '| CUDA', torch.version.cuda, '| cxx11 abi', torch.compiled_with_cxx11_abi())"
   probe triton "$PY" -c "import triton; print(triton.__version__)"
   probe nvcc bash -c "command -v nvcc && nvcc --version | tail -n 2"
   probe CUDA_HOME bash -c "echo \"${CUDA_HOME:-unset}; /usr/local/cuda: \$(readlink -f /usr/local/cuda 2>/dev/null || echo absent)\""
   probe gcc bash -c "gcc --version | head -n 1"
   probe ninja ninja --version
-  probe driver nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw,compute_cap --format=csv,noheader
   probe pytest "$PY" -c "import importlib.metadata as m
 names = ('pytest', 'pytest-xdist', 'pytest-timeout', 'hypothesis', 'numpy', 'setuptools', 'ninja')
 def version(n):
@@ -143,24 +173,40 @@ print(', '.join(f'{n} {version(n)}' for n in names))"
 fi
 
 # --- the run -----------------------------------------------------------------------------------
-OUT="${OUT:-$ROOT/build/device_check}"
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-LOG="$OUT/device_check.log"
-: >"$LOG"
-SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")
-STAGES_CSV="$SCRATCH/stages.csv"
-echo "stage,outcome,exit,seconds,limit" >"$STAGES_CSV"
-START=$SECONDS
-DEADLINE=$((START + TOTAL_BUDGET))
-status=0
-summary=()
-
 say() { echo "$*" | tee -a "$LOG"; }
-
-if [[ $DRY_RUN != 1 ]] && { ! command -v nvidia-smi >/dev/null || ! timeout 10 nvidia-smi -L >/dev/null 2>&1; }; then
-  say "device_check: no NVIDIA GPU here (nvidia-smi finds none); on a CPU run: bash benchmarks/device_check.sh --dry-run"
-  exit 2
+if [[ $MODE == commands ]]; then  # print what each stage of the real run would run, run nothing
+  OUT='$OUT' SCRATCH='$SCRATCH' LOG=/dev/null NO_GPU=""
+else
+  OUT="${OUT:-$ROOT/build/device_check}"
+  mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)
+  LOG="$OUT/device_check.log"
+  : >"$LOG"
+  SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")
+  STAGES_CSV="$SCRATCH/stages.csv"
+  echo "stage,outcome,exit,seconds,limit" >"$STAGES_CSV"
+  START=$SECONDS
+  DEADLINE=$((START + TOTAL_BUDGET))
+  status=0
+  summary=()
+  if [[ $DRY_RUN != 1 ]] && ! command -v nvidia-smi >/dev/null; then
+    say "device_check: no NVIDIA GPU here (no nvidia-smi); on a CPU run: bash benchmarks/device_check.sh --dry-run"
+    exit 2
+  fi
+  # The first nvidia-smi, in the background from here: on a cold machine it takes ~60 s, which the
+  # toolchain and build stages (no GPU needed) cover; the device stage waits for its .rc file. The
+  # dry run stands in with a 2-second wait that names no GPU.
+  WARMUP="$SCRATCH/nvidia-smi-L.txt"
+  export DEVICE_CHECK_WARMUP=$WARMUP
+  (
+    t0=$SECONDS
+    if [[ $DRY_RUN == 1 ]]; then sleep 2; echo "dry run: no nvidia-smi -L (stand-in)" >"$WARMUP"; rc=0
+    else timeout -k 5 120 nvidia-smi -L >"$WARMUP" 2>&1; rc=$?
+    fi
+    echo "$rc $((SECONDS - t0))" >"$WARMUP.rc.tmp" && mv "$WARMUP.rc.tmp" "$WARMUP.rc"
+  ) &
+  WARMUP_PID=$!
+  NO_GPU=""  # set after the device stage when nvidia-smi -L answered and named no GPU
 fi
 if [[ -z "${FUSED_ACCUM_GIT_COMMIT:-}" ]]; then
   FUSED_ACCUM_GIT_COMMIT=$(timeout 10 git rev-parse HEAD 2>/dev/null || echo unknown)
@@ -177,14 +223,20 @@ if [[ $DRY_RUN == 1 ]]; then
   done
 fi
 
-# pytest: every outcome named (-v), failures, errors and skips summarised (-rfEs), one hang one
-# failure (--timeout, where pytest-timeout is installed), a file that fails to import reported
-# without stopping the others, tests/integration (transformers, accelerate, lightning) left out.
+# pytest: every outcome named (-v), failures, errors and skips summarised (-rfEs), a file that
+# fails to import reported without stopping the others, tests/integration (transformers,
+# accelerate, lightning) left out. One hang is one named failure: the stacks of every thread are
+# dumped after 30 s (faulthandler), and where pytest-timeout is installed (it is on the lent
+# H200) a test still running at 40 s ends its process (--timeout-method=thread: the signal method
+# cannot interrupt a hang inside a CUDA call), which under pytest-xdist is its worker, reported as
+# that test's failure while the stage goes on with a new worker: the core stage runs -n 1 for
+# that, the matrix -n 8. (A --timeout of 90 could never fire inside stages of 65-115 s.)
 PYTEST=("$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --continue-on-collection-errors --durations=10
-        --ignore=tests/integration)
-if timeout 20 "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=90); fi
+        -o faulthandler_timeout=30 --ignore=tests/integration)
+if timeout 20 "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=40 --timeout-method=thread); fi
 XDIST=()
-if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
+SERIAL=()
+if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); SERIAL=(-n 1 --max-worker-restart=8); fi
 CORE_TESTS=(tests/test_gpu_kernels.py tests/test_optimizer_gpu.py tests/test_ext.py tests/test_optimizer.py
             tests/test_triton_extra.py tests/test_benchmarks.py)
 if [[ $DRY_RUN == 1 ]]; then
@@ -198,12 +250,15 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
     toolchain) CMD=(bash "$SELF" --toolchain) ;;
     build)
       if [[ $dry == 1 ]]; then CMD=("$PY" scripts/device_check_standin.py build "$ROOT")
-      else
-        CMD=(env FUSED_ACCUM_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" setup.py build_ext --inplace)
+      else  # -g0 after Python's -g (CFLAGS replaces or extends it, by setuptools version): no debug info
+        CMD=(env FUSED_ACCUM_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" CFLAGS="-DNDEBUG -fwrapv -g0"
+             CXXFLAGS="-DNDEBUG -fwrapv -g0" "$PY" setup.py build_ext --inplace)
       fi ;;  # (which backends the later stages found, and why not, heads summary.md)
+    device) CMD=(bash "$SELF" --device) ;;
     gpu-core)
-      if [[ $dry == 1 ]]; then CMD=("${PYTEST[@]}" --junitxml="$SCRATCH/gpu-core.xml" "$SCRATCH/standin-tests/core")
-      else CMD=("${PYTEST[@]}" --junitxml="$SCRATCH/gpu-core.xml" "${CORE_TESTS[@]}")
+      if [[ $dry == 1 ]]; then
+        CMD=("${PYTEST[@]}" "${SERIAL[@]}" --junitxml="$SCRATCH/gpu-core.xml" "$SCRATCH/standin-tests/core")
+      else CMD=("${PYTEST[@]}" "${SERIAL[@]}" --junitxml="$SCRATCH/gpu-core.xml" "${CORE_TESTS[@]}")
       fi ;;
     gpu-matrix)
       local ignore=()
@@ -215,7 +270,7 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
     kernels)
       if [[ $dry == 1 ]]; then
         CMD=("$PY" benchmarks/run.py --smoke --device cpu --threads 1 --suite accumulate,step --out "$OUT" --no-plot)
-      else CMD=("$PY" benchmarks/run.py --suite accumulate,step --out "$OUT" --no-plot --time-budget 35)
+      else CMD=("$PY" benchmarks/run.py --suite accumulate,step --out "$OUT" --no-plot --time-budget 30)
       fi ;;
     e2e)  # its own folder: run.py writes a results.json of its own, which must not replace the kernels'
       if [[ $dry == 1 ]]; then
@@ -225,7 +280,7 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
       POST=(cp "$SCRATCH/e2e/end_to_end.csv" "$OUT/") ;;
     triton-sweep)
       if [[ $dry == 1 ]]; then CMD=("$PY" scripts/device_check_standin.py triton-sweep "$OUT")
-      else CMD=("$PY" benchmarks/triton_sweep.py --out "$OUT" --budget 12)
+      else CMD=("$PY" benchmarks/triton_sweep.py --out "$OUT" --budget 10)
       fi ;;
     triton-host)
       if [[ $dry == 1 ]]; then CMD=("$PY" benchmarks/triton_host.py --out "$OUT" --tensors 148 --repeat 5)
@@ -257,6 +312,12 @@ run_stage() {  # run_stage NAME: its command under its limit, logged; the outcom
   local name=$1 limit=${LIMIT[$1]} left t0 rc outcome
   left=$((DEADLINE - SECONDS - KILL_AFTER))
   ((left < limit)) && limit=$left
+  if [[ -n $NO_GPU ]]; then
+    say "=== $name: not started, no GPU ($NO_GPU)"
+    echo "$name,not started (no GPU),-,0,0" >>"$STAGES_CSV"
+    summary+=("$(printf '%-13s not started (no GPU)' "$name")")
+    return
+  fi
   if ((limit < 1)); then
     say "=== $name: not started, the ${TOTAL_BUDGET} s budget is spent"
     echo "$name,not started (budget spent),-,0,0" >>"$STAGES_CSV"
@@ -282,9 +343,25 @@ run_stage() {  # run_stage NAME: its command under its limit, logged; the outcom
   [[ $rc -eq 0 ]] || status=1  # a failed stage never stops the next
 }
 
+if [[ $MODE == commands ]]; then
+  for stage in "${STAGES[@]}"; do stage_command "$stage"; printf '%-13s %s\n' "$stage:" "${CMD[*]}"; done
+  exit 0
+fi
+
 say "=== device_check $( [[ $DRY_RUN == 1 ]] && echo '(DRY RUN: CPU stand-ins for the GPU work) ')at $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $FUSED_ACCUM_GIT_COMMIT, out $OUT"
 print_budget | tee -a "$LOG"
-for stage in "${STAGES[@]}"; do run_stage "$stage"; done
+for stage in "${STAGES[@]}"; do
+  run_stage "$stage"
+  if [[ $stage == device && $DRY_RUN != 1 && -s $WARMUP.rc ]]; then
+    read -r warm_rc _ <"$WARMUP.rc"
+    if [[ $warm_rc != 0 ]] || ! grep -q '^GPU [0-9]' "$WARMUP"; then  # it answered: there is no GPU
+      NO_GPU="nvidia-smi -L: exit $warm_rc, $(head -n 2 "$WARMUP" | tr '\n' ' ')"
+      say "device_check: no NVIDIA GPU here ($NO_GPU); on a CPU run: bash benchmarks/device_check.sh --dry-run"
+      status=2
+    fi
+  fi
+done
+wait "$WARMUP_PID" 2>/dev/null  # long done (its timeout is 125 s at most): nothing left running
 
 if [[ ! -s $OUT/summary.md ]]; then  # the goals stage failed early: still one summary, from the stages
   { echo "# GPU check summary"; echo; echo "The goals stage wrote none (see device_check.log). The stages:"; echo

@@ -1,8 +1,14 @@
-"""Sweep the Triton backend's launch shape on a GPU (issue 10, item 4): BLOCK x num_warps x
+"""Sweep the Triton backend's launch shape on a GPU (issue 10, item 4): BLOCK, num_warps and
 programs per SM (the chunk size), for a bf16 accumulate into fp32 and a fused AdamW step from
 acc (fp32 masters, bf16 params), each as achieved GB/s and % of a device-to-device copy timed
 in the same run. Run by benchmarks/device_check.sh; the winner becomes the default in
 fused_accum/backends/triton/__init__.py (BLOCK, NUM_WARPS, PROGRAMS_PER_SM).
+
+One setting is varied at a time around the default (:func:`configurations`): the default
+first, then each other BLOCK, each other num_warps, each other programs per SM, with the rest at
+their defaults: 6 configurations, not the 18 of the full product, so a budget of a few seconds
+measures every setting's alternatives (with BLOCK as the outer loop of the product, the budget
+cut off most of the BLOCK 2048 rows). The ``varied`` column names the setting that differs.
 
 Bytes per element (DESIGN.md section 3): accumulate 10 (read bf16 grad 2 + acc 4, write acc 4),
 AdamW from acc 30 (read acc, master, m, v 16; write master, m, v 12, bf16 param 2). The default
@@ -11,16 +17,17 @@ size, 2**26 elements, moves 0.67 GB (accumulate) and 2 GB (step), far past the 5
 Usage: python benchmarks/triton_sweep.py [--numel N] [--out DIR] [--budget SECONDS]
 Compiles one kernel per (BLOCK, num_warps) and op (chunk sizes are run-time arguments: no
 compile); stops starting new configurations after --budget seconds. triton_sweep.csv is written
-a row at a time as each is measured, so a run stopped at a time limit (or by SIGINT) keeps them.
+a row at a time as each is measured, so a run stopped at a time limit (or by SIGINT, also when
+started with SIGINT ignored) keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path
+from typing import List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,6 +39,21 @@ BLOCKS = (512, 1024, 2048)
 WARPS = (4, 8)
 PROGRAMS_PER_SM = (4, 16, 64)
 BYTES_PER_ELEMENT = {"accumulate": 10, "adamw": 30}
+SETTINGS = ("block", "num_warps", "programs_per_sm")
+
+
+def configurations(default: Tuple[int, int, int]) -> List[Tuple[str, Tuple[int, int, int]]]:
+    """(varied, (BLOCK, num_warps, programs per SM)) in the order they are measured: the default
+    ("default"), then per setting each of its other values with the other two at their
+    defaults. A default outside the swept values is measured first all the same."""
+    out = [("default", tuple(default))]
+    for axis, values in enumerate((BLOCKS, WARPS, PROGRAMS_PER_SM)):
+        for value in values:
+            if value != default[axis]:
+                config = list(default)
+                config[axis] = value
+                out.append((SETTINGS[axis], tuple(config)))
+    return out
 
 
 def _bench(fn):
@@ -49,6 +71,11 @@ def copy_gbps(numel: int) -> float:
 
 
 def main(argv=None) -> int:
+    with common.stop_on_sigint():  # even when started with SIGINT ignored (in the background)
+        return _main(argv)
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=2**26)
     parser.add_argument("--budget", type=float, default=60.0)
@@ -90,7 +117,7 @@ def main(argv=None) -> int:
     rows = []
     csv_out = common.CsvAppender(args.out / "triton_sweep.csv") if args.out is not None else None
     try:
-        for block, warps, pps in itertools.product(BLOCKS, WARPS, PROGRAMS_PER_SM):
+        for varied, (block, warps, pps) in configurations(saved):
             if time.time() - start > args.budget:
                 print(f"triton_sweep: budget of {args.budget:.0f} s reached, {len(rows)} rows")
                 break
@@ -103,6 +130,7 @@ def main(argv=None) -> int:
                 rows.append(
                     dict(
                         op=op,
+                        varied=varied,
                         numel=n,
                         block=block,
                         num_warps=warps,

@@ -2,10 +2,23 @@
 fused_accum/backends/triton/kernels.py for sm_90 without a GPU (Triton ships ptxas and
 cuobjdump) in the variants with the most live values, and fail on any local memory.
 
-A spill in a bandwidth-bound kernel is extra memory traffic per element (the AdamW variant for
-bf16 params without masters spilled 8 bytes under Triton 3.6): CI fails on it as it fails on
-CUDA spills (scripts/check_cuda_build.sh calls this). Variants: per kernel, each param / grad
-dtype family with every optional operand and switch on (the most live values).
+A spill in a bandwidth-bound kernel is extra memory traffic per element: CI fails on it as it
+fails on CUDA spills (scripts/check_cuda_build.sh calls this). Variants: per kernel, each param /
+grad dtype family with every optional operand and switch on (the most live values).
+
+What is reported, per variant that uses local memory: ptxas's own account (``ptxas -v`` on the
+PTX: the stack frame, and of it the bytes of spill stores and loads), the SASS's local-memory
+instructions (STL/LDL: how many, and how many sit inside a loop, i.e. run per element block),
+and the subroutine calls beside them (CALL.REL: the out-of-line slow paths of IEEE-rounded fp32
+division and square root, tl.div_rn / tl.sqrt_rn; a register live across such a call may be
+saved on the stack). A stack frame that no instruction touches is not a spill and passes, said
+as such; a spill, or any local-memory access, fails. Each failing variant is compiled again at
+twice the warps and at half the BLOCK, and what those use is printed: the launch shape that
+would avoid it. Seen under triton 3.6: the two Adam variants for bf16 params without masters
+(amsgrad off and on) at BLOCK 1024 and 4 warps keep 48 registers and save one or two around the
+slow-path calls inside the main loop (4 B spill stores and 4 B loads; amsgrad 8 and 36), while at
+8 warps or BLOCK 512 (40 registers) or BLOCK 2048 (72-76) they have no stack; triton 3.9
+compiles them with none.
 
 Usage: python scripts/check_triton_spills.py [--arch 90]   (exit 1 on a spill, 0 otherwise)
 """
@@ -58,14 +71,84 @@ def compile_kernel(fn, arch: int, num_warps: int, **constexprs):
     )
 
 
-def resource_usage(compiled) -> dict:
-    """cuobjdump -res-usage of the cubin: REG, STACK, LOCAL... (bytes of local memory per thread
-    in STACK/LOCAL are spills or register arrays moved to memory)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_report(compiled) -> dict:
+    """``ptxas -v`` on the variant's PTX, for its own target (sm_90a for arch 90): registers,
+    stack_frame, spill_stores, spill_loads (bytes; a spill is what ptxas calls one, as against
+    a frame for locals or call saves). Empty where ptxas says none of it."""
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(\w+)", ptx, flags=re.M).group(1)
+    with tempfile.TemporaryDirectory() as folder:
+        src, obj = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([_tool("ptxas"), "-v", f"-arch={target}", src, "-o", obj], capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    out = {}
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if frame:
+        out.update(stack_frame=int(frame[1]), spill_stores=int(frame[2]), spill_loads=int(frame[3]))
+    regs = re.search(r"Used (\d+) registers", text)
+    if regs:
+        out["registers"] = int(regs[1])
+    return out
+
+
+def sass_local_memory(compiled) -> dict:
+    """The cubin's SASS, as :func:`local_memory_in` reads it."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return local_memory_in(sass)
+
+
+def local_memory_in(sass: str) -> dict:
+    """Local-memory instructions in a cuobjdump -sass listing (stl: STL, ldl: LDL), how many of
+    them sit inside a loop (in_loop: between a backward branch's target and the branch), and the
+    subroutine calls (calls: CALL.REL) that a register live across is saved around."""
+    local, loops, calls, stl = [], [], 0, 0
+    for addr, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass):
+        at = int(addr, 16)
+        if re.search(r"\b(STL|LDL)\b", ins):
+            local.append(at)
+            stl += bool(re.search(r"\bSTL\b", ins))
+        calls += bool(re.search(r"\bCALL\.REL", ins))
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)\s*$", ins)
+        if branch and int(branch[1], 16) < at:
+            loops.append((int(branch[1], 16), at))
+    in_loop = sum(any(lo <= a <= hi for lo, hi in loops) for a in local)
+    return {"stl": stl, "ldl": len(local) - stl, "in_loop": in_loop, "calls": calls}
+
+
+def describe(usage: dict, ptxas: dict, sass: dict) -> str:
+    """One line of what a variant keeps in local memory, from cuobjdump, ptxas and the SASS."""
+    parts = [f"{ptxas.get('registers', usage.get('REG', '?'))} registers"]
+    if ptxas:
+        parts.append(
+            f"ptxas: {ptxas.get('stack_frame', 0)} bytes stack frame, {ptxas.get('spill_stores', 0)} bytes spill "
+            f"stores, {ptxas.get('spill_loads', 0)} bytes spill loads"
+        )
+    parts.append(
+        f"SASS: {sass['stl']} STL + {sass['ldl']} LDL, {sass['in_loop']} of them inside a loop, "
+        f"beside {sass['calls']} CALL.REL (out-of-line subroutine calls)"
+    )
+    parts.append(f"cuobjdump: STACK {usage.get('STACK', 0)}, LOCAL {usage.get('LOCAL', 0)}")
+    return "; ".join(parts)
+
+
+def resource_usage(compiled) -> dict:
+    """cuobjdump -res-usage of the cubin: REG, STACK, LOCAL... (bytes of local memory per thread
+    in STACK/LOCAL are spills or register arrays moved to memory)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
 
 
@@ -127,25 +210,49 @@ def main() -> int:
     if not os.path.exists(tool):
         print(f"[check_triton_spills] SKIP: this triton ships no cuobjdump ({tool})")
         return 0
-    start, bad, n = time.time(), [], 0
+    start, bad, notes, n = time.time(), [], [], 0
     worst = {}
     for name, fn, warps, constexprs in variants():
-        usage = resource_usage(compile_kernel(fn, args.arch, warps, **constexprs))
+        compiled = compile_kernel(fn, args.arch, warps, **constexprs)
+        usage = resource_usage(compiled)
         n += 1
         kernel = name.split()[0]
         worst[kernel] = max(worst.get(kernel, 0), usage.get("REG", 0))
-        if usage.get("STACK", 0) or usage.get("LOCAL", 0):
-            bad.append(f"{name}: {usage}")
+        if not (usage.get("STACK", 0) or usage.get("LOCAL", 0)):
+            continue
+        ptxas, sass = ptxas_report(compiled), sass_local_memory(compiled)
+        line = f"{name} (BLOCK {constexprs['BLOCK']}, {warps} warps): {describe(usage, ptxas, sass)}"
+        spilled = ptxas.get("spill_stores", 0) or ptxas.get("spill_loads", 0)
+        if not spilled and not usage.get("LOCAL", 0) and sass["stl"] + sass["ldl"] == 0:
+            notes.append(f"STACK FRAME ONLY (no spill, no local-memory instruction) {line}")
+            continue
+        tag = "SPILL" if spilled else "LOCAL MEMORY"
+        bad.append(f"{tag} {line}")
+        for what, w, block in (
+            ("twice the warps", 2 * warps, constexprs["BLOCK"]),
+            ("half the BLOCK", warps, constexprs["BLOCK"] // 2),
+        ):
+            other = ptxas_report(compile_kernel(fn, args.arch, w, **dict(constexprs, BLOCK=block)))
+            has = other.get("stack_frame", 0) or other.get("spill_stores", 0) or other.get("spill_loads", 0)
+            bad.append(
+                f"    the same at {what} (BLOCK {block}, {w} warps): {other.get('registers', '?')} registers, "
+                + (
+                    f"{other.get('stack_frame', 0)} bytes stack frame, {other.get('spill_stores', 0)} B spill stores"
+                    if has
+                    else "no stack"
+                )
+            )
     print(
         f"[check_triton_spills] triton {triton.__version__}, sm_{args.arch}: {n} variants compiled in "
         f"{time.time() - start:.0f} s; most registers per kernel: " + ", ".join(f"{k} {v}" for k, v in worst.items())
     )
-    for line in bad:
-        print(f"[check_triton_spills] SPILL {line}")
+    for line in notes + bad:
+        print(f"[check_triton_spills] {line}")
     if bad:
-        print(f"[check_triton_spills] FAIL: {len(bad)} variants use local memory (spills)")
+        failing = sum(not line.startswith(" ") for line in bad)
+        print(f"[check_triton_spills] FAIL: {failing} variants use local memory (spills or local arrays)")
         return 1
-    print("[check_triton_spills] OK: no variant spills")
+    print("[check_triton_spills] OK: no variant spills or touches local memory")
     return 0
 
 

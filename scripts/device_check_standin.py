@@ -65,17 +65,18 @@ def triton_sweep(out: Path) -> None:
 
     rows = common.CsvAppender(out / "triton_sweep.csv")
     copy = 100.0
-    try:
-        for i, block in enumerate(sweep.BLOCKS):
+    try:  # the real sweep's configurations, around the Triton backend's defaults
+        for i, (varied, (block, warps, pps)) in enumerate(sweep.configurations((1024, 4, 16))):
             for op, per_elem in sweep.BYTES_PER_ELEMENT.items():
                 gbps = 50.0 + i
                 rows.add(
                     dict(
                         op=op,
+                        varied=varied,
                         numel=2**16,
                         block=block,
-                        num_warps=sweep.WARPS[0],
-                        programs_per_sm=sweep.PROGRAMS_PER_SM[0],
+                        num_warps=warps,
+                        programs_per_sm=pps,
                         chunk=4096,
                         programs=16,
                         ms=round(per_elem * 2**16 / gbps / 1e6, 4),
