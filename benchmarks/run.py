@@ -23,6 +23,14 @@ INTERRUPTED, with how many kernel groups ours won.
 ``--replot DIR`` measures nothing: it draws DIR's PNGs again from DIR/results.json (after a
 change to the plots, or for a folder written with ``--no-plot``).
 
+The benchmarks that are not suites run through here too, as ``python -m fused_accum bench TOOL
+[args]`` (each also runs as a script; ``TOOL --help`` says what it takes): ``phases`` (a window's
+time backward by backward, benchmarks/window_phases.py), ``distributed`` (the data-parallel and
+sharded modes on gloo ranks, benchmarks/distributed.py), ``wgrad`` (the fused weight-gradient
+GEMM, benchmarks/wgrad.py), ``triton-sweep`` and ``triton-host`` (the Triton launch shape on a
+GPU and the launcher's host time, benchmarks/triton_sweep.py and triton_host.py; both run by
+benchmarks/device_check.sh).
+
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
 groups that would start after that many seconds (the plan runs the most useful ones first), so
@@ -218,7 +226,11 @@ def _auto_threads(device: torch.device) -> Optional[int]:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fused_accum bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="fused_accum bench",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Other benchmarks: fused_accum bench TOOL [args], TOOL one of {', '.join(TOOLS)}.",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes: under 2 minutes on 2 CPU cores")
     size.add_argument("--smoke", action="store_true", help="tiniest sizes, a few seconds (for the tests)")
@@ -398,9 +410,23 @@ def replot(folder: Path) -> List[Path]:
     return paths
 
 
+TOOLS = {  # name -> module of benchmarks/ with a main(argv)
+    "phases": "window_phases",
+    "distributed": "distributed",
+    "wgrad": "wgrad",
+    "triton-sweep": "triton_sweep",
+    "triton-host": "triton_host",
+}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the suite; 0 when every provider ran and matched its oracle, else 1."""
+    """Run the suite; 0 when every provider ran and matched its oracle, else 1. With a TOOL as
+    the first argument, that benchmark instead (see the module's docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        return importlib.import_module(f"benchmarks.{TOOLS[argv[0]]}").main(argv[1:]) or 0
     args = _parse(argv)
     if args.replot is not None:
         paths = replot(Path(args.replot))

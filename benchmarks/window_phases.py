@@ -54,13 +54,13 @@ def phases(model_name: str, dtype: torch.dtype, rounds: int) -> dict:
     return times
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=window.MODELS, default="gpt2")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 3:
         parser.error("--rounds must be at least 3 (two are warm-up)")
     torch.set_num_threads(args.threads)

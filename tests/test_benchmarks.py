@@ -929,3 +929,17 @@ def test_window_phases_times_every_backward_and_the_step_for_both_providers():
     assert set(times) == set(window_phases.PROVIDERS)
     for rows in times.values():
         assert len(rows) == 2 and all(len(row) == k + 1 and min(row) > 0 for row in rows)
+
+
+def test_every_benchmark_script_is_reachable_from_the_runner():
+    """Each module of benchmarks/ is a suite of run.py, one of its TOOLS, or a library of theirs:
+    a script no command reaches is one nobody reruns."""
+    import pathlib
+
+    from benchmarks import run
+
+    libraries = {"__init__", "common", "run", "kernels", "end_to_end", "window"}  # (the suites' code)
+    scripts = {p.stem for p in pathlib.Path(run.__file__).parent.glob("*.py")} - libraries
+    assert scripts == set(run.TOOLS.values())
+    for module in run.TOOLS.values():
+        assert callable(getattr(__import__(f"benchmarks.{module}", fromlist=["main"]), "main"))
