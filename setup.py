@@ -5,7 +5,7 @@
 installed; a plain `pip install .` builds in an isolated environment without torch and stops with
 one line saying so, and where no torch is installed at all, two lines say which to install. Next
 to the extension the build writes fused_accum/_C.build.json, the torch it was built against,
-which fused_accum.backends.ext reads before loading the extension (a C++ ABI mismatch otherwise
+which fused_accum.extension reads before loading the extension (a C++ ABI mismatch otherwise
 shows up as an undefined symbol, or worse). The CPU kernels are always built; the CUDA kernels
 are built when both nvcc and a CUDA build of torch are present. That is decided from the toolkit and
 torch.version.cuda, never from torch.cuda.is_available(): CI compiles the CUDA kernels on machines
@@ -54,7 +54,7 @@ NO_TORCH = (
     "Install torch first: `pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu` (the "
     "CPU build; any {spec} works, a CUDA build for the CUDA kernels), then `pip install --no-build-isolation .`"
 )
-# Written next to fused_accum._C: the torch it was compiled against (read by backends/ext.py).
+# Written next to fused_accum._C: the torch it was compiled against (read by fused_accum/extension.py).
 BUILD_RECORD = "_C.build.json"
 
 
@@ -196,12 +196,12 @@ def _ext_modules():
     torch = _import_torch()
     from torch.utils import cpp_extension
 
-    # ninja jobs: one per core up to 8 (the 7 sources gain nothing past that); 2 on CI machines.
+    # ninja jobs: one per core up to 8 (a CUDA build's 8 sources gain nothing past that); 2 on CI machines.
     os.environ.setdefault("MAX_JOBS", str(min(8, os.cpu_count() or 1)))
     csrc = lambda *names: [
         os.path.relpath(p, ROOT) for n in names for p in sorted(glob.glob(os.path.join(ROOT, "csrc", n)))
     ]  # noqa: E731
-    sources = csrc("bindings.cpp", "hooks.cpp", "cpu/*.cpp")
+    sources = csrc("module.cpp", "hooks.cpp", "triton_plans.cpp", "bindings.cpp", "cpu/kernels.cpp")
     # -fopenmp, as torch's own C++ extensions are built on Linux: without _OPENMP,
     # at::parallel_for (an inline template in torch's headers) runs the whole range on the calling
     # thread. The extension links the libgomp.so.1 that torch already loaded (same soname), so

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from benchmarks import common
-from fused_accum import backends
+from fused_accum import backends, ops
 
 Shape = Tuple[int, ...]
 
@@ -408,33 +408,23 @@ def _torch_step_provider(op: str, mode: str, s: StepSet) -> Callable[[], None]:
 
 def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
     module = backends.get(backend)
-    masters, accs = s.views(s.master), s.views(s.acc)
+    # the step op's records (fused_accum.ops), made once: the timed call is the op alone
+    tensors = ops.StepTensors(s.views(s.master), s.views(s.acc), s.steps, s.lr, s.coef, lp_params=s.lp, grads=s.grads)
     state = [s.views(buf) for buf in s.state]
-    common_kw = dict(maximize=False, lp_params=s.lp, grads=s.grads, grad_alpha=1.0, grads_overwrite=False)
     if op == "sgd":
         hp = SGD_HP
-        kw = dict(
-            momentum=hp["momentum"],
-            dampening=hp["dampening"],
-            weight_decay=hp["weight_decay"],
-            nesterov=hp["nesterov"],
-            **common_kw,
-        )
-        return lambda: module.sgd_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
+        hyper = ops.SgdHyper(hp["momentum"], hp["dampening"], hp["weight_decay"], hp["nesterov"], False)
+        records = (tensors, ops.SgdStates(state[0]), hyper)
+        return lambda: module.sgd_step(*records)
     if op == "lion":
         hp = LION_HP
-        kw = dict(beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], **common_kw)
-        return lambda: module.lion_step(masters, state[0], accs, s.steps, s.lr, s.coef, **kw)
+        hyper = ops.LionHyper(hp["beta1"], hp["beta2"], hp["weight_decay"], False)
+        records = (tensors, ops.LionStates(state[0]), hyper)
+        return lambda: module.lion_step(*records)
     hp = ADAMW_HP
-    kw = dict(
-        beta1=hp["beta1"],
-        beta2=hp["beta2"],
-        eps=hp["eps"],
-        weight_decay=hp["weight_decay"],
-        decoupled=True,
-        **common_kw,
-    )
-    return lambda: module.adam_step(masters, state[0], state[1], accs, s.steps, s.lr, s.coef, **kw)
+    hyper = ops.AdamHyper(hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], True, False)
+    records = (tensors, ops.AdamStates(state[0], state[1]), hyper)
+    return lambda: module.adam_step(*records)
 
 
 def _step_provider(op: str, provider: str, s: StepSet) -> Callable[[], None]:
@@ -674,22 +664,12 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
         lr_t, coef = torch.tensor(lr), torch.tensor(1.0)
         ours = backends.get("cpu")
         lp_flat = [x.view(-1) for x in lp]
-        return lambda: ours.adam_step(
-            flat_params,
-            m,
-            v,
-            accs,
-            steps,
-            lr_t,
-            coef,
-            beta1=b1,
-            beta2=b2,
-            eps=eps,
-            weight_decay=wd,
-            decoupled=True,
-            maximize=False,
-            lp_params=lp_flat,
+        records = (
+            ops.StepTensors(flat_params, accs, steps, lr_t, coef, lp_params=lp_flat),
+            ops.AdamStates(m, v),
+            ops.AdamHyper(b1, b2, eps, wd, True, False),
         )
+        return lambda: ours.adam_step(*records)
     leaves = [torch.nn.Parameter(p, requires_grad=True) for p in params]
     for leaf, g in zip(leaves, grads):
         leaf.grad = g

@@ -86,6 +86,7 @@ def _time(fn, repeat: int, setup=None):
 
 def measure(n: int, repeat: int, on_row=lambda row: None):
     """The rows for ``n`` tensors; ``on_row`` sees each as it is measured."""
+    from fused_accum import ops
     from fused_accum.backends import triton as tb
 
     gen = torch.Generator().manual_seed(0)
@@ -110,57 +111,21 @@ def measure(n: int, repeat: int, on_row=lambda row: None):
     def accumulate(grads, plan):
         tb.accumulate(acc, offsets, grads, 1.0, False, found_inf, sumsq, plan=plan)
 
+    # the step ops' records (fused_accum.ops): made once, as the tensors they hold; lp_params,
+    # the model's tensors, are replaced per call, as the optimizer passes them
+    step_tensors = ops.StepTensors(masters, accs, steps, lr, coef)
+    adam_states, adam_hyper = ops.AdamStates(ms, vs), ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)
+    sgd_states, sgd_hyper = ops.SgdStates(ms), ops.SgdHyper(0.9, 0.0, 0.01, False, False)
+    lion_states, lion_hyper = ops.LionStates(ms), ops.LionHyper(0.9, 0.99, 0.01, False)
+
     def adamw(lp, plan):
-        tb.adam_step(
-            masters,
-            ms,
-            vs,
-            accs,
-            steps,
-            lr,
-            coef,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            decoupled=True,
-            maximize=False,
-            lp_params=lp,
-            plan=plan,
-        )
+        tb.adam_step(step_tensors._replace(lp_params=lp), adam_states, adam_hyper, plan=plan)
 
     def sgd(lp, plan):
-        tb.sgd_step(
-            masters,
-            ms,
-            accs,
-            steps,
-            lr,
-            coef,
-            momentum=0.9,
-            dampening=0.0,
-            weight_decay=0.01,
-            nesterov=False,
-            maximize=False,
-            lp_params=lp,
-            plan=plan,
-        )
+        tb.sgd_step(step_tensors._replace(lp_params=lp), sgd_states, sgd_hyper, plan=plan)
 
     def lion(lp, plan):
-        tb.lion_step(
-            masters,
-            ms,
-            accs,
-            steps,
-            lr,
-            coef,
-            beta1=0.9,
-            beta2=0.99,
-            weight_decay=0.01,
-            maximize=False,
-            lp_params=lp,
-            plan=plan,
-        )
+        tb.lion_step(step_tensors._replace(lp_params=lp), lion_states, lion_hyper, plan=plan)
 
     calls = {"accumulate": (accumulate, grads), "adamw": (adamw, lp), "sgd": (sgd, lp), "lion": (lion, lp)}
     rows = []

@@ -84,6 +84,7 @@ def _main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("triton_sweep: needs a CUDA device")
         return 2
+    from fused_accum import ops
     from fused_accum.backends import reference
     from fused_accum.backends import triton as tb
 
@@ -102,10 +103,11 @@ def _main(argv=None) -> int:
         torch.tensor(1e-4, device="cuda"),
         torch.tensor(1.0, device="cuda"),
     )
-    hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    hyper = ops.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    adamw = (ops.StepTensors([master], [acc], steps, lr, coef, lp_params=[lp]), ops.AdamStates([m], [v]), hyper)
     ops = {
         "accumulate": lambda: tb.accumulate(acc, offsets, [grad], 1.0, False),
-        "adamw": lambda: tb.adam_step([master], [m], [v], [acc], steps, lr, coef, lp_params=[lp], **hyper),
+        "adamw": lambda: tb.adam_step(*adamw),
     }
     # correctness of the default shape once, on fresh data (a sweep of wrong kernels is worthless)
     want = acc.clone()

@@ -1,6 +1,6 @@
-// fused_accum._C: the fused_accum_ext:: operator schemas, their CPU implementations, the argument
-// checks shared with the CUDA implementations (bindings_cuda.cpp). The Python module itself is in
-// hooks.cpp.
+// fused_accum._C: the CPU implementations of the fused_accum_ext:: operators, and the argument
+// checks shared with the CUDA implementations (bindings_cuda.cpp). The operators' schemas are
+// declared once, in fused_accum/ops.py, and defined from there (fused_accum/backends/ext.py).
 //
 // Tensors stop here: the checks name the argument and what was expected, strided inputs are made
 // contiguous, and the kernels receive raw pointers (csrc/kernels.h).
@@ -127,15 +127,14 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
   return call;
 }
 
-Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite, bool maximize,
-                  StepArgs& args) {
+Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args) {
   const char* op = t.op;
   Call call;
   const size_t n = t.params.size();
   check_length(t.accs.size(), n, op, "accs", "params");
-  if (t.state1_name) check_length(t.state1.size(), n, op, t.state1_name, "params");
-  if (t.state2_name) check_length(t.state2.size(), n, op, t.state2_name, "params");
-  if (t.state3_name) check_length(t.state3.size(), n, op, t.state3_name, "params");
+  for (const StateList& s : states) {
+    if (s.name) check_length(s.list.size(), n, op, s.name, "params");
+  }
   TORCH_CHECK(t.lp_params.empty() || t.lp_params.size() == n, op, ": lp_params has ",
               t.lp_params.size(), " tensors, expected 0 (none) or ", n, " (one per param)");
   TORCH_CHECK(t.grads.empty() || t.grads.size() == n, op, ": grads has ", t.grads.size(),
@@ -162,11 +161,12 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
   args.coef = t.coef.data_ptr<float>();
   args.steps = t.steps.data_ptr<float>();
   args.found_inf = t.found_inf ? t.found_inf->data_ptr<float>() : nullptr;
-  args.grad_alpha = static_cast<float>(grad_alpha);
-  args.grads_overwrite = grads_overwrite;
+  args.grad_alpha = static_cast<float>(t.grad_alpha);
+  args.grads_overwrite = t.grads_overwrite;
   args.maximize = maximize;
 
   TensorLists& l = call.lists;
+  Operand* const state_operands[kMaxStates] = {&l.state1, &l.state2, &l.state3};
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = t.params[i];
     TORCH_CHECK(p.defined(), op, ": params[", i, "] is undefined");
@@ -175,17 +175,10 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
     const DType param_dtype = dtype_code(p, op, "params", i);
     check_element(t.accs[i], op, "accs", i, call.device, numel, "params");
     check_f32(t.accs[i], op, "accs", i);
-    if (t.state1_name) {
-      check_element(t.state1[i], op, t.state1_name, i, call.device, numel, "params");
-      check_f32(t.state1[i], op, t.state1_name, i);
-    }
-    if (t.state2_name) {
-      check_element(t.state2[i], op, t.state2_name, i, call.device, numel, "params");
-      check_f32(t.state2[i], op, t.state2_name, i);
-    }
-    if (t.state3_name) {
-      check_element(t.state3[i], op, t.state3_name, i, call.device, numel, "params");
-      check_f32(t.state3[i], op, t.state3_name, i);
+    for (const StateList& s : states) {
+      if (!s.name) continue;
+      check_element(s.list[i], op, s.name, i, call.device, numel, "params");
+      check_f32(s.list[i], op, s.name, i);
     }
     if (!t.lp_params.empty()) {
       check_element(t.lp_params[i], op, "lp_params", i, call.device, numel, "params");
@@ -200,9 +193,9 @@ Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite,
     l.index.push_back(static_cast<int64_t>(i));
     l.param.add(writable(call, p), param_dtype);
     l.acc.add(readable(call, t.accs[i]), DType::kF32);
-    if (t.state1_name) l.state1.add(writable(call, t.state1[i]), DType::kF32);
-    if (t.state2_name) l.state2.add(writable(call, t.state2[i]), DType::kF32);
-    if (t.state3_name) l.state3.add(writable(call, t.state3[i]), DType::kF32);
+    for (size_t k = 0; k < kMaxStates; ++k) {
+      if (states[k].name) state_operands[k]->add(writable(call, states[k].list[i]), DType::kF32);
+    }
     if (!t.lp_params.empty()) {
       const at::Tensor& lp = t.lp_params[i];
       l.lp.add(writable(call, lp), dtype_code(lp, op, "lp_params", i));
@@ -227,7 +220,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
 
 struct CpuBackend {
   using Call = binding::Call;
-  static constexpr bool kAmsgrad = true;
   static void accumulate(const Call& c, const AccumulateArgs& a) {
     accumulate_cpu(c.lists, a, parallel_for);
   }
@@ -245,30 +237,9 @@ struct CpuBackend {
 }  // namespace
 }  // namespace fused_accum
 
-// Schemas: (a!) marks what each op mutates, so functionalisation (torch.compile) and opcheck
-// know. The argument lists follow fused_accum/backends/reference.py; absent lists are empty.
-TORCH_LIBRARY(fused_accum_ext, m) {
-  m.def(
-      "accumulate_(Tensor(a!) acc, Tensor offsets, Tensor[] grads, float alpha, bool overwrite, "
-      "Tensor(b!)? found_inf, Tensor(c!)? sumsq) -> ()");
-  m.def(
-      "sgd_step_(Tensor(a!)[] params, Tensor(b!)[] momentum_bufs, Tensor[] accs, Tensor steps, "
-      "Tensor lr, Tensor coef, float momentum, float dampening, float weight_decay, "
-      "bool nesterov, bool maximize, Tensor(c!)[] lp_params, Tensor[] grads, float grad_alpha, "
-      "bool grads_overwrite, Tensor? found_inf) -> ()");
-  m.def(
-      "adam_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(e!)[] max_exp_avg_sqs, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
-      "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize, "
-      "Tensor(d!)[] lp_params, Tensor[] grads, float grad_alpha, bool grads_overwrite, "
-      "Tensor? found_inf) -> ()");
-  m.def(
-      "lion_step_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor[] accs, Tensor steps, "
-      "Tensor lr, Tensor coef, float beta1, float beta2, float weight_decay, bool maximize, "
-      "Tensor(c!)[] lp_params, Tensor[] grads, float grad_alpha, bool grads_overwrite, "
-      "Tensor? found_inf) -> ()");
-}
-
+// No TORCH_LIBRARY here: the schemas are defined from Python, from the declarations in
+// fused_accum/ops.py (fused_accum/backends/ext.py defines them once _C is loaded), and the
+// dispatcher checks the kernels' parameter types (bindings.h) against them.
 TORCH_LIBRARY_IMPL(fused_accum_ext, CPU, m) {
   fused_accum::binding::register_impls<fused_accum::CpuBackend>(m);
 }

@@ -5,8 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -31,30 +31,56 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args);
 
-// The tensor arguments common to every step. state2 is empty for SGD and Lion; state1 may be
-// empty for SGD without momentum (state1_name says which list it is, for messages); state3 is
-// Adam's amsgrad max_exp_avg_sqs, empty when amsgrad is off.
+// ---- the step ops' arguments --------------------------------------------------------------------
+//
+// Declared once, in fused_accum/ops.py: each step op's schema is StepTensors' fields, then the
+// op's state lists, then its hyper-parameter record's fields. The kernels below take them in that
+// order, with the C++ types of the schema's (Tensor[] -> at::TensorList, Tensor -> const
+// at::Tensor&, Tensor? -> const std::optional<at::Tensor>&, float -> double, bool -> bool); the
+// dispatcher compares these types with the schema when fused_accum defines it, and refuses a
+// mismatch, naming the argument.
+
+// The parameters every step op starts with: fused_accum.ops.StepTensors, field by field.
+#define FUSED_ACCUM_STEP_PARAMETERS                                                           \
+  at::TensorList params, at::TensorList accs, const at::Tensor &steps, const at::Tensor &lr, \
+      const at::Tensor &coef, at::TensorList lp_params, at::TensorList grads,                 \
+      const std::optional<at::Tensor> &found_inf, double grad_alpha, bool grads_overwrite
+// ... gathered into the StepTensors below, in a kernel of FUSED_ACCUM_STEP_PARAMETERS.
+#define FUSED_ACCUM_STEP_TENSORS(op)                                                          \
+  StepTensors {                                                                               \
+    op, params, accs, steps, lr, coef, lp_params, grads, found_inf, grad_alpha, grads_overwrite \
+  }
+
 struct StepTensors {
-  const char* op;
-  at::TensorList params, state1, state2, accs, lp_params, grads;
-  const char* state1_name;
-  const char* state2_name;
+  const char* op;  // for messages: "adam_step_"
+  at::TensorList params, accs;
   const at::Tensor& steps;
   const at::Tensor& lr;
   const at::Tensor& coef;
+  at::TensorList lp_params, grads;
   const std::optional<at::Tensor>& found_inf;
-  at::TensorList state3 = {};
-  const char* state3_name = nullptr;
+  double grad_alpha;
+  bool grads_overwrite;
 };
 
-Call prepare_step(const StepTensors& t, double grad_alpha, bool grads_overwrite, bool maximize,
-                  StepArgs& args);
+// An op's optimizer-state lists, TensorLists::state1..state3 in order (fp32, written). A list the
+// call does not use (SGD without momentum, Adam without amsgrad, Lion's second and third) has a
+// null name and is not read.
+struct StateList {
+  at::TensorList list;
+  const char* name = nullptr;  // the schema's name, for messages
+};
+constexpr size_t kMaxStates = 3;
+using StepStates = std::array<StateList, kMaxStates>;
 
-// The operator implementations, one per schema in bindings.cpp, for a Backend with
+Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args);
+
+// The operator implementations, one per operator of fused_accum/ops.py, for a Backend with
 //   static void accumulate(const Call&, const AccumulateArgs&);
 //   static void step(const Call&, const StepArgs&, const math::{Sgd,Adam,Lion}Hyper&);
 // (CpuBackend in bindings.cpp, CudaBackend in bindings_cuda.cpp).
 
+// fused_accum.ops.Accumulate (csrc/hooks.cpp calls it with this signature, through the dispatcher).
 template <class Backend>
 void accumulate_impl(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads,
                      double alpha, bool overwrite, const std::optional<at::Tensor>& found_inf,
@@ -66,72 +92,49 @@ void accumulate_impl(const at::Tensor& acc, const at::Tensor& offsets, at::Tenso
 }
 
 template <class Backend, class Hyper>
-void run_step(const StepTensors& t, double grad_alpha, bool grads_overwrite, bool maximize,
-              const Hyper& hyper) {
+void run_step(const StepTensors& t, const StepStates& states, bool maximize, const Hyper& hyper) {
   StepArgs args{};
-  Call call = prepare_step(t, grad_alpha, grads_overwrite, maximize, args);
+  Call call = prepare_step(t, states, maximize, args);
   if (call.lists.size() > 0) Backend::step(call, args, hyper);
   call.finish();
 }
 
+// fused_accum.ops.sgd_step: StepTensors, SgdStates, algorithms.SgdHyper.
 template <class Backend>
-void sgd_step_impl(at::TensorList params, at::TensorList momentum_bufs, at::TensorList accs,
-                   const at::Tensor& steps, const at::Tensor& lr, const at::Tensor& coef,
-                   double momentum, double dampening, double weight_decay, bool nesterov,
-                   bool maximize, at::TensorList lp_params, at::TensorList grads,
-                   double grad_alpha, bool grads_overwrite,
-                   const std::optional<at::Tensor>& found_inf) {
+void sgd_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList momentum_buffers, double momentum,
+                   double dampening, double weight_decay, bool nesterov, bool maximize) {
   const bool has_buf = momentum != 0.0;  // as in torch, no buffer exists without momentum
-  const StepTensors t{"sgd_step_", params, has_buf ? momentum_bufs : at::TensorList(), {}, accs,
-                      lp_params, grads, has_buf ? "momentum_bufs" : nullptr, nullptr, steps, lr,
-                      coef, found_inf};
-  run_step<Backend>(t, grad_alpha, grads_overwrite, maximize,
+  const StepStates states{{{momentum_buffers, has_buf ? "momentum_buffers" : nullptr}}};
+  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("sgd_step_"), states, maximize,
                     math::sgd_hyper(momentum, dampening, weight_decay, nesterov));
 }
 
-// Whether Backend's Adam kernel handles amsgrad (TensorLists::state3): a backend says so with
-// `static constexpr bool kAmsgrad = true;`. One that does not gets a clear error instead of
-// silently ignoring max_exp_avg_sqs.
-template <class Backend, class = void>
-struct has_amsgrad {
-  static constexpr bool value = false;
-};
+// fused_accum.ops.adam_step: StepTensors, AdamStates, algorithms.AdamHyper. A non-empty
+// max_exp_avg_sqs is amsgrad (TensorLists::state3).
 template <class Backend>
-struct has_amsgrad<Backend, std::void_t<decltype(Backend::kAmsgrad)>> {
-  static constexpr bool value = Backend::kAmsgrad;
-};
-
-template <class Backend>
-void adam_step_impl(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                    at::TensorList max_exp_avg_sqs, at::TensorList accs, const at::Tensor& steps, const at::Tensor& lr,
-                    const at::Tensor& coef, double beta1, double beta2, double eps,
-                    double weight_decay, bool decoupled, bool maximize, at::TensorList lp_params,
-                    at::TensorList grads, double grad_alpha, bool grads_overwrite,
-                    const std::optional<at::Tensor>& found_inf) {
+void adam_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, double beta1,
+                    double beta2, double eps, double weight_decay, bool decoupled, bool maximize) {
   const bool amsgrad = !max_exp_avg_sqs.empty();
-  TORCH_CHECK(!amsgrad || has_amsgrad<Backend>::value,
-              "adam_step_: amsgrad (a non-empty max_exp_avg_sqs) is not implemented by this "
-              "device's kernels yet; use the reference or triton backend for amsgrad");
-  const StepTensors t{"adam_step_", params, exp_avgs, exp_avg_sqs, accs, lp_params, grads,
-                      "exp_avgs", "exp_avg_sqs", steps, lr, coef, found_inf,
-                      max_exp_avg_sqs, amsgrad ? "max_exp_avg_sqs" : nullptr};
-  run_step<Backend>(t, grad_alpha, grads_overwrite, maximize,
+  const StepStates states{{{exp_avgs, "exp_avgs"},
+                           {exp_avg_sqs, "exp_avg_sqs"},
+                           {max_exp_avg_sqs, amsgrad ? "max_exp_avg_sqs" : nullptr}}};
+  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("adam_step_"), states, maximize,
                     math::adam_hyper(beta1, beta2, eps, weight_decay, decoupled));
 }
 
+// fused_accum.ops.lion_step: StepTensors, LionStates, algorithms.LionHyper.
 template <class Backend>
-void lion_step_impl(at::TensorList params, at::TensorList exp_avgs, at::TensorList accs,
-                    const at::Tensor& steps, const at::Tensor& lr, const at::Tensor& coef,
-                    double beta1, double beta2, double weight_decay, bool maximize,
-                    at::TensorList lp_params, at::TensorList grads, double grad_alpha,
-                    bool grads_overwrite, const std::optional<at::Tensor>& found_inf) {
-  const StepTensors t{"lion_step_", params, exp_avgs, {}, accs, lp_params, grads, "exp_avgs",
-                      nullptr, steps, lr, coef, found_inf};
-  run_step<Backend>(t, grad_alpha, grads_overwrite, maximize,
+void lion_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs, double beta1,
+                    double beta2, double weight_decay, bool maximize) {
+  const StepStates states{{{exp_avgs, "exp_avgs"}}};
+  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("lion_step_"), states, maximize,
                     math::lion_hyper(beta1, beta2, weight_decay));
 }
 
-// Registers the implementations above for one dispatch key (CPU, CUDA).
+// Registers the implementations above for one dispatch key (CPU, CUDA). The operators are not
+// defined yet when _C loads: fused_accum/backends/ext.py defines them next, and the dispatcher
+// then checks each of these functions' parameter types against its schema.
 template <class Backend>
 void register_impls(torch::Library& m) {
   m.impl("accumulate_", &accumulate_impl<Backend>);

@@ -1,7 +1,7 @@
-// The CUDA implementations of the fused_accum_ext:: operators (schemas in bindings.cpp): the same
-// checks as on the CPU (bindings.h), then a launch on the current stream of the tensors' device.
-// Nothing here waits for the GPU: lr, coef, steps and found_inf are read by the kernels, and no
-// host memory is copied to the device (the tables are kernel parameters), so every op can be
+// The CUDA implementations of the fused_accum_ext:: operators (declared in fused_accum/ops.py): the
+// same checks as on the CPU (bindings.h), then a launch on the current stream of the tensors'
+// device. Nothing here waits for the GPU: lr, coef, steps and found_inf are read by the kernels,
+// and no host memory is copied to the device (the tables are kernel parameters), so every op can be
 // captured in a CUDA graph; the allocations (accumulate's norm workspace, the float64 copy of a
 // float32 lr, contiguous copies of strided tensors) come from torch's caching allocator (a graph's
 // private pool during capture).
@@ -27,8 +27,6 @@ void launch_on(const Call& call, const char* op, Launch&& launch) {
 }
 
 struct CudaBackend {
-  static constexpr bool kAmsgrad = true;  // step.cu's AdamAmsgrad takes TensorLists::state3
-
   static void accumulate(const Call& c, const AccumulateArgs& a) {
     // One fp32 partial per block for the deterministic norm (see accumulate.cu); freed back to
     // the caching allocator on this stream when the launches are queued, reused in order.

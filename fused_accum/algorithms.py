@@ -1,13 +1,43 @@
-"""The fused algorithms as data: torch.optim's defaults and checks, and the state each keeps.
+"""The fused algorithms as data: torch.optim's defaults and checks, the state each keeps, and the
+hyper-parameter record its step op takes, built from a param group.
 
 Pure: no buffers, no kernels. :mod:`fused_accum.step` reads this table to take a step and
-:mod:`fused_accum.optimizer` to accept param groups, so a new algorithm starts here (then its op
-in :mod:`fused_accum.ops` and its branch in ``Stepper.fused_step``).
+:mod:`fused_accum.optimizer` to accept param groups; :mod:`fused_accum.ops` declares the step ops
+from the records here.
+
+Adding an algorithm (say ``"foo"``, with one state buffer ``bar`` and hyper-parameters ``beta``
+and ``maximize``), in this order:
+
+1. Here: a frozen record ``FooHyper(NamedTuple)`` whose fields (``float``/``bool``, in the order
+   the kernels take them) are the op's scalar arguments, with ``of(algorithm, group)``; an entry
+   ``ALGORITHMS["foo"] = Algorithm(defaults, ("bar",), has_step, op="foo_step")``; its checks in
+   :func:`validate_hyperparameters` and, if a hyper-parameter adds or removes a buffer, in
+   :func:`state_keys`. The public class in :mod:`fused_accum.optimizer` (torch's signature).
+2. :mod:`fused_accum.ops`: a record ``FooStates(NamedTuple)`` of its state lists, each named
+   for its torch state key plus "s" (``bars: WrittenLists``; an optional one defaults to
+   ``()``), and ``foo_step = StepOp("foo_step", FooStates, FooHyper)`` in ``STEP_OPS``. That
+   is the whole declaration: the Python call, the backend contract ``foo_step(t, s, h)`` and
+   both custom-op schemas (``fused_accum::foo_step_``, ``fused_accum_ext::foo_step_``) follow,
+   and ``Stepper.fused_step`` needs no change.
+3. Each backend, ``foo_step(t: StepTensors, s: FooStates, h: FooHyper)``: the spec first
+   (:mod:`fused_accum.backends.reference`), then ``backends/triton/`` (a kernel in
+   ``kernels.py``, its launch in ``launch.py``, ``plan=None`` too), and one line in
+   ``backends/ext.py`` (``foo_step = _step_function(ops.foo_step)``: it flattens the records
+   into the C++ operator's arguments).
+4. C++: the update rule once in ``csrc/math.h`` (``FooHyper``, ``foo_hyper``), the CPU and
+   CUDA kernels (``csrc/cpu``, ``csrc/cuda``, declared in ``csrc/kernels.h``), and
+   ``foo_step_impl`` in ``csrc/bindings.h`` (``FUSED_ACCUM_STEP_PARAMETERS``, then the states'
+   and the record's fields, in the declaration's order: the dispatcher refuses any other types
+   when :mod:`fused_accum.backends.ext` defines the schema) with its line in ``register_impls``
+   and a ``step`` overload in each ``*Backend`` struct.
+5. Tests: its row in ``tests/test_kernels.py``'s ``ALGOS`` and ``tests/test_ext.py``'s
+   ``_step_args``; ``tests/test_ops.py`` checks the registered schemas against the declaration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -15,12 +45,13 @@ from torch import Tensor
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """A fused algorithm: its torch.optim-named defaults and the state it keeps per parameter
-    (what hyper-parameters add or remove: :func:`state_keys`)."""
+    """A fused algorithm: its torch.optim-named defaults, the state it keeps per parameter (what
+    hyper-parameters add or remove: :func:`state_keys`) and the step op that updates it."""
 
     defaults: dict
     state_keys: tuple
     has_step: bool  # torch keeps a ``step`` entry in its state
+    op: str  # its step op in fused_accum.ops.STEP_OPS, which names the hyper-parameter record
 
 
 # torch.optim keywords that choose torch's implementation (kept in the param groups, as torch
@@ -31,6 +62,7 @@ ALGORITHMS = {
         dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, **_TORCH_IMPL),
         ("momentum_buffer",),
         False,
+        "sgd_step",
     ),
     "adam": Algorithm(
         dict(
@@ -46,6 +78,7 @@ ALGORITHMS = {
         ),
         ("exp_avg", "exp_avg_sq"),
         True,
+        "adam_step",
     ),
     "adamw": Algorithm(
         dict(
@@ -61,9 +94,75 @@ ALGORITHMS = {
         ),
         ("exp_avg", "exp_avg_sq"),
         True,
+        "adam_step",
     ),
-    "lion": Algorithm(dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False), ("exp_avg",), False),
+    "lion": Algorithm(
+        dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False), ("exp_avg",), False, "lion_step"
+    ),
 }
+
+
+# --- the hyper-parameter records: a step op's scalar arguments, built from a param group --------
+# Frozen (a NamedTuple), in the order the op's schema and kernels take them; each ``of`` reads
+# the group once per step (a tensor beta is read on the host, as torch's fused optimizers do).
+
+
+class SgdHyper(NamedTuple):
+    """torch.optim.SGD's hyper-parameters, as sgd_step takes them."""
+
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+
+    @classmethod
+    def of(cls, algorithm: str, group: dict) -> "SgdHyper":
+        return cls(
+            scalar(group["momentum"]),
+            scalar(group["dampening"]),
+            scalar(group["weight_decay"]),
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
+        )
+
+
+class AdamHyper(NamedTuple):
+    """torch.optim.Adam's and AdamW's hyper-parameters, as adam_step takes them (amsgrad is not
+    one: it is whether the op is given ``max_exp_avg_sqs``)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool  # AdamW's weight decay (the "adamw" algorithm), else Adam's
+    maximize: bool
+
+    @classmethod
+    def of(cls, algorithm: str, group: dict) -> "AdamHyper":
+        beta1, beta2 = (scalar(b) for b in group["betas"])
+        return cls(
+            beta1,
+            beta2,
+            scalar(group["eps"]),
+            scalar(group["weight_decay"]),
+            algorithm == "adamw",
+            bool(group["maximize"]),
+        )
+
+
+class LionHyper(NamedTuple):
+    """Lion's hyper-parameters, as lion_step takes them."""
+
+    beta1: float
+    beta2: float
+    weight_decay: float
+    maximize: bool
+
+    @classmethod
+    def of(cls, algorithm: str, group: dict) -> "LionHyper":
+        beta1, beta2 = (scalar(b) for b in group["betas"])
+        return cls(beta1, beta2, scalar(group["weight_decay"]), bool(group["maximize"]))
 
 
 def validate_hyperparameters(algorithm: str, h: dict, constructor: bool = False) -> None:

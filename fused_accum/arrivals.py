@@ -1,4 +1,7 @@
-"""Which gradients have arrived in the backward now running: the per-parameter autograd hooks.
+"""Which gradients have arrived in the backward now running: the per-parameter autograd hooks,
+and their contract, written once here as two protocols: :class:`HookTable`, what every table
+of hooks has, and :class:`FastPath`, folds and whole backwards without Python, which only the
+C++ table has.
 
 Two hooks sit on each parameter's AccumulateGrad node (the node that stores a leaf's ``.grad``):
 
@@ -9,61 +12,41 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   and autograd stores nothing. A parameter with a user's post-accumulate-grad hook is handed to
   ``fold_hooked(key, grad)``: True when the window folded it at once into the running sum that
   ``.grad`` shows; AccumulateGrad, handed an undefined gradient, still runs the user's hooks,
-  which so see the sum as natively. Where AccumulateGrad
-  must run (a double backward keeps the gradient's graph; a sparse or zero tensor; a parameter
-  that no longer requires grad; a hooked one the window declined) the pre-hook leaves it the
-  gradient, and while
-  ``hide`` is set (the running sums are showing) hides a defined ``.grad``: else autograd would
-  add the new gradient into the running sum itself, and it would be folded twice.
+  which so see the sum as natively. Where AccumulateGrad must run (a double backward keeps the
+  gradient's graph; a sparse or zero tensor; a parameter that no longer requires grad; a hooked
+  one the window declined) the pre-hook leaves it the gradient, and while ``hide`` is set (the
+  running sums are showing) hides a defined ``.grad``: else autograd would add the new gradient
+  into the running sum itself, and it would be folded twice.
 * a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
   sets ``grad_dtype = None`` on bf16/fp16 parameters). It takes it into the bucket (a sparse one
   is an error) and shows the hidden ``.grad`` again (brought up to date when the bucket is
   folded).
 
+A second gradient for one parameter in one backward (a parameter used inside and outside a
+reentrant checkpoint) is summed into its place, as autograd would have summed it into ``.grad``.
 When every parameter of a bucket has arrived the hooks call ``bucket_complete(bucket, grads)``,
-grads in bucket order (None for one written in place).
-
-The first arrival of a backward calls ``queue_end()``, so the window sees the backward end.
-A backward that raises never ends: the engine drops its final callbacks unrun. The window's
-callback notices that as it is dropped; a quiet backward's (below) calls ``backward_raised()``.
-``grant_fast(buckets, accs, offsets, overwrite)`` lets the listed buckets, for the backward about
-to run, fold themselves when complete (``accumulate_(acc, offsets, grads, 1, overwrite)``)
-without calling ``bucket_complete``: the window grants it where the fold needs nothing else of
-Python. ``take_overwritten()`` then lists the buckets an overwrite filled, for the window to
-record.
-While ``native`` is set (DistributedDataParallel owns ``.grad``) or after ``detach_all()`` both
-hooks do nothing and autograd accumulates ``.grad`` as usual.
-
-Quiet backwards. An add grant stays until the window revokes it (an overwrite is used once), and
-``arm_quiet(budget, changes)`` lets the next ``budget`` backwards run without calling Python at
-all: at the first gradient (instead of ``before_backward()``) the table checks what the window
-would (``changes``, the window's int64 counter of what its decisions depend on, still holds the
-value it had at arming; no ``.grad`` changed since it was exposed; nothing left over from a
-backward that raised; not a double backward) and queues its own end callback. A backward that
-stays quiet (every bucket folded by its grant, no backward nested in it, Python not called) is
-only counted, for ``take_quiet_backwards()``. One that does not hands its end to the window at
-the end (``queue_end()``); the window says ``python_seen()`` when it queues its own end for the
-backward now running, which then ends there. The window arms at the end of each backward it
-ends, for the middle micro-batches of a window.
-
-The table also does the window's per-parameter ``.grad`` work, which runs once per backward
-and would otherwise be a Python loop over every parameter: ``expose(views, show)`` sets each
-``.grad`` to its view (or clears one that showed it) and remembers what it set; ``changed()``
-lists the keys whose ``.grad`` is no longer that (what the user did); ``clear_grads()`` clears
-them all (``zero_grad()``), returning False once detached. ``rehook(params)`` hooks again, and lists,
-the parameters whose AccumulateGrad node is not the hooked one any more (a ``.data`` moved to
-another device or dtype by ``model.to(...)``, or a tensor swapped in by ``swap_tensors``), which
-the old hooks would never see again.
+grads in bucket order (None for one written in place). The first arrival of a backward calls
+``queue_end()``, so the window sees the backward end. A backward that raises never ends: the
+engine drops its final callbacks unrun. The window's callback notices that as it is dropped; a
+quiet backward's (:class:`FastPath`) calls ``backward_raised()``. The hooks call the window
+with the GIL and without the table's lock held (it may call back: ``arrive_in_place``,
+``clear``); an exception raised there reaches the caller of ``backward()`` unchanged.
 
 Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
 ``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
-change the gradient first), and next to them.
+change the gradient first), and next to them (assigning a tensor's Python hook dict would clear
+C++ tensor hooks). The table keeps each hooked node alive: tensors hold their AccumulateGrad
+weakly, and a node no graph references is rebuilt, without the hooks, by the next forward.
 
-There are two implementations of this contract. ``fused_accum._C.Arrivals`` (csrc/hooks.cpp)
-runs the hooks in C++: a few pointer operations per parameter, Python at most once per bucket
-and per backward, and not at all in a quiet one. :class:`PythonArrivals` is its twin in Python, used without the extension or when
+There are two implementations. ``fused_accum._C.Arrivals`` (csrc/hooks.cpp) runs the hooks in
+C++: a few pointer operations per parameter, Python at most once per bucket and per backward,
+and not at all in a quiet one; it is a :class:`FastPath`. :class:`PythonArrivals` is its twin in
+Python, a :class:`HookTable` only, used without the extension or when
 ``FUSED_ACCUM_PYTHON_HOOKS=1`` (several microseconds per parameter: the engine takes the GIL and
-wraps tensors for each call).
+wraps tensors for each call; a fold called from Python saves nothing by skipping the window).
+Only a :class:`FastPath` is granted folds or armed: the window checks ``isinstance(table,
+FastPath)``, once per table (the check looks up every member). tests/test_hooks.py holds both
+implementations to these protocols, member by member.
 """
 
 from __future__ import annotations
@@ -73,15 +56,143 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
-from .backends import ext
+from .extension import _C
 
 logger = logging.getLogger("fused_accum")
 
 _current_graph_task_id = torch._C._current_graph_task_id
+
+
+@runtime_checkable
+class HookTable(Protocol):
+    """The hooks of one gradient window, by slot (a parameter's key, numbered from 0 in the
+    order ``extend`` adds them, at a position of a bucket), and the window's per-parameter
+    ``.grad`` work, which runs once per backward and would otherwise be a Python loop over every
+    parameter. Made by :func:`make_arrivals` with the window's callbacks (see the module)."""
+
+    # While set (another engine fills .grad: DDP, FSDP2, the topology's ``stands_aside``), and
+    # for good after detach_all(), both hooks do nothing and autograd accumulates .grad as usual.
+    stands_aside: bool
+    # While set, the pre-hook first calls before_backward() (the window's once-per-backward checks).
+    slow: bool
+    # While set (the running sums show in .grad), a gradient left to AccumulateGrad has the
+    # parameter's defined .grad hidden from it, and shown again by the post-hook.
+    hide: bool
+
+    def extend(
+        self,
+        bucket_sizes: Sequence[int],
+        slot_bucket: Sequence[int],
+        slot_position: Sequence[int],
+        names: Sequence[str],
+    ) -> None:
+        """New buckets (numbered on from the last) and new slots (keys numbered on from the
+        last), each slot at a position of a bucket, with the parameter's name for errors."""
+
+    def attach(self, key: int, param: torch.Tensor) -> None:
+        """Hooks slot ``key``'s parameter (a leaf that requires grad) on its AccumulateGrad node,
+        which the table keeps alive. A slot is hooked once."""
+
+    def rehook(self, params: Sequence[torch.Tensor]) -> List[int]:
+        """The keys whose parameter (``params``, by key: the Python objects the optimizer holds)
+        has another AccumulateGrad node than the one hooked, hooked again on the new node: a
+        ``.data`` moved to another device or dtype by ``model.to(...)`` (autograd builds a new
+        node at the next forward; asking for it builds it now, and the forward uses that one),
+        or a tensor swapped in by ``torch.utils.swap_tensors``. The old hooks would never see
+        those gradients again. Nothing once detached."""
+
+    def detach_all(self) -> None:
+        """The hooks stand aside for good (the window was detached) and the nodes are let go. It
+        may run inside one of the hooks (a backward that builds a newer optimizer)."""
+
+    def arrive_in_place(self, key: int) -> None:
+        """Slot ``key``'s gradient was written straight into its accumulator (a fused weight
+        gradient): it counts as arrived, with None for its gradient. The caller has told the
+        window of the backward itself (no ``queue_end()``)."""
+
+    def take_partial(self) -> List[Tuple[int, list]]:
+        """The partly arrived buckets, emptied: ``[(bucket, grads)]`` (at the end of a
+        backward, or after one that raised)."""
+
+    def clear(self) -> None:
+        """Forgets every arrival (and the fast path's grants and arming), every hidden
+        ``.grad``, and which backward was last seen (a backward that raised never ends)."""
+
+    def expose(self, views: Sequence[Optional[torch.Tensor]], show: Sequence[bool]) -> None:
+        """The window's ``.grad`` exposure: ``.grad`` = ``views[key]`` where ``show[key]``, else
+        None where ``.grad`` was that view; what is shown is remembered for :meth:`changed`.
+        Nothing once detached."""
+
+    def clear_grads(self) -> bool:
+        """Every hooked parameter's ``.grad`` becomes None (``zero_grad()``). False once detached
+        (the nodes are let go): the caller then clears them itself."""
+
+    def changed(self) -> List[int]:
+        """The keys whose ``.grad`` is no longer what :meth:`expose` showed: the user cleared or
+        replaced it, or re-pointed it (``p.grad.data = t``)."""
+
+    def has_arrivals(self) -> bool:
+        """Whether any bucket holds an arrival of the backward now running (or of one that
+        raised)."""
+
+
+@runtime_checkable
+class FastPath(HookTable, Protocol):
+    """A :class:`HookTable` that also folds buckets and runs whole backwards without Python.
+
+    Fast folds: a fold that needs nothing of Python (no norm, no reduction, no fused step, the
+    extension's backend; an add where every slot of the bucket holds this window's gradient, an
+    overwrite where none does) is granted per bucket by the window for the backward about to
+    run. A granted bucket, when complete (every gradient a tensor, on its accumulator's device),
+    is folded by the hooks with ``accumulate_(acc, offsets, grads, 1, overwrite)`` instead of
+    calling ``bucket_complete``; a second completion in one backward (reentrant pieces) is the
+    window's. An add grant stays until revoked; an overwrite is used once.
+
+    Quiet backwards: once armed, a backward may run without calling Python at all. At its first
+    gradient (instead of ``before_backward()``) the table checks what the window would: the
+    window's change counter still holds the value it had at arming, no ``.grad`` changed since it
+    was exposed, nothing is left over from a backward that raised, the window has not seen this
+    backward, it is not a double backward; it then queues its own end callback. A backward that
+    stays quiet (every bucket folded by its grant, no backward nested in it, Python not called)
+    is only counted. One that does not hands its end to the window (``queue_end()``), as though
+    its first gradient had asked; one that raises calls ``backward_raised()`` unless the window
+    saw it. The grants stay for the next quiet backward. The window arms at the end of each
+    backward it ends, for the middle micro-batches of a window."""
+
+    def grant_fast(
+        self,
+        buckets: Sequence[int],
+        accs: Sequence[torch.Tensor],
+        offsets: Sequence[torch.Tensor],
+        overwrite: Sequence[bool],
+    ) -> None:
+        """Lets each listed bucket fold itself into ``accs[i]`` at ``offsets[i]`` when complete,
+        overwriting where ``overwrite[i]`` (the window's first gradients) else adding."""
+
+    def revoke_fast(self) -> None:
+        """Every bucket goes through ``bucket_complete`` again."""
+
+    def take_overwritten(self) -> List[int]:
+        """The buckets an overwrite grant filled since the last call: their slots now hold the
+        window's first gradient, which the window records (it cannot be told from inside a
+        hook)."""
+
+    def arm_quiet(self, budget: int, changes) -> None:
+        """The next ``budget`` backwards may run quietly while ``changes`` (the window's int64
+        counter of what its decisions depend on, one int64 in a buffer, e.g. ``array("q")``,
+        read in place) keeps the value it has now. ``budget`` 0 disarms."""
+
+    def quiet_backwards(self) -> int:
+        """How many backwards have ended quietly, ever (never reset: the window adds the
+        difference to its count)."""
+
+    def python_seen(self) -> None:
+        """The window queued its own end callback for the backward now running, which then ends
+        there (it is not quiet)."""
 
 
 def make_arrivals(
@@ -90,14 +201,14 @@ def make_arrivals(
     bucket_complete: Callable,
     fold_hooked: Callable,
     backward_raised: Callable,
-):
-    """The C++ hooks where the extension is built, else the Python ones."""
+) -> HookTable:
+    """The C++ hooks (a :class:`FastPath`) where the extension is built, else the Python ones."""
     callbacks = (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised)
     if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
         return PythonArrivals(*callbacks)
-    if ext._C is None or not hasattr(ext._C, "Arrivals"):
+    if _C is None or not hasattr(_C, "Arrivals"):
         return PythonArrivals(*callbacks)
-    return ext._C.Arrivals(*callbacks)
+    return _C.Arrivals(*callbacks)
 
 
 class _Bucket:
@@ -132,7 +243,8 @@ def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
 
 
 class PythonArrivals:
-    """``fused_accum._C.Arrivals`` in Python (see the module's docstring)."""
+    """``fused_accum._C.Arrivals`` in Python: a :class:`HookTable`, without the fast path (see the
+    module)."""
 
     def __init__(
         self,
@@ -148,7 +260,7 @@ class PythonArrivals:
         self._fold_hooked = fold_hooked
         # (never called here: no backward runs quietly, so the window sees every one that raised)
         self._backward_raised = backward_raised
-        self.native = False
+        self.stands_aside = False
         self.slow = True
         self.hide = False
         self._detached = False
@@ -205,7 +317,7 @@ class PythonArrivals:
         self._nodes.clear()
 
     def _standing_aside(self) -> bool:
-        return self._detached or self.native
+        return self._detached or self.stands_aside
 
     def _before_accumulate(self, key: int, param, grads):
         if self._standing_aside():
@@ -276,26 +388,6 @@ class PythonArrivals:
                 return
             self._last_task = task
         self._queue_end()
-
-    def grant_fast(self, buckets, accs, offsets, overwrite) -> None:
-        """Accepted and ignored: every bucket goes through ``bucket_complete`` (a fold called
-        from Python saves nothing by skipping Python)."""
-
-    def revoke_fast(self) -> None:
-        pass
-
-    def take_overwritten(self) -> list:
-        return []  # (nothing is granted)
-
-    def arm_quiet(self, budget, changes) -> None:
-        """Accepted and ignored: every backward calls the window (quiet backwards save the
-        Python of the window's callbacks, which these hooks pay per parameter anyway)."""
-
-    def take_quiet_backwards(self) -> int:
-        return 0
-
-    def python_seen(self) -> None:
-        pass
 
     def take_partial(self) -> list:
         with self._lock:

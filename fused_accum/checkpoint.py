@@ -1,13 +1,13 @@
 """Checkpoints: ``state_dict``, ``gathered_state_dict`` and ``load_state_dict`` of a
 :class:`~fused_accum.FusedAccumOptimizer`, in torch's shape (what each holds: the README's
-"Checkpoints" and "Data parallel and sharding").
+"Checkpoints" and its data-parallel section).
 
 Each function takes the optimizer for the call and keeps nothing of it. A saved entry holds
 torch's state names plus ``master`` (the fp32 copy of a low-precision parameter) and, mid-window,
 ``accum`` (the accumulated gradient); each param group records ``window_microbatches``, so a
-checkpoint taken mid-window resumes exactly. Sharded optimizers (``shard=``) save each rank's
-pieces as rows of DTensors and load either those or whole, torch-shaped values: the branches
-for them test ``_sharded(window)``; the one for DTensor (FSDP2) parameters tests ``is_dtensor``.
+checkpoint taken mid-window resumes exactly. What a mode saves and loads otherwise is its own:
+the topology's ``saved_value`` and ``gather_full`` (a rank's pieces, as rows of DTensors) and the
+flat group's layout (what of a loaded value this process holds, whether ``accum`` is saved).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .flat import Slot, is_dtensor
+from .flat import Slot
 from .step import fp32_piece
 
 
@@ -28,10 +28,6 @@ def _param_indices(param_groups: list) -> dict:
             index_of.setdefault(id(p), i)
         start += len(group["params"])
     return index_of
-
-
-def _sharded(window) -> bool:
-    return window.topology.sharded
 
 
 def state_dict(opt) -> dict:
@@ -62,19 +58,16 @@ def state_dict(opt) -> dict:
         if slot.master is None and not slot.has_grad:
             continue
         entry = state.setdefault(index_of[id(p)], {})
+        flat = window.flat_groups[slot.flat_index]
         if slot.master is not None:
-            entry["master"] = window.flat_groups[slot.flat_index].state_view(slot, slot.master).clone()
-        # (sharded: the local sum. DTensor params: the window's gradient is the .grad FSDP2
-        # adds into, which a checkpoint does not hold, as with torch.optim)
-        if slot.has_grad and slot.grad_view is not slot.placeholder and not is_dtensor(p):
+            entry["master"] = flat.state_view(slot, slot.master).clone()
+        if slot.has_grad and flat.layout.saves_accum(slot):
             entry["accum"] = slot.grad_view.clone()
-    if _sharded(window):
-        # each rank's pieces as rows of DTensors, so torch.distributed.checkpoint keeps them all
-        for slot in window.slots:
-            entry = state.get(index_of[id(slot.param)], {})
-            for key, value in entry.items():
-                if key != "accum" and isinstance(value, Tensor) and value.dim() == 1:
-                    entry[key] = window.topology.state_rows(window.flat_groups[slot.flat_index], slot, value)
+    for slot in window.slots:  # (a topology's own form: a rank's pieces as rows of DTensors)
+        entry = state.get(index_of[id(slot.param)], {})
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                entry[key] = window.topology.saved_value(window.flat_groups[slot.flat_index], slot, key, value)
     result = {"state": state, "param_groups": groups}
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         returned = post_hook(opt, result)
@@ -84,13 +77,11 @@ def state_dict(opt) -> dict:
 
 
 def gathered_state_dict(opt) -> dict:
-    """``opt.gathered_state_dict()``: (sharded) :func:`state_dict` with every per-parameter
-    tensor whole, in torch's shape, all-gathered from the ranks' pieces; a collective. Without
-    sharding it is :func:`state_dict`."""
+    """``opt.gathered_state_dict()``: :func:`state_dict` with every per-parameter tensor whole,
+    in torch's shape, all-gathered where a rank holds pieces (a collective then: call it on every
+    rank); where this process holds them whole it is :func:`state_dict`."""
     result = state_dict(opt)
     window = opt._window
-    if not _sharded(window):
-        return result
     index_of = _param_indices(opt.param_groups)
     for flat in window.flat_groups:  # the same flat groups and keys, in the same order, on every rank
         buffers = dict(sorted(flat.state.items()))
@@ -98,6 +89,8 @@ def gathered_state_dict(opt) -> dict:
             buffers["master"] = flat.master
         for key, buf in buffers.items():
             full = window.topology.gather_full(flat, buf)
+            if full is None:  # (held whole here)
+                return result
             for slot in flat.slots:
                 entry = result["state"].get(index_of[id(slot.param)])
                 if entry is not None and key in entry:
@@ -123,7 +116,7 @@ def load_state_dict(opt, saved: dict) -> None:
             "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
         )
     window = opt._window
-    opt._adopt_unfrozen()  # (unfrozen since the last step: they get slots, and their state, now)
+    opt._members.adopt_unfrozen(opt)  # (unfrozen since the last step: they get slots, and their state, now)
     window.discard()
     opt.state.clear()
     id_to_param = {}
@@ -132,7 +125,7 @@ def load_state_dict(opt, saved: dict) -> None:
             if key not in ("params", "window_microbatches"):
                 group[key] = value
         id_to_param.update(zip(saved_group["params"], group["params"]))
-    window.count.microbatches = int(saved_groups[0].get("window_microbatches", 0)) if saved_groups else 0
+    window.ledger.resumed(int(saved_groups[0].get("window_microbatches", 0)) if saved_groups else 0)
     saved_state = saved["state"]
     for pid, p in id_to_param.items():
         slot = window.slot_for(p)
@@ -165,7 +158,7 @@ def _load_param_state(opt, slot: Slot, entry: dict) -> None:
         slot.master.copy_(fp32_piece(flat, slot, entry["master"]) if "master" in entry else flat.param_piece(slot))
     if "accum" in entry:
         slot.acc.copy_(fp32_piece(flat, slot, entry["accum"]))
-        slot.has_grad = True
+        opt._window.ledger.took_grad(slot)
     state = {k: v for k, v in entry.items() if k not in ("master", "accum")}
     if opt._generic is not None:
         opt.state[p] = opt._generic.load(p, state)

@@ -8,7 +8,7 @@ last backward are reduced asynchronously while the rest of that backward runs, t
 it ends. The reduction is a sum divided by the world size (DDP's average), done on the fp32
 accumulators, so no precision is lost in the collective either.
 
-Sharded modes (``shard=``, see :class:`~fused_accum.flat.Sharding` for the layout):
+Sharded modes (``shard=``; their layout: :class:`fused_accum.topology.zero.ShardedLayout`):
 
 - ``"state"`` (ZeRO-1 with a window-level reduction): the same buckets are reduce-scattered
   instead of all-reduced (in place: this rank's part of each bucket receives the group's mean),
@@ -23,15 +23,17 @@ The window's norm and non-finite flag are then sums of per-rank parts: one all-r
 2-element tensor, on the device (no host sync).
 
 DTensor parameters (FSDP2's ``fully_shard``) bring their own reduction: FSDP2 reduce-scatters
-every micro-batch's gradient into the sharded parameter's ``.grad``. The optimizer then takes
-``.grad`` at the step as under DDP (:func:`ddp_wrapping` says so), and the window's norm and
-non-finite flag, computed from the local shards, are summed over the mesh (:class:`ShardSums`).
+every micro-batch's gradient into the sharded parameter's ``.grad``, which the window takes
+(fused_accum.topology.fsdp), and the window's norm and non-finite flag, computed from the local
+shards, are summed over the mesh (:class:`ShardSums`). :func:`is_dtensor` and
+:func:`local_tensor` tell such parameters apart and give their local shard.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import time
 import weakref
 from typing import Optional
@@ -40,12 +42,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .flat import Sharding, is_dtensor
-
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-SHARD_MODES = (None, "state", "grads")
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (about a second):
+    no tensor can be one unless that module was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """What this rank stores of ``t``: a DTensor's local shard (for an FSDP2 parameter, a view
+    of FSDP2's sharded storage, so in-place writes update the parameter), any other tensor itself."""
+    if is_dtensor(t):
+        with torch.no_grad():  # (to_local() is differentiable under grad mode: a plain alias here)
+            return t.to_local()
+    return t
 
 
 def _alias(t: Tensor) -> Tensor:
@@ -145,21 +160,15 @@ def _let_go_before_exit() -> None:
 
 
 def ddp_wrapping(params) -> bool:
-    """Whether another engine fills and reduces ``.grad`` of any of ``params``: a live
-    DistributedDataParallel module, or DTensor parameters (FSDP2's ``fully_shard``, tensor
-    parallelism). The window's hooks then stand aside and the step takes ``.grad``.
+    """Whether a live DistributedDataParallel module wraps any of ``params``: it then fills and
+    reduces ``.grad``, the window's hooks stand aside and the step takes ``.grad``.
 
-    DDP reads each gradient in a hook that runs after ours (on the AccumulateGrad node, while
-    ours is the parameter's post-accumulate-grad hook), so it must see autograd's ``.grad``.
-    FSDP2 runs autograd on unsharded copies and sets the sharded parameter's ``.grad`` (a
-    DTensor) after its reduce-scatter, adding to it on later micro-batches. Asked once per
-    optimizer; for plain parameters only once a process group exists (of any size: scripts that
-    always wrap run DDP under ``torchrun --nproc_per_node=1`` too): it walks the objects the
-    garbage collector tracks (tens of ms for a large program).
+    DDP reads each gradient in a hook on the AccumulateGrad node that runs after ours, so it
+    must see autograd's ``.grad``. Asked once per optimizer, only once a process group exists (of
+    any size: scripts that always wrap run DDP under ``torchrun --nproc_per_node=1`` too): it
+    walks the objects the garbage collector tracks (tens of ms for a large program).
     """
     params = list(params)
-    if any(is_dtensor(p) for p in params):
-        return True
     if not (dist.is_available() and dist.is_initialized()):
         return False
     from torch.nn.parallel import DistributedDataParallel
@@ -213,8 +222,6 @@ class WindowReducer:
     """
 
     def __init__(self, group, shard: Optional[str] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
-        if shard not in SHARD_MODES:
-            raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "process_group was given but torch.distributed is not initialized "
@@ -222,8 +229,8 @@ class WindowReducer:
             )
         self.group = group
         self.world = dist.get_world_size(group)
-        # The flat-buffer layer decides this rank's ranges from it.
-        self.sharding = Sharding(dist.get_rank(group), self.world, shard) if shard is not None else None
+        self.rank = dist.get_rank(group)
+        self.shard = shard  # None, "state" or "grads" (checked by the constructor's topology.check_arguments)
         self.reduce_dtype = reduce_dtype or torch.float32
         self._pending: list = []  # shard="grads": this backward's reduce-scatters, folded at its end
         self._staged: dict = {}  # shard="grads": id(bucket) -> this backward's staged gradients
@@ -249,15 +256,13 @@ class WindowReducer:
         works, self._works = self._works, []
         self.handoff.settle(works)
         for flat in flat_groups:
-            if flat.shards_grads:  # every backward's reduce-scatter was a sum (AVG would round each)
+            if self.shard == "grads":  # every backward's reduce-scatter was a sum (AVG would round each)
                 flat.acc.div_(self.world)
-            elif self._avg_op is None and flat.sharding is not None:
-                for part in flat.shard_grads():  # only this rank's parts hold the group's sum
+            elif self._avg_op is None and self.shard is not None:
+                for part in flat.layout.reduced_parts(flat):  # only this rank's parts hold the group's sum
                     part.div_(self.world)
             elif self._avg_op is None:
                 flat.acc.div_(self.world)  # padding is zero: dividing the whole buffer is one pass
-            for slot in flat.slots:
-                slot.has_grad = True
         self._ready, self._launched = set(), set()
 
     def sum_(self, value: Tensor) -> Tensor:
@@ -270,12 +275,12 @@ class WindowReducer:
         collective per bucket, fixed order) and copy them into the parameters."""
         works = []
         for flat in flat_groups:
-            if flat.staging is not None:
-                for whole, part in flat.gather_ranges():
+            if flat.layout.staging is not None:
+                for whole, part in flat.layout.gather_ranges(flat):
                     works.append(self.handoff.launch(_all_gather, whole, part))
         self.handoff.settle(works)  # (the staging buffers are only ours again after it)
         for flat in flat_groups:
-            flat.finish_step()
+            flat.layout.finish_step(flat)
 
     def state_rows(self, flat, slot, piece: Tensor) -> Tensor:
         """Sharded, for checkpoints: ``slot``'s 1-D ``piece`` (this rank's, of a master or state)
@@ -290,7 +295,7 @@ class WindowReducer:
 
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(self.group, device_type=flat.device.type)
-        longest = max(flat.piece_lengths(slot))
+        longest = max(flat.layout.piece_lengths(flat, slot))
         row = torch.zeros(1, longest, dtype=piece.dtype, device=piece.device)
         row[0, : piece.numel()] = piece
         return DTensor.from_local(
@@ -303,18 +308,13 @@ class WindowReducer:
         every rank calls it, in the same order)."""
         full = torch.zeros(flat.total, dtype=buf.dtype, device=buf.device)
         works = []
-        for bucket in flat.buckets:
-            n = bucket.shard_end - bucket.shard_start
-            local = buf[bucket.local_start : bucket.local_start + n]
+        for bucket, (start, end, local_start) in zip(flat.buckets, flat.layout.parts):
+            local = buf[local_start : local_start + end - start]
             works.append(self.handoff.launch(_all_gather, full[bucket.start : bucket.end], local))
         self.handoff.settle(works)
         return full
 
     # --- shard="grads": every backward --------------------------------------------------------
-
-    @property
-    def shards_grads(self) -> bool:
-        return self.sharding is not None and self.sharding.mode == "grads"
 
     def staging_for(self, flat, bucket) -> Tensor:
         """shard="grads": the fp32 buffer (the bucket's whole range, zeros where no gradient
@@ -343,9 +343,11 @@ class WindowReducer:
         averages at the window's end)."""
         self._scatter(flat_groups, only_ready=False)
         pending, self._pending = self._pending, []
-        for launched, part, flat, bucket in pending:
+        for launched, part, flat, b in pending:
             self.handoff.settle([launched])
-            target = flat.acc[bucket.local_start : bucket.local_start + part.numel()]
+            local_start = flat.layout.parts[b][2]
+            target = flat.acc[local_start : local_start + part.numel()]
+            bucket = flat.buckets[b]
             if id(bucket) in self._holds:
                 target.add_(part)
             else:
@@ -358,10 +360,10 @@ class WindowReducer:
         self._holds = set()
 
     def _scatter(self, flat_groups, only_ready: bool) -> None:
+        if self.shard != "grads":
+            return
         for flat in flat_groups:
-            if not flat.shards_grads:
-                continue
-            for bucket in flat.buckets:
+            for b, bucket in enumerate(flat.buckets):
                 if id(bucket) in self._launched:
                     continue
                 if only_ready and id(bucket) not in self._ready:
@@ -372,7 +374,7 @@ class WindowReducer:
                 elif staged.dtype != self.reduce_dtype:
                     staged = staged.to(self.reduce_dtype)
                 part = torch.empty(staged.numel() // self.world, dtype=staged.dtype, device=staged.device)
-                self._pending.append((self.handoff.launch(_reduce_scatter, part, staged), part, flat, bucket))
+                self._pending.append((self.handoff.launch(_reduce_scatter, part, staged), part, flat, b))
                 self._launched.add(id(bucket))
 
     def average_(self, value: Tensor) -> Tensor:
@@ -388,10 +390,10 @@ class WindowReducer:
         self._ready, self._launched = set(), set()
 
     def _launch(self, flat_groups, only_ready: bool) -> None:
+        if self.shard == "grads":
+            return  # reduce-scattered every backward (scatter_backward)
         for flat in flat_groups:
-            if flat.shards_grads:
-                continue  # reduce-scattered every backward (scatter_backward)
-            for bucket in flat.buckets:
+            for b, bucket in enumerate(flat.buckets):
                 if id(bucket) in self._launched:
                     continue
                 if only_ready and id(bucket) not in self._ready:
@@ -402,8 +404,9 @@ class WindowReducer:
                         slot.acc.zero_()
                 segment = flat.acc[bucket.start : bucket.end]
                 op = self._avg_op if self._avg_op is not None else dist.ReduceOp.SUM
-                if flat.sharding is not None:  # in place: this rank's part receives the result
-                    part = flat.acc[bucket.shard_start : bucket.shard_end]
+                if self.shard is not None:  # in place: this rank's part receives the result
+                    start, end, _ = flat.layout.parts[b]
+                    part = flat.acc[start:end]
                     launched = self.handoff.launch(_reduce_scatter, part, segment, op=op)
                 else:
                     launched = self.handoff.launch(dist.all_reduce, segment, op=op)

@@ -1,37 +1,118 @@
-"""The operations of fused_accum, each declared once as a ``torch.library`` custom op.
+"""The operations of fused_accum, each declared once, and called here.
 
-Declaring them as custom ops (with fake implementations, which for these mutate-only ops do
-nothing) lets ``torch.compile`` trace a training step that calls them without a graph break.
-Callers use the plain names (``accumulate``, ``sgd_step``, ...): they go through the custom op
-while torch.compile traces, and straight to the backend in eager mode, where the custom-op
-wrapper costs ~30 us per call plus ~0.2 us per tensor (accumulate on the cpu backend, one
-thread, warm caches, ``ops.accumulate_`` timed against ``ops.accumulate`` on the same
-arguments: 36 us against 3.4 us for one tensor, 0.80 ms against 0.37 ms for 2,048 tensors of
-256), more than a GPU spends on a bucket's kernel.
+Adding an algorithm: the checklist is at the top of :mod:`fused_accum.algorithms`.
 
-Optional tensor lists (``lp_params``, the fused step's ``grads``) are passed as empty lists when
-absent: custom-op schemas have no optional list type. Each op takes the name of an
-already-resolved backend (see :mod:`fused_accum.backends`) and forwards to that backend's
-function; the contracts live in :mod:`fused_accum.backends.reference`.
+**The declarations.** An op's arguments are written once, as typed records (``NamedTuple`` classes):
 
-``plan=`` (eager calls of accumulate and the three steps only): an optional hashable the caller
-never reuses for other parameters, promising that the calls with it pass the same parameters'
-tensors (what exactly it promises: ``fused_accum.backends.triton.accumulate`` and ``_step``).
-It lets the triton backend skip re-reading what cannot have changed (issue 10 item 5: 2,048
-tensors read for 1.5 ms per accumulate, 4 ms per AdamW step without it); backends that need no
-such hint never see it, and torch.compile traces the op without it (a host-side cache key,
-nothing to trace).
+- ``accumulate``: :class:`Accumulate`;
+- every step op: :class:`StepTensors` (the tensor lists and device scalars all steps take),
+  then its own state lists (:class:`SgdStates`, :class:`AdamStates`, :class:`LionStates`), then
+  its hyper-parameter record (:class:`~fused_accum.algorithms.SgdHyper`, ``AdamHyper``,
+  ``LionHyper``, built from a param group); :class:`StepOp` puts the three together.
+
+From them follow, in field order, with ``Written`` fields marked ``(x!)`` (what the op mutates):
+
+- the custom ops ``fused_accum::<op>_`` (their schema plus ``str backend``): what
+  ``torch.compile`` traces;
+- the C++ extension's ``fused_accum_ext::<op>_``: :mod:`fused_accum.backends.ext` defines them
+  from :func:`ext_schemas` once ``_C`` has registered its kernels, and the dispatcher then
+  checks each C++ kernel's parameter types against the declaration (a mismatch is refused with
+  both signatures, naming the first differing argument);
+- the backend contract: each backend's ``<op>(t, s, h)`` takes the three records (contracts and
+  conventions in :mod:`fused_accum.backends.reference`); ``accumulate`` keeps its flat
+  arguments (its call is the per-micro-batch hot path, and ``csrc/hooks.cpp`` calls
+  ``fused_accum_ext::accumulate_`` with that typed signature).
+
+``tests/test_ops.py`` checks the registered schemas of both namespaces, and the signatures of
+``accumulate`` here and in every backend, against the declarations.
+
+**The calls.** Callers use the plain names (``accumulate``, ``adam_step``, ...): they go
+through the custom op while torch.compile traces, and straight to the backend in eager mode,
+where the custom-op wrapper costs ~30 us per call plus ~0.2 us per tensor (accumulate on the cpu
+backend, one thread, warm caches, ``ops.accumulate_`` timed against ``ops.accumulate`` on the
+same arguments: 36 us against 3.4 us for one tensor, 0.80 ms against 0.37 ms for 2,048 tensors
+of 256), more than a GPU spends on a bucket's kernel. Each op takes the name of an
+already-resolved backend (see :mod:`fused_accum.backends`).
+
+Optional tensor lists (``lp_params``, the fused step's ``grads``, amsgrad's running max) are
+empty when absent: custom-op schemas have no optional list type.
+
+``plan=`` (eager calls of accumulate and the steps only): an optional hashable the caller never
+reuses for other parameters, promising that the calls with it pass the same parameters' tensors
+(what exactly it promises: ``fused_accum.backends.triton.accumulate`` and ``_step``). It lets
+the triton backend skip re-reading what cannot have changed (issue 10 item 5: 2,048 tensors
+read for 1.5 ms per accumulate, 4 ms per AdamW step without it); backends that need no such hint
+never see it, and torch.compile traces the op without it (a host-side cache key, nothing to
+trace).
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import List, Optional
+import typing
+from typing import Annotated, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import backends
+from .algorithms import ALGORITHMS, AdamHyper, LionHyper, SgdHyper  # (the hyper records: importable here too)
+
+# --- the argument types ----------------------------------------------------------------------
+
+WRITTEN = "written"  # the mark of an argument the op writes in place
+Lists = List[Tensor]  # one tensor per parameter (or per gradient)
+WrittenLists = Annotated[List[Tensor], WRITTEN]
+WrittenTensor = Annotated[Tensor, WRITTEN]
+WrittenOptional = Annotated[Optional[Tensor], WRITTEN]
+
+_SCHEMA_TYPES = {Tensor: "Tensor", List[Tensor]: "Tensor[]", Optional[Tensor]: "Tensor?", float: "float", bool: "bool"}
+
+
+class Argument(NamedTuple):
+    """One argument of an op's schema, from a record's field."""
+
+    name: str
+    type: str  # the schema's type: Tensor, Tensor[], Tensor?, float, bool
+    written: bool
+
+
+def arguments(*records: type) -> tuple:
+    """The schema arguments of ``records``' fields, in order."""
+    out = []
+    for record in records:
+        hints = typing.get_type_hints(record, include_extras=True)
+        for name in record._fields:
+            hint = hints[name]
+            written = typing.get_origin(hint) is Annotated and WRITTEN in hint.__metadata__
+            if typing.get_origin(hint) is Annotated:
+                hint = typing.get_args(hint)[0]
+            out.append(Argument(name, _SCHEMA_TYPES[hint], written))
+    return tuple(out)
+
+
+def schema(name: str, args: Sequence[Argument]) -> str:
+    """``name(<args>) -> ()``, each written argument with an alias set of its own: Tensor(a!)[]."""
+    parts, letters = [], iter("abcdefghijklmnopqrstuvwxyz")
+    for arg in args:
+        kind = arg.type
+        if arg.written:
+            base, suffix = kind.split("Tensor")  # "", "[]" or "?"
+            kind = f"{base}Tensor({next(letters)}!){suffix}"
+        parts.append(f"{kind} {arg.name}")
+    return f"{name}({', '.join(parts)}) -> ()"
+
+
+def _custom_op(name: str, args: Sequence[Argument], body):
+    """The custom op ``fused_accum::<name>`` of ``args`` plus the backend's name, which calls
+    ``body(*args, backend)``; its fake implementation does nothing (the ops only mutate)."""
+    op = torch.library.custom_op(
+        f"fused_accum::{name}",
+        body,
+        mutates_args=tuple(a.name for a in args if a.written),
+        schema=schema(name, (*args, Argument("backend", "str", False)))[len(name) :],
+    )
+    op.register_fake(lambda *args: None)
+    return op
 
 
 def _hint(backend: str, plan) -> dict:
@@ -39,21 +120,31 @@ def _hint(backend: str, plan) -> dict:
     return {"plan": plan} if plan is not None and backends.takes_plan(backend) else {}
 
 
-def _custom_op(name: str, body, mutates_args: tuple):
-    """The custom op of ``body`` without its last parameter (``hint``, a host-side cache key:
-    nothing for torch.compile to trace, and no schema type for it); the op calls ``body`` with
-    the default hint, None."""
-    signature = inspect.signature(body)
-
-    def op_body(*args):
-        return body(*args)
-
-    op_body.__signature__ = signature.replace(parameters=list(signature.parameters.values())[:-1])
-    op_body.__name__ = op_body.__qualname__ = body.__name__
-    return torch.library.custom_op(name, mutates_args=mutates_args)(op_body)
+# --- accumulate ------------------------------------------------------------------------------
 
 
-def _accumulate(
+class Accumulate(NamedTuple):
+    """accumulate's arguments: ``acc[slice i] = alpha * grads[i] + (0 if overwrite else
+    acc[slice i])``, and the window's norm terms (contract: ``reference.accumulate``)."""
+
+    acc: WrittenTensor  # the flat fp32 accumulator
+    offsets: Tensor  # int64, CPU: where each gradient's slice of acc starts
+    grads: Lists
+    alpha: float
+    overwrite: bool
+    found_inf: WrittenOptional = None
+    sumsq: WrittenOptional = None
+
+
+def _accumulate(*args) -> None:  # the custom op's body: Accumulate's fields, then the backend
+    *args, backend = args
+    backends.get(backend).accumulate(*args)
+
+
+accumulate_ = _custom_op("accumulate_", arguments(Accumulate), _accumulate)
+
+
+def accumulate(
     acc: Tensor,
     offsets: Tensor,
     grads: List[Tensor],
@@ -62,174 +153,132 @@ def _accumulate(
     found_inf: Optional[Tensor],
     sumsq: Optional[Tensor],
     backend: str,
-    hint: Optional[dict] = None,
+    plan=None,
 ) -> None:
-    backends.get(backend).accumulate(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, **(hint or {}))
+    """Run accumulate_: the custom op under torch.compile, the backend directly otherwise
+    (the arguments of :class:`Accumulate`, then the backend's name)."""
+    if torch.compiler.is_compiling():
+        return accumulate_(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, backend)
+    backends.get(backend).accumulate(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, **_hint(backend, plan))
 
 
-accumulate_ = _custom_op("fused_accum::accumulate_", _accumulate, mutates_args=("acc", "found_inf", "sumsq"))
+# --- the steps -------------------------------------------------------------------------------
 
 
-@accumulate_.register_fake
-def _(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, backend):
-    return None
+class StepTensors(NamedTuple):
+    """What every step op takes first: the tensor lists (one tensor per parameter, in the same
+    order), the device scalars, and how a fused last micro-batch folds in (contracts:
+    :mod:`fused_accum.backends.reference`). Pass the fields that have a default by name: a new
+    one may be declared among them (issue 28's int16 remainders, after ``lp_params``)."""
+
+    params: WrittenLists  # what the step updates: fp32 masters, or the parameters themselves
+    accs: Lists  # fp32 views of the accumulator
+    steps: Tensor  # fp32, one step count per tensor, counting this step
+    lr: Tensor  # one element, fp64 (or fp32)
+    coef: Tensor  # one fp32 element: multiplies the accumulated gradient
+    lp_params: WrittenLists = ()  # the low-precision parameters that receive params rounded
+    grads: Lists = ()  # the window's last micro-batch, fused into this step
+    found_inf: Optional[Tensor] = None  # one fp32 element: non-zero skips the whole step
+    grad_alpha: float = 1.0  # grads' weight
+    grads_overwrite: bool = False  # the gradient is grad_alpha * grads alone, not acc + it
 
 
-def _sgd_step(
-    params: List[Tensor],
-    momentum_bufs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    lp_params: List[Tensor],
-    grads: List[Tensor],
-    grad_alpha: float,
-    grads_overwrite: bool,
-    found_inf: Optional[Tensor],
-    backend: str,
-    hint: Optional[dict] = None,
-) -> None:
-    backends.get(backend).sgd_step(
-        params,
-        momentum_bufs,
-        accs,
-        steps,
-        lr,
-        coef,
-        momentum=momentum,
-        dampening=dampening,
-        weight_decay=weight_decay,
-        nesterov=nesterov,
-        maximize=maximize,
-        lp_params=lp_params,
-        grads=grads,
-        grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite,
-        found_inf=found_inf,
-        **(hint or {}),
-    )
+# Each step op's optimizer-state lists (fp32, one per parameter, written), in the kernels'
+# column order. A list is named for the torch state key it holds, plus "s"; one with a default
+# may be empty (absent).
 
 
-sgd_step_ = _custom_op("fused_accum::sgd_step_", _sgd_step, mutates_args=("params", "momentum_bufs", "lp_params"))
+class SgdStates(NamedTuple):
+    momentum_buffers: WrittenLists = ()  # empty without momentum (torch keeps none then)
 
 
-@sgd_step_.register_fake
-def _(*args):
-    return None
+class AdamStates(NamedTuple):
+    exp_avgs: WrittenLists
+    exp_avg_sqs: WrittenLists
+    max_exp_avg_sqs: WrittenLists = ()  # amsgrad's running maximum; empty: amsgrad off
 
 
-def _adam_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    lp_params: List[Tensor],
-    grads: List[Tensor],
-    grad_alpha: float,
-    grads_overwrite: bool,
-    found_inf: Optional[Tensor],
-    backend: str,
-    hint: Optional[dict] = None,
-) -> None:
-    # amsgrad's running max is passed only when present (empty list: amsgrad off)
-    amsgrad = dict(max_exp_avg_sqs=max_exp_avg_sqs) if max_exp_avg_sqs else {}
-    backends.get(backend).adam_step(
-        params,
-        exp_avgs,
-        exp_avg_sqs,
-        accs,
-        steps,
-        lr,
-        coef,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        decoupled=decoupled,
-        maximize=maximize,
-        lp_params=lp_params,
-        grads=grads,
-        grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite,
-        found_inf=found_inf,
-        **amsgrad,
-        **(hint or {}),
-    )
+class LionStates(NamedTuple):
+    exp_avgs: WrittenLists
 
 
-adam_step_ = _custom_op(
-    "fused_accum::adam_step_",
-    _adam_step,
-    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params"),
-)
+def _plain(x):
+    """A record's field as the schema takes it: a tuple of tensors (a default ``()``) as a list."""
+    return list(x) if isinstance(x, tuple) else x
 
 
-@adam_step_.register_fake
-def _(*args):
-    return None
+class StepOp:
+    """One fused step op: :class:`StepTensors`, then its ``states`` record, then its ``hyper``
+    record. ``op(t, s, h, backend, plan=None)`` runs it (``plan``: see the module docstring);
+    ``op.custom_op`` is ``fused_accum::<name>_``."""
+
+    def __init__(self, name: str, states: type, hyper: type) -> None:
+        self.name = name  # each backend's function, and "<name>_" the custom ops
+        self.states = states
+        self.hyper = hyper
+        self.arguments = arguments(StepTensors, states, hyper)
+        # torch's state key of each list: exp_avgs -> exp_avg (opt.state[p][key])
+        self.state_keys = tuple(field[:-1] for field in states._fields)
+        self._sizes = (len(StepTensors._fields), len(states._fields))
+        self.custom_op = _custom_op(f"{name}_", self.arguments, self._traced)
+
+    def __repr__(self) -> str:
+        return f"StepOp({self.name!r}, {self.states.__name__}, {self.hyper.__name__})"
+
+    def __call__(self, t: StepTensors, s, h, backend: str, plan=None) -> None:
+        if torch.compiler.is_compiling():
+            return self.custom_op(*self.flatten(t, s, h), backend)
+        getattr(backends.get(backend), self.name)(t, s, h, **_hint(backend, plan))
+
+    def _traced(self, *args) -> None:  # the custom op's body
+        *flat, backend = args
+        getattr(backends.get(backend), self.name)(*self.unflatten(flat))
+
+    def flatten(self, t: StepTensors, s, h) -> list:
+        """The three records as the schema's positional arguments (lists as lists)."""
+        return [*map(_plain, t), *map(_plain, s), *h]
+
+    def unflatten(self, args: Sequence) -> tuple:
+        """The schema's positional arguments as (StepTensors, states, hyper)."""
+        n_t, n_s = self._sizes
+        return StepTensors(*args[:n_t]), self.states(*args[n_t : n_t + n_s]), self.hyper(*args[n_t + n_s :])
+
+    def records(self, **fields) -> tuple:
+        """(StepTensors, states, hyper) from their fields by name, the defaults for the rest:
+        the flat keyword form of this op's arguments (tests and benchmarks)."""
+        records = (StepTensors, self.states, self.hyper)
+        unknown = set(fields).difference(*(record._fields for record in records))
+        if unknown:
+            raise TypeError(f"{self.name}: unexpected arguments {sorted(unknown)}")
+        return tuple(record(**{k: fields[k] for k in record._fields if k in fields}) for record in records)
+
+    def states_of(self, slot_states: Sequence[dict], keys: Sequence[str]):
+        """The states record for slots whose state buffers are ``slot_states`` (torch's key ->
+        tensor, one dict per slot): a list for each key in ``keys`` (what the param group keeps
+        now: :func:`fused_accum.algorithms.state_keys`), empty for the others."""
+        return self.states(*([st[key] for st in slot_states] if key in keys else [] for key in self.state_keys))
 
 
-def _lion_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    maximize: bool,
-    lp_params: List[Tensor],
-    grads: List[Tensor],
-    grad_alpha: float,
-    grads_overwrite: bool,
-    found_inf: Optional[Tensor],
-    backend: str,
-    hint: Optional[dict] = None,
-) -> None:
-    backends.get(backend).lion_step(
-        params,
-        exp_avgs,
-        accs,
-        steps,
-        lr,
-        coef,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        maximize=maximize,
-        lp_params=lp_params,
-        grads=grads,
-        grad_alpha=grad_alpha,
-        grads_overwrite=grads_overwrite,
-        found_inf=found_inf,
-        **(hint or {}),
-    )
+sgd_step = StepOp("sgd_step", SgdStates, SgdHyper)
+adam_step = StepOp("adam_step", AdamStates, AdamHyper)
+lion_step = StepOp("lion_step", LionStates, LionHyper)
+STEP_OPS = {op.name: op for op in (sgd_step, adam_step, lion_step)}
+sgd_step_, adam_step_, lion_step_ = (op.custom_op for op in STEP_OPS.values())
 
 
-lion_step_ = _custom_op("fused_accum::lion_step_", _lion_step, mutates_args=("params", "exp_avgs", "lp_params"))
+def step_op(algorithm: str) -> StepOp:
+    """The step op of fused algorithm ``algorithm`` (its hyper-parameters: ``op.hyper.of``)."""
+    return STEP_OPS[ALGORITHMS[algorithm].op]
 
 
-@lion_step_.register_fake
-def _(*args):
-    return None
+def ext_schemas() -> dict:
+    """The schemas of the C++ extension's operators (``fused_accum_ext::<name>``): the
+    declarations, without the backend's name."""
+    declared = {"accumulate_": arguments(Accumulate), **{f"{op.name}_": op.arguments for op in STEP_OPS.values()}}
+    return {name: schema(name, args) for name, args in declared.items()}
+
+
+# --- the weight-gradient GEMM (fused_accum.nn) -----------------------------------------------
 
 
 def _wgrad_accumulate(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool, backend: str) -> None:
@@ -247,25 +296,7 @@ def _(acc, grad_output, input, overwrite, backend):
     return None
 
 
-def _eager_or_traced(op, implementation, takes_plan: bool = True):
-    if takes_plan:
-
-        def call(*args, plan=None):
-            if torch.compiler.is_compiling():
-                return op(*args)  # the plan is a host-side cache key of the eager path
-            return implementation(*args, _hint(args[-1], plan))
-    else:
-
-        def call(*args):
-            return (op if torch.compiler.is_compiling() else implementation)(*args)
-
-    call.__name__ = call.__qualname__ = implementation.__name__.lstrip("_")
-    call.__doc__ = f"Run {op}: the custom op under torch.compile, the backend directly otherwise."
-    return call
-
-
-accumulate = _eager_or_traced(accumulate_, _accumulate)
-sgd_step = _eager_or_traced(sgd_step_, _sgd_step)
-adam_step = _eager_or_traced(adam_step_, _adam_step)
-lion_step = _eager_or_traced(lion_step_, _lion_step)
-wgrad_accumulate = _eager_or_traced(wgrad_accumulate_, _wgrad_accumulate, takes_plan=False)
+def wgrad_accumulate(acc: Tensor, grad_output: Tensor, input: Tensor, overwrite: bool, backend: str) -> None:
+    """Run wgrad_accumulate_: the custom op under torch.compile, the backend directly otherwise."""
+    op = wgrad_accumulate_ if torch.compiler.is_compiling() else _wgrad_accumulate
+    op(acc, grad_output, input, overwrite, backend)

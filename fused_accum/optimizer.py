@@ -30,9 +30,10 @@ from torch import Tensor
 
 from . import backends, checkpoint
 from .algorithms import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
-from .algorithms import check_after_groups, parse_algorithm, state_keys, validate_hyperparameters
+from .algorithms import check_after_groups, parse_algorithm
 from . import topology
-from .flat import SUPPORTED_DTYPES, FlatGroup, padded_offsets  # noqa: F401 (padded_offsets: re-exported)
+from .flat import padded_offsets  # noqa: F401 (re-exported)
+from .members import Members
 from .generic import GenericPath
 from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: importable here, as before)
 from .window import GradientWindow
@@ -60,12 +61,6 @@ def _check_arguments(
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
     if step_in_backward and not isinstance(optimizer, str):
         raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
-
-
-def _param_label(group_index, j, param, names):
-    if names is not None:
-        return repr(names[j])
-    return f"param_groups[{group_index}]['params'][{j}] (shape {tuple(param.shape)}, {param.dtype})"
 
 
 class FusedAccumOptimizer(torch.optim.Optimizer):
@@ -158,8 +153,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
         self._master_weights = True if master_weights is None else bool(master_weights)
-        self._backend_request = backend
-        self._bucket_cap_mb = bucket_cap_mb
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
         self._generic = GenericPath(generic_class) if generic_class is not None else None
@@ -172,16 +165,21 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             stepper=self._stepper,
             label=f"{type(self).__name__} at {id(self):#x}",
         )
-        self._frozen: list = []  # (param, group index, label): no buffers until unfrozen
+        self._members = Members(
+            self._window,
+            algorithm=self._algorithm,
+            generic=self._generic,
+            master_weights=self._master_weights,
+            backend=backend,
+            bucket_cap_mb=bucket_cap_mb,
+        )
         self._warned_unstarted = False  # (step_in_backward: see _warn_unstarted_window)
-        self._group_params: list = []  # by group: ids of its params as added (see _check_groups)
-        self._attached = False
         super().__init__(params, defaults)
         check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
         # detached) only once every group has been accepted.
         self._window.attach(self._window.slots)
-        self._attached = True
+        self._members.attached = True
 
     # --- construction ----------------------------------------------------------------------
 
@@ -191,88 +189,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         parameters buffers and, once the optimizer is built, hooks. All or nothing."""
         super().add_param_group(param_group)
         try:
-            self._build_group(len(self.param_groups) - 1)
+            self._members.add_group(self.param_groups, len(self.param_groups) - 1)
         except BaseException:
             self.param_groups.pop()
             raise
-        self._group_params.append(list(map(id, self.param_groups[-1]["params"])))
-
-    def _build_group(self, group_index: int) -> None:
-        group = self.param_groups[group_index]
-        if self._algorithm is not None:
-            validate_hyperparameters(self._algorithm, group)
-        names = group.get("param_names")
-        seen, trainable = set(), []
-        for j, p in enumerate(group["params"]):
-            if id(p) in seen:  # torch warned about the duplicate; it is trained once
-                continue
-            seen.add(id(p))
-            label = _param_label(group_index, j, p, names)
-            if p.requires_grad:
-                trainable.append((p, label))
-            else:  # any dtype: an integer counter kept in a group is never trained
-                self._frozen.append((p, group_index, label))
-        self._make_flat_groups(group_index, trainable)
-
-    def _make_flat_groups(self, group_index: int, members: list) -> list:
-        """Buffers for ``members`` ((param, label) pairs of one param group), one flat group per
-        (device, dtype); hooks too once the optimizer is built. Returns the new slots."""
-        group = self.param_groups[group_index]
-        by_key: dict = {}
-        for p, label in members:
-            if p.is_complex() or not p.is_floating_point() or p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"parameter {label} has dtype {p.dtype}; supported: float32, bfloat16, float16")
-            by_key.setdefault((p.device, p.dtype), []).append((p, label))
-        resolved = {
-            key: backends.resolve(self._backend_request, key[0]) for key in by_key
-        }  # may raise: before any buffer
-        window, new_slots = self._window, []
-        for (device, dtype), pairs in by_key.items():
-            flat = FlatGroup(
-                len(window.flat_groups),
-                group_index,
-                [p for p, _ in pairs],
-                [l for _, l in pairs],
-                len(window.slots),
-                dtype,
-                device,
-                state_keys(self._algorithm, group),
-                self._master_weights,
-                resolved[(device, dtype)],
-                self._bucket_numel(device),
-                window.topology.sharding,
-            )
-            window.add(flat)  # (DTensor parameters make the topology FSDP2's: topology.Local.join)
-            new_slots.extend(flat.slots)
-        window.topology.check_optimizer(window, self._generic.cls.__name__ if self._generic is not None else None)
-        if self._generic is not None:
-            self._generic.add(group, group_index, new_slots)
-        if self._attached:
-            window.attach(new_slots)
-        return new_slots
-
-    def _adopt_unfrozen(self) -> None:
-        """Give buffers and hooks to parameters frozen when added and trainable now (gradual
-        unfreezing). Their first window was accumulated natively in ``.grad``: taken as is."""
-        ready = [entry for entry in self._frozen if entry[0].requires_grad]
-        if not ready:
-            return
-        self._frozen = [entry for entry in self._frozen if not entry[0].requires_grad]
-        by_group: dict = {}
-        for p, group_index, label in ready:
-            by_group.setdefault(group_index, []).append((p, label))
-        for group_index, members in by_group.items():
-            for slot in self._make_flat_groups(group_index, members):
-                checkpoint.adopt_saved(self, slot)  # (a checkpoint loaded while it was frozen)
-                if slot.param.grad is not None:
-                    self._window.take_user_grad(slot, slot.param.grad)
-
-    def _bucket_numel(self, device: torch.device) -> int:
-        """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""
-        cap = self._bucket_cap_mb
-        if cap is None:
-            cap = self._window.topology.default_bucket_mb(device)
-        return max(1, int(cap * 2**20 / 4))
 
     # --- the window, as the user drives it ----------------------------------------------------
 
@@ -334,7 +254,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         gradient by it (an int, float or device tensor; see the README's "Sums, like .grad")."""
         window = self._window
         window.check_attached()
-        self._check_groups()
+        self._members.check_unchanged(self.param_groups, type(self).__name__)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -343,7 +263,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             if not (num_items > 0 and math.isfinite(num_items)):
                 raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
         window.flush()
-        if window.stepped_in_backward:
+        if window.ledger.stepped_in_backward:
             if num_items is not None:
                 raise ValueError(
                     "step_in_backward=True already stepped during backward; "
@@ -351,14 +271,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
                 )
             # Parameters unfrozen during the window were not hooked: their gradients are in
             # .grad, natively; they join here and step now (their later windows step in backward).
-            self._adopt_unfrozen()
+            self._members.adopt_unfrozen(self)
             for flat in window.flat_groups:
                 self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.one)
                 flat.masters_written()
             window.after_step()
             window.expose()
             return loss
-        if self.step_in_backward and not window.may_step_in_backward and window.microbatches:
+        if self.step_in_backward and not window.ledger.may_step_in_backward and window.microbatches:
             self._warn_unstarted_window()
         window.reconcile()
         self._take_user_grads()
@@ -389,28 +309,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window.expose()
         return loss
 
-    def _check_groups(self) -> None:
-        """Raise if a group's ``params`` list was edited (torch's optimizers walk the lists at
-        every step; here each parameter's buffers and hooks were made when its group was added),
-        or if the parameters were left on the meta device."""
-        groups = self.param_groups
-        if len(groups) != len(self._group_params) or any(
-            list(map(id, g["params"])) != ids for g, ids in zip(groups, self._group_params)
-        ):
-            raise RuntimeError(
-                f"{type(self).__name__}: the parameters of a param group changed since it was added "
-                "(a parameter appended to or removed from group['params']); fused_accum gives each "
-                "parameter its buffers and hooks when its group is added: use add_param_group() for "
-                "new parameters, or build a new optimizer"
-            )
-        for flat in self._window.flat_groups:
-            if flat.device.type == "meta" and flat.slots[0].param.is_meta:
-                raise RuntimeError(
-                    f"{type(self).__name__}: its parameters are on the meta device. model.to_empty() "
-                    "makes new parameters, which an optimizer built before cannot follow (their "
-                    "gradients never reach it): build the optimizer after to_empty()"
-                )
-
     def _warn_unstarted_window(self) -> None:
         if not self._warned_unstarted:
             self._warned_unstarted = True
@@ -424,20 +322,20 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
-        self._adopt_unfrozen()
+        self._members.adopt_unfrozen(self)
         window = self._window
         window.follow_moved_params()
         for flat in window.flat_groups:
             param = flat.slots[0].param
             moved = param.device != flat.device or param.dtype != flat.dtype
             if moved or flat.device.type == "meta" and any(s.param.grad is not None for s in flat.slots):
-                self._stepper.rehome(flat)
+                window.rehome(flat)
         for slot in window.slots:
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
-                window.take_user_grad(slot, window.flat_groups[slot.flat_index].local_grad(slot, grad))
+                window.take_user_grad(slot, window.flat_groups[slot.flat_index].user_grad(slot, grad))
             elif grad is None and window.topology.stands_aside:
-                slot.has_grad = False  # under DDP .grad is autograd's: None means no gradient
+                window.ledger.cleared(slot)  # under DDP .grad is autograd's: None means no gradient
 
     # --- checkpoints (fused_accum.checkpoint; what each holds: the README's "Checkpoints") ---------
 

@@ -102,63 +102,16 @@ class Stepper:
             index = flat.active_index(tuple(s.index for s in held))
             steps = flat.steps.index_select(0, index)
             active = held
-        common = (steps, flat.lr, flat.coef)
-        tail = (lp_params, list(grads), 1.0, grads_overwrite, found_inf, flat.backend)
+        op = ops.step_op(self.algorithm)
+        fused = dict(grads=list(grads), grads_overwrite=grads_overwrite)  # the last micro-batch, if any
+        t = ops.StepTensors(params, accs, steps, flat.lr, flat.coef, lp_params=lp_params, found_inf=found_inf, **fused)
+        s = op.states_of([slot.state for slot in active], state_keys(self.algorithm, group))
         # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
         # of this flat group's buffers; what changes their layout (the active set, the lists
         # passed) is in the key.
         everyone = len(active) == len(flat.slots)
-        layout = (None if everyone else tuple(s.index for s in active), len(grads), grads_overwrite)
-        if self.algorithm == "sgd":
-            momentum = group["momentum"]
-            bufs = [s.state["momentum_buffer"] for s in active] if momentum != 0 else []
-            ops.sgd_step(
-                params,
-                bufs,
-                accs,
-                *common,
-                momentum,
-                group["dampening"],
-                group["weight_decay"],
-                group["nesterov"],
-                group["maximize"],
-                *tail,
-                plan=(flat.plan, layout, bool(bufs)),
-            )
-            return
-        beta1, beta2 = (scalar(b) for b in group["betas"])
-        exp_avgs = [s.state["exp_avg"] for s in active]
-        if self.algorithm in ("adam", "adamw"):
-            maxes = [s.state["max_exp_avg_sq"] for s in active] if group["amsgrad"] else []
-            ops.adam_step(
-                params,
-                exp_avgs,
-                [s.state["exp_avg_sq"] for s in active],
-                maxes,
-                accs,
-                *common,
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                self.algorithm == "adamw",
-                group["maximize"],
-                *tail,
-                plan=(flat.plan, layout, bool(maxes)),
-            )
-        else:
-            ops.lion_step(
-                params,
-                exp_avgs,
-                accs,
-                *common,
-                beta1,
-                beta2,
-                group["weight_decay"],
-                group["maximize"],
-                *tail,
-                plan=(flat.plan, layout),
-            )
+        layout = (None if everyone else tuple(x.index for x in active), len(grads), grads_overwrite)
+        op(t, s, op.hyper.of(self.algorithm, group), flat.backend, plan=(flat.plan, layout, tuple(map(bool, s))))
 
     def rehome(self, flat: FlatGroup) -> None:
         """Move ``flat``'s buffers to where its parameters now are (a model moved, or
@@ -239,10 +192,9 @@ class Stepper:
 
 
 def fp32_piece(flat: FlatGroup, slot: Slot, value: Tensor) -> Tensor:
-    """A saved or assigned per-parameter value as the slot's 1-D fp32 piece on the flat group's
-    device (sharded: this rank's piece of a whole parameter's value; DTensor: its local shard)."""
-    value = flat.local_value(slot, value.detach())
-    return flat.piece_of(slot, value.to(device=flat.device, dtype=torch.float32).reshape(-1))
+    """A saved or assigned per-parameter value as the 1-D fp32 values of the slot's master or
+    state slice, on the flat group's device (what of it this process holds: the layout's)."""
+    return flat.loaded(slot, value)
 
 
 def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite) -> tuple:
@@ -277,12 +229,10 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
             # GradScaler passes no scale after its unscale_(opt), which divided .grad in place
             # with an op that leaves the version counter alone (torch 2.13's
             # _amp_foreach_non_finite_check_and_unscale_): the last pass's norm is stale.
-            window.invalidate_stats()
+            window.ledger.invalidate_stats()
     if max_grad_norm is not None or skip_nonfinite:
-        stats = window.complete_stats()
-        total = sum(sumsq.to(home) for _, sumsq in stats.values())
-        any_inf = sum(flag.to(home) for flag, _ in stats.values())
-        total, any_inf = window.topology.sum_stats(window, total, any_inf)  # (FSDP2: over the mesh)
+        # (over every rank's gradient, in a data-parallel topology)
+        total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
         # inf/nan anywhere makes the sum of squares non-finite too
         nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
         norm = total.sqrt() * coef

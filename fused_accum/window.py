@@ -39,9 +39,9 @@ from torch import Tensor
 
 from . import owners
 from .arrivals import make_arrivals
-from .exposure import Exposure
-from .flat import LOW_PRECISION, FlatGroup, Slot, assign_all
+from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
+from .ledger import Exposure, Ledger
 from .topology import Local
 
 _current_graph_task_id = torch._C._current_graph_task_id
@@ -126,7 +126,6 @@ class GradientWindow:
         self._stepper = stepper  # step.Stepper: rehome(flat), fused_step (no reference up)
         self.label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
-        self.slots: list[Slot] = []  # by key
         self._params: list = []  # by key: the parameters (what rehook is asked about)
         self._slot_of: dict = {}  # id(param) -> slot
         self.detached_because: Optional[str] = None
@@ -141,19 +140,19 @@ class GradientWindow:
             functools.partial(_backward_raised, this),
         )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
+        # the window's state (counts, norm, what is shown, every slot's window fields)
+        self.ledger = Ledger(self._arrivals, label, accum_steps, step_in_backward, wants_stats)
+        self.slots: list[Slot] = self.ledger.slots  # by key
         self._folder = Folder(
-            arrivals=self._arrivals,
+            ledger=self.ledger,
             flat_groups=self.flat_groups,
             stepper=stepper,
             topology=topology,
             label=label,
-            accum_steps=accum_steps,
             step_in_backward=step_in_backward,
-            wants_stats=wants_stats,
             lock=self.lock,
         )
-        self.count = self._folder.count  # (fold.BackwardCount: what the folds ask, the window counts)
-        self._exposure = Exposure(self._folder, self.slots)
+        self._exposure = Exposure(self.ledger, self.flat_groups, self._folder)
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     @property
@@ -164,17 +163,20 @@ class GradientWindow:
     @topology.setter
     def topology(self, topology: Local) -> None:
         self._folder.topology = topology
-        self._arrivals.native = topology.stands_aside
+        self.ledger.set_stands_aside(topology.stands_aside)
 
     # --- membership ------------------------------------------------------------------------
 
+    def join(self, params: list) -> None:
+        """Parameters are about to get a flat group: the topology from now on (DTensor
+        parameters are FSDP2's), which gives the group its layout."""
+        self.topology = self.topology.join(self.ledger, params)
+
     def add(self, flat: FlatGroup) -> None:
-        self.topology = self.topology.join(self, flat)
-        self.topology.add(flat)
-        self._exposure.forget()  # new slots: show again
+        self.topology.add(self.ledger, flat)
+        self.ledger.join(flat.slots)  # (new slots: show again)
         self._folder.add(flat)
         self.flat_groups.append(flat)
-        self.slots.extend(flat.slots)
         self._params.extend(s.param for s in flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
 
@@ -207,7 +209,7 @@ class GradientWindow:
         parameters; warns if the window held gradients that are now discarded."""
         if self.detached_because is not None:
             return
-        if self.pending():
+        if self.ledger.pending():
             warnings.warn(
                 f"{self.label} was detached ({reason}) with gradients accumulated in its window: they are discarded",
                 stacklevel=4,
@@ -229,7 +231,7 @@ class GradientWindow:
                 p = slot.param
                 if slot.has_grad and p.grad is slot.grad_view and slot.grad_view is not slot.placeholder:
                     p.grad = slot.grad_view.to(p.dtype, copy=True)
-                    slot.has_grad = False
+                    self.ledger.cleared(slot)
             self._arrivals.clear()
             self.detach(reason)
 
@@ -245,14 +247,6 @@ class GradientWindow:
         if not self.topology.decided:
             self.topology = self.topology.resolve([s.param for s in self.slots])
         return self.topology
-
-    def took_gradients(self) -> bool:
-        """The hooks took a gradient already (so no other engine may own them now)."""
-        return self.count.total > 0 or self.pending()
-
-    def check_next_backward(self) -> None:
-        """The next backward calls before_backward (its checks), whatever was armed."""
-        self._arrivals.slow = True
 
     def follow_moved_params(self) -> None:
         """Hook again the parameters whose AccumulateGrad node autograd replaced (``model.to``
@@ -270,9 +264,14 @@ class GradientWindow:
             flat = self.flat_groups[index]
             param = flat.slots[0].param
             if param.device != flat.device or param.dtype != flat.dtype:
-                self._stepper.rehome(flat)
+                self.rehome(flat)
         self._exposure.forget()  # new views and nodes: decide again
         self._folder.forget_grants()
+
+    def rehome(self, flat: FlatGroup) -> None:
+        """Move ``flat``'s buffers after its parameters (moved or cast): no gradient survives."""
+        self._stepper.rehome(flat)
+        self.ledger.moved(flat.slots)
 
     def _before_backward(self) -> None:
         """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
@@ -283,15 +282,15 @@ class GradientWindow:
                 return
             self.follow_moved_params()
             self._folder.take_fast_overwrites()  # (of a backward that raised before its end)
-            self.topology.before_backward(self)
-            if self._exposure.shown:
+            self.topology.before_backward(self.ledger)
+            if self.ledger.shown:
                 self.reconcile(before_backward=True)
             else:
                 self._exposure.take_assigned_grads()
             if self.step_in_backward:  # (every backward comes here: nothing is granted)
                 for flat in self.flat_groups:
                     flat.refresh_masters()  # this backward may step from them
-            self._arrivals.slow = False
+            self.ledger.checked()
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).
             self._queue_end_of_backward(arrived=False)
@@ -320,6 +319,17 @@ class GradientWindow:
             slot.param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
         return True
 
+    def take_grad(self, key: int, grad: Tensor) -> None:
+        """A gradient handed to the window whole (FSDP2 reduce-scattered a micro-batch into the
+        parameter's ``.grad``): copied into its slot's slice, which ``.grad`` shows from then."""
+        slot = self.slots[key]
+        with self.lock:
+            if grad is not slot.grad_view:
+                local = self.flat_groups[slot.flat_index].user_grad(slot, grad)
+                slot.acc.copy_(local.reshape(-1))
+                slot.param.grad = slot.grad_view
+            self.ledger.took_grad(slot)
+
     def _backward_raised(self, task: Optional[int]) -> None:
         """A backward raised before its end (``task``: its graph task, None for one the hooks
         ran quietly). What arrived before the error is in ``.grad`` natively (AccumulateGrad
@@ -331,7 +341,7 @@ class GradientWindow:
                 self._tasks.pop(task, None)
             if self.detached_because is not None:
                 return
-            self._arrivals.revoke_fast()
+            self._folder.revoke_fast()
             self.flush()
             self.expose()
 
@@ -344,7 +354,8 @@ class GradientWindow:
         if seen is None:
             torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(weakref.ref(self), task))
             self._tasks[task] = arrived
-            self._arrivals.python_seen()  # (this backward is not quiet: this callback ends it)
+            if self.ledger.fast is not None:
+                self.ledger.fast.python_seen()  # (this backward is not quiet: this callback ends it)
         elif arrived and not seen:
             self._tasks[task] = True
 
@@ -354,16 +365,7 @@ class GradientWindow:
     def microbatches(self) -> int:
         """Backward passes in this window (0 once the user cleared every ``.grad`` it showed:
         that is a new window, which the next backward's reconcile would start). Reads only."""
-        return 0 if self._exposure.all_cleared() else self.count.microbatches
-
-    @property
-    def stepped_in_backward(self) -> bool:
-        return self._folder.stepped_in_backward
-
-    @property
-    def may_step_in_backward(self) -> bool:
-        """step_in_backward may step this window (it was started: see after_step)."""
-        return self._folder.may_step_in_backward
+        return 0 if self._exposure.all_cleared() else self.ledger.microbatches
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
@@ -375,7 +377,7 @@ class GradientWindow:
     def _end_of_backward(self, task: int) -> None:
         with self.lock:
             arrived = self._tasks.pop(task, False)
-            self._arrivals.revoke_fast()  # granted for this backward only
+            self._folder.revoke_fast()  # granted for this backward only
             self.flush()
             enclosing = torch._C._current_autograd_node()
             if enclosing is not None:
@@ -385,17 +387,17 @@ class GradientWindow:
                 enclosing.register_hook(lambda *_: self._queue_end_of_backward(arrived))
                 return
             if arrived:
-                self.topology.backward_ended(self)
+                self.topology.backward_ended(self.ledger, self.flat_groups)
                 self._count_microbatch()
             self.expose()
             self._folder.arm_quiet()
-            self._folder.stats.versions = self._folder.stats.acc_versions(self.flat_groups)
+            self.ledger.note_acc_versions(self.flat_groups)
 
     def _count_microbatch(self) -> None:
-        syncs = self.topology.syncs(self.count)
-        self.count.add_one()
-        folder = self._folder
-        if folder.may_step_in_backward and self.count.microbatches == self.accum_steps and not folder.pieces_seen:
+        ledger = self.ledger
+        syncs = self.topology.syncs(ledger)
+        ledger.backward_ended()
+        if ledger.may_step_in_backward and ledger.microbatches == self.accum_steps and not ledger.pieces_seen:
             self._folder.step_the_rest()
         elif syncs:
             self.finish_reduction()
@@ -403,7 +405,7 @@ class GradientWindow:
     def finish_reduction(self) -> None:
         """Complete the data-parallel reduction of what was added since the last one (if
         anything): afterwards every slot holds the group's gradient."""
-        self.topology.finish(self)
+        self.topology.finish(self.ledger, self.flat_groups)
 
     def expose(self) -> None:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
@@ -421,43 +423,15 @@ class GradientWindow:
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
         self._exposure.take_user_grad(slot, grad)
 
-    # --- statistics (fused_accum.fold.Stats) ---------------------------------------------------
-
-    def invalidate_stats(self) -> None:
-        self._folder.invalidate_stats()
-
-    def complete_stats(self) -> dict:
-        return self._folder.complete_stats()
-
     # --- the window's end ---------------------------------------------------------------------
-
-    def pending(self) -> bool:
-        return any(s.has_grad for s in self.slots) or self._arrivals.has_arrivals()
 
     def after_step(self) -> None:
         """The optimizer stepped: the next backward starts counting micro-batches anew. The
         accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
         until ``zero_grad()``); a backward before ``zero_grad()`` adds to them, and is never
-        stepped in backward: a backward after the step and before the next window is started
-        is not that window's (DCGAN: G's loss reaches D's parameters after D's step)."""
-        self._restart_counts()
-        self._folder.may_step_in_backward = False
-
-    def _start_window(self) -> None:
-        """A window starts: ``zero_grad()``, or every gradient cleared (``model.zero_grad()``)."""
-        self._restart_counts()
-        self._folder.may_step_in_backward = self.step_in_backward
-
-    def _restart_counts(self) -> None:
-        """Micro-batches are counted anew; what the last window decided (stepped, its norm) is
-        forgotten."""
-        self.count.microbatches = 0
-        self._folder.stepped_in_backward = False
-        if self.step_in_backward:
-            for slot in self.slots:
-                slot.stepped = False
-        self.invalidate_stats()
-        self.topology.after_step(self)
+        stepped in backward (see Ledger.stepped)."""
+        self.ledger.stepped()
+        self.topology.after_step(self.ledger, self.flat_groups)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``opt.zero_grad()``. ``set_to_none``: discard the window. Else the exposed gradients
@@ -471,8 +445,8 @@ class GradientWindow:
             self.flush()
             self.reconcile()
             self._exposure.zero_held()
-            self.invalidate_stats()
-            self._start_window()
+            self.ledger.window_started()
+            self.topology.after_step(self.ledger, self.flat_groups)
             self.expose()
         if _current_graph_task_id() >= 0:
             # Called from a hook while a backward runs: what arrives after is the new window's,
@@ -489,8 +463,6 @@ class GradientWindow:
 
     def _forget_all(self) -> None:
         """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
-        self._exposure.shown = False
-        self._arrivals.hide = False  # a .grad the user sets now is added to by the next backward
         self.topology.reset()
-        assign_all(self.slots, "has_grad", False)
-        self._start_window()
+        self.ledger.discarded()
+        self.topology.after_step(self.ledger, self.flat_groups)

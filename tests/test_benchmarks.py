@@ -244,9 +244,8 @@ def test_accumulate_check_flags_a_wrong_kernel(monkeypatch, op):
 def test_step_check_flags_an_unwritten_bf16_param(monkeypatch):
     from fused_accum.backends import reference
 
-    def no_lp(*args, **kwargs):
-        kwargs["lp_params"] = ()
-        reference.adam_step(*args, **kwargs)
+    def no_lp(t, s, h):
+        reference.adam_step(t._replace(lp_params=()), s, h)
 
     _fake_backend(monkeypatch, _reference_with(adam_step=no_lp))
     group = kernels.Group("adamw", kernels.many_small(20, 300), None, ("torch_fused", "torch_foreach", "fake"))
@@ -265,9 +264,9 @@ def _adam_then(edit):
     its update differently."""
     from fused_accum.backends import reference
 
-    def adam(params, *args, **kwargs):
-        reference.adam_step(params, *args, **kwargs)
-        edit(params, kwargs["lp_params"])
+    def adam(t, s, h):
+        reference.adam_step(t, s, h)
+        edit(t.params, t.lp_params)
 
     return adam
 
@@ -297,12 +296,12 @@ def test_step_check_takes_a_master_one_rounding_away_with_its_own_bf16_copy(monk
 def test_step_check_flags_a_bf16_copy_of_the_old_master(monkeypatch):
     """A provider that writes the bf16 params before its update (right masters, stale copy)."""
 
-    def stale(params, *args, **kwargs):
+    def stale(t, s, h):
         from fused_accum.backends import reference
 
-        for p, lp in zip(params, kwargs["lp_params"]):
+        for p, lp in zip(t.params, t.lp_params):
             lp.copy_(p.view(lp.shape))
-        reference.adam_step(params, *args, **{**kwargs, "lp_params": ()})
+        reference.adam_step(t._replace(lp_params=()), s, h)
 
     _fake_backend(monkeypatch, _reference_with(adam_step=stale))
     group = kernels.Group("adamw", kernels.flat(4096), None, ("reference", "fake"))
@@ -318,9 +317,9 @@ def test_steps_after_torch_never_run_on_a_zeroed_accumulator(monkeypatch):
 
     zero_fractions = []
 
-    def watching(params, exp_avgs, exp_avg_sqs, accs, *args, **kwargs):
-        zero_fractions.append(float(torch.cat(accs).eq(0).float().mean()))
-        reference.adam_step(params, exp_avgs, exp_avg_sqs, accs, *args, **kwargs)
+    def watching(t, s, h):
+        zero_fractions.append(float(torch.cat(t.accs).eq(0).float().mean()))
+        reference.adam_step(t, s, h)
 
     _fake_backend(monkeypatch, _reference_with(adam_step=watching))
     # torch_fused zeroes every set's accumulator after each of its steps, as torch must.

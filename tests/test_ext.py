@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from fused_accum import backends
+from fused_accum import backends, ops
 from fused_accum.backends import ext, reference
 from helpers import GPU_KERNEL_BACKENDS, PAD, flat_layout  # tests/helpers.py
 
@@ -44,19 +44,19 @@ def _accumulate_args(device, gen, sizes=(5, 300, 1), pad=PAD):
 
 
 def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
-    """(positional args, keyword args) of backend.<algo>_step, fp32 masters with bf16/fp16 copies.
-    algo "adam_amsgrad": adam with max_exp_avg_sqs (a keyword argument)."""
+    """The arguments of backend.<algo>_step by name (the flat keyword form of its records: see
+    _step), fp32 masters with bf16/fp16 copies. algo "adam_amsgrad": adam with max_exp_avg_sqs."""
     amsgrad = algo == "adam_amsgrad"
     algo = "adam" if amsgrad else algo
-    n_state = {"sgd": 1, "adam": 2, "lion": 1}[algo]
-    params = flat_layout(sizes, device, gen=gen).views
-    states = [[s.abs() for s in flat_layout(sizes, device, gen=gen).views] for _ in range(n_state)]
-    accs = flat_layout(sizes, device, gen=gen).views
-    steps = torch.tensor([1.0 + 3 * i for i in range(len(sizes))], device=device)
-    # lr as the optimizer passes it: float64 (test_cuda_step_captures_... also passes float32)
-    lr = torch.tensor(0.01, dtype=torch.float64, device=device)
-    coef = torch.tensor(0.5, device=device)
-    kwargs = dict(
+    states = {"sgd": ("momentum_buffers",), "adam": ("exp_avgs", "exp_avg_sqs"), "lion": ("exp_avgs",)}[algo]
+    named = dict(
+        params=flat_layout(sizes, device, gen=gen).views,
+        **{name: [s.abs() for s in flat_layout(sizes, device, gen=gen).views] for name in states},
+        accs=flat_layout(sizes, device, gen=gen).views,
+        steps=torch.tensor([1.0 + 3 * i for i in range(len(sizes))], device=device),
+        # lr as the optimizer passes it: float64 (test_cuda_step_captures_... also passes float32)
+        lr=torch.tensor(0.01, dtype=torch.float64, device=device),
+        coef=torch.tensor(0.5, device=device),
         lp_params=[
             torch.zeros(n, device=device, dtype=(torch.bfloat16, torch.float16)[i % 2]) for i, n in enumerate(sizes)
         ]
@@ -68,36 +68,29 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
         found_inf=torch.zeros((), device=device),
     )
     if amsgrad:
-        kwargs["max_exp_avg_sqs"] = [s.abs() for s in flat_layout(sizes, device, gen=gen).views]
+        named["max_exp_avg_sqs"] = [s.abs() for s in flat_layout(sizes, device, gen=gen).views]
     hyper = {
         "sgd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
         "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),
         "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
     }[algo]
-    return [params, *states, accs, steps, lr, coef], {**hyper, **kwargs}
+    return {**named, **hyper}
 
 
-def _step(module, algo, args, kwargs):
-    getattr(module, f"{algo.replace('_amsgrad', '')}_step")(*args, **kwargs)
+def _op(algo) -> ops.StepOp:
+    return ops.STEP_OPS[f"{algo.replace('_amsgrad', '')}_step"]
 
 
-def _op_args(algo, args, kwargs):
+def _step(module, algo, named):
+    """module's step op of ``algo`` on _step_args' arguments."""
+    op = _op(algo)
+    getattr(module, op.name)(*op.records(**named))
+
+
+def _op_args(algo, named):
     """The positional argument list of torch.ops.fused_accum_ext.<algo>_step_ for _step_args' output."""
-    tail = ("lp_params", "grads", "grad_alpha", "grads_overwrite", "found_inf", "max_exp_avg_sqs")
-    hyper = [v for k, v in kwargs.items() if k not in tail]
-    if algo.startswith("adam"):  # the op takes max_exp_avg_sqs (empty: no amsgrad) after exp_avg_sqs
-        args = list(args[:3]) + [kwargs.get("max_exp_avg_sqs", [])] + list(args[3:])
-    return (
-        tuple(args)
-        + tuple(hyper)
-        + (
-            kwargs["lp_params"],
-            kwargs["grads"],
-            kwargs["grad_alpha"],
-            kwargs["grads_overwrite"],
-            kwargs["found_inf"],
-        )
-    )
+    op = _op(algo)
+    return tuple(op.flatten(*op.records(**named)))
 
 
 def _clone_tree(x):
@@ -142,32 +135,32 @@ def test_opcheck_accumulate(device, stats):
 @pytest.mark.parametrize("fused", [True, False])
 def test_opcheck_steps(device, algo, fused):
     gen = torch.Generator().manual_seed(1)
-    args, kwargs = _step_args(algo, device, gen, fused=fused, lp=fused)
+    named = _step_args(algo, device, gen, fused=fused, lp=fused)
     op = getattr(OPS, f"{algo.replace('_amsgrad', '')}_step_").default
-    torch.library.opcheck(op, _op_args(algo, args, kwargs))
+    torch.library.opcheck(op, _op_args(algo, named))
 
 
 def test_opcheck_sgd_without_momentum():
     gen = torch.Generator().manual_seed(2)
-    args, kwargs = _step_args("sgd", "cpu", gen)
-    kwargs["momentum"] = 0.0
-    args[1] = []  # no momentum buffers
-    torch.library.opcheck(OPS.sgd_step_.default, _op_args("sgd", args, kwargs))
+    named = _step_args("sgd", "cpu", gen)
+    named["momentum"] = 0.0
+    named["momentum_buffers"] = []  # no momentum buffers
+    torch.library.opcheck(OPS.sgd_step_.default, _op_args("sgd", named))
 
 
 def test_compiles_without_graph_break():
     """torch.compile traces the ops through their fake implementations (fullgraph: no break)."""
     gen = torch.Generator().manual_seed(3)
-    args, kwargs = _step_args("adam", "cpu", gen)
-    args_ref, kwargs_ref = _clone_tree((args, kwargs))
+    named = _step_args("adam", "cpu", gen)
+    named_ref = _clone_tree(named)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
-    def step(args, kwargs):
-        ext.adam_step(*args, **kwargs)
+    def step(t, s, h):
+        ext.adam_step(t, s, h)
 
-    step(args, kwargs)
-    _step(reference, "adam", args_ref, kwargs_ref)
-    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+    step(*ops.adam_step.records(**named))
+    _step(reference, "adam", named_ref)
+    _assert_trees_close(named, named_ref, **STEP_TOL)
 
 
 # --- boundary checks -----------------------------------------------------------------------------
@@ -217,75 +210,87 @@ def test_accumulate_rejects_bad_arguments_by_name(case):
         _bad_accumulate(change)
 
 
-def _set(i, value):
-    return lambda a, kw: a.__setitem__(i, value)
+def _set(name, value):
+    return lambda kw: kw.__setitem__(name, value)
 
 
 STEP_ERRORS = {
-    "state length": ("adam", lambda a, kw: a[1].pop(), r"adam_step_: exp_avgs has 2 tensors but params has 3"),
+    "state length": ("adam", lambda kw: kw["exp_avgs"].pop(), r"adam_step_: exp_avgs has 2 tensors but params has 3"),
     "state dtype": (
         "lion",
-        lambda a, kw: a[1].__setitem__(0, a[1][0].bfloat16()),
+        lambda kw: kw["exp_avgs"].__setitem__(0, kw["exp_avgs"][0].bfloat16()),
         r"lion_step_: exp_avgs\[0\] must be float32, got BFloat16",
     ),
     "state numel": (
         "adam",
-        lambda a, kw: a[2].__setitem__(2, torch.zeros(2)),
+        lambda kw: kw["exp_avg_sqs"].__setitem__(2, torch.zeros(2)),
         r"exp_avg_sqs\[2\] has 2 elements but params\[2\] has 1",
     ),
-    "momentum missing": ("sgd", _set(1, []), r"sgd_step_: momentum_bufs has 0 tensors but params has 3"),
-    "acc dtype": ("sgd", lambda a, kw: a[2].__setitem__(0, a[2][0].half()), r"accs\[0\] must be float32, got Half"),
+    "momentum missing": (
+        "sgd",
+        _set("momentum_buffers", []),
+        r"sgd_step_: momentum_buffers has 0 tensors but params has 3",
+    ),
+    "acc dtype": (
+        "sgd",
+        lambda kw: kw["accs"].__setitem__(0, kw["accs"][0].half()),
+        r"accs\[0\] must be float32, got Half",
+    ),
     "param dtype": (
         "adam",
-        lambda a, kw: a[0].__setitem__(1, a[0][1].double()),
+        lambda kw: kw["params"].__setitem__(1, kw["params"][1].double()),
         r"params\[1\] must be float32, bfloat16 or float16, got Double",
     ),
-    "steps shape": ("adam", _set(4, torch.ones(2)), r"steps must be a contiguous 1-D float32 tensor of 3 step counts"),
+    "steps shape": (
+        "adam",
+        _set("steps", torch.ones(2)),
+        r"steps must be a contiguous 1-D float32 tensor of 3 step counts",
+    ),
     "steps dtype": (
         "lion",
-        _set(3, torch.ones(3, dtype=torch.float64)),
+        _set("steps", torch.ones(3, dtype=torch.float64)),
         r"steps must be a contiguous 1-D float32 tensor",
     ),
     "lr dtype": (
         "adam",
-        _set(5, torch.tensor(0.1, dtype=torch.float16)),
+        _set("lr", torch.tensor(0.1, dtype=torch.float16)),
         r"adam_step_: lr must be a one-element float64 or float32 tensor, got Half",
     ),
     "lr shape": (
         "lion",
-        _set(4, torch.ones(2, dtype=torch.float64)),
+        _set("lr", torch.ones(2, dtype=torch.float64)),
         r"lion_step_: lr must be a one-element float64 or float32 tensor, got Double of shape \[2\]",
     ),
-    "coef shape": ("sgd", _set(5, torch.ones(2)), r"coef must be a one-element float32 tensor"),
-    "lp length": ("adam", lambda a, kw: kw["lp_params"].pop(), r"lp_params has 2 tensors, expected 0 \(none\) or 3"),
+    "coef shape": ("sgd", _set("coef", torch.ones(2)), r"coef must be a one-element float32 tensor"),
+    "lp length": ("adam", lambda kw: kw["lp_params"].pop(), r"lp_params has 2 tensors, expected 0 \(none\) or 3"),
     "lp dtype": (
         "sgd",
-        lambda a, kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)),
+        lambda kw: kw["lp_params"].__setitem__(0, torch.zeros(5, dtype=torch.int8)),
         r"lp_params\[0\] must be float32, bfloat16 or float16, got Char",
     ),
     "grads numel": (
         "lion",
-        lambda a, kw: kw["grads"].__setitem__(1, torch.zeros(3)),
+        lambda kw: kw["grads"].__setitem__(1, torch.zeros(3)),
         r"grads\[1\] has 3 elements but params\[1\] has 300",
     ),
     "found_inf": (
         "adam",
-        lambda a, kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)),
+        lambda kw: kw.__setitem__("found_inf", torch.zeros((), dtype=torch.bool)),
         r"found_inf must be a one-element float32 tensor, got Bool",
     ),
     "amsgrad length": (
         "adam_amsgrad",
-        lambda a, kw: kw["max_exp_avg_sqs"].pop(),
+        lambda kw: kw["max_exp_avg_sqs"].pop(),
         r"adam_step_: max_exp_avg_sqs has 2 tensors but params has 3",
     ),
     "amsgrad dtype": (
         "adam_amsgrad",
-        lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(1, kw["max_exp_avg_sqs"][1].half()),
+        lambda kw: kw["max_exp_avg_sqs"].__setitem__(1, kw["max_exp_avg_sqs"][1].half()),
         r"max_exp_avg_sqs\[1\] must be float32, got Half",
     ),
     "amsgrad numel": (
         "adam_amsgrad",
-        lambda a, kw: kw["max_exp_avg_sqs"].__setitem__(0, torch.zeros(4)),
+        lambda kw: kw["max_exp_avg_sqs"].__setitem__(0, torch.zeros(4)),
         r"max_exp_avg_sqs\[0\] has 4 elements but params\[0\] has 5",
     ),
 }
@@ -294,20 +299,20 @@ STEP_ERRORS = {
 @pytest.mark.parametrize("case", list(STEP_ERRORS))
 def test_steps_reject_bad_arguments_by_name(case):
     algo, change, message = STEP_ERRORS[case]
-    args, kwargs = _step_args(algo, "cpu", torch.Generator().manual_seed(5))
-    change(args, kwargs)
+    named = _step_args(algo, "cpu", torch.Generator().manual_seed(5))
+    change(named)
     with pytest.raises(RuntimeError, match=message):
-        _step(ext, algo, args, kwargs)
+        _step(ext, algo, named)
 
 
 def test_rejected_call_changes_nothing():
     """Checks run before any kernel: an error leaves every tensor as it was."""
-    args, kwargs = _step_args("adam", "cpu", torch.Generator().manual_seed(6))
-    kwargs["lp_params"][2] = torch.zeros(1, dtype=torch.int8)
-    before = _clone_tree((args, kwargs))
+    named = _step_args("adam", "cpu", torch.Generator().manual_seed(6))
+    named["lp_params"][2] = torch.zeros(1, dtype=torch.int8)
+    before = _clone_tree(named)
     with pytest.raises(RuntimeError, match=r"lp_params\[2\]"):
-        _step(ext, "adam", args, kwargs)
-    _assert_trees_close((args, kwargs), before, rtol=0, atol=0)
+        _step(ext, "adam", named)
+    _assert_trees_close(named, before, rtol=0, atol=0)
 
 
 # --- layouts -------------------------------------------------------------------------------------
@@ -318,14 +323,14 @@ def test_strided_params_are_written_back(algo):
     """Params and low-precision copies that are transposed views (channels-last-like layouts) are
     updated in their logical element order, as the reference does."""
     gen = torch.Generator().manual_seed(7)
-    args, kwargs = _step_args(algo, "cpu", gen, sizes=(12, 35))
-    args[0] = [torch.randn(4, 3, generator=gen).t(), torch.randn(7, 5, generator=gen).t()]
-    kwargs["lp_params"] = [torch.zeros(4, 3, dtype=torch.bfloat16).t(), torch.zeros(7, 5, dtype=torch.float16).t()]
-    assert not args[0][0].is_contiguous()
-    args_ref, kwargs_ref = _clone_tree((args, kwargs))
-    _step(ext, algo, args, kwargs)
-    _step(reference, algo, args_ref, kwargs_ref)
-    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+    named = _step_args(algo, "cpu", gen, sizes=(12, 35))
+    named["params"] = [torch.randn(4, 3, generator=gen).t(), torch.randn(7, 5, generator=gen).t()]
+    named["lp_params"] = [torch.zeros(4, 3, dtype=torch.bfloat16).t(), torch.zeros(7, 5, dtype=torch.float16).t()]
+    assert not named["params"][0].is_contiguous()
+    named_ref = _clone_tree(named)
+    _step(ext, algo, named)
+    _step(reference, algo, named_ref)
+    _assert_trees_close(named, named_ref, **STEP_TOL)
 
 
 def test_empty_lists_and_zero_size_tensors():
@@ -342,13 +347,13 @@ def test_empty_lists_and_zero_size_tensors():
     )
     assert acc[3:6].tolist() == [3.0] * 3 and acc[:3].tolist() == [1.0] * 3 and bool((acc[6:] == 1).all())
     gen = torch.Generator().manual_seed(8)
-    args, kwargs = _step_args("adam", "cpu", gen, sizes=(0, 17, 0))
-    args_ref, kwargs_ref = _clone_tree((args, kwargs))
-    _step(ext, "adam", args, kwargs)
-    _step(reference, "adam", args_ref, kwargs_ref)
-    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
-    args, kwargs = _step_args("lion", "cpu", gen, sizes=())
-    _step(ext, "lion", args, kwargs)  # nothing to do, and no error
+    named = _step_args("adam", "cpu", gen, sizes=(0, 17, 0))
+    named_ref = _clone_tree(named)
+    _step(ext, "adam", named)
+    _step(reference, "adam", named_ref)
+    _assert_trees_close(named, named_ref, **STEP_TOL)
+    named = _step_args("lion", "cpu", gen, sizes=())
+    _step(ext, "lion", named)  # nothing to do, and no error
 
 
 @pytest.mark.skipif(
@@ -420,9 +425,8 @@ def test_cuda_triton_and_reference_agree(algo):
         )
         run = lambda m, x: m.accumulate(**x)  # noqa: E731
     else:
-        args, kwargs = _step_args(algo, "cuda", gen, sizes=sizes)
-        inputs = dict(args=args, kwargs=kwargs)
-        run = lambda m, x: _step(m, algo, x["args"], x["kwargs"])  # noqa: E731
+        inputs = _step_args(algo, "cuda", gen, sizes=sizes)
+        run = lambda m, x: _step(m, algo, x)  # noqa: E731
     want = _clone_tree(inputs)
     run(reference, want)
     results = {}
@@ -447,11 +451,11 @@ def test_cuda_lists_longer_than_one_launch_table():
     ext.accumulate(acc, offsets, grads, 0.5, False, None, None)
     reference.accumulate(want, offsets, grads, 0.5, False, None, None)
     _assert_trees_close(acc, want, rtol=1e-6, atol=1e-6)
-    args, kwargs = _step_args("adam", "cuda", gen, sizes=sizes)
-    args_ref, kwargs_ref = _clone_tree((args, kwargs))
-    _step(ext, "adam", args, kwargs)
-    _step(reference, "adam", args_ref, kwargs_ref)
-    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+    named = _step_args("adam", "cuda", gen, sizes=sizes)
+    named_ref = _clone_tree(named)
+    _step(ext, "adam", named)
+    _step(reference, "adam", named_ref)
+    _assert_trees_close(named, named_ref, **STEP_TOL)
 
 
 @gpu
@@ -481,25 +485,25 @@ def test_cuda_step_captures_in_a_graph_and_reads_lr_on_device(lr_dtype):
     with a float32 lr, which the binding widens to float64 by a copy that the graph captures."""
     _cuda_backends()
     gen = torch.Generator().manual_seed(12)
-    args, kwargs = _step_args("adam", "cuda", gen, sizes=(1000, 33))
-    args[5] = lr = args[5].to(lr_dtype)
-    start = _clone_tree((args, kwargs))
-    _step(ext, "adam", args, kwargs)  # warm-up (loads the kernel) before capture
+    named = _step_args("adam", "cuda", gen, sizes=(1000, 33))
+    named["lr"] = lr = named["lr"].to(lr_dtype)
+    start = _clone_tree(named)
+    _step(ext, "adam", named)  # warm-up (loads the kernel) before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # raises if the op synchronises with the host
-        _step(ext, "adam", args, kwargs)
+        _step(ext, "adam", named)
     # Restore the inputs the warm-up changed, change lr, replay.
-    for dst, src in zip(torch.utils._pytree.tree_leaves((args, kwargs)), torch.utils._pytree.tree_leaves(start)):
+    for dst, src in zip(torch.utils._pytree.tree_leaves(named), torch.utils._pytree.tree_leaves(start)):
         if isinstance(dst, torch.Tensor):
             dst.copy_(src)
     lr.fill_(0.05)
     graph.replay()
     torch.cuda.synchronize()
-    args_ref, kwargs_ref = _clone_tree(start)
-    args_ref[5].fill_(0.05)
-    _step(reference, "adam", args_ref, kwargs_ref)
-    _assert_trees_close((args, kwargs), (args_ref, kwargs_ref), **STEP_TOL)
+    named_ref = _clone_tree(start)
+    named_ref["lr"].fill_(0.05)
+    _step(reference, "adam", named_ref)
+    _assert_trees_close(named, named_ref, **STEP_TOL)
 
 
 @gpu
@@ -511,10 +515,10 @@ def test_cuda_rejects_mixed_devices_by_name():
         ext.accumulate(acc, offsets, grads, 1.0, False, None, None)
     with pytest.raises(RuntimeError, match=r"offsets must be a 1-D int64 CPU tensor"):
         ext.accumulate(acc, offsets.cuda(), grads, 1.0, False, None, None)
-    args, kwargs = _step_args("sgd", "cuda", torch.Generator().manual_seed(14))
-    args[4] = args[4].cpu()  # lr
+    named = _step_args("sgd", "cuda", torch.Generator().manual_seed(14))
+    named["lr"] = named["lr"].cpu()
     with pytest.raises(RuntimeError, match=r"sgd_step_: lr is on cpu, expected cuda:0"):
-        _step(ext, "sgd", args, kwargs)
+        _step(ext, "sgd", named)
 
 
 def test_addresses_and_dtypes_reads_what_python_reads():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_accum import backends
+from fused_accum import backends, ops
 from fused_accum.backends import reference
 
 pytestmark = [
@@ -42,6 +42,14 @@ NORM_TOL = dict(rtol=2e-5, atol=0.0)
 # bit-identical); nvcc contracts the two into one FMA unless the build passes -fmad=false, which
 # moves a result by at most 1 ulp (2**-23 relative; 1.2e-7) - and by nothing once it does.
 ACC_TOL = {"triton": dict(rtol=0.0, atol=0.0), "cuda": dict(rtol=1.2e-7, atol=1e-30)}
+
+
+def _adam(module, params, m, v, accs, steps, lr, coef, **named):
+    """module.adam_step on these lists; the other arguments by name (HYPER's too)."""
+    records = ops.adam_step.records(
+        params=params, exp_avgs=m, exp_avg_sqs=v, accs=accs, steps=steps, lr=lr, coef=coef, **named
+    )
+    module.adam_step(*records)
 
 
 def _backend(name):
@@ -96,7 +104,8 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
         # variant's module on its first launch, which the driver refuses inside a capture. The
         # step's variant (its dtypes and flags) runs here on copies at other addresses, so its
         # table is still a miss in the capture below, as the test intends.
-        tb.adam_step(
+        _adam(
+            tb,
             [p.clone() for p in params],
             [x.clone() for x in m],
             [x.clone() for x in v],
@@ -114,7 +123,7 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
     with torch.cuda.graph(graph, stream=stream):
         tb.accumulate(flat, offsets, grads, 0.5, False, found_inf, sumsq)  # table: a cache hit
         # the step's table is built during capture (a miss on this stream): copy recorded
-        tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf, **HYPER)
+        _adam(tb, params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf, **HYPER)
     assert len(tb._captured) >= 2
 
     # evict: 70 other tables through the 64-entry LRU, then reuse freed memory with junk
@@ -145,7 +154,8 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
     )
     want_accs = [want["flat"][o : o + n] for o, n in zip(offsets.tolist(), sizes)]
     reference.accumulate(want["flat"], offsets, grads, 0.5, False, want["found_inf"], want["sumsq"])
-    reference.adam_step(
+    _adam(
+        reference,
         want["params"],
         want["m"],
         want["v"],
@@ -280,8 +290,9 @@ def test_adam_500_tensors_fused_with_misaligned_grads(name, amsgrad):
     lr, coef = torch.tensor(2e-3, device=DEV), torch.tensor(0.5, device=DEV)
     want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
     extra = dict(max_exp_avg_sqs=vmax) if amsgrad else {}
-    be.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, grads=grads, grad_alpha=0.25, **extra, **HYPER)
-    reference.adam_step(
+    _adam(be, params, m, v, accs, steps, lr, coef, lp_params=lp, grads=grads, grad_alpha=0.25, **extra, **HYPER)
+    _adam(
+        reference,
         want[0],
         want[1],
         want[2],
@@ -320,7 +331,7 @@ def test_cuda_ops_replay_in_a_graph_on_new_data():
 
     def window():
         be.accumulate(flat, offsets, grads, 1.0, False, found_inf, sumsq)
-        be.adam_step(params, m, v, accs, steps, lr, coef, found_inf=found_inf, **HYPER)
+        _adam(be, params, m, v, accs, steps, lr, coef, found_inf=found_inf, **HYPER)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -346,7 +357,7 @@ def test_cuda_ops_replay_in_a_graph_on_new_data():
     want_sumsq, want_inf = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
     want_accs = [want_flat[o : o + n] for o, n in zip(offsets.tolist(), sizes)]
     reference.accumulate(want_flat, offsets, grads, 1.0, False, want_inf, want_sumsq)
-    reference.adam_step(want_p, want_m, want_v, want_accs, steps, lr, coef, found_inf=want_inf, **HYPER)
+    _adam(reference, want_p, want_m, want_v, want_accs, steps, lr, coef, found_inf=want_inf, **HYPER)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(flat, want_flat, **ACC_TOL["cuda"])

@@ -11,13 +11,14 @@ import warnings
 
 import pytest
 import torch
+import typing_extensions
 from torch import nn
 
 import fused_accum
 from fused_accum import arrivals
-from fused_accum.backends import ext
+from fused_accum.extension import _C
 
-HAVE_CPP = ext._C is not None and hasattr(ext._C, "Arrivals")
+HAVE_CPP = _C is not None and hasattr(_C, "Arrivals")
 
 
 @pytest.fixture
@@ -43,6 +44,58 @@ def _pair(seed=0, dtype=torch.float32):
 def _batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(4, 7, generator=g) for _ in range(n)]
+
+
+def _members(protocol) -> set:
+    """A protocol's members: its methods and its annotated attributes (the table's flags)."""
+    return set(typing_extensions.get_protocol_members(protocol))
+
+
+def _public(table) -> set:
+    return {name for name in dir(table) if not name.startswith("_")}
+
+
+def _table(kind: str):
+    noop = lambda *args: None  # noqa: E731
+    cls = _C.Arrivals if kind == "cpp" else arrivals.PythonArrivals
+    return cls(noop, noop, noop, noop, noop)
+
+
+def test_the_fast_path_protocol_adds_members_to_the_core_one():
+    core, fast = _members(arrivals.HookTable), _members(arrivals.FastPath)
+    assert {"stands_aside", "slow", "hide", "extend", "attach", "expose", "changed"} <= core
+    assert fast - core == {
+        "grant_fast",
+        "revoke_fast",
+        "take_overwritten",
+        "arm_quiet",
+        "quiet_backwards",
+        "python_seen",
+    }
+
+
+def test_each_implementation_has_exactly_the_members_of_its_protocol(hooks):
+    # One contract: the C++ table is a FastPath, the Python twin a HookTable without the fast
+    # path (the window checks for it), and neither has a public member its protocol lacks.
+    table = _table(hooks)
+    protocol = arrivals.FastPath if hooks == "cpp" else arrivals.HookTable
+    assert sorted(_members(protocol) - _public(table)) == [], "members of the protocol the table lacks"
+    assert sorted(_public(table) - _members(protocol)) == [], "members of the table the protocol lacks"
+    assert isinstance(table, arrivals.HookTable)
+    assert isinstance(table, arrivals.FastPath) == (hooks == "cpp")
+
+
+def test_the_tables_flags_are_read_and_set_by_name(hooks):
+    table = _table(hooks)
+    assert (table.stands_aside, table.slow, table.hide) == (False, True, False)
+    table.stands_aside, table.slow, table.hide = True, False, True
+    assert (table.stands_aside, table.slow, table.hide) == (True, False, True)
+
+
+def test_make_arrivals_gives_the_table_asked_for(hooks):
+    noop = lambda *args: None  # noqa: E731
+    table = arrivals.make_arrivals(noop, noop, noop, noop, noop)
+    assert isinstance(table, _C.Arrivals if hooks == "cpp" else arrivals.PythonArrivals)
 
 
 def test_the_implementation_chosen_is_the_one_asked_for(hooks):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fused_accum
-from fused_accum import backends
+from fused_accum import backends, ops
 from fused_accum.backends import reference
 from helpers import (  # tests/helpers.py
     CPU_BACKENDS,
@@ -226,16 +226,17 @@ def _step_inputs(algo, sizes, param_kind, device, gen):
     return params, states, lp, accs, steps
 
 
+def _op(algo) -> ops.StepOp:
+    """The step op of an ALGOS (or TORCH_FUSED) case: sgd_*, adam*, lion."""
+    return {"sgd": ops.sgd_step, "adam": ops.adam_step, "lion": ops.lion_step}[algo.split("_")[0].rstrip("w")]
+
+
 def _call(module, algo, params, states, lp, accs, steps, lr, coef, grads=(), overwrite=False, found_inf=None):
-    hyper = dict(ALGOS[algo])
-    common = dict(lp_params=lp, grads=list(grads), grad_alpha=0.5, grads_overwrite=overwrite, found_inf=found_inf)
-    if algo.startswith("sgd"):
-        module.sgd_step(params, states[0] if states else [], accs, steps, lr, coef, **hyper, **common)
-    elif algo.startswith("adam"):
-        amsgrad = dict(max_exp_avg_sqs=states[2]) if len(states) > 2 else {}
-        module.adam_step(params, states[0], states[1], accs, steps, lr, coef, **hyper, **common, **amsgrad)
-    else:
-        module.lion_step(params, states[0], accs, steps, lr, coef, **hyper, **common)
+    """module's step op of ``algo``; ``states`` in the op's order (amsgrad's max third)."""
+    op = _op(algo)
+    optional = dict(lp_params=lp, grads=list(grads), found_inf=found_inf, grad_alpha=0.5, grads_overwrite=overwrite)
+    tensors = ops.StepTensors(params, accs, steps, lr, coef, **optional)
+    getattr(module, op.name)(tensors, op.states(*states), op.hyper(**ALGOS[algo]))
 
 
 def _clone(xs):
@@ -329,7 +330,18 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
 
     got = run(
         lambda mod, ps, m, v, accs, steps: mod.sgd_step(
-            ps, [], accs, steps, lr, one, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False
+            *ops.sgd_step.records(
+                params=ps,
+                accs=accs,
+                steps=steps,
+                lr=lr,
+                coef=one,
+                momentum=0.0,
+                dampening=0.0,
+                weight_decay=0.0,
+                nesterov=False,
+                maximize=False,
+            )
         ),
         p=0.0,
         m=0.0,
@@ -339,19 +351,21 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     expect(got, _f32(-held), "SGD's -lr")
     got = run(
         lambda mod, ps, m, v, accs, steps: mod.adam_step(
-            ps,
-            m,
-            v,
-            accs,
-            steps,
-            lr,
-            one,
-            beta1=0.9,
-            beta2=0.0,
-            eps=0.0,
-            weight_decay=0.0,
-            decoupled=False,
-            maximize=False,
+            *ops.adam_step.records(
+                params=ps,
+                exp_avgs=m,
+                exp_avg_sqs=v,
+                accs=accs,
+                steps=steps,
+                lr=lr,
+                coef=one,
+                beta1=0.9,
+                beta2=0.0,
+                eps=0.0,
+                weight_decay=0.0,
+                decoupled=False,
+                maximize=False,
+            )
         ),
         p=0.0,
         m=1.0,
@@ -361,19 +375,21 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     expect(got, step_size(held), "Adam's step size")
     got = run(
         lambda mod, ps, m, v, accs, steps: mod.adam_step(
-            ps,
-            m,
-            v,
-            accs,
-            steps,
-            lr,
-            one,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1.0,
-            weight_decay=wd,
-            decoupled=True,
-            maximize=False,
+            *ops.adam_step.records(
+                params=ps,
+                exp_avgs=m,
+                exp_avg_sqs=v,
+                accs=accs,
+                steps=steps,
+                lr=lr,
+                coef=one,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1.0,
+                weight_decay=wd,
+                decoupled=True,
+                maximize=False,
+            )
         ),
         p=1.0,
         m=0.0,
@@ -383,7 +399,18 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     expect(got, _f32(1 - held * wd), "AdamW's decay factor")
     got = run(
         lambda mod, ps, m, v, accs, steps: mod.lion_step(
-            ps, m, accs, steps, lr, one, beta1=0.9, beta2=0.99, weight_decay=wd, maximize=False
+            *ops.lion_step.records(
+                params=ps,
+                exp_avgs=m,
+                accs=accs,
+                steps=steps,
+                lr=lr,
+                coef=one,
+                beta1=0.9,
+                beta2=0.99,
+                weight_decay=wd,
+                maximize=False,
+            )
         ),
         p=1.0,
         m=0.0,
@@ -403,17 +430,18 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
     p, accs = torch.zeros(4, device=device), flat_layout([4], device, fill=1.0).views
     with pytest.raises((ValueError, RuntimeError), match=r"lr must be a one-element float64 or float32 tensor"):
         backends.get(backend).sgd_step(
-            [p],
-            [],
-            accs,
-            torch.ones(1, device=device),
-            lr,
-            torch.ones((), device=device),
-            momentum=0.0,
-            dampening=0.0,
-            weight_decay=0.0,
-            nesterov=False,
-            maximize=False,
+            *ops.sgd_step.records(
+                params=[p],
+                accs=accs,
+                steps=torch.ones(1, device=device),
+                lr=lr,
+                coef=torch.ones((), device=device),
+                momentum=0.0,
+                dampening=0.0,
+                weight_decay=0.0,
+                nesterov=False,
+                maximize=False,
+            )
         )
 
 
@@ -481,38 +509,26 @@ def _run_op_steps(module, cls, opts, lr, params0, grads):
     for i, step_grads in enumerate(grads):
         accs = [g.clone() for g in step_grads]
         steps = torch.full((n,), float(i + 1))
+        tensors = ops.StepTensors(params, accs, steps, lr_t, coef)
         if cls is torch.optim.SGD:
-            module.sgd_step(
-                params,
-                states[0] if states else [],
-                accs,
-                steps,
-                lr_t,
-                coef,
+            hyper = ops.SgdHyper(
                 momentum=opts.get("momentum", 0.0),
                 dampening=opts.get("dampening", 0.0),
                 weight_decay=opts.get("weight_decay", 0.0),
                 nesterov=opts.get("nesterov", False),
                 maximize=opts.get("maximize", False),
             )
+            module.sgd_step(tensors, ops.SgdStates(*states), hyper)
         else:
-            amsgrad = dict(max_exp_avg_sqs=states[2]) if opts.get("amsgrad") else {}
-            module.adam_step(
-                params,
-                states[0],
-                states[1],
-                accs,
-                steps,
-                lr_t,
-                coef,
+            hyper = ops.AdamHyper(
                 beta1=opts["betas"][0],
                 beta2=opts["betas"][1],
                 eps=opts.get("eps", 1e-8),
                 weight_decay=opts["weight_decay"],
                 decoupled=cls is torch.optim.AdamW,
                 maximize=opts.get("maximize", False),
-                **amsgrad,
             )
+            module.adam_step(tensors, ops.AdamStates(*states), hyper)
     return params, states
 
 
@@ -651,16 +667,15 @@ def test_lion_matches_an_independent_implementation(backend):
     module = backends.get(backend)
     for i, step_grads in enumerate(grads):
         module.lion_step(
-            params,
-            exp_avgs,
-            [g.clone() for g in step_grads],
-            torch.full((len(params),), i + 1.0),
-            _op_lr(lr),
-            torch.tensor(1.0),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=wd,
-            maximize=False,
+            ops.StepTensors(
+                params,
+                [g.clone() for g in step_grads],
+                torch.full((len(params),), i + 1.0),
+                _op_lr(lr),
+                torch.tensor(1.0),
+            ),
+            ops.LionStates(exp_avgs),
+            ops.LionHyper(beta1=beta1, beta2=beta2, weight_decay=wd, maximize=False),
         )
     for got, want in zip(params + exp_avgs, want_p + want_m):
         if backend == "triton":

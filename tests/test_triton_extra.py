@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from fused_accum import backends
+from fused_accum import backends, ops
 from fused_accum.backends import reference
 
 tb = pytest.importorskip("fused_accum.backends.triton", reason="triton is not installed")
@@ -155,10 +155,12 @@ def test_step_requires_exactly_one_step_count_per_tensor():
     bufs = [torch.zeros(5), torch.zeros(3)]
     one = torch.tensor(1.0)
     hyper = dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
-    with pytest.raises(ValueError, match="2 step counts"):
-        tb.sgd_step(p, bufs, accs, torch.ones(3), one, one, **hyper)
-    with pytest.raises(ValueError, match="2 step counts"):
-        tb.sgd_step(p, bufs, accs, torch.ones(1), one, one, **hyper)
+    for steps in (torch.ones(3), torch.ones(1)):
+        t, s, h = ops.sgd_step.records(
+            params=p, momentum_buffers=bufs, accs=accs, steps=steps, lr=one, coef=one, **hyper
+        )
+        with pytest.raises(ValueError, match="2 step counts"):
+            tb.sgd_step(t, s, h)
 
 
 @pytest.mark.parametrize(
@@ -186,20 +188,22 @@ def test_step_validation_names_the_bad_tensor(case, message):
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=message):
         tb.adam_step(
-            params,
-            m,
-            v,
-            accs,
-            torch.ones(2),
-            one,
-            one,
-            lp_params=lp,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.0,
-            decoupled=True,
-            maximize=False,
+            *ops.adam_step.records(
+                params=params,
+                exp_avgs=m,
+                exp_avg_sqs=v,
+                accs=accs,
+                steps=torch.ones(2),
+                lr=one,
+                coef=one,
+                lp_params=lp,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.0,
+                decoupled=True,
+                maximize=False,
+            )
         )
 
 
@@ -423,8 +427,11 @@ def test_triton_step_over_many_tensors_is_one_launch(device, monkeypatch):
     want = [[t.clone() for t in ts] for ts in (params, m, v, lp)]
     counter = _CountLaunches(kernels.adam_kernel)
     monkeypatch.setattr(kernels, "adam_kernel", counter)
-    tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, **hyper)
-    reference.adam_step(*want[:3], accs, steps, lr, coef, lp_params=want[3], **hyper)
+    common = dict(accs=accs, steps=steps, lr=lr, coef=coef, **hyper)
+    tb.adam_step(*ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, lp_params=lp, **common))
+    reference.adam_step(
+        *ops.adam_step.records(params=want[0], exp_avgs=want[1], exp_avg_sqs=want[2], lp_params=want[3], **common)
+    )
     assert counter.launches == 1
     for got_list, want_list in zip((params, m, v, lp), want):
         for got, exp in zip(got_list, want_list):
@@ -522,19 +529,14 @@ def test_triton_adam_amsgrad_matches_reference(device, found):
     found_inf = torch.tensor(found, device=device)
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False)
     want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
-    tb.adam_step(params, m, v, accs, steps, lr, coef, lp_params=lp, found_inf=found_inf, max_exp_avg_sqs=vmax, **hyper)
+    common = dict(accs=accs, steps=steps, lr=lr, coef=coef, found_inf=found_inf, **hyper)
+    tb.adam_step(
+        *ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=vmax, lp_params=lp, **common)
+    )
     reference.adam_step(
-        want[0],
-        want[1],
-        want[2],
-        accs,
-        steps,
-        lr,
-        coef,
-        lp_params=want[4],
-        found_inf=found_inf,
-        max_exp_avg_sqs=want[3],
-        **hyper,
+        *ops.adam_step.records(
+            params=want[0], exp_avgs=want[1], exp_avg_sqs=want[2], max_exp_avg_sqs=want[3], lp_params=want[4], **common
+        )
     )
     assert torch.isnan(vmax[2][5]) == (found == 0.0)
     for got_list, want_list in zip((params, m, v, vmax), want):
@@ -579,8 +581,9 @@ def test_triton_step_writes_back_non_contiguous_params(device):
     lr, coef = torch.tensor(0.1, device=device), torch.tensor(1.0, device=device)
     hyper = dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
     want_p, want_b = [p.clone() for p in params], [b.clone() for b in bufs]
-    tb.sgd_step(params, bufs, accs, steps, lr, coef, **hyper)
-    reference.sgd_step(want_p, want_b, accs, steps, lr, coef, **hyper)
+    common = dict(accs=accs, steps=steps, lr=lr, coef=coef, **hyper)
+    tb.sgd_step(*ops.sgd_step.records(params=params, momentum_buffers=bufs, **common))
+    reference.sgd_step(*ops.sgd_step.records(params=want_p, momentum_buffers=want_b, **common))
     for got, exp in zip(params + bufs, want_p + want_b):
         torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
 
@@ -731,30 +734,17 @@ def test_triton_adamw_with_a_plan_follows_new_parameters_active_sets_and_moved_b
     def step(rows, plan, lp_now, grads=()):
         pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         wlp = [t.clone() for t in lp_now]
+        common = dict(accs=pick(accs), steps=steps[rows], lr=lr, coef=coef, grads=list(grads), **hyper)
         tb.adam_step(
-            pick(masters),
-            pick(m),
-            pick(v),
-            pick(accs),
-            steps[rows],
-            lr,
-            coef,
-            lp_params=lp_now,
-            grads=list(grads),
+            *ops.adam_step.records(
+                params=pick(masters), exp_avgs=pick(m), exp_avg_sqs=pick(v), lp_params=lp_now, **common
+            ),
             plan=plan,
-            **hyper,
         )
         reference.adam_step(
-            pick(want[0]),
-            pick(want[1]),
-            pick(want[2]),
-            pick(accs),
-            steps[rows],
-            lr,
-            coef,
-            lp_params=wlp,
-            grads=list(grads),
-            **hyper,
+            *ops.adam_step.records(
+                params=pick(want[0]), exp_avgs=pick(want[1]), exp_avg_sqs=pick(want[2]), lp_params=wlp, **common
+            )
         )
         for got, exp in zip(masters + m + v, want[0] + want[1] + want[2]):
             # test_kernels' STEP_TOL: beta**step in another order than the reference, 1e-5
@@ -798,14 +788,21 @@ def test_triton_fp32_step_with_a_plan_rereads_the_parameters(device, algo):
         hyper = dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True, maximize=False)
     else:
         hyper = dict(beta1=0.9, beta2=0.99, weight_decay=0.01, maximize=True)
-    call = {"sgd": lambda b, *a, **k: b.sgd_step(*a, **k), "lion": lambda b, *a, **k: b.lion_step(*a, **k)}[algo]
+    op = ops.STEP_OPS[f"{algo}_step"]
+    state = op.states._fields[0]  # momentum_buffers, exp_avgs
+
+    def call(backend, params, bufs, **plan):
+        getattr(backend, op.name)(
+            *op.records(params=params, **{state: bufs}, accs=accs, steps=steps, lr=lr, coef=coef, **hyper), **plan
+        )
+
     want_b = [b.clone() for b in bufs]
     plan = object()
     for _ in range(2):
         params = [torch.randn(n, generator=gen).to(device) for n in sizes]  # new tensors each call
         want_p = [p.clone() for p in params]
-        call(tb, params, bufs, accs, steps, lr, coef, plan=plan, **hyper)
-        call(reference, want_p, want_b, accs, steps, lr, coef, **hyper)
+        call(tb, params, bufs, plan=plan)
+        call(reference, want_p, want_b)
         for got, exp in zip(params + bufs, want_p + want_b):
             torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)  # one fp32 update: a few ulp
 
@@ -813,20 +810,36 @@ def test_triton_fp32_step_with_a_plan_rereads_the_parameters(device, algo):
 def test_ops_pass_the_plan_to_triton_only():
     """ops.* take plan= for the eager path: the triton backend receives it, the others never
     see it (their functions take no such argument), and an op without plan= calls as before."""
-    from fused_accum import ops
-
     seen = []
     real = tb.accumulate
     flat, offsets, _ = _flat_views([3], "cpu")
     grads = [torch.ones(3)]
+    real_step = tb.lion_step
+    records = ops.lion_step.records(
+        params=[torch.zeros(3)],
+        exp_avgs=[torch.zeros(3)],
+        accs=[flat[:3]],
+        steps=torch.ones(1),
+        lr=torch.ones(()),
+        coef=torch.ones(()),
+        beta1=0.9,
+        beta2=0.99,
+        weight_decay=0.0,
+        maximize=False,
+    )
     try:
         tb.accumulate = lambda *args, **kwargs: seen.append(kwargs)
+        tb.lion_step = lambda *args, **kwargs: seen.append(kwargs)
         plan = object()
         ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton", plan=plan)
         ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton")
+        ops.lion_step(*records, "triton", plan=plan)
+        ops.lion_step(*records, "triton")
     finally:
         tb.accumulate = real
-    assert seen == [{"plan": plan}, {}]
+        tb.lion_step = real_step
+    assert seen == [{"plan": plan}, {}, {"plan": plan}, {}]
+    ops.lion_step(*records, "reference", plan=object())  # (reference.lion_step takes no plan=)
     ops.accumulate(flat, offsets, grads, 2.0, True, None, None, "reference", plan=object())
     assert flat[:3].tolist() == [2.0, 2.0, 2.0]
 

@@ -1,7 +1,8 @@
 """Backends: the one registry of what each backend is, and the one place that picks one.
 
-A backend is a module exposing ``accumulate``, ``sgd_step``, ``adam_step`` and ``lion_step`` with
-the signatures and contracts of :mod:`fused_accum.backends.reference`. Each is declared once in
+A backend is a module exposing ``accumulate`` and one function per step op of
+:data:`fused_accum.ops.STEP_OPS` (``sgd_step``, ``adam_step``, ``lion_step``: each takes the
+records ``t, s, h`` declared there), with the contracts of :mod:`fused_accum.backends.reference`. Each is declared once in
 ``_REGISTRY`` below with everything the rest of the package asks about it, and asked through
 these functions only: :func:`availability` (where it can run), :func:`get` (its module),
 :func:`takes_plan`, :func:`fast_folds`, :func:`wgrad_kernel`. The backend modules are imported by
@@ -52,7 +53,7 @@ def _cuda_or_interpreted(device_type: str) -> str:
 class Backend(NamedTuple):
     """What the package asks about one backend."""
 
-    module: str  # the submodule (of this package) implementing the four ops
+    module: str  # the submodule (of this package) implementing the ops
     runs_on: Callable[[str], str]  # device type -> "" or why this backend cannot run there
     takes_plan: bool  # its ops take ``plan=`` (fused_accum.ops passes it to no other backend)
     fast_folds: bool  # its accumulate_ is one the C++ hooks can call themselves (_C's operators)

@@ -1,114 +1,81 @@
 """The C++/CUDA extension backend (names "cpu" and "cuda"): ``torch.ops.fused_accum_ext.*``.
 
-``fused_accum._C`` (built by setup.py from csrc/) registers the operators with ``TORCH_LIBRARY``
-and their CPU and, when built with nvcc, CUDA kernels. This module loads it, registers fake
-implementations so that ``torch.compile`` can trace the operators (all of them mutate their
-arguments in place and return nothing), and exposes the four functions of the backend contract
-with the signatures of :mod:`fused_accum.backends.reference`.
+``fused_accum._C`` (built by setup.py from csrc/, loaded by :mod:`fused_accum.extension`)
+registers the operators' CPU and, when built with nvcc, CUDA kernels (``TORCH_LIBRARY_IMPL``).
+Their schemas are not written in C++: this module defines them here, from the declarations in
+:mod:`fused_accum.ops` (:func:`fused_accum.ops.ext_schemas`), after ``_C`` has registered its
+kernels, and the dispatcher then checks each kernel's C++ parameter types against its schema. A
+``_C`` whose kernels do not match (a build older than the declarations) is refused with one
+warning that quotes the dispatcher and says how to rebuild, and the package falls back to the
+reference (or Triton) backend, as it does for a ``_C`` built for another torch.
 
-Without ``_C`` the module still imports: ``unavailable_reason`` says why, once in the log too, and
-backend selection falls back to the reference (or Triton) backend.
-
-A C++ extension only runs with the torch it was compiled against (torch has no stable C++ ABI):
-loaded into another one it fails with an undefined symbol, or crashes. So the torch recorded at
-build time (``_C.build.json``, written by setup.py next to ``_C``) is compared with the installed
-one first; on a difference ``_C`` is not loaded and one warning names both versions and the
-command that rebuilds it.
+It registers fake implementations so that ``torch.compile`` can trace the operators (all of
+them mutate their arguments in place and return nothing), and exposes the backend contract of
+:mod:`fused_accum.backends.reference`: ``accumulate`` with its flat arguments, each step op
+``<op>(t, s, h)`` made from its declaration (the records in their schema's order).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import logging
-import os
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger("fused_accum")
+from .. import ops
+from ..extension import REBUILD
+from ..extension import WHY_NOT as _WHY_NOT
+from ..extension import _C
 
-BUILD_RECORD = "_C.build.json"  # setup.py's name for it
-REBUILD = (
-    "rebuild it against this torch: pip install --no-build-isolation --no-deps --force-reinstall "
-    "--no-cache-dir <fused_accum source or URL> (in a checkout: pip install --no-build-isolation --no-deps -e .)"
-)
-
-
-def _release(version) -> str:
-    """2.13.0 of 2.13.0+cpu: CPU and CUDA builds of one release share torch's C++ ABI."""
-    return str(version).split("+")[0]
+OPS = tuple(ops.ext_schemas())  # the operator names: accumulate_, sgd_step_, adam_step_, lion_step_
 
 
-def _built_against(so_path: str) -> Optional[str]:
-    """The torch version recorded next to the extension at ``so_path``, or None when there is no
-    readable record (a build by an older setup.py: then loading it decides)."""
+def _dispatcher_says(err: Exception) -> str:
+    """The dispatcher's refusal without its C++ stack: the operator, both schemas, the reason."""
+    lines = str(err).splitlines()
+    kept = [line.strip() for line in lines if not line.startswith(("Exception raised from", "frame #"))]
+    return " ".join(line for line in kept if line)
+
+
+def _define() -> tuple:
+    """(the library holding the fused_accum_ext:: schemas and fakes, "") or (None, why not)."""
+    lib = torch.library.Library("fused_accum_ext", "DEF")
     try:
-        with open(os.path.join(os.path.dirname(so_path), BUILD_RECORD)) as f:
-            return str(json.load(f)["torch"])
-    except (OSError, ValueError, KeyError, TypeError):
+        for text in ops.ext_schemas().values():
+            lib.define(text)
+    except RuntimeError as err:  # a kernel of _C with other parameter types than declared
+        lib._destroy()
+        why = (
+            f"fused_accum._C's kernels do not take the arguments fused_accum.ops declares, so it is not used "
+            f"and fused_accum runs on its reference/Triton backends ({_dispatcher_says(err)}); {REBUILD}"
+        )
+        warnings.warn(why, RuntimeWarning, stacklevel=2)
+        return None, why
+
+    # The ops only mutate their (already allocated) arguments, so under FakeTensor there is
+    # nothing to compute or allocate.
+    def fake(*args, **kwargs):
         return None
 
-
-def _load():
-    """(fused_accum._C or None, "" or why it is not loaded). Warns once when an extension is
-    there but was built for another torch or fails to load; logs once when none was built."""
-    spec = importlib.util.find_spec("fused_accum._C")
-    if spec is None or spec.origin is None:  # FUSED_ACCUM_NO_EXT=1, or a failed build
-        why = "fused_accum._C is not built (see setup.py: the build needs torch importable, and a C++ compiler)"
-        logger.info("fused_accum: C++ extension unavailable (%s)", why)
-        return None, why
-    built = _built_against(spec.origin)
-    if built is not None and _release(built) != _release(torch.__version__):
-        why = (
-            f"fused_accum._C was built against torch {built} but torch {torch.__version__} is installed, so it "
-            f"is not loaded and fused_accum runs on its reference/Triton backends; {REBUILD}"
-        )
-        warnings.warn(why, RuntimeWarning, stacklevel=3)
-        return None, why
-    try:
-        from fused_accum import _C
-    except ImportError as err:  # an undefined symbol: built for another torch (or a broken build)
-        why = (
-            f"fused_accum._C (built against torch {built or 'unrecorded'}) does not load with torch "
-            f"{torch.__version__}: {err}; fused_accum runs on its reference/Triton backends; {REBUILD}"
-        )
-        warnings.warn(why, RuntimeWarning, stacklevel=3)
-        return None, why
-    return _C, ""
+    for name in OPS:
+        torch.library.register_fake(f"fused_accum_ext::{name}", fake, lib=lib)
+    return lib, ""
 
 
-_C, _WHY_NOT = _load()
-
-OPS = ("accumulate_", "sgd_step_", "adam_step_", "lion_step_")
+_LIB, _WHY_NOT_DEFINED = _define() if _C is not None else (None, _WHY_NOT)
 
 
 def unavailable_reason(name: str) -> str:
     """ "" when fused_accum._C has kernels for backend ``name`` ("cpu" or "cuda"), else why not."""
-    if _C is None:
-        return _WHY_NOT
+    if _LIB is None:
+        return _WHY_NOT_DEFINED
     if name == "cuda" and not _C.built_with_cuda:
         return (
             "fused_accum._C was built without CUDA kernels (it needs nvcc and a CUDA build of "
             "torch at install time; FUSED_ACCUM_BUILD_CUDA=1 makes the build fail instead)"
         )
     return ""
-
-
-def _register_fakes() -> None:
-    # The ops only mutate their (already allocated) arguments, so under FakeTensor there is
-    # nothing to compute or allocate.
-    def fake(*args, **kwargs):
-        return None
-
-    for op in OPS:
-        torch.library.register_fake(f"fused_accum_ext::{op}")(fake)
-
-
-if _C is not None:
-    _register_fakes()
 
 
 def accumulate(
@@ -123,122 +90,18 @@ def accumulate(
     torch.ops.fused_accum_ext.accumulate_(acc, offsets, grads, float(alpha), bool(overwrite), found_inf, sumsq)
 
 
-def sgd_step(
-    params: List[Tensor],
-    momentum_bufs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-) -> None:
-    torch.ops.fused_accum_ext.sgd_step_(
-        list(params),
-        list(momentum_bufs),
-        list(accs),
-        steps,
-        lr,
-        coef,
-        float(momentum),
-        float(dampening),
-        float(weight_decay),
-        bool(nesterov),
-        bool(maximize),
-        list(lp_params),
-        list(grads),
-        float(grad_alpha),
-        bool(grads_overwrite),
-        found_inf,
-    )
+def _step_function(op: ops.StepOp):
+    """``op``'s backend function: its records flattened into fused_accum_ext::<op>_'s arguments."""
+    name = f"{op.name}_"
+
+    def step(t: ops.StepTensors, s, h) -> None:
+        getattr(torch.ops.fused_accum_ext, name)(*op.flatten(t, s, h))
+
+    step.__name__ = step.__qualname__ = op.name
+    step.__doc__ = f"reference.{op.name} in C++ (CPU) or CUDA: fused_accum_ext::{name}."
+    return step
 
 
-def adam_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-    max_exp_avg_sqs: Sequence[Tensor] = (),
-) -> None:
-    torch.ops.fused_accum_ext.adam_step_(
-        list(params),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
-        list(accs),
-        steps,
-        lr,
-        coef,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(decoupled),
-        bool(maximize),
-        list(lp_params),
-        list(grads),
-        float(grad_alpha),
-        bool(grads_overwrite),
-        found_inf,
-    )
-
-
-def lion_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-) -> None:
-    torch.ops.fused_accum_ext.lion_step_(
-        list(params),
-        list(exp_avgs),
-        list(accs),
-        steps,
-        lr,
-        coef,
-        float(beta1),
-        float(beta2),
-        float(weight_decay),
-        bool(maximize),
-        list(lp_params),
-        list(grads),
-        float(grad_alpha),
-        bool(grads_overwrite),
-        found_inf,
-    )
+sgd_step = _step_function(ops.sgd_step)
+adam_step = _step_function(ops.adam_step)
+lion_step = _step_function(ops.lion_step)

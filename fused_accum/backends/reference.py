@@ -13,6 +13,10 @@ Conventions shared by all ops (and so by all backends):
   not overlap (:func:`slice_starts` checks). One tensor and one offsets table, rather than a list
   of views, because the per-micro-batch call is the hot one: converting each list element from
   Python costs ~0.2 us, the whole kernel time of a 256-element slice on a CPU.
+- Each step op takes three records, declared once in :mod:`fused_accum.ops`: ``t``, the
+  :class:`~fused_accum.ops.StepTensors` every step takes (the tensor lists and device scalars
+  below), ``s``, the op's optimizer-state lists (``SgdStates``, ``AdamStates``,
+  ``LionStates``), and ``h``, its hyper-parameters (``fused_accum.algorithms.SgdHyper``...).
 - The step ops take ``accs``, a list of 1-D contiguous fp32 views into that buffer, one per
   parameter, like every other list they take (they run once per window).
 - ``grads`` are the incoming gradients, bf16/fp16/fp32, any shape and strides, read in their own
@@ -21,7 +25,7 @@ Conventions shared by all ops (and so by all backends):
   parameters themselves when they have no master (fp32 params, or ``master_weights=False``).
   ``lp_params``, when given, are the low-precision parameters that receive ``params`` rounded
   to their dtype after the update; an empty ``lp_params`` means there are none.
-- Optimizer state tensors (``exp_avgs``, ``exp_avg_sqs``, ``momentum_bufs``) are fp32.
+- Optimizer state tensors (``exp_avgs``, ``exp_avg_sqs``, ``momentum_buffers``) are fp32.
 - ``steps`` is a 1-D fp32 tensor with the step count of each tensor in the list, already
   counting this step (so 1 on the first step). ``lr`` and ``coef`` are one-element device
   tensors: the step reads them on the device, so changing them neither recompiles nor syncs the
@@ -40,10 +44,14 @@ Conventions shared by all ops (and so by all backends):
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
+    from ..algorithms import AdamHyper, LionHyper, SgdHyper
+    from ..ops import AdamStates, LionStates, SgdStates, StepTensors
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[int]:
@@ -115,13 +123,14 @@ def accumulate(
             sumsq.add_(torch.dot(view, view))
 
 
-def _effective_grad(acc, grad, coef, grad_alpha, grads_overwrite, maximize):
-    """The gradient a step uses: coef * (accumulated gradient), negated when maximizing."""
-    g = acc
-    if grad is not None:
-        g_new = grad.reshape(-1).float() * grad_alpha
-        g = g_new if grads_overwrite else acc + g_new
-    g = g * coef
+def _effective_grad(t: StepTensors, i: int, maximize: bool) -> Tensor:
+    """The gradient a step uses for tensor ``i``: coef * (accumulated gradient, with the fused
+    micro-batch's when ``t.grads`` are given), negated when maximizing."""
+    g = t.accs[i]
+    if t.grads:
+        g_new = t.grads[i].reshape(-1).float() * t.grad_alpha
+        g = g_new if t.grads_overwrite else g + g_new
+    g = g * t.coef
     return -g if maximize else g
 
 
@@ -166,150 +175,91 @@ def _commit(found_inf, pairs):
         dst.copy_(new.view_as(dst))
 
 
-def sgd_step(
-    params: List[Tensor],
-    momentum_bufs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-) -> None:
-    """torch.optim.SGD's update. ``momentum_bufs`` may be empty when momentum == 0.
+def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper) -> None:
+    """torch.optim.SGD's update. ``s.momentum_buffers`` may be empty when ``h.momentum == 0``.
 
     As in torch, the momentum buffer starts as a copy of the first gradient (no dampening):
     a tensor is on its first step when its ``steps`` entry is 1. Each ``+`` of a product is one
     fused multiply-add where torch's fused CPU SGD has one, so fp32 params match it bit for bit.
     """
-    neg_lr = _f32(-_lr(lr))  # torch's fused SGD: its double -lr rounded to fp32
-    for i, p in enumerate(params):
-        grad = grads[i] if grads else None
-        g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
+    neg_lr = _f32(-_lr(t.lr))  # torch's fused SGD: its double -lr rounded to fp32
+    for i, p in enumerate(t.params):
+        g = _effective_grad(t, i, h.maximize)
         p32 = p.reshape(-1).float()
-        if weight_decay != 0:
-            g = _fma(p32, weight_decay, g)
+        if h.weight_decay != 0:
+            g = _fma(p32, h.weight_decay, g)
         writes = []
-        if momentum != 0:
-            buf = momentum_bufs[i]
-            first = steps[i] == 1
-            new_buf = torch.where(first, g, _fma(g, 1 - dampening, buf * momentum))
+        if h.momentum != 0:
+            buf = s.momentum_buffers[i]
+            first = t.steps[i] == 1
+            new_buf = torch.where(first, g, _fma(g, 1 - h.dampening, buf * h.momentum))
             writes.append((buf, new_buf))
-            g = _fma(new_buf, momentum, g) if nesterov else new_buf
+            g = _fma(new_buf, h.momentum, g) if h.nesterov else new_buf
         new_p = _fma(g, neg_lr, p32)
         writes.append((p, new_p))
-        if lp_params:
-            writes.append((lp_params[i], new_p))
-        _commit(found_inf, writes)
+        if t.lp_params:
+            writes.append((t.lp_params[i], new_p))
+        _commit(t.found_inf, writes)
 
 
-def adam_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-    max_exp_avg_sqs: Sequence[Tensor] = (),
-) -> None:
-    """torch.optim.Adam (``decoupled=False``) / AdamW (``decoupled=True``).
+def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper) -> None:
+    """torch.optim.Adam (``h.decoupled`` False) / AdamW (True).
 
-    A non-empty ``max_exp_avg_sqs`` (fp32, one per param) turns on amsgrad: the running maximum
-    of ``exp_avg_sq`` is updated and the denominator uses it, as torch's ``amsgrad=True``.
+    A non-empty ``s.max_exp_avg_sqs`` turns on amsgrad: the running maximum of ``exp_avg_sq``
+    is updated and the denominator uses it, as torch's ``amsgrad=True``.
 
     The order of operations is torch's fused CPU kernel's (so fp32 params match
     ``torch.optim.Adam(W)(fused=True)`` bit for bit): the bias corrections, the step size and
     the decoupled decay factor in float64, rounded to fp32 once; ``exp_avg`` by ``lerp``;
     ``exp_avg_sq`` and coupled weight decay by fused multiply-adds; two divides.
     """
-    lr = _lr(lr)
-    for i, p in enumerate(params):
-        grad = grads[i] if grads else None
-        g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
+    lr = _lr(t.lr)
+    beta1, beta2 = h.beta1, h.beta2
+    for i, p in enumerate(t.params):
+        g = _effective_grad(t, i, h.maximize)
         p32 = p.reshape(-1).float()
-        step = steps[i].double()
-        if weight_decay != 0:
-            if decoupled:
-                p32 = p32 * _f32(1 - lr * weight_decay)
+        step = t.steps[i].double()
+        if h.weight_decay != 0:
+            if h.decoupled:
+                p32 = p32 * _f32(1 - lr * h.weight_decay)
             else:
-                g = _fma(p32, weight_decay, g)
-        m = torch.lerp(exp_avgs[i], g, 1 - beta1)
-        v = _fma(g * (1 - beta2), g, exp_avg_sqs[i] * beta2)
-        writes = [(exp_avgs[i], m), (exp_avg_sqs[i], v)]
-        if max_exp_avg_sqs:
-            v = torch.maximum(max_exp_avg_sqs[i], v)
-            writes.append((max_exp_avg_sqs[i], v))
+                g = _fma(p32, h.weight_decay, g)
+        m = torch.lerp(s.exp_avgs[i], g, 1 - beta1)
+        v = _fma(g * (1 - beta2), g, s.exp_avg_sqs[i] * beta2)
+        writes = [(s.exp_avgs[i], m), (s.exp_avg_sqs[i], v)]
+        if s.max_exp_avg_sqs:
+            v = torch.maximum(s.max_exp_avg_sqs[i], v)
+            writes.append((s.max_exp_avg_sqs[i], v))
         neg_step_size = _f32(-lr / (1 - beta1**step))
         bias_correction2_sqrt = _f32(torch.sqrt(1 - beta2**step))
-        denom = _sqrt(v) / bias_correction2_sqrt + eps
+        denom = _sqrt(v) / bias_correction2_sqrt + h.eps
         new_p = p32 + (neg_step_size * m) / denom
         writes.append((p, new_p))
-        if lp_params:
-            writes.append((lp_params[i], new_p))
-        _commit(found_inf, writes)
+        if t.lp_params:
+            writes.append((t.lp_params[i], new_p))
+        _commit(t.found_inf, writes)
 
 
-def lion_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-) -> None:
+def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay,
     as lucidrains/lion-pytorch computes it with torch ops (its ``add(alpha=)`` is one fused
     multiply-add on the CPU): the sign uses the old ``exp_avg``, which is updated afterwards.
 
-    ``steps`` is unused by the math (Lion has no bias correction) but kept so every step op has
-    the same shape of arguments.
+    ``t.steps`` is unused by the math (Lion has no bias correction): every step op takes the
+    same :class:`~fused_accum.ops.StepTensors`.
     """
-    del steps
-    lr = _lr(lr)
+    lr = _lr(t.lr)
     # lucidrains' ops with a Python float lr: add_(alpha=-lr) rounds lr to fp32, the decay
     # factor 1 - lr * weight_decay is formed in double
-    lr32, decay = _f32(lr), _f32(1 - lr * weight_decay)
-    for i, p in enumerate(params):
-        grad = grads[i] if grads else None
-        g = _effective_grad(accs[i], grad, coef, grad_alpha, grads_overwrite, maximize)
+    lr32, decay = _f32(lr), _f32(1 - lr * h.weight_decay)
+    for i, p in enumerate(t.params):
+        g = _effective_grad(t, i, h.maximize)
         p32 = p.reshape(-1).float() * decay
-        m = exp_avgs[i]
-        direction = torch.sign(_fma(g, 1 - beta1, m * beta1))
+        m = s.exp_avgs[i]
+        direction = torch.sign(_fma(g, 1 - h.beta1, m * h.beta1))
         new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
-        new_m = _fma(g, 1 - beta2, m * beta2)
+        new_m = _fma(g, 1 - h.beta2, m * h.beta2)
         writes = [(m, new_m), (p, new_p)]
-        if lp_params:
-            writes.append((lp_params[i], new_p))
-        _commit(found_inf, writes)
+        if t.lp_params:
+            writes.append((t.lp_params[i], new_p))
+        _commit(t.found_inf, writes)

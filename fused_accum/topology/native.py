@@ -9,17 +9,13 @@ wrapper may be built after the optimizer.
 
 from __future__ import annotations
 
-from . import Local
+from .base import Topology
 
 
-class Native(Local):
+class Native(Topology):
     name = "native"
     stands_aside = True
     fast_folds = False
-    decided = True
 
-    def resolve(self, params):
-        return self
-
-    def in_place_ok(self, window, flat) -> bool:
+    def in_place_ok(self, ledger, flat) -> bool:
         return False  # DDP must see the weight's gradient to reduce it

@@ -11,35 +11,28 @@ from __future__ import annotations
 
 import contextlib
 
-from ..distributed import WindowReducer
-from ..flat import is_dtensor
-from . import Local
+from ..distributed import WindowReducer, is_dtensor
+from .base import Topology
 
 
-class Replicated(Local):
+class Replicated(Topology):
     name = "replicated"
     fast_folds = False  # a fold's result is reduced: Python sees every bucket
-    decided = True
+    picklable = False
 
     def __init__(self, process_group, shard=None, reduce_dtype=None) -> None:
         self.reducer = WindowReducer(process_group, shard, reduce_dtype)
-        self.sharding = self.reducer.sharding
         self._no_sync = False
         self._no_sync_used = False
         self._unreduced = False  # gradients were added since the last reduction
 
-    def join(self, window, flat):
-        if any(is_dtensor(s.param) for s in flat.slots):
+    def join(self, ledger, params):
+        if any(is_dtensor(p) for p in params):
             raise ValueError(
                 "the parameters are DTensors (FSDP2's fully_shard or tensor parallelism), "
                 "whose gradients FSDP2 reduces: process_group= and shard= cannot be added"
             )
         return self
-
-    def resolve(self, params):
-        return self  # (a process group of our own: the hooks reduce, no DDP wrapper may)
-
-    picklable = False
 
     def default_bucket_mb(self, device) -> float:
         return 25.0  # each bucket is a collective, and sharded checkpoints are laid out by them
@@ -47,21 +40,22 @@ class Replicated(Local):
     def added(self) -> None:
         self._unreduced = True
 
-    def syncs(self, count) -> bool:
+    def syncs(self, ledger) -> bool:
         if self._no_sync:
             return False
-        steps = count.accum_steps
-        return steps is None or self._no_sync_used or count.microbatches >= steps - 1
+        steps = ledger.accum_steps
+        return steps is None or self._no_sync_used or ledger.microbatches >= steps - 1
 
-    def bucket_complete(self, flat_groups, count, flat, bucket) -> None:
-        if self.syncs(count):
+    def bucket_complete(self, flat_groups, ledger, flat, bucket) -> None:
+        if self.syncs(ledger):
             self.reducer.bucket_ready(flat_groups, bucket)  # overlaps the rest of the backward
 
-    def finish(self, window) -> None:
+    def finish(self, ledger, flat_groups) -> None:
         if self._unreduced:
-            self.reducer.finish(window.flat_groups)
+            self.reducer.finish(flat_groups)
             self._unreduced = False
-            window.invalidate_stats()  # any local norm described local values
+            ledger.took_all([s for flat in flat_groups for s in flat.slots])  # the group's gradient
+            ledger.invalidate_stats()  # any local norm described local values
 
     def reset(self) -> None:
         self._unreduced = False

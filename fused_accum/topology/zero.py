@@ -9,15 +9,27 @@ only in this rank's part of each bucket, so from then until the step ``.grad`` i
 gradient: each backward's gradients are folded into a staging buffer per bucket, reduce-scattered
 at the backward's end and added into this rank's part; ``.grad`` is the placeholder throughout.
 The step updates this rank's parts and all-gathers the parameters.
+
+Its layout (:class:`ShardedLayout`): every bucket's range is padded to a multiple of ``ALIGN *
+world`` and split into ``world`` equal contiguous parts; this rank owns one part of each bucket
+(one ``reduce_scatter``/``all_gather`` per bucket, the bucket being the collective's unit). The
+master and optimizer-state buffers then hold only the owned parts, concatenated in buffer order
+(``local_numel = total / world`` elements), and each slot's ``piece`` says which elements of its
+parameter fall in them (a parameter split across ranks gets a partial piece, one that lies
+elsewhere gets none). ``shard="grads"`` shards the accumulator the same way.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from . import replicated
+from ..distributed import is_dtensor, local_tensor
+from ..flat import ALIGN, Layout
+from .replicated import Replicated
 
 
 class ShardedGrad(Tensor):
@@ -50,72 +62,204 @@ class ShardedGrad(Tensor):
         return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
 
 
-class Zero(replicated.Replicated):
+class ShardedLayout(Layout):
+    """One rank's part of every bucket (see the module): the layout of ``shard=``'s flat groups.
+    One per flat group: it keeps each bucket's part, and the step's staging buffer."""
+
+    def __init__(self, rank: int, world: int, mode: str) -> None:
+        self.rank, self.world, self.mode = rank, world, mode
+        self.grads = mode == "grads"  # the accumulator is sharded too
+        self.bucket_align = ALIGN * world
+        self.parts: list = []  # by bucket: (start, end) of this rank's part, where it lies locally
+        self.staging: Optional[Tensor] = None  # the params' all-gather buffer during a step
+
+    def local_numel(self, total: int) -> int:
+        return total // self.world
+
+    def acc_numel(self, total: int) -> int:
+        return total // self.world if self.grads else total
+
+    def place_buckets(self, flat) -> None:
+        self.parts = [None] * len(flat.buckets)
+        local_start = 0
+        for b in reversed(range(len(flat.buckets))):  # buffer order
+            bucket = flat.buckets[b]
+            part = (bucket.end - bucket.start) // self.world
+            start = bucket.start + self.rank * part
+            self.parts[b] = (start, start + part, local_start)
+            local_start += part
+
+    def part(self, flat, bucket_index: int) -> tuple:
+        """(start, end, local start) of this rank's part of a bucket."""
+        return self.parts[bucket_index]
+
+    def set_views(self, flat, slot) -> None:
+        p, off = slot.param, slot.offset
+        start, end, local_start = self.parts[slot.bucket_index]
+        first, last = max(off, start), min(off + p.numel(), end)
+        if first < last:
+            local = local_start + first - start
+            slot.piece = (first - off, last - off, local)
+            slot.local = slice(local, local + last - first)
+        else:
+            slot.piece, slot.local = None, slice(0, 0)
+        if self.grads:  # no full accumulator: the piece of the sharded one
+            slot.acc = slot._grad_view = slot.full_view = None
+        else:
+            slot.acc = flat.acc[off : off + p.numel()]
+            slot._grad_view = slot.full_view = slot.acc.view(p.shape)
+        slot.master = flat.master[slot.local] if flat.master is not None else None
+        slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
+
+    def param_piece(self, flat, slot) -> Tensor:
+        whole = slot.param.detach().reshape(-1)
+        return whole[slot.piece[0] : slot.piece[1]] if slot.piece is not None else whole[:0]
+
+    def step_lists(self, flat, active: list) -> tuple:
+        """The active slots holding a piece here, with 1-D views of that piece: the reduced
+        gradient, and as targets the fp32 master piece (lp target: the piece of the staging
+        buffer) or, without a master, the staging piece itself. Between begin_step and
+        finish_step."""
+        held = [s for s in active if s.piece is not None]
+        accs, params, lps = [], [], []
+        for slot in held:
+            first, end, local = slot.piece
+            accs.append(flat.acc[local : local + end - first] if self.grads else slot.acc[first:end])
+            staged = self.staging[slot.offset + first : slot.offset + end]
+            if flat.has_master:
+                params.append(slot.master)
+                lps.append(staged)
+            else:
+                params.append(staged)
+        return held, accs, params, lps
+
+    def begin_step(self, flat) -> None:
+        """Stage this rank's pieces of the parameters (param dtype) for the step to update in
+        place and the all-gather to spread (a skipped step leaves them as they were). Padding is
+        left uninitialised: it is gathered but never copied into a parameter."""
+        self.staging = torch.empty(flat.total, dtype=flat.dtype, device=flat.device)
+        held = [s for s in flat.slots if s.piece is not None]
+        if held:
+            torch._foreach_copy_(
+                [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held],
+                [s.param.detach().reshape(-1)[s.piece[0] : s.piece[1]] for s in held],
+            )
+
+    def gather_ranges(self, flat) -> list:
+        """(whole bucket, this rank's part) views of the staging buffer, one per bucket, in the
+        fixed bucket order: the all-gathers that spread the updated parameters."""
+        return [(self.staging[b.start : b.end], self.staging[s:e]) for b, (s, e, _) in zip(flat.buckets, self.parts)]
+
+    def finish_step(self, flat) -> None:
+        """After the all-gathers: copy the gathered parameters into the params."""
+        if self.staging is None:
+            return
+        staging, self.staging = self.staging, None
+        torch._foreach_copy_(
+            [s.param.detach() for s in flat.slots],
+            [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in flat.slots],
+        )
+
+    def reduced_parts(self, flat) -> list:
+        """1-D views of the reduced gradient this rank owns (one per bucket), what its share of
+        the window's norm and non-finite flag is computed from."""
+        if self.grads:
+            return [flat.acc]
+        return [flat.acc[s:e] for s, e, _ in self.parts]
+
+    def piece_lengths(self, flat, slot) -> list:
+        """How many elements of ``slot``'s parameter each rank's piece holds (by rank)."""
+        bucket, n = flat.buckets[slot.bucket_index], slot.param.numel()
+        part = (bucket.end - bucket.start) // self.world
+        starts = [bucket.start + r * part for r in range(self.world)]
+        return [max(0, min(slot.offset + n, s + part) - max(slot.offset, s)) for s in starts]
+
+    def loaded(self, flat, slot, value: Tensor) -> Tensor:
+        """A whole parameter's worth (torch's shape, e.g. from ``gathered_state_dict`` or an
+        unsharded optimizer) is cut to this rank's piece; a piece's worth (this rank's own
+        ``state_dict``) is taken as is; a DTensor of rows (``saved_value``) gives this rank's."""
+        if is_dtensor(value):
+            value = local_tensor(value).reshape(-1)[: self.piece_lengths(flat, slot)[self.rank]]
+        value = super().loaded(flat, slot, value)
+        if value.numel() != slot.param.numel():
+            return value
+        return value[slot.piece[0] : slot.piece[1]] if slot.piece is not None else value[:0]
+
+    def state_view(self, flat, slot, buf: Tensor) -> Tensor:
+        return buf  # the 1-D piece this rank holds (possibly empty)
+
+
+class Zero(Replicated):
     sharded = True
 
     def __init__(self, process_group, shard: str, reduce_dtype=None) -> None:
         super().__init__(process_group, shard, reduce_dtype)
         self.name = f"zero ({shard})"
+        self.mode = shard
         self.grads = shard == "grads"
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
 
-    def reduced_error(self, window):
+    def layout(self) -> ShardedLayout:
+        return ShardedLayout(self.reducer.rank, self.reducer.world, self.mode)
+
+    def _reduced_error(self, ledger):
         raise RuntimeError(
-            f"{window.label}: shard='state' reduces once per window and this window was "
+            f"{ledger.label}: shard='state' reduces once per window and this window was "
             "already reduce-scattered; call step() (and zero_grad()) before the next "
             "backward, or run all but the window's last backward under opt.no_sync() "
             "or with accum_steps set"
         )
 
-    def add(self, flat) -> None:
+    def add(self, ledger, flat) -> None:
         for slot in flat.slots:
-            slot.placeholder = ShardedGrad(slot.param, self.sharding.mode)
+            slot.placeholder = ShardedGrad(slot.param, self.mode)
             if self.grads:
-                slot.grad_view = slot.placeholder  # there is never a full gradient
+                ledger.view_set(slot, slot.placeholder)  # there is never a full gradient
 
-    def before_backward(self, window) -> None:
+    def before_backward(self, ledger) -> None:
         if self._reduced:
-            self.reduced_error(window)
+            self._reduced_error(ledger)
 
-    def syncs(self, count) -> bool:
+    def syncs(self, ledger) -> bool:
         # "grads" reduce-scatters every backward; the step averages
-        return not self.grads and super().syncs(count)
+        return not self.grads and super().syncs(ledger)
 
     def staging_for(self, flat, bucket):
         return self.reducer.staging_for(flat, bucket) if self.grads else None
 
-    def in_place_ok(self, window, flat) -> bool:
+    def in_place_ok(self, ledger, flat) -> bool:
         if self.grads:
             return False  # no full accumulator slice to write into
         if self._reduced:
-            self.reduced_error(window)
+            self._reduced_error(ledger)
         return True
 
-    def bucket_complete(self, flat_groups, count, flat, bucket) -> None:
+    def bucket_complete(self, flat_groups, ledger, flat, bucket) -> None:
         if self.grads:
             self.reducer.bucket_staged(flat_groups, bucket)
         else:
-            super().bucket_complete(flat_groups, count, flat, bucket)
+            super().bucket_complete(flat_groups, ledger, flat, bucket)
 
-    def backward_ended(self, window) -> None:
+    def backward_ended(self, ledger, flat_groups) -> None:
         if self.grads:  # every bucket is reduce-scattered once per backward, in order
-            self.reducer.scatter_backward(window.flat_groups)
+            self.reducer.scatter_backward(flat_groups)
 
-    def finish(self, window) -> None:
+    def finish(self, ledger, flat_groups) -> None:
         if self._user_staged:
             self._user_staged = False
-            self.reducer.scatter_backward(window.flat_groups)
+            self.reducer.scatter_backward(flat_groups)
         if not self._unreduced:
             return
         if self._reduced:
-            self.reduced_error(window)
-        super().finish(window)
+            self._reduced_error(ledger)
+        super().finish(ledger, flat_groups)
         if not self.grads:
             self._reduced = True  # only this rank's parts hold the group's gradient now
-            window.check_next_backward()  # (a backward before the step is an error)
-            for slot in window.slots:
-                slot.grad_view = slot.placeholder
+            ledger.needs_checks()  # (a backward before the step is an error)
+            for flat in flat_groups:
+                for slot in flat.slots:
+                    ledger.view_set(slot, slot.placeholder)
 
     def take_user_grad(self, flat_groups, slot, grad: Tensor) -> bool:
         if self._reduced:
@@ -138,49 +282,46 @@ class Zero(replicated.Replicated):
         self._unreduced = self._user_staged = True
         return True
 
-    def stats(self, flat_groups, window_stats) -> dict:
+    def norm_terms(self, ledger, flat_groups, home) -> tuple:
         """The sum of squares of this rank's reduced parts, summed over the group with one
         all-reduce (the non-finite flag follows from a non-finite sum)."""
-        stats = {}
+        sumsq = torch.zeros((), dtype=torch.float32, device=home)  # (one device: the group's)
         for flat in flat_groups:
-            found_inf, sumsq = window_stats.tensors(flat.device)
-            if flat.device not in stats:
-                found_inf.zero_()
-                sumsq.zero_()
-                stats[flat.device] = (found_inf, sumsq)
-            parts = [part for part in flat.shard_grads() if part.numel()]
+            parts = [part for part in flat.layout.reduced_parts(flat) if part.numel()]
             if parts:
                 sumsq.add_(torch.stack(torch._foreach_norm(parts)).square().sum())
-        for found_inf, sumsq in stats.values():
-            both = torch.stack([found_inf, sumsq])
-            self.reducer.sum_(both)
-            found_inf.copy_(both[0])
-            sumsq.copy_(both[1])
-        return stats
+        both = torch.stack([torch.zeros_like(sumsq), sumsq])  # (found_inf, sumsq), as the ledger's
+        self.reducer.sum_(both)
+        return both[1], both[0]
 
-    def after_step(self, window) -> None:
+    def after_step(self, ledger, flat_groups) -> None:
         """No full gradient survives the step, so the window ends with it (a backward before
         ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
         self._reduced = False
         self.reducer.new_window()
-        for slot in window.slots:
-            slot.has_grad = False
-            if slot.param.grad is slot.placeholder:
-                slot.param.grad = None
-            if not self.grads:
-                slot.grad_view = slot.full_view
+        for flat in flat_groups:
+            for slot in flat.slots:
+                ledger.cleared(slot)
+                if slot.param.grad is slot.placeholder:
+                    slot.param.grad = None
+                if not self.grads and slot.grad_view is not slot.full_view:
+                    ledger.view_set(slot, slot.full_view)
 
     def before_flat_step(self, flat, active: list) -> None:
         if active:
-            flat.begin_step()  # stage this rank's pieces of the params
+            flat.layout.begin_step(flat)  # stage this rank's pieces of the params
 
     def after_step_params(self, flat_groups) -> None:
         self.reducer.gather_params(flat_groups)  # the updated params, to every rank
 
     # --- checkpoints (fused_accum.checkpoint) ---
 
-    def state_rows(self, flat, slot, piece: Tensor) -> Tensor:
-        return self.reducer.state_rows(flat, slot, piece)
+    def saved_value(self, flat, slot, key: str, value: Tensor) -> Tensor:
+        """Each rank's piece of a master or state as a row of a DTensor, so
+        torch.distributed.checkpoint keeps them all (WindowReducer.state_rows)."""
+        if key == "accum" or value.dim() != 1:
+            return value
+        return self.reducer.state_rows(flat, slot, value)
 
     def gather_full(self, flat, buf: Tensor) -> Tensor:
         return self.reducer.gather_full(flat, buf)

@@ -1,5 +1,7 @@
 """The four ops: argument checks, the plan looked up (or built) in the package's cache, and
 the launches. :func:`accumulate` has its own launcher; the three steps share :func:`_step`.
+Each takes the backend contract of :mod:`fused_accum.backends.reference` (a step: the records
+``t``, ``s``, ``h`` declared in :mod:`fused_accum.ops`), plus ``plan=``.
 
 What the package (``__init__``) owns, the plan cache, the CUDA-graph registry and arena and the
 launch configuration (``BLOCK``, ``NUM_WARPS``...), is read from it at call time through
@@ -14,7 +16,7 @@ import contextlib
 import struct
 import sys
 from collections import OrderedDict
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 from torch import Tensor
@@ -23,6 +25,10 @@ import triton.language as tl
 
 from .. import reference
 from . import checks, kernels, plans
+
+if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
+    from ...algorithms import AdamHyper, LionHyper, SgdHyper
+    from ...ops import AdamStates, LionStates, SgdStates, StepTensors
 
 # The package module itself, partly initialised while it imports this one; only its attributes
 # at call time are read, by which point it is complete.
@@ -146,28 +152,22 @@ def accumulate(
 def _step(
     kernel,
     name: str,
-    params: List[Tensor],
+    t: StepTensors,
     states: "OrderedDict[str, List[Tensor]]",
-    accs: List[Tensor],
-    steps: Optional[Tensor],
-    lr: Tensor,
-    coef: Tensor,
-    lp_params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    grad_alpha: float,
-    grads_overwrite: bool,
-    found_inf: Optional[Tensor],
     scalars: tuple,
     flags: dict,
     plan=None,
+    takes_steps: bool = True,
 ) -> None:
     """The launcher shared by the three step ops: check, look the plan up, launch.
 
-    ``states`` are the optimizer-state lists by argument name (0 to 3 of them, fp32 like
-    accs, in table columns STATE0..STATE2); ``scalars`` and ``flags`` are the kernel's own
-    hyper-parameters and constexpr switches. Without ``plan``, per call each tensor's address
-    is read, with the sizes of accs and grads, the dtypes of params, lp_params and grads and
-    their contiguity; a miss of the table cache checks everything else.
+    ``t`` is the step's :class:`~fused_accum.ops.StepTensors`; ``states`` are the optimizer-state
+    lists the kernel reads by argument name (0 to 3 of them, fp32 like accs, in table columns
+    STATE0..STATE2); ``scalars`` and ``flags`` are the kernel's own hyper-parameters and
+    constexpr switches; ``takes_steps``: whether the kernel reads the step counts. Without ``plan``,
+    per call each tensor's address is read, with the sizes of accs and grads, the dtypes of
+    params, lp_params and grads and their contiguity; a miss of the table cache checks everything
+    else.
 
     ``plan``: optional, any hashable the caller never reuses for other parameters. It promises
     that in every call with this plan the lists hold the same parameters in the same order, and
@@ -177,6 +177,9 @@ def _step(
     call). What a model or a backward owns is read each call, address and dtype: ``lp_params``,
     or ``params`` when there are none, and ``grads``; their sizes and strides are promised.
     """
+    params, accs, lp_params, grads = t.params, t.accs, t.lp_params, t.grads
+    lr, coef, found_inf = t.lr, t.coef, t.found_inf
+    steps = t.steps if takes_steps else None
     checks.step_lengths(name, params, states, accs, lp_params, grads)
     n = len(params)
     if n == 0:
@@ -226,14 +229,14 @@ def _step(
                 coef,
                 found_inf if found_inf is not None else coef,  # not read unless HAS_FOUND_INF
                 group_tables.chunk,
-                float(grad_alpha),
+                float(t.grad_alpha),
                 *scalars,
                 PARAM_DTYPE=_TL_DTYPE[param_dtype],
                 LP_DTYPE=_TL_DTYPE[lp_dtype],
                 GRAD_DTYPE=_TL_DTYPE[grad_dtype],
                 HAS_LP=bool(lp_params),
                 FUSED=bool(grads),
-                GRADS_OVERWRITE=bool(grads_overwrite),
+                GRADS_OVERWRITE=bool(t.grads_overwrite),
                 HAS_FOUND_INF=found_inf is not None,
                 **flags,
                 BLOCK=_pkg.BLOCK,
@@ -245,153 +248,69 @@ def _step(
     del keep
 
 
-def sgd_step(
-    params: List[Tensor],
-    momentum_bufs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-    plan=None,
-) -> None:
+def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper, plan=None) -> None:
     """reference.sgd_step in one launch per dtype group (``plan``: see _step)."""
-    states = OrderedDict(momentum_bufs=momentum_bufs) if momentum != 0 else OrderedDict()
+    states = OrderedDict(momentum_buffers=s.momentum_buffers) if h.momentum != 0 else OrderedDict()
     _step(
         kernels.sgd_kernel,
         "sgd_step",
-        params,
+        t,
         states,
-        accs,
-        steps,
-        lr,
-        coef,
-        lp_params,
-        grads,
-        grad_alpha,
-        grads_overwrite,
-        found_inf,
-        scalars=(float(momentum), 1.0 - float(dampening), float(weight_decay)),
+        scalars=(float(h.momentum), 1.0 - float(h.dampening), float(h.weight_decay)),
         flags=dict(
-            MAXIMIZE=bool(maximize),
-            HAS_WEIGHT_DECAY=weight_decay != 0,
-            HAS_MOMENTUM=momentum != 0,
-            NESTEROV=bool(nesterov),
+            MAXIMIZE=bool(h.maximize),
+            HAS_WEIGHT_DECAY=h.weight_decay != 0,
+            HAS_MOMENTUM=h.momentum != 0,
+            NESTEROV=bool(h.nesterov),
         ),
         plan=plan,
     )
 
 
-def adam_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-    max_exp_avg_sqs: Sequence[Tensor] = (),
-    plan=None,
-) -> None:
-    """reference.adam_step (Adam / AdamW; amsgrad with a non-empty ``max_exp_avg_sqs``) in
+def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper, plan=None) -> None:
+    """reference.adam_step (Adam / AdamW; amsgrad with a non-empty ``s.max_exp_avg_sqs``) in
     one launch per dtype group (``plan``: see _step)."""
-    states = OrderedDict(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
-    if max_exp_avg_sqs:
-        states["max_exp_avg_sqs"] = max_exp_avg_sqs
+    states = OrderedDict(exp_avgs=s.exp_avgs, exp_avg_sqs=s.exp_avg_sqs)
+    if s.max_exp_avg_sqs:
+        states["max_exp_avg_sqs"] = s.max_exp_avg_sqs
+    beta1, beta2, weight_decay = float(h.beta1), float(h.beta2), float(h.weight_decay)
     _step(
         kernels.adam_kernel,
         "adam_step",
-        params,
+        t,
         states,
-        accs,
-        steps,
-        lr,
-        coef,
-        lp_params,
-        grads,
-        grad_alpha,
-        grads_overwrite,
-        found_inf,
         scalars=(
             _bits(beta1),
             _bits(beta2),
             _bits(weight_decay),
-            float(beta1),
-            float(beta2),
-            1.0 - float(beta1),
-            1.0 - float(beta2),
-            float(eps),
-            float(weight_decay),
+            beta1,
+            beta2,
+            1.0 - beta1,
+            1.0 - beta2,
+            float(h.eps),
+            weight_decay,
         ),
         flags=dict(
-            MAXIMIZE=bool(maximize),
+            MAXIMIZE=bool(h.maximize),
             HAS_WEIGHT_DECAY=weight_decay != 0,
-            DECOUPLED=bool(decoupled),
-            AMSGRAD=bool(max_exp_avg_sqs),
+            DECOUPLED=bool(h.decoupled),
+            AMSGRAD=bool(s.max_exp_avg_sqs),
         ),
         plan=plan,
     )
 
 
-def lion_step(
-    params: List[Tensor],
-    exp_avgs: List[Tensor],
-    accs: List[Tensor],
-    steps: Tensor,
-    lr: Tensor,
-    coef: Tensor,
-    *,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    maximize: bool,
-    lp_params: Sequence[Tensor] = (),
-    grads: Sequence[Tensor] = (),
-    grad_alpha: float = 1.0,
-    grads_overwrite: bool = False,
-    found_inf: Optional[Tensor] = None,
-    plan=None,
-) -> None:
-    """reference.lion_step in one launch per dtype group (``steps`` is unused, as there;
+def lion_step(t: StepTensors, s: LionStates, h: LionHyper, plan=None) -> None:
+    """reference.lion_step in one launch per dtype group (``t.steps`` is unused, as there;
     ``plan``: see _step)."""
-    del steps
+    beta1, beta2 = float(h.beta1), float(h.beta2)
     _step(
         kernels.lion_kernel,
         "lion_step",
-        params,
-        OrderedDict(exp_avgs=exp_avgs),
-        accs,
-        None,
-        lr,
-        coef,
-        lp_params,
-        grads,
-        grad_alpha,
-        grads_overwrite,
-        found_inf,
-        scalars=(float(beta1), float(beta2), 1.0 - float(beta1), 1.0 - float(beta2), _bits(weight_decay)),
-        flags=dict(MAXIMIZE=bool(maximize)),
+        t,
+        OrderedDict(exp_avgs=s.exp_avgs),
+        scalars=(beta1, beta2, 1.0 - beta1, 1.0 - beta2, _bits(h.weight_decay)),
+        flags=dict(MAXIMIZE=bool(h.maximize)),
         plan=plan,
+        takes_steps=False,
     )

@@ -1,0 +1,118 @@
+// fused_accum._C.Arrivals: the table of a gradient window's per-parameter autograd hooks, declared
+// here for csrc/module.cpp, which binds it, and defined in csrc/hooks.cpp. Its members are the
+// contract's, written once in fused_accum/arrivals.py: HookTable (every table has them) and
+// FastPath (the fast folds and quiet backwards, which only this table has).
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>  // (pybind11, its STL casters and torch's Tensor caster)
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fused_accum {
+
+namespace py = pybind11;
+
+// One bucket's arrivals in the backward now running, by position in the bucket.
+struct BucketArrivals {
+  std::vector<at::Tensor> grads;  // undefined: nothing arrived as a tensor
+  std::vector<char> arrived;      // as a tensor or written in place
+  int64_t count = 0;              // how many positions have arrived
+  // Set by grant_fast for this backward: when complete (every gradient a tensor, on acc's
+  // device), fold here with accumulate_(acc, offsets, grads, 1, overwrite) and do not call Python.
+  bool fast = false;
+  bool overwrite = false;  // (the window's first gradients: copied, and listed for take_overwritten)
+  at::Tensor acc, offsets;
+  int folded_task = -1;  // the backward (graph task) whose gradients the grant last folded
+};
+
+// Hidden, as pybind11 makes its own types: a class that holds py::objects may not be more visible
+// than they are (GCC warns), and nothing outside fused_accum._C links against it.
+class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared_from_this<Arrivals> {
+ public:
+  // The window's callbacks (fused_accum/arrivals.py says when each is called).
+  Arrivals(py::object before_backward, py::object queue_end, py::object bucket_complete, py::object fold_hooked,
+           py::object backward_raised);
+  ~Arrivals();
+
+  // --- HookTable ---
+  void extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
+              const std::vector<int64_t>& slot_position, const std::vector<std::string>& names);
+  void attach(int64_t key, const at::Tensor& param);
+  std::vector<int64_t> rehook(const std::vector<at::Tensor>& params);
+  void detach_all();
+  void arrive_in_place(int64_t key);
+  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> take_partial();
+  void clear();
+  void expose(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& show);
+  bool clear_grads();
+  std::vector<int64_t> changed();
+  bool has_arrivals();
+  // The flags, set from Python: the hooks stand aside (DDP or FSDP2 owns .grad); the pre-hook
+  // asks Python first; the pre-hook hides a defined .grad. (module.cpp binds them as properties.)
+  std::atomic<bool> stands_aside_{false}, slow_{true}, hide_{false};
+
+  // --- FastPath ---
+  void grant_fast(const std::vector<int64_t>& buckets, const std::vector<at::Tensor>& accs,
+                  const std::vector<at::Tensor>& offsets, const std::vector<bool>& overwrite);
+  void revoke_fast();
+  std::vector<int64_t> take_overwritten();
+  void arm_quiet(int64_t budget, const py::buffer& changes);
+  int64_t quiet_backwards();
+  void python_seen();
+
+  // --- the hooks on each AccumulateGrad node (hooks.cpp's TakeGradBefore and TakeGradAfter) ---
+  torch::autograd::variable_list before_accumulate(int64_t key, torch::autograd::AccumulateGrad& node,
+                                                   const torch::autograd::variable_list& grads);
+  void after_accumulate(int64_t key, const at::Tensor& param);
+
+ private:
+  // The AccumulateGrad nodes we hook. The pointer type is whatever grad_accumulator() returns:
+  // std::shared_ptr<Node> up to torch 2.12, c10::intrusive_ptr<Node> from 2.13 on.
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  struct QuietEnd;
+
+  bool standing_aside() const { return detached_ || stands_aside_; }
+  const at::Tensor& param_of(size_t key) const;
+  std::vector<int64_t> changed_locked(bool any);
+  void hook_locked(int64_t key, NodePtr node);  // (with mutex_ held)
+  bool start_quietly();
+  void raised_quietly(int task);
+  void end_quietly(int task);
+  void arrive(int64_t key, at::Tensor grad);
+
+  std::atomic<bool> detached_{false};
+  std::vector<int64_t> slot_bucket_, slot_position_;
+  std::vector<std::string> names_;
+  py::object before_backward_, queue_end_, bucket_complete_, fold_hooked_, backward_raised_;
+  std::vector<BucketArrivals> buckets_;
+  std::vector<NodePtr> nodes_;      // by slot: the AccumulateGrad nodes we hook (kept alive)
+  std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
+  std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
+  std::vector<const void*> shown_data_;  // by slot: where that view's memory was when shown
+  std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
+  int last_task_ = -1;  // the graph task whose end Python was last asked to see
+  std::vector<int64_t> overwritten_;  // see take_overwritten
+  // Quiet backwards: how many more may run; the backward running quietly (-1: none) and whether
+  // it still needs nothing of Python; the last backward the window queued its own end for; how
+  // many ended quietly, ever; the window's counter and its value at arming.
+  std::atomic<int64_t> quiet_left_{0};
+  int quiet_task_ = -1;
+  bool quiet_clean_ = false;
+  int python_task_ = -1;
+  int64_t quiet_done_ = 0;
+  py::object changes_object_;
+  const int64_t* changes_ = nullptr;
+  int64_t armed_at_ = 0;
+};
+
+}  // namespace fused_accum

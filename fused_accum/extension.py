@@ -1,0 +1,75 @@
+"""Loads fused_accum._C, the C++/CUDA extension, once: the hooks (fused_accum.arrivals) and the
+extension backend (fused_accum.backends.ext) both take it from here.
+
+A C++ extension only runs with the torch it was compiled against (torch has no stable C++ ABI):
+loaded into another one it fails with an undefined symbol, or crashes. So the torch recorded at
+build time (``_C.build.json``, written by setup.py next to ``_C``) is compared with the installed
+one first; on a difference ``_C`` is not loaded and one warning names both versions and the
+command that rebuilds it. Without ``_C`` (``FUSED_ACCUM_NO_EXT=1``, a failed build) this module
+still imports: ``_C`` is None and ``WHY_NOT`` says why, once in the log too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("fused_accum")
+
+BUILD_RECORD = "_C.build.json"  # setup.py's name for it
+REBUILD = (
+    "rebuild it against this torch: pip install --no-build-isolation --no-deps --force-reinstall "
+    "--no-cache-dir <fused_accum source or URL> (in a checkout: pip install --no-build-isolation --no-deps -e .)"
+)
+
+
+def _release(version) -> str:
+    """2.13.0 of 2.13.0+cpu: CPU and CUDA builds of one release share torch's C++ ABI."""
+    return str(version).split("+")[0]
+
+
+def _built_against(so_path: str) -> Optional[str]:
+    """The torch version recorded next to the extension at ``so_path``, or None when there is no
+    readable record (a build by an older setup.py: then loading it decides)."""
+    try:
+        with open(os.path.join(os.path.dirname(so_path), BUILD_RECORD)) as f:
+            return str(json.load(f)["torch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _load():
+    """(fused_accum._C or None, "" or why it is not loaded). Warns once when an extension is
+    there but was built for another torch or fails to load; logs once when none was built."""
+    spec = importlib.util.find_spec("fused_accum._C")
+    if spec is None or spec.origin is None:  # FUSED_ACCUM_NO_EXT=1, or a failed build
+        why = "fused_accum._C is not built (see setup.py: the build needs torch importable, and a C++ compiler)"
+        logger.info("fused_accum: C++ extension unavailable (%s)", why)
+        return None, why
+    built = _built_against(spec.origin)
+    if built is not None and _release(built) != _release(torch.__version__):
+        why = (
+            f"fused_accum._C was built against torch {built} but torch {torch.__version__} is installed, so it "
+            f"is not loaded and fused_accum runs on its reference/Triton backends; {REBUILD}"
+        )
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
+        return None, why
+    try:
+        from fused_accum import _C
+    except ImportError as err:  # an undefined symbol: built for another torch (or a broken build)
+        why = (
+            f"fused_accum._C (built against torch {built or 'unrecorded'}) does not load with torch "
+            f"{torch.__version__}: {err}; fused_accum runs on its reference/Triton backends; {REBUILD}"
+        )
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
+        return None, why
+    return _C, ""
+
+
+_C, WHY_NOT = _load()

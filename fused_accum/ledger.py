@@ -1,0 +1,402 @@
+"""The gradient window's state, with one owner, and its face in ``.grad``.
+
+:class:`Ledger` holds what a window knows between two steps and what its decisions are taken
+from. Per slot (fused_accum.flat.Slot): whether it holds this window's gradient (``has_grad``),
+whether its final value is already in the window's norm (``in_stats``), the view ``.grad``
+shows (``grad_view``), the backward that last folded it (``folded_in``) and whether
+step_in_backward stepped it (``stepped``). Per window: the count of backwards, the norm and
+non-finite flag, whether step_in_backward may step it or has, and what ``.grad`` shows.
+
+Only the ledger's methods change them, each named for the event that changes them (a bucket
+was folded, a gradient taken from the user, a ``.grad`` cleared, a backward ended, the window
+stepped, ended, moved); everywhere else they are read (the slot's fields have no setter).
+Every change of a slot's ``has_grad``, ``in_stats`` or ``grad_view`` adds one to the window's
+change counter, an int64 the C++ hooks read too: a decision taken at a count (the fast-fold
+grants, a quiet backward, the ``.grad`` exposure) holds while the count keeps its value. The
+hooks' table flags (``slow``, ``hide``, ``stands_aside``) are set here, as consequences of
+events. Reading a count never acts: the backwards the C++ hooks ran quietly are a running total
+of theirs that reads add in.
+
+:class:`Exposure` shows the window in ``.grad`` and takes back what the user did to it.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import operator
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .arrivals import FastPath
+
+HAS_GRAD, IN_STATS, GRAD_VIEW, FOLDED_IN = (
+    operator.attrgetter(f"_{n}") for n in ("has_grad", "in_stats", "grad_view", "folded_in")
+)  # (C-level getters, for the per-slot loops)
+_UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
+
+
+class Ledger:
+    """The window's counts, norm and flag, and every slot's window state (see the module)."""
+
+    def __init__(self, table, label: str, accum_steps: Optional[int], step_in_backward: bool, wants_stats: bool):
+        self.table = table  # the hooks' table (fused_accum.arrivals)
+        self.fast = table if isinstance(table, FastPath) else None  # ... where it has the fast path
+        self.label = label  # how errors name the optimizer
+        self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the last pass takes the norm
+        self.slots: list = []  # the window's, by key
+        self.changes = array.array("q", [0])  # (read by the C++ hooks at a backward's start)
+        self.accum_steps = accum_steps
+        self.step_in_backward = step_in_backward
+        self._microbatches = 0  # backwards in this window the window itself counted
+        self._total = 0  # ... over the window's life (what Slot.folded_in holds)
+        self._quiet_seen = 0  # the hooks' quiet total when last taken in
+        self._stats: dict = {}  # device -> (found_inf, sumsq): 0-d fp32 the last pass adds into
+        self.acc_versions: list = []  # the accumulators' versions when the last backward ended
+        self.pieces_seen = False  # some slot received two gradients in one micro-batch
+        self.stepped_in_backward = False  # step_in_backward stepped this window already
+        # step_in_backward may step this window: from construction, zero_grad() or a window
+        # cleared whole, until step() (a backward after a step may be another model's: DCGAN)
+        self.may_step_in_backward = step_in_backward
+        self.shown = False  # .grad currently shows the window
+        self.shown_at: Optional[int] = None  # the change count when .grad was last shown
+
+    def join(self, slots: list) -> None:
+        """Slots of a new flat group: their changes count here."""
+        for slot in slots:
+            slot.changes = self.changes
+        self.slots.extend(slots)
+        self.shown_at = None
+
+    def _changed(self) -> None:
+        self.changes[0] += 1
+
+    # --- counts ----------------------------------------------------------------------------
+
+    def _quiet(self) -> int:
+        return self.fast.quiet_backwards() - self._quiet_seen if self.fast is not None else 0
+
+    @property
+    def microbatches(self) -> int:
+        """Backwards in this window, the quiet ones included."""
+        return self._microbatches + self._quiet()
+
+    @property
+    def total(self) -> int:
+        """Backwards over the window's life."""
+        return self._total + self._quiet()
+
+    def last_backward(self) -> bool:
+        """The backward now running ends the window (known only with accum_steps)."""
+        return self.accum_steps is not None and self.microbatches == self.accum_steps - 1
+
+    def _take_quiet(self) -> None:
+        quiet = self._quiet()
+        self._quiet_seen += quiet
+        self._microbatches += quiet
+        self._total += quiet
+
+    def backward_ended(self) -> None:
+        """A backward that reached the parameters ended: one more micro-batch."""
+        self._take_quiet()
+        self._microbatches += 1
+        self._total += 1
+
+    def _restart_count(self, microbatches: int = 0) -> None:
+        self._take_quiet()
+        self._microbatches = microbatches
+        if self.fast is not None:
+            self.fast.arm_quiet(0, self.changes)  # (which backward is the last may have moved)
+
+    def resumed(self, microbatches: int) -> None:
+        """A checkpoint's window was loaded: its count of backwards."""
+        self._restart_count(microbatches)
+
+    def arm_quiet(self) -> None:
+        """Let the C++ hooks run the coming backwards quietly, up to the window's last when it
+        takes the norm (the caller decided every bucket is granted an add)."""
+        steps = self.accum_steps
+        budget = steps - 1 - self.microbatches if self.wants_stats and steps is not None else _UNLIMITED
+        if budget > 0:
+            self.fast.arm_quiet(budget, self.changes)
+
+    # --- folds ---------------------------------------------------------------------------
+
+    def folded(self, slots: list, stats: bool) -> None:
+        """``slots`` received a gradient in this micro-batch; ``stats``: the fold added their
+        final values to the window's norm and non-finite flag."""
+        now = self.total
+        stale = entered = False  # a value in the norm/flag is no longer final; one entered it
+        for slot in slots:  # (a per-slot loop of the last backward: stored fields, counted once)
+            if slot._folded_in == now:
+                self.pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
+                stale = True
+            elif slot._in_stats:
+                stale = True
+            elif stats:
+                slot._in_stats = entered = True
+            slot._folded_in = now
+            slot._has_grad = True
+        if slots:
+            self._changed()
+        if stale:
+            self.invalidate_stats()
+
+    def stepped_in_pass(self, slots: list) -> None:
+        """step_in_backward stepped ``slots`` from their last gradient: nothing of theirs is left
+        in the window."""
+        now = self.total
+        for slot in slots:
+            slot._stepped = True
+            slot._has_grad = False
+            slot._folded_in = now
+        self._changed()
+
+    def stepped_the_rest(self) -> None:
+        """step_in_backward stepped every slot left at the window's last backward."""
+        for slot in self.slots:
+            slot._has_grad = False
+        self.stepped_in_backward = True
+        self._changed()
+
+    def took_grad(self, slot) -> None:
+        """``slot`` holds a gradient taken whole (a user's ``.grad``, a checkpoint's, FSDP2's)."""
+        slot._has_grad = True
+        slot._in_stats = False
+        self._changed()
+
+    def took_all(self, slots) -> None:
+        """Every one of ``slots`` holds the group's gradient (a data-parallel reduction)."""
+        for slot in slots:
+            slot._has_grad = True
+        self._changed()
+
+    def cleared(self, slot) -> None:
+        """``slot``'s gradient is gone (its ``.grad`` cleared, or never arrived under DDP)."""
+        if slot._has_grad:
+            slot._has_grad = False
+            self._changed()
+
+    def moved(self, slots) -> None:
+        """``slots`` got new buffers (their parameters moved or were cast): no gradient left."""
+        for slot in slots:
+            slot._has_grad = slot._in_stats = False
+        self._changed()
+
+    def view_set(self, slot, view) -> None:
+        """``.grad`` is to show ``view`` for ``slot`` (a new view, a sharded placeholder)."""
+        slot._grad_view = view
+        self._changed()
+
+    # --- the norm and the non-finite flag ---------------------------------------------------
+
+    def stats_tensors(self, device) -> tuple:
+        """(found_inf, sumsq) on ``device``: 0-d fp32 tensors the last accumulate pass adds into."""
+        if device not in self._stats:
+            self._stats[device] = tuple(torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        return self._stats[device]
+
+    def invalidate_stats(self) -> None:
+        """Forget the norm and flag; the step takes them again from the buffers."""
+        entered = False
+        for slot in self.slots:
+            if slot._in_stats:
+                slot._in_stats, entered = False, True
+        if entered:
+            self._changed()
+        for found_inf, sumsq in self._stats.values():
+            found_inf.zero_()
+            sumsq.zero_()
+
+    def note_acc_versions(self, flat_groups) -> None:
+        """At a backward's end: the accumulators' versions (every ``.grad`` view shares its
+        buffer's version counter, which any in-place write moves)."""
+        self.acc_versions = [flat.acc._version for flat in flat_groups]
+
+    def completed_stats(self, flat_groups) -> dict:
+        """device -> (found_inf, sumsq) over every gradient of the window: what the last
+        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group. A
+        ``.grad`` edited in place since the last backward ended (``scaler.unscale_``,
+        ``clip_grad_value_``, ``nan_to_num_``) moved its buffer's version counter: the values the
+        last pass saw are gone, so everything is taken again from the buffers."""
+        if [flat.acc._version for flat in flat_groups] != self.acc_versions:
+            self.invalidate_stats()
+        entered = False
+        for flat in flat_groups:
+            missing = [s for s in flat.slots if s._has_grad and not s._in_stats]
+            if missing:
+                _, sumsq = self.stats_tensors(flat.device)
+                sumsq.add_(torch.stack(torch._foreach_norm([s.acc for s in missing])).square().sum())
+                for slot in missing:
+                    slot._in_stats = entered = True
+        if entered:
+            self._changed()
+        return {flat.device: self.stats_tensors(flat.device) for flat in flat_groups}
+
+    # --- the window's end ----------------------------------------------------------------------
+
+    def stepped(self) -> None:
+        """The optimizer stepped: micro-batches are counted anew and the norm forgotten; until
+        the next window is started, no backward steps in backward (it may be another model's)."""
+        self._restart()
+        self.may_step_in_backward = False
+
+    def window_started(self) -> None:
+        """A window starts (``zero_grad()``, or every gradient cleared): counted anew."""
+        self._restart()
+        self.may_step_in_backward = self.step_in_backward
+
+    def _restart(self) -> None:
+        self._restart_count()
+        self.stepped_in_backward = False
+        self.pieces_seen = False
+        if self.step_in_backward:
+            for slot in self.slots:
+                slot._stepped = False
+        self.invalidate_stats()
+
+    def discarded(self) -> None:
+        """Every gradient of the window is gone and no ``.grad`` shows a view: a new window."""
+        self.shown = False
+        self.table.hide = False  # a .grad the user sets now is added to by the next backward
+        for slot in self.slots:
+            slot._has_grad = False
+        self._changed()
+        self.window_started()
+
+    # --- the hooks' table flags ----------------------------------------------------------------
+
+    def showing(self) -> None:
+        """``.grad`` shows the window: the next backward first takes what the user did to it
+        (the window's checks), and its hooks hide the views before autograd could add into them."""
+        self.shown = True
+        self.table.slow = self.table.hide = True
+
+    def needs_checks(self) -> None:
+        """The next backward calls the window's before_backward (its checks), whatever was armed."""
+        self.table.slow = True
+
+    def checked(self) -> None:
+        """The window's checks ran for the backward about to take gradients."""
+        self.table.slow = False
+
+    def set_stands_aside(self, value: bool) -> None:
+        """Another engine fills ``.grad`` (DDP, FSDP2): the hooks do nothing."""
+        self.table.stands_aside = value
+
+    def pending(self) -> bool:
+        return any(map(HAS_GRAD, self.slots)) or self.table.has_arrivals()
+
+
+class Exposure:
+    """``.grad`` is the truth: after every backward each parameter with a gradient in the window
+    shows its fp32 running sum in ``.grad``, a view of its accumulator slice (``show``), exactly
+    where native accumulation would show one. Before the next backward, and before anything
+    reads the buffers, ``reconcile`` takes what the user did to it: a ``.grad`` cleared since
+    (``model.zero_grad()``) discards that parameter's window, one replaced by another tensor
+    becomes its accumulated gradient; in-place edits (clipping, unscaling) already went into the
+    buffer. The per-parameter work is the hooks' table's (``expose``, ``changed``): one C++
+    pass, which remembers what it showed."""
+
+    def __init__(self, ledger: Ledger, flat_groups: list, folder) -> None:
+        self.ledger, self.table = ledger, ledger.table
+        self.flat_groups = flat_groups  # (the window's list: it grows as groups are added)
+        self.folder = folder  # (for the window's topology, which the window may replace there)
+
+    def forget(self) -> None:
+        self.ledger.shown_at = None  # new slots, views or nodes: show again
+
+    def show(self) -> None:
+        """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
+        if self.folder.topology.stands_aside:
+            return  # .grad is autograd's (and DDP's or FSDP2's)
+        ledger = self.ledger
+        ledger.showing()
+        if ledger.shown_at == ledger.changes[0]:
+            # No slot's has_grad or view was set since the last exposure, so .grad shows it
+            # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
+            # .grad as they found it. A middle micro-batch saves a pass over every parameter.
+            return
+        slots = ledger.slots
+        self.table.expose(list(map(GRAD_VIEW, slots)), list(map(HAS_GRAD, slots)))
+        ledger.shown_at = ledger.changes[0]
+
+    def reconcile(self, before_backward: bool = False) -> bool:
+        """Take what the user did to a shown ``.grad`` since it was shown. True when every
+        gradient of the window is gone (all cleared): a new window starts."""
+        ledger = self.ledger
+        if not ledger.shown:
+            return False
+        changed = False
+        for key in self.table.changed():  # the .grad no longer what show() set
+            slot = ledger.slots[key]
+            grad = slot.param.grad
+            if grad is slot.grad_view:
+                if grad.data_ptr() == slot.acc.data_ptr():
+                    continue
+                # `p.grad.data = t` re-pointed the view itself: t is the gradient now, as with
+                # torch; the view (no longer one of the buffer) is replaced by a new one.
+                self.take_user_grad(slot, grad)
+                ledger.view_set(slot, self.flat_groups[slot.flat_index].new_grad_view(slot))
+                slot.param.grad = None if before_backward else slot.grad_view
+                changed = True
+                continue
+            if grad is None:
+                changed |= slot.has_grad
+                ledger.cleared(slot)
+            else:
+                self.take_user_grad(slot, grad)
+                changed = True
+                if before_backward:
+                    slot.param.grad = None  # the next gradient is added by our kernels
+        ledger.shown = not before_backward
+        if changed and not any(map(HAS_GRAD, ledger.slots)):
+            return True
+        if changed:
+            ledger.invalidate_stats()  # the norm/flag described values that are gone
+        return False
+
+    def take_assigned_grads(self) -> None:
+        """At a window's first backward: a ``.grad`` the user assigned since the window began
+        (after ``zero_grad()``, or before any backward) is where native accumulation would add
+        this backward's gradient: it becomes the slot's sum so far."""
+        for key in self.table.changed():  # (nothing is shown: every defined .grad is the user's)
+            slot = self.ledger.slots[key]
+            grad = slot.param.grad
+            if grad is not None and grad is not slot.grad_view:
+                self.take_user_grad(slot, self.flat_groups[slot.flat_index].user_grad(slot, grad))
+                slot.param.grad = None  # the next gradient is added by our kernels
+
+    def all_cleared(self) -> bool:
+        """Whether the user cleared every ``.grad`` this window shows (``model.zero_grad()``):
+        reconcile would then start a new window. Reads only."""
+        slots = self.ledger.slots
+        return self.ledger.shown and any(map(HAS_GRAD, slots)) and all(s.param.grad is None for s in slots)
+
+    def zero_held(self) -> None:
+        """``zero_grad(set_to_none=False)``: every gradient the window holds becomes zero."""
+        for slot in self.ledger.slots:
+            if slot.has_grad:
+                slot.acc.zero_()
+
+    def clear_all(self) -> None:
+        """Every hooked parameter's ``.grad`` becomes None (``zero_grad()``)."""
+        if not self.table.clear_grads():  # (in one C++ pass, unless detached)
+            for slot in self.ledger.slots:
+                slot.param.grad = None
+
+    @torch.no_grad()
+    def take_user_grad(self, slot, grad: Tensor) -> None:
+        """``grad`` (a tensor the user assigned) is ``slot``'s accumulated gradient now."""
+        if grad.is_sparse:
+            raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+        topology = self.folder.topology
+        if not topology.take_user_grad(self.flat_groups, slot, grad):
+            slot.acc.copy_(grad.reshape(-1))
+            topology.added()
+        self.ledger.took_grad(slot)
+
+
+_IS_NONE = functools.partial(operator.is_, None)  # (C-level: no Python call per gradient)

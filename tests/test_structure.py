@@ -1,0 +1,83 @@
+"""The package's shape, held: what the redesign of issue 27 promised a reader, as checks that
+fail when a change breaks it (README, "Life of a gradient" and "Layout").
+
+- One owner for the window's state: only fused_accum/ledger.py writes a slot's window fields.
+- Modes own their layout: the one-process modules hold no sharded or DTensor branch.
+- No class over 350 lines; no import circle among the package's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fused_accum"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_only_the_ledger_writes_a_slots_window_fields():
+    writes = re.compile(r"\.(_?has_grad|_?in_stats|_?folded_in|_?stepped)\s*=[^=]|assign_all\(")
+    writers = {p.name for p in SOURCES if writes.search(p.read_text())}
+    assert writers == {"ledger.py"}, writers
+
+
+def test_the_one_process_modules_hold_no_sharded_or_dtensor_branch():
+    mode_words = re.compile(r"sharding|Sharding|is_dtensor|staging|shards_grads|_sharded")
+    for name in ("flat.py", "step.py", "checkpoint.py"):
+        found = mode_words.findall((PACKAGE / name).read_text())
+        assert found == [], (name, found)
+
+
+def test_no_class_is_over_350_lines():
+    long = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350:
+                long.append((path.name, node.name, node.end_lineno - node.lineno + 1))
+    assert long == []
+
+
+def _imports(path: pathlib.Path) -> set:
+    """The package's modules ``path`` imports, at any depth of its code (lazy imports too)."""
+    here = _module(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            names = [f"{target}.{a.name}" for a in node.names] + [target]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n.startswith("fused_accum"))
+    return found
+
+
+def test_no_import_circle():
+    modules = {_module(p): p for p in SOURCES}
+    graph = {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+    # a package's __init__ imported by its own modules is how Python loads them: not an arrow
+    graph = {m: {i for i in deps if not m.startswith(i + ".")} for m, deps in graph.items()}
+    circles, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                circles.append(stack[stack.index(n) :] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert circles == []
