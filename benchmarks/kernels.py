@@ -16,6 +16,11 @@ Providers:
     For the fused last micro-batch torch first adds the gradient (``_foreach_add_``).
   and each fused_accum backend available on the device (reference, triton, cpu, cuda), called
   through ``fused_accum.backends.get(name)`` directly, not through the custom-op wrapper.
+  ``adamw_remainder`` and ``adamw_fused_last_remainder``: the same AdamW steps with exact 2-byte
+  masters (bf16 params + int16 remainders, issue 28; 28 and 30 bytes per element instead of 30
+  and 32), our backends only (torch has no such mode): next to the fp32-master rows, with
+  ``speedup_vs_fp32_master`` (the same provider's fp32-master row of the same run over this
+  one) and ``speedup_vs_torch`` against torch's best fp32-master AdamW of the same workload.
 
 Before timing, each provider runs once on a separate check set and its fp32 output is compared
 with an fp32 oracle (for accumulate, torch's fp32 add; for steps, the reference backend's fp32
@@ -34,6 +39,7 @@ import torch
 
 from benchmarks import common
 from fused_accum import backends, ops
+from fused_accum.backends import reference
 
 Shape = Tuple[int, ...]
 
@@ -58,7 +64,20 @@ CHECK_TOL = 1e-5
 # in most elements.
 LP_MISMATCH_TOL = 0
 
-STEP_OPS = ("sgd", "adamw", "lion", "adamw_fused_last")
+STEP_OPS = ("sgd", "adamw", "lion", "adamw_fused_last", "adamw_remainder", "adamw_fused_last_remainder")
+# The exact 2-byte master's ops (bf16 params + int16 remainders), each with its fp32-master twin.
+REMAINDER_OPS = {"adamw_remainder": "adamw", "adamw_fused_last_remainder": "adamw_fused_last"}
+FUSED_LAST_OPS = ("adamw_fused_last", "adamw_fused_last_remainder")
+
+
+def remainder_step_bytes(grad_dtype: Optional[torch.dtype] = None) -> int:
+    """AdamW with an int16 remainder instead of the fp32 master: read acc, bf16 param, remainder,
+    m, v (16), write param, remainder, m, v (12) = 28; the fused last micro-batch adds its bf16
+    gradient (30). The fp32-master step's master read and write (8) and bf16 copy (2) become
+    the param and remainder read and written (8): 2 bytes fewer (DESIGN.md section 3)."""
+    return common.step_bytes("adamw", grad_dtype=grad_dtype) - 2
+
+
 ACC_OPS = ("accumulate_first", "accumulate_add")
 
 
@@ -149,6 +168,8 @@ class Group:
     def bytes_per_elem(self) -> int:
         if self.op in ACC_OPS:
             return common.accumulate_bytes(self.grad_dtype, overwrite=self.op == "accumulate_first")
+        if self.op in REMAINDER_OPS:
+            return remainder_step_bytes(self.grad_dtype)
         if self.op == "adamw_fused_last":
             return common.step_bytes("adamw", grad_dtype=self.grad_dtype)
         return common.step_bytes(self.op)
@@ -190,6 +211,8 @@ def our_backends(device: torch.device) -> List[str]:
 
 
 def default_providers(op: str, device: torch.device) -> Tuple[str, ...]:
+    if op in REMAINDER_OPS:  # torch has no remainder mode: its fp32-master rows are the twin's
+        return tuple(our_backends(device))
     if op in ACC_OPS:
         torch_side = ("torch_loop", "torch_foreach")
     elif op == "lion":
@@ -284,16 +307,24 @@ def _make_acc_set_copy(s: AccSet) -> AccSet:
 class StepSet:
     shapes: Tuple[Shape, ...]
     acc: torch.Tensor  # flat fp32
-    master: torch.Tensor  # flat fp32
+    master: torch.Tensor  # flat fp32 (remainder ops: unused, the masters are lp + rem)
     state: List[torch.Tensor]  # flat fp32: [momentum] / [exp_avg, exp_avg_sq] / [exp_avg]
     lp: List[torch.Tensor]  # bf16 params, shaped
     grads: List[torch.Tensor]  # the last micro-batch's gradients, for the fused step; else []
     steps: torch.Tensor  # per-tensor step count, fp32
     lr: torch.Tensor
     coef: torch.Tensor
+    rem: Optional[torch.Tensor] = None  # remainder ops: flat int16, the low halves of the masters
 
     def views(self, flat_buf: torch.Tensor, shaped: bool = False) -> List[torch.Tensor]:
         return common.flat_views(flat_buf, self.shapes, shaped=shaped)
+
+    def masters(self) -> torch.Tensor:
+        """The fp32 masters, flat without padding: the master buffer, or rebuilt from the bf16
+        params and their remainders."""
+        if self.rem is None:
+            return torch.cat(self.views(self.master))
+        return torch.cat([reference.rebuild_master(p.reshape(-1), r) for p, r in zip(self.lp, self.views(self.rem))])
 
     def clone(self) -> "StepSet":
         return StepSet(
@@ -306,11 +337,12 @@ class StepSet:
             self.steps.clone(),
             self.lr,
             self.coef,
+            None if self.rem is None else self.rem.clone(),
         )
 
 
 def _optimizer_of(op: str) -> str:
-    return "adamw" if op == "adamw_fused_last" else op
+    return "adamw" if op in FUSED_LAST_OPS or op in REMAINDER_OPS else op
 
 
 def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
@@ -328,7 +360,7 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
             state.append(common.random_tensor((n,), torch.float32, dev, gen, positive=(opt == "adamw" and i == 1)))
     grads = [common.random_tensor(s, group.grad_dtype, dev, gen) for s in w.shapes] if group.grad_dtype else []
     hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP}[opt]
-    return StepSet(
+    out = StepSet(
         shapes=w.shapes,
         acc=common.random_tensor((n,), torch.float32, dev, gen),
         master=common.random_tensor((n,), torch.float32, dev, gen),
@@ -339,6 +371,14 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
         lr=torch.tensor(hp["lr"], device=dev),
         coef=torch.tensor(1.0, device=dev),  # torch has no such scalar: 1 keeps the math equal
     )
+    if group.op in REMAINDER_OPS:  # the random masters, split into the bf16 params and remainders
+        out.rem = torch.zeros(n, dtype=torch.int16, device=dev)
+        for p, r, master in zip(out.lp, out.views(out.rem), out.views(out.master)):
+            weight, remainder = reference.split_master(master)
+            p.copy_(weight.view(p.shape))
+            r.copy_(remainder)
+        out.master = torch.empty(0, device=dev)  # not part of the remainder mode: never timed
+    return out
 
 
 def _lion_foreach(params, exp_avgs, grads, lr, beta1, beta2, weight_decay):
@@ -409,7 +449,12 @@ def _torch_step_provider(op: str, mode: str, s: StepSet) -> Callable[[], None]:
 def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
     module = backends.get(backend)
     # the step op's records (fused_accum.ops), made once: the timed call is the op alone
-    tensors = ops.StepTensors(s.views(s.master), s.views(s.acc), s.steps, s.lr, s.coef, lp_params=s.lp, grads=s.grads)
+    if s.rem is not None:  # the bf16 params are the masters' high halves, rem their low halves
+        tensors = ops.StepTensors(s.lp, s.views(s.acc), s.steps, s.lr, s.coef, remainders=s.views(s.rem), grads=s.grads)
+    else:
+        tensors = ops.StepTensors(
+            s.views(s.master), s.views(s.acc), s.steps, s.lr, s.coef, lp_params=s.lp, grads=s.grads
+        )
     state = [s.views(buf) for buf in s.state]
     if op == "sgd":
         hp = SGD_HP
@@ -435,19 +480,21 @@ def _step_provider(op: str, provider: str, s: StepSet) -> Callable[[], None]:
 
 def _step_check(out: StepSet, ref: StepSet) -> Dict:
     """The fp32 masters' relative error against the oracle's (``max_rel_err``), and how many
-    bf16 params differ from their own master rounded to bf16 (``lp_mismatch``, bitwise)."""
-    masters = lambda s: torch.cat([v for v in s.views(s.master)])  # noqa: E731 - padding excluded
+    bf16 params differ from their own master rounded to bf16 (``lp_mismatch``, bitwise; with
+    remainders: from their master's split_master weight, which rounds ties away from zero)."""
     lp = torch.cat([p.reshape(-1) for p in out.lp])
-    own = masters(out).to(lp.dtype)
+    masters = out.masters()
+    own = masters.to(lp.dtype) if out.rem is None else reference.split_master(masters)[0]
     mismatch = int((lp.view(torch.int16) != own.view(torch.int16)).sum())
-    return {"max_rel_err": common.rel_error(masters(out), masters(ref)), "lp_mismatch": mismatch}
+    return {"max_rel_err": common.rel_error(masters, ref.masters()), "lp_mismatch": mismatch}
 
 
 def _run_step(group: Group, ctx: Context) -> Iterator[Dict]:
     w = group.workload
     n_state = common.STATE_TENSORS[_optimizer_of(group.op)]
     grad_bytes = common.elem_size(group.grad_dtype) if group.grad_dtype else 0
-    set_bytes = w.numel * (common.FP32_BYTES * (2 + n_state) + 2 + grad_bytes)
+    master_bytes = 2 if group.op in REMAINDER_OPS else common.FP32_BYTES  # the remainder, or the master
+    set_bytes = w.numel * (common.FP32_BYTES * (1 + n_state) + master_bytes + 2 + grad_bytes)
     n_sets = common.rotation_count(set_bytes, ctx.cache_bytes, ctx.max_rotations)
     sets = [_make_step_set(group, ctx, first_step=False) for _ in range(n_sets)]
     check_base = _make_step_set(group, ctx, first_step=True)
@@ -531,18 +578,35 @@ def run_group(group: Group, ctx: Context) -> Iterator[Dict]:
     yield from runner(group, ctx)
 
 
+# Every row add_speedups was given in this process, by (op, workload, numel, grad dtype,
+# provider): benchmarks/run.py calls it once per group, and a remainder group's speedups are
+# read off its fp32-master twin's group, which the plan runs before it.
+_seen_rows: Dict[tuple, Dict] = {}
+
+
 def add_speedups(rows: List[Dict]) -> None:
-    """Per group: ``speedup_vs_torch`` = best torch provider's median / this row's median."""
-    best: Dict[tuple, Tuple[float, str]] = {}
-    key = lambda r: (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+    """Per group: ``speedup_vs_torch`` = best torch provider's median / this row's median (for
+    a remainder op: torch's best on its fp32-master twin, the only way torch has); remainder
+    rows also get ``speedup_vs_fp32_master`` = the same provider's twin row's median / theirs
+    (NaN in every other row, and where the twin was not measured)."""
+    key = lambda r, op=None: (op or r["op"], r["workload"], r["numel"], r["grad_dtype"])  # noqa: E731
     for r in rows:
-        if r["kind"] == "torch" and math.isfinite(r["ms"]):
-            if key(r) not in best or r["ms"] < best[key(r)][0]:
-                best[key(r)] = (r["ms"], r["provider"])
+        _seen_rows[(*key(r), r["provider"])] = r
     for r in rows:
-        ms_best, name = best.get(key(r), (math.nan, ""))
-        r["best_torch"] = name
+        group = key(r, REMAINDER_OPS.get(r["op"]))
+        torch_rows = [
+            x
+            for (*k, _), x in _seen_rows.items()
+            if tuple(k) == group and x["kind"] == "torch" and math.isfinite(x["ms"])
+        ]
+        fastest = min(torch_rows, key=lambda x: x["ms"], default=None)
+        r["best_torch"] = fastest["provider"] if fastest else ""
+        ms_best = fastest["ms"] if fastest else math.nan
         r["speedup_vs_torch"] = ms_best / r["ms"] if math.isfinite(r["ms"]) else math.nan
+        r["speedup_vs_fp32_master"] = math.nan
+        if r["op"] in REMAINDER_OPS:
+            twin = _seen_rows.get((*group, r["provider"]), {}).get("ms", math.nan)
+            r["speedup_vs_fp32_master"] = twin / r["ms"] if math.isfinite(r["ms"]) else math.nan
 
 
 def format_row(r: Dict) -> str:
@@ -553,6 +617,9 @@ def format_row(r: Dict) -> str:
         return f"{head} FAILED {r['note']}"
     speed = r.get("speedup_vs_torch", math.nan)
     speed_txt = f"{speed:6.2f}x" if math.isfinite(speed) else "      -"
+    twin = r.get("speedup_vs_fp32_master")
+    if twin is not None and math.isfinite(twin):
+        speed_txt += f" ({twin:.2f}x the fp32-master step)"
     flag = ""
     if not r["ok"]:
         flag = f"  WRONG (rel err {r['max_rel_err']:.1e}"
@@ -584,10 +651,14 @@ def plan(
             groups += [Group(op, w, dt, default_providers(op, device)) for w in acc_workloads]
         if i == 0:
             for op in (o for o in STEP_OPS if o in ops):
-                gd = dt if op == "adamw_fused_last" else None
+                gd = dt if op in FUSED_LAST_OPS else None
                 groups += [Group(op, w, gd, default_providers(op, device)) for w in step_workloads]
     goal = sorted((g for g in groups if is_goal_group(g)), key=lambda g: -g.workload.numel)  # stable
-    return goal + [g for g in groups if not is_goal_group(g)]
+    # then what scripts/device_goals.py reports beside the goals: the remainder mode's AdamW on
+    # the same large flat tensors (and its twin, the fp32-master fused last micro-batch)
+    report = [g for g in groups if is_report_group(g) and not is_goal_group(g)]
+    report.sort(key=lambda g: -g.workload.numel)
+    return goal + report + [g for g in groups if not is_goal_group(g) and not is_report_group(g)]
 
 
 # The GPU goals' "% of a copy" verdicts (scripts/device_goals.py) are given only from this many
@@ -595,6 +666,16 @@ def plan(
 # launch's few microseconds, so the number is bandwidth; at 1M it is mostly launch latency.
 GOAL_MIN_NUMEL = 2**24
 GOAL_OPS = ("accumulate_add", "adamw")
+
+
+def is_report_group(group: Group) -> bool:
+    """Whether ``group`` is one scripts/device_goals.py reports the remainder mode from: a large
+    flat tensor's remainder AdamW or fused last micro-batch, or its fp32-master twin."""
+    return (
+        (group.op in REMAINDER_OPS or group.op in REMAINDER_OPS.values())
+        and group.workload.name == "flat"
+        and group.workload.numel >= GOAL_MIN_NUMEL
+    )
 
 
 def is_goal_group(group: Group) -> bool:
@@ -624,7 +705,11 @@ def is_goal_group(group: Group) -> bool:
 #   deepspeed    deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), when deepspeed is
 #                installed (optional: it builds its C++ op with ninja on first use)
 # "adamw_bf16_master": fp32 master + bf16 param copy, ours writing the bf16 copy in the step,
-# the others followed by torch._foreach_copy_ into the bf16 params.
+# the others followed by torch._foreach_copy_ into the bf16 params. There, wherever "cpu" runs,
+# "cpu_remainder" runs too, in the same rounds: the same kernel with exact 2-byte masters (bf16
+# params + int16 remainders, issue 28: 28 bytes per element against the fp32 master's 30),
+# whose rows carry speedup_vs_fp32_master (the "cpu" row's median over theirs, same threads):
+# issue 28 asks this mode to be no slower than the fp32-master step, measured interleaved.
 
 CPU_ADAM_PROVIDERS = ("cpu", "torch_fused", "deepspeed")
 CPU_ADAM_OPS = ("adamw", "adamw_bf16_master")
@@ -655,6 +740,35 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
     """A zero-argument AdamW step on fp32 ``params`` (state created here), writing ``lp`` (bf16
     copies) too when it is not empty."""
     lr, b1, b2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    if provider == "cpu_remainder":  # params: the fp32 masters, split here; rebuilt by the caller
+        weights, remainders = [], []
+        for p in params:
+            w, r = reference.split_master(p.view(-1))
+            weights.append(w)
+            remainders.append(r)
+        m = [torch.zeros_like(p).view(-1) for p in params]
+        v = [torch.zeros_like(p).view(-1) for p in params]
+        records = (
+            ops.StepTensors(
+                weights,
+                [g.view(-1) for g in grads],
+                torch.ones(len(params)),
+                torch.tensor(lr),
+                torch.tensor(1.0),
+                remainders=remainders,
+            ),
+            ops.AdamStates(m, v),
+            ops.AdamHyper(b1, b2, eps, wd, True, False),
+        )
+        ours = backends.get("cpu")
+
+        def call():
+            ours.adam_step(*records)
+
+        call.masters = lambda: [  # the fp32 masters the step holds now
+            reference.rebuild_master(w, r).view(p.shape) for w, r, p in zip(weights, remainders, params)
+        ]
+        return call
     if provider == "cpu":
         m = [torch.zeros_like(p) for p in params]
         v = [torch.zeros_like(p) for p in params]
@@ -712,6 +826,8 @@ def run_cpu_adam(
         "numel": workload.numel,  # read grad, param, m, v; write param, m, v (28), and the bf16 copy (2)
         "bytes_per_elem": common.step_bytes("adamw") - (2 if op == "adamw" else 0),
     }
+    if op == "adamw_bf16_master" and "cpu" in providers and "cpu_remainder" not in providers:
+        providers = (*providers, "cpu_remainder")
     why_not = {"deepspeed": deepspeed_unavailable()} if "deepspeed" in providers else {}
     base["deepspeed"] = deepspeed_status(providers, why_not.get("deepspeed", ""))
     steps: Dict[str, Callable[[], None]] = {}
@@ -733,7 +849,8 @@ def run_cpu_adam(
         lp = [torch.empty(s, dtype=torch.bfloat16) for s in workload.shapes] if op != "adamw" else []
         steps[provider] = _cpu_adam_step(provider, params, grads, lp, hp)
         steps[provider]()  # one step from the same start: the check (and lazy state creation)
-        outputs[provider] = [p.clone() for p in params]
+        held = getattr(steps[provider], "masters", lambda: params)()  # (cpu_remainder: rebuilt)
+        outputs[provider] = [p.clone() for p in held]
         runnable.append(provider)
     # The check: one step of each provider against torch's, from the same params and gradient.
     want = torch.cat([p.view(-1) for p in outputs.get("torch_fused", [])]) if "torch_fused" in outputs else None
@@ -753,9 +870,11 @@ def run_cpu_adam(
     for n in threads:
         for p in runnable:
             t = per_thread[n][p]
+            row_bytes = remainder_step_bytes() if p == "cpu_remainder" else base["bytes_per_elem"]
             rows.append(
                 {
                     **base,
+                    "bytes_per_elem": row_bytes,
                     "provider": p,
                     "threads": n,
                     "ms": t.median_ms,
@@ -764,7 +883,7 @@ def run_cpu_adam(
                     "spread_pct": t.spread_pct,
                     "samples": len(t.samples_ms),
                     "calls_per_sample": t.calls_per_sample,
-                    "gbps": common.gbps(base["bytes_per_elem"] * workload.numel, t.median_ms),
+                    "gbps": common.gbps(row_bytes * workload.numel, t.median_ms),
                     "max_rel_err_vs_torch": errors[p],
                     "ok": not errors[p] > CHECK_TOL,
                     "note": "",
@@ -778,18 +897,23 @@ def run_cpu_adam(
         r["speedup_vs_deepspeed"] = by.get(("deepspeed", n), math.nan) / r["ms"]
         r["speedup_vs_torch"] = by.get(("torch_fused", n), math.nan) / r["ms"]
         r["thread_scaling"] = by.get((r["provider"], min(threads)), math.nan) / r["ms"]  # vs fewest threads
+        r["speedup_vs_fp32_master"] = math.nan  # (every row has the column)
+        if r["provider"] == "cpu_remainder":
+            r["speedup_vs_fp32_master"] = by.get(("cpu", n), math.nan) / r["ms"]
     return rows
 
 
 def format_cpu_adam_row(r: Dict) -> str:
-    head = f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['provider']:<12} threads={r['threads']}"
+    head = f"{r['op']:<17} {r['workload']:<10} {common.fmt_numel(r['numel']):>7} {r['provider']:<13} threads={r['threads']}"
     if not math.isfinite(r["ms"]):
         return f"{head} {r['note']}"
     flag = "" if r["ok"] else f"  WRONG (rel err vs torch {r['max_rel_err_vs_torch']:.1e})"
     vs_ds = r.get("speedup_vs_deepspeed")  # NaN (or null, read back from results.json) without DeepSpeed
     ds = f"{vs_ds:5.2f}x" if vs_ds is not None and math.isfinite(vs_ds) else r.get("deepspeed", "not run")
+    twin = r.get("speedup_vs_fp32_master")
+    twin_txt = f"  vs fp32 master {twin:5.2f}x" if twin is not None and math.isfinite(twin) else ""
     return (
         f"{head} {r['ms']:9.3f} ms ±{r['spread_pct']:3.0f}%  {r['gbps']:6.1f} GB/s  "
-        f"vs deepspeed {ds}  vs torch {r['speedup_vs_torch']:5.2f}x  "
+        f"vs deepspeed {ds}  vs torch {r['speedup_vs_torch']:5.2f}x{twin_txt}  "
         f"thread scaling {r['thread_scaling']:4.2f}x{flag}"
     )

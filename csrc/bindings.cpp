@@ -139,6 +139,13 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
               t.lp_params.size(), " tensors, expected 0 (none) or ", n, " (one per param)");
   TORCH_CHECK(t.grads.empty() || t.grads.size() == n, op, ": grads has ", t.grads.size(),
               " tensors, expected 0 (no fused micro-batch) or ", n, " (one per param)");
+  // The same checks, in the same words, as reference.check_remainders.
+  const bool has_rem = !t.remainders.empty();
+  TORCH_CHECK(!has_rem || t.remainders.size() == n, op, ": remainders has ", t.remainders.size(),
+              " tensors, expected 0 (none) or ", n, " (one per param)");
+  TORCH_CHECK(!has_rem || t.lp_params.empty(), op,
+              ": remainders and lp_params are exclusive: with remainders, params are the bf16 "
+              "parameters");
   call.device = n > 0 ? t.params[0].device() : t.lr.device();
   check_lr(t.lr, op, call.device);
   check_scalar(t.coef, op, "coef", call.device);
@@ -188,6 +195,19 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
       check_element(t.grads[i], op, "grads", i, call.device, numel, "params");
       dtype_code(t.grads[i], op, "grads", i);
     }
+    if (has_rem) {
+      const at::Tensor& r = t.remainders[i];
+      TORCH_CHECK(p.scalar_type() == at::kBFloat16, op, ": params[", i,
+                  "] must be bfloat16 with remainders (the fp32 master is the bf16 parameter "
+                  "plus an int16 remainder), got ", p.scalar_type());
+      TORCH_CHECK(r.defined(), op, ": remainders[", i, "] is undefined");
+      TORCH_CHECK(r.scalar_type() == at::kShort, op, ": remainders[", i, "] must be int16, got ",
+                  r.scalar_type());
+      TORCH_CHECK(r.device() == call.device, op, ": remainders[", i, "] is on ", r.device(),
+                  ", expected ", call.device, " (the device of params[", i, "])");
+      TORCH_CHECK(r.numel() == numel, op, ": remainders[", i, "] has ", r.numel(),
+                  " elements but params[", i, "] has ", numel);
+    }
     if (numel == 0) continue;
     l.numel.push_back(numel);
     l.index.push_back(static_cast<int64_t>(i));
@@ -200,6 +220,7 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
       const at::Tensor& lp = t.lp_params[i];
       l.lp.add(writable(call, lp), dtype_code(lp, op, "lp_params", i));
     }
+    if (has_rem) l.rem.add(writable(call, t.remainders[i]), DType::kI16);
     if (!t.grads.empty()) {
       l.grad.add(readable(call, t.grads[i]), dtype_code(t.grads[i], op, "grads", i));
     }

@@ -43,12 +43,14 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
 // The parameters every step op starts with: fused_accum.ops.StepTensors, field by field.
 #define FUSED_ACCUM_STEP_PARAMETERS                                                           \
   at::TensorList params, at::TensorList accs, const at::Tensor &steps, const at::Tensor &lr, \
-      const at::Tensor &coef, at::TensorList lp_params, at::TensorList grads,                 \
-      const std::optional<at::Tensor> &found_inf, double grad_alpha, bool grads_overwrite
+      const at::Tensor &coef, at::TensorList lp_params, at::TensorList remainders,            \
+      at::TensorList grads, const std::optional<at::Tensor> &found_inf, double grad_alpha,    \
+      bool grads_overwrite
 // ... gathered into the StepTensors below, in a kernel of FUSED_ACCUM_STEP_PARAMETERS.
-#define FUSED_ACCUM_STEP_TENSORS(op)                                                          \
-  StepTensors {                                                                               \
-    op, params, accs, steps, lr, coef, lp_params, grads, found_inf, grad_alpha, grads_overwrite \
+#define FUSED_ACCUM_STEP_TENSORS(op)                                                        \
+  StepTensors {                                                                             \
+    op, params, accs, steps, lr, coef, lp_params, remainders, grads, found_inf, grad_alpha, \
+        grads_overwrite                                                                     \
   }
 
 struct StepTensors {
@@ -57,7 +59,11 @@ struct StepTensors {
   const at::Tensor& steps;
   const at::Tensor& lr;
   const at::Tensor& coef;
-  at::TensorList lp_params, grads;
+  at::TensorList lp_params;
+  // int16 low halves of bf16 params' fp32 masters (exact 2-byte masters, issue 28): when
+  // given, params are the bf16 parameters themselves and lp_params is empty
+  at::TensorList remainders;
+  at::TensorList grads;
   const std::optional<at::Tensor>& found_inf;
   double grad_alpha;
   bool grads_overwrite;

@@ -14,7 +14,7 @@
 namespace fused_accum {
 
 // Element type of a gradient or parameter array. Accumulators and optimizer state are float32.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kI16 = 3 };  // kI16: remainders
 
 // One operand of a multi-tensor op: a pointer and a dtype per tensor. An empty operand is
 // absent (no lp_params, no fused grads, no momentum buffers).
@@ -40,6 +40,9 @@ struct TensorLists {
   Operand state2;   // fp32: Adam exp_avg_sq
   Operand state3;   // fp32: Adam's amsgrad max_exp_avg_sq (absent: amsgrad off)
   Operand lp;       // low-precision params receiving the updated param, rounded
+  // int16 remainders (exact 2-byte masters): when present, param is bf16 and the master is
+  // math::rebuild_master(param, rem), split back into both after the update (lp is absent)
+  Operand rem;
   int64_t size() const { return static_cast<int64_t>(numel.size()); }
 };
 

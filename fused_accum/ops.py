@@ -34,8 +34,8 @@ same arguments: 36 us against 3.4 us for one tensor, 0.80 ms against 0.37 ms for
 of 256), more than a GPU spends on a bucket's kernel. Each op takes the name of an
 already-resolved backend (see :mod:`fused_accum.backends`).
 
-Optional tensor lists (``lp_params``, the fused step's ``grads``, amsgrad's running max) are
-empty when absent: custom-op schemas have no optional list type.
+Optional tensor lists (``lp_params``, ``remainders``, the fused step's ``grads``, amsgrad's
+running max) are empty when absent: custom-op schemas have no optional list type.
 
 ``plan=`` (eager calls of accumulate and the steps only): an optional hashable the caller never
 reuses for other parameters, promising that the calls with it pass the same parameters' tensors
@@ -169,7 +169,7 @@ class StepTensors(NamedTuple):
     """What every step op takes first: the tensor lists (one tensor per parameter, in the same
     order), the device scalars, and how a fused last micro-batch folds in (contracts:
     :mod:`fused_accum.backends.reference`). Pass the fields that have a default by name: a new
-    one may be declared among them (issue 28's int16 remainders, after ``lp_params``)."""
+    one may be declared among them (as issue 28's int16 remainders were, after ``lp_params``)."""
 
     params: WrittenLists  # what the step updates: fp32 masters, or the parameters themselves
     accs: Lists  # fp32 views of the accumulator
@@ -177,6 +177,10 @@ class StepTensors(NamedTuple):
     lr: Tensor  # one element, fp64 (or fp32)
     coef: Tensor  # one fp32 element: multiplies the accumulated gradient
     lp_params: WrittenLists = ()  # the low-precision parameters that receive params rounded
+    # int16, one per param: with bf16 params (the parameters themselves) the low halves of
+    # their fp32 masters, rebuilt and split again by the step (reference.split_master); then
+    # lp_params is empty (issue 28)
+    remainders: WrittenLists = ()
     grads: Lists = ()  # the window's last micro-batch, fused into this step
     found_inf: Optional[Tensor] = None  # one fp32 element: non-zero skips the whole step
     grad_alpha: float = 1.0  # grads' weight

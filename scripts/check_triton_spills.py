@@ -14,11 +14,14 @@ division and square root, tl.div_rn / tl.sqrt_rn; a register live across such a 
 saved on the stack). A stack frame that no instruction touches is not a spill and passes, said
 as such; a spill, or any local-memory access, fails. Each failing variant is compiled again at
 twice the warps and at half the BLOCK, and what those use is printed: the launch shape that
-would avoid it. Seen under triton 3.6: the two Adam variants for bf16 params without masters
-(amsgrad off and on) at BLOCK 1024 and 4 warps keep 48 registers and save one or two around the
-slow-path calls inside the main loop (4 B spill stores and 4 B loads; amsgrad 8 and 36), while at
-8 warps or BLOCK 512 (40 registers) or BLOCK 2048 (72-76) they have no stack; triton 3.9
-compiles them with none.
+would avoid it. Every variant is compiled at the warps the launcher gives it
+(``fused_accum.backends.triton.step_num_warps``). Seen under triton 3.6: the two Adam variants
+for bf16 params without masters (amsgrad off and on) at BLOCK 1024 and 4 warps keep 48
+registers and save one or two around the slow-path calls inside the main loop (4 B spill
+stores and 4 B loads; amsgrad 8 and 36), while at 8 warps or BLOCK 512 (40 registers) or BLOCK
+2048 (72-76) they have no stack; triton 3.9 compiles them with none. The launcher runs those two
+at 8 warps since; the remainder variants (bf16 params + int16 remainders) spill in neither
+version at 4.
 
 Usage: python scripts/check_triton_spills.py [--arch 90]   (exit 1 on a spill, 0 otherwise)
 """
@@ -169,16 +172,19 @@ def variants():
         tb.REDUCE_WARPS,
         dict(HAS_SUMSQ=True, HAS_FOUND_INF=True, BLOCK=tb.REDUCE_BLOCK),
     )
-    # (param dtype, lp dtype or None): fp32 masters with/without a bf16 copy, bf16 params alone
-    families = [(f32, bf16), (f32, None), (bf16, None)]
+    # (param dtype, lp dtype or None, or "rem"): fp32 masters with/without a bf16 copy, bf16
+    # params alone, bf16 params with int16 remainders (exact 2-byte masters)
+    families = [(f32, bf16), (f32, None), (bf16, None), (bf16, "rem")]
     # every switch on; the fused last micro-batch (grad + acc read) for each family, and the
     # plain step from acc for the first (20 variants, ~1 min on 2 cores; cached by Triton after)
     for (param, lp), fused, on in [(f, True, True) for f in families] + [(families[0], False, True)]:
+        rem = lp == "rem"
         common = dict(
             PARAM_DTYPE=param,
-            LP_DTYPE=lp or f32,
+            LP_DTYPE=tl.int16 if rem else lp or f32,
             GRAD_DTYPE=bf16,
-            HAS_LP=lp is not None,
+            HAS_LP=lp is not None and not rem,
+            HAS_REM=rem,
             FUSED=fused,
             GRADS_OVERWRITE=False,
             HAS_FOUND_INF=on,
@@ -186,20 +192,24 @@ def variants():
             **block,
         )
         tag = f"param={param} lp={lp} fused={fused} switches={'on' if on else 'off'}"
+        # at the warps the launcher gives the variant
+        warps = {
+            k: tb.step_num_warps(k, param.primitive_bitwidth, common["HAS_LP"], rem) for k in ("sgd", "adam", "lion")
+        }
         yield (
             f"sgd {tag}",
             kernels.sgd_kernel,
-            tb.NUM_WARPS,
+            warps["sgd"],
             dict(common, HAS_WEIGHT_DECAY=on, HAS_MOMENTUM=True, NESTEROV=on),
         )
         for amsgrad in (False, True):
             yield (
                 f"adam amsgrad={amsgrad} {tag}",
                 kernels.adam_kernel,
-                tb.NUM_WARPS,
+                warps["adam"],
                 dict(common, HAS_WEIGHT_DECAY=True, DECOUPLED=on, AMSGRAD=amsgrad),
             )
-        yield (f"lion {tag}", kernels.lion_kernel, tb.NUM_WARPS, common)
+        yield (f"lion {tag}", kernels.lion_kernel, warps["lion"], common)
 
 
 def main() -> int:

@@ -406,8 +406,10 @@ def test_smoke_run_covers_every_op_provider_and_workload(smoke_run):
             ("adamw", ("torch_fused", "torch_foreach")),
             ("lion", ("torch_foreach",)),
             ("adamw_fused_last", ("torch_fused", "torch_foreach")),
+            ("adamw_remainder", ()),  # torch has no remainder mode
+            ("adamw_fused_last_remainder", ()),
         ]:
-            dt = "bf16" if op == "adamw_fused_last" else "-"
+            dt = "bf16" if op in kernels.FUSED_LAST_OPS else "-"
             expected |= {(op, w.name, str(w.numel), dt, p) for p in (*torch_side, *ours)}
     got = {(r["op"], r["workload"], r["numel"], r["grad_dtype"], r["provider"]) for r in rows}
     assert got == expected
@@ -430,12 +432,21 @@ def test_smoke_run_numbers_are_consistent(smoke_run):
             assert nbytes == common.accumulate_bytes(dt, overwrite=r["op"] == "accumulate_first")
         elif r["op"] == "adamw_fused_last":
             assert nbytes == common.step_bytes("adamw", grad_dtype=bf16)
+        elif r["op"] == "adamw_remainder":  # DESIGN.md section 3: 28, and 30 fused
+            assert nbytes == 28 == common.step_bytes("adamw") - 2
+        elif r["op"] == "adamw_fused_last_remainder":
+            assert nbytes == 30 == common.step_bytes("adamw", grad_dtype=bf16) - 2
         else:
             assert nbytes == common.step_bytes(r["op"])
         assert float(r["gbps"]) == pytest.approx(nbytes * numel / (ms * 1e-3) / 1e9, rel=1e-9)
         assert float(r["pct_of_copy"]) == pytest.approx(100 * float(r["gbps"]) / copy_gbps, rel=1e-9)
-        key = (r["op"], r["workload"], r["numel"], r["grad_dtype"])
+        twin = kernels.REMAINDER_OPS.get(r["op"])  # a remainder row: torch's best is its twin's
+        key = (twin or r["op"], r["workload"], r["numel"], r["grad_dtype"])
         assert float(r["speedup_vs_torch"]) == pytest.approx(best[key] / ms, rel=1e-9)
+        if twin:
+            at = lambda t: (t["op"], t["provider"], t["workload"], t["numel"], t["grad_dtype"])  # noqa: E731
+            twin_ms = next(float(t["ms"]) for t in rows if at(t) == (twin, *at(r)[1:]))
+            assert float(r["speedup_vs_fp32_master"]) == pytest.approx(twin_ms / ms, rel=1e-9)
         assert float(r["max_rel_err"]) <= kernels.CHECK_TOL
         if r["section"] == "step":  # every step's bf16 params are its own masters, rounded
             assert r["lp_mismatch"] == "0", r
@@ -462,10 +473,17 @@ def test_smoke_cpu_adam_rows_interleave_providers_at_one_and_two_threads(smoke_r
     _, out, _, _, payload = smoke_run
     with open(out / "cpu_adam.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(payload["cpu_adam"]) == 2 * 2 * 2  # ops x providers x thread counts
+    # ops x providers x thread counts, and the remainder mode beside the bf16-master op's cpu
+    assert len(rows) == len(payload["cpu_adam"]) == 2 * 2 * 2 + 2
     got = {(r["op"], r["provider"], r["threads"]) for r in rows}
-    assert got == {(op, p, t) for op in kernels.CPU_ADAM_OPS for p in ("cpu", "torch_fused") for t in ("1", "2")}
+    want = {(op, p, t) for op in kernels.CPU_ADAM_OPS for p in ("cpu", "torch_fused") for t in ("1", "2")}
+    assert got == want | {("adamw_bf16_master", "cpu_remainder", t) for t in ("1", "2")}
     ms = {(r["op"], r["provider"], r["threads"]): float(r["ms"]) for r in rows}
+    for r in rows:
+        if r["provider"] == "cpu_remainder":  # 28 bytes against 30, in the same rounds as cpu
+            assert r["bytes_per_elem"] == "28"
+            cpu_ms = ms[("adamw_bf16_master", "cpu", r["threads"])]
+            assert float(r["speedup_vs_fp32_master"]) == pytest.approx(cpu_ms / float(r["ms"]), rel=1e-9)
     for r in payload["cpu_adam"]:  # what the run printed: no "vs deepspeed nanx"
         line = kernels.format_cpu_adam_row(r)
         assert "vs deepspeed not run" in line and "nan" not in line, line
@@ -848,7 +866,7 @@ def test_the_gpu_goal_groups_run_first(monkeypatch):
     cuda = torch.device("cuda")  # the plan only names providers; nothing runs on it
     cfg = bench_run.make_config(cuda, "full")
     groups = kernels.plan(cuda, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][:1], cfg["step_workloads"])
-    assert len(groups) == 42
+    assert len(groups) == 52  # 42, and the 2 remainder ops on the 5 step workloads
     head = [(g.op, g.workload.numel) for g in groups[:5]]
     assert head == [
         ("accumulate_add", 2**28),
@@ -858,6 +876,12 @@ def test_the_gpu_goal_groups_run_first(monkeypatch):
         ("adamw", 2**24),
     ]
     assert not any(kernels.is_goal_group(g) for g in groups[5:])
+    # then what device_goals.py reports of the remainder mode, with its fp32-master twin
+    report = [(g.op, g.workload.numel) for g in groups[5:11]]
+    assert report == [
+        (op, n) for n in (2**28, 2**24) for op in ("adamw_fused_last", "adamw_remainder", "adamw_fused_last_remainder")
+    ]
+    assert not any(kernels.is_report_group(g) for g in groups[11:])
     assert sorted(map(str, groups)) == sorted(map(str, set(groups)))  # each group once
 
 

@@ -140,6 +140,24 @@ def test_opcheck_steps(device, algo, fused):
     torch.library.opcheck(op, _op_args(algo, named))
 
 
+def _remainder_args(algo, device, gen, named):
+    """_step_args' arguments in the remainder mode: bf16 params (the masters' high halves) and
+    int16 remainders, no lp_params."""
+    weights, remainders = zip(*(reference.split_master(p.clone()) for p in named["params"]))
+    return {**named, "params": list(weights), "remainders": list(remainders), "lp_params": []}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
+def test_opcheck_remainder_steps(device, algo):
+    """With remainders the kernels write the bf16 params and the remainders: the schema says so
+    (opcheck fails on an undeclared mutation)."""
+    gen = torch.Generator().manual_seed(11)
+    named = _remainder_args(algo, device, gen, _step_args(algo, device, gen, fused=True, lp=False))
+    op = getattr(OPS, f"{algo.replace('_amsgrad', '')}_step_").default
+    torch.library.opcheck(op, _op_args(algo, named))
+
+
 def test_opcheck_sgd_without_momentum():
     gen = torch.Generator().manual_seed(2)
     named = _step_args("sgd", "cpu", gen)
@@ -331,6 +349,30 @@ def test_strided_params_are_written_back(algo):
     _step(ext, algo, named)
     _step(reference, algo, named_ref)
     _assert_trees_close(named, named_ref, **STEP_TOL)
+
+
+@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+def test_strided_remainders_and_params_are_written_back(algo):
+    """A remainder that is a strided view (every other element of a buffer) and a transposed
+    bf16 param: the binding copies both, the kernel updates the copies, both are written back,
+    bit for bit the reference's (the remainder mode is exact on every backend)."""
+    gen = torch.Generator().manual_seed(8)
+    named = _step_args(algo, "cpu", gen, sizes=(12, 35), lp=False)
+    masters = [torch.randn(4, 3, generator=gen).t(), torch.randn(35, generator=gen)]
+    weights, remainders = [], []
+    for i, master in enumerate(masters):
+        w, r = reference.split_master(master.contiguous())
+        weights.append(w if i else w.t().contiguous().t())  # transposed, like master
+        buffer = torch.zeros(2 * master.numel(), dtype=torch.int16)
+        buffer[::2] = r.reshape(-1)
+        remainders.append(buffer[::2] if i else r.reshape(-1))
+    named.update(params=weights, remainders=remainders)
+    assert not weights[0].is_contiguous() and not remainders[1].is_contiguous()
+    named_ref = _clone_tree(named)
+    _step(ext, algo, named)
+    _step(reference, algo, named_ref)
+    for got, want in zip(named["params"] + named["remainders"], named_ref["params"] + named_ref["remainders"]):
+        assert torch.equal(got.contiguous().view(torch.int16), want.contiguous().view(torch.int16))
 
 
 def test_empty_lists_and_zero_size_tensors():

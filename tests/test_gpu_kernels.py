@@ -364,3 +364,78 @@ def test_cuda_ops_replay_in_a_graph_on_new_data():
     torch.testing.assert_close(sumsq, want_sumsq, **NORM_TOL)
     for got, exp in zip(params + m + v, want_p + want_m + want_v):
         torch.testing.assert_close(got, exp, **STEP_TOL)
+
+
+# --- issue 28: exact 2-byte masters on the GPU ------------------------------------------------
+
+
+def _bits32(x):
+    return x.contiguous().view(torch.int32)
+
+
+def _bits16(x):
+    return x.reshape(-1).contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+@pytest.mark.parametrize("algo", ["adamw", "adam_amsgrad", "sgd", "lion"])
+def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
+    """The remainder mode (bf16 params + int16 remainders) against the same backend's
+    fp32-master mode: 500 tensors (more than a CUDA step table), odd sizes, every fourth param
+    and every fifth remainder a view at an odd element offset (their packs go element by
+    element, the others as 16-byte loads: 8 bf16 / 8 int16 on CUDA, 8 bytes per 4 on Triton),
+    misaligned fused gradients, 20 steps with a skipped one: the rebuilt masters and the states
+    are bit for bit the fp32 mode's after every step, the weights split_master's. (tests/
+    test_kernels.py runs the 1,000-step awkward-data matrix on CUDA too, under -m gpu.)"""
+    be = _backend(name)
+    gen = torch.Generator().manual_seed(28)
+    sizes = [1 + (i * 613) % 2053 for i in range(500)]
+    masters = [(torch.randn(n, generator=gen) * 10.0 ** float(i % 7 - 3)).to(DEV) for i, n in enumerate(sizes)]
+
+    def at_offset(t, odd):  # a copy of t, at an odd element offset of its storage when asked
+        if not odd:
+            return t.clone()
+        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEV)
+        base[1:].copy_(t)
+        return base[1:]
+
+    weights, remainders = [], []
+    for i, master in enumerate(masters):
+        w, r = reference.split_master(master)
+        weights.append(at_offset(w, i % 4 == 1))
+        remainders.append(at_offset(r, i % 5 == 2))
+    n_states = {"adamw": 2, "adam_amsgrad": 3, "sgd": 1, "lion": 1}[algo]
+    states = [[torch.rand(n, generator=gen).to(DEV) for n in sizes] for _ in range(n_states)]
+    states_r = [[x.clone() for x in s] for s in states]
+    lp = [torch.empty(n, device=DEV, dtype=torch.bfloat16) for n in sizes]
+    _, _, accs = _flat(sizes, gen)
+    op = {"adamw": ops.adam_step, "adam_amsgrad": ops.adam_step, "sgd": ops.sgd_step, "lion": ops.lion_step}[algo]
+    hyper = {
+        "adamw": ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False),
+        "adam_amsgrad": ops.AdamHyper(0.3, 0.99, 1e-6, 0.1, True, True),
+        "sgd": ops.SgdHyper(0.9, 0.1, 0.01, True, False),
+        "lion": ops.LionHyper(0.9, 0.99, 0.1, False),
+    }[algo]
+    for k in range(20):
+        for a in accs:
+            a.copy_(torch.randn(a.numel(), generator=gen))
+        grads = _odd_views(sizes, gen) if k % 2 else []
+        steps = torch.full((len(sizes),), float(k + 1), device=DEV)
+        lr = torch.tensor(1e-3, dtype=torch.float64, device=DEV)
+        coef = torch.tensor(0.5, device=DEV)
+        found_inf = torch.tensor(float(k == 13), device=DEV)
+        common = dict(accs=accs, steps=steps, lr=lr, coef=coef, grads=grads, grad_alpha=0.25, found_inf=found_inf)
+        before = [_bits16(w).clone() for w in weights]
+        be_call = getattr(be, op.name)
+        be_call(ops.StepTensors(params=masters, lp_params=lp, **common), op.states(*states), hyper)
+        be_call(ops.StepTensors(params=weights, remainders=remainders, **common), op.states(*states_r), hyper)
+        torch.cuda.synchronize()
+        for i, (master, w, r) in enumerate(zip(masters, weights, remainders)):
+            rebuilt = reference.rebuild_master(w, r)
+            assert torch.equal(_bits32(rebuilt), _bits32(master)), f"step {k} tensor {i}"
+            want_w, want_r = reference.split_master(master)
+            assert torch.equal(_bits16(w), _bits16(want_w)) and torch.equal(_bits16(r), _bits16(want_r))
+            if k == 13:
+                assert torch.equal(_bits16(w), before[i])
+        for s, s_r in zip(states, states_r):
+            assert all(torch.equal(_bits32(x), _bits32(y)) for x, y in zip(s, s_r)), f"step {k}"

@@ -75,6 +75,22 @@ def test_opcheck_sgd_and_lion():
     torch.library.opcheck(ops.lion_step_, _flat(ops.lion_step, lion))
 
 
+def test_opcheck_remainders():
+    """The remainder mode writes its bf16 params and int16 remainders: the schema declares both
+    (opcheck fails an op that mutates an argument its schema does not mark)."""
+    gen = torch.Generator().manual_seed(2)
+    t = lambda: [torch.randn(6, generator=gen)]  # noqa: E731
+    params = [torch.randn(6, generator=gen).bfloat16()]
+    remainders = [torch.randint(-(2**15), 2**15, (6,), generator=gen, dtype=torch.int16)]
+    common = (torch.tensor([2.0]), torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0))
+    adam = (
+        ops.StepTensors(params, t(), *common, remainders=remainders),
+        ops.AdamStates(t(), [x.abs() for x in t()]),
+        AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False),
+    )
+    torch.library.opcheck(ops.adam_step_, _flat(ops.adam_step, adam))
+
+
 def test_compiled_step_has_no_graph_break():
     acc, records = _adam_records()
     offsets = torch.tensor([0, 5])
@@ -131,10 +147,11 @@ def test_schemas_follow_the_declarations():
         fields = (*ops.StepTensors._fields, *op.states._fields, *op.hyper._fields)
         assert tuple(a.name for a in op.arguments) == fields
         written = {a.name for a in op.arguments if a.written}
-        assert written == {"params", "lp_params", *op.states._fields}
+        assert written == {"params", "lp_params", "remainders", *op.states._fields}
         assert declared[f"{op.name}_"].startswith(
             f"{op.name}_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
-            "Tensor(b!)[] lp_params, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
+            "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, "
+            "float grad_alpha, bool grads_overwrite, "
         )
         # torch's state key of each list (opt.state[p][key]), which the step reads
         assert all(f"{key}s" == name for key, name in zip(op.state_keys, op.states._fields))
@@ -158,8 +175,8 @@ def test_registered_schemas_are_the_declared_ones():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_accum_ext::{name}", "CPU"), name
 
 
-# A process in which the declaration and _C's kernels disagree: an argument added to every step
-# op (as issue 28's int16 remainders would be) without its C++ parameter.
+# A process in which the declaration and _C's kernels disagree: an argument added to a step op
+# (as issue 28's int16 remainders were added to all) without its C++ parameter.
 _DRIFT = textwrap.dedent(
     """
     import warnings
@@ -170,7 +187,7 @@ _DRIFT = textwrap.dedent(
         exp_avgs: ops.WrittenLists
         exp_avg_sqs: ops.WrittenLists
         max_exp_avg_sqs: ops.WrittenLists = ()
-        remainders: ops.WrittenLists = ()
+        undeclared_in_cpp: ops.WrittenLists = ()
     ops.STEP_OPS["adam_step"].arguments = ops.arguments(ops.StepTensors, States, AdamHyper)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -189,7 +206,7 @@ def test_kernels_that_drift_from_the_declaration_are_refused():
     assert out.returncode == 0, out.stderr
     why, warned = out.stdout.strip().splitlines()[-2:]
     assert "fused_accum._C's kernels do not take the arguments fused_accum.ops declares" in why, why
-    assert "fused_accum_ext::adam_step_" in why and "remainders" in why, why
+    assert "fused_accum_ext::adam_step_" in why and "undeclared_in_cpp" in why, why
     assert "pip install --no-build-isolation" in why, why  # how to rebuild
     assert warned == "1 RuntimeWarning", warned
 

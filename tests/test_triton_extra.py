@@ -350,15 +350,13 @@ def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
     assert "convert_layout" not in _aligned_branch(compiled)
 
 
-@compiles
-def test_fused_adamw_compiles_vectorized_in_one_layout_with_ieee_sqrt():
-    compiled = _compile_sm90(
+def _compile_adamw_sm90(**dtypes):
+    """The fused AdamW kernel (fused last micro-batch, found_inf, decoupled decay) for sm_90."""
+    return _compile_sm90(
         kernels.adam_kernel,
         ("steps", "lr_ptr", "coef_ptr", "found_inf"),
-        PARAM_DTYPE=tl.float32,
-        LP_DTYPE=tl.bfloat16,
+        **dtypes,
         GRAD_DTYPE=tl.bfloat16,
-        HAS_LP=True,
         FUSED=True,
         GRADS_OVERWRITE=False,
         HAS_FOUND_INF=True,
@@ -368,17 +366,83 @@ def test_fused_adamw_compiles_vectorized_in_one_layout_with_ieee_sqrt():
         AMSGRAD=False,
         BLOCK=tb.BLOCK,
     )
+
+
+def _check_adamw_vectorized(compiled) -> None:
+    """16-byte (v4) and 8-byte (v2) global accesses, one register layout, IEEE sqrt/div, and
+    <= 96 registers: at least 5 programs of 128 threads on an SM's 65,536 registers."""
     ptx = compiled.asm["ptx"]
     accesses = _global_accesses(ptx)
     assert {"ld.global.v2.b32", "ld.global.v4.b32", "st.global.v4.b32", "st.global.v2.b32"} <= accesses
     assert "convert_layout" not in _aligned_branch(compiled)
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx
     # 72 at the time of writing; the scalar branch at full BLOCK took 156 (3 programs per SM).
-    # <= 96 keeps at least 5 programs of 128 threads on an SM's 65,536 registers.
     assert _registers(compiled) <= 96
 
 
+@compiles
+def test_fused_adamw_compiles_vectorized_in_one_layout_with_ieee_sqrt():
+    _check_adamw_vectorized(
+        _compile_adamw_sm90(PARAM_DTYPE=tl.float32, LP_DTYPE=tl.bfloat16, HAS_LP=True, HAS_REM=False)
+    )
+
+
+@compiles
+def test_remainder_adamw_compiles_vectorized_in_one_layout():
+    """The exact 2-byte master's fused AdamW (bf16 params + int16 remainders, issue 28): on
+    aligned rows the bf16 param, its remainder and the bf16 gradient move 4 elements (8 bytes,
+    ld/st.global.v2.b32) per access and the fp32 acc and moments 16 bytes (v4.b32), in the one
+    register layout of the fp32-master kernel (VEC = 4: see kernels); the split and rebuild
+    are integer selects, no new division or square root; <= 96 registers as the other Adam."""
+    _check_adamw_vectorized(_compile_adamw_sm90(PARAM_DTYPE=tl.bfloat16, LP_DTYPE=tl.int16, HAS_LP=False, HAS_REM=True))
+
+
 # --- on a device (CPU under the interpreter, or CUDA) ----------------------------------------
+
+
+class _RecordLaunches:
+    """Stands in for a kernel and records the ``num_warps`` of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.warps = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.warps.append(kwargs["num_warps"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@needs_device
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_on_16_bit_params_in_place_launches_at_the_warps_the_spill_gate_compiles(device, monkeypatch):
+    """The launch shape of each Adam variant is step_num_warps's (what
+    scripts/check_triton_spills.py compiles): twice the warps for bf16 params without a master
+    (under triton 3.6 they spill at 4), NUM_WARPS with fp32 masters and with remainders."""
+    recorder = _RecordLaunches(kernels.adam_kernel)
+    monkeypatch.setattr(kernels, "adam_kernel", recorder)
+    n = 70
+    views = lambda: _flat_views([n], device)[2]  # noqa: E731
+    hyper = ops.AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False)
+    common = (torch.ones(1, device=device), torch.tensor(1e-3, dtype=torch.float64, device=device))
+    common += (torch.ones((), device=device),)
+    cases = {
+        "bf16 in place": dict(params=[torch.randn(n, device=device).bfloat16()]),
+        "fp32 master": dict(params=views(), lp_params=[torch.empty(n, device=device, dtype=torch.bfloat16)]),
+        "remainder": dict(
+            params=[torch.randn(n, device=device).bfloat16()],
+            remainders=[torch.zeros(n, device=device, dtype=torch.int16)],
+        ),
+    }
+    for case in cases.values():
+        accs, m, v = views(), views(), views()
+        for x in (accs, m, v):
+            x[0].fill_(0.5)
+        t = ops.StepTensors(case.pop("params"), accs, *common, **case)
+        tb.adam_step(t, ops.AdamStates(m, v), hyper)
+    assert recorder.warps == [2 * tb.NUM_WARPS, tb.NUM_WARPS, tb.NUM_WARPS]
+    assert tb.step_num_warps("adam", 16, False, False) == 2 * tb.NUM_WARPS
 
 
 @needs_device

@@ -190,6 +190,14 @@ void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const Paralle
 // fp32 when it is bf16/fp16, run the update rule on fp32 arrays, write back. Staging keeps one
 // update loop per rule however many dtype combinations a call mixes (grads, params and lp params
 // each bf16/fp16/fp32), at the cost of L1 traffic only.
+//
+// Exact 2-byte masters (remainders, issue 28) are not staged: the element loop itself rebuilds
+// each master from its bf16 param and int16 remainder and splits the update back into both
+// (math.h's rebuild_master / split_master, integer ops and selects that vectorise with the
+// update, 16 lanes on AVX-512). Staged, the two extra passes made the AdamW step 1.5x slower in
+// cache and 7% slower from DRAM at one thread than the fp32-master step (262K and 16M elements),
+// which moves 2 more bytes per element. In the loop, on math.h's 16-bit-lane form: 0.97-1.08x
+// its time in cache, 0.65-0.9x from DRAM (one thread, AVX-512, interleaved runs).
 
 namespace cpu {
 namespace {
@@ -205,25 +213,49 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
   }
 }
 
+// Where an element loop reads and writes the param: fp32 values (the master, or a staged
+// block), or an exact master's two halves, rebuilt and split in the loop.
+// (always_inline, as math.h's split_master and rebuild_master: a call left in an Adam loop keeps
+// it scalar, 7x slower)
+#define FA_ALWAYS_INLINE inline __attribute__((always_inline))
+struct Fp32Param {
+  float* __restrict p;
+  FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
+};
+struct RemainderParam {
+  uint16_t* __restrict w;  // the bf16 param's bits
+  int16_t* __restrict r;   // its remainder
+  FA_ALWAYS_INLINE float load(int64_t j) const { return math::rebuild_master(w[j], r[j]); }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const {
+    const math::SplitMaster s = math::split_master(v);
+    w[j] = s.weight;
+    r[j] = s.remainder;
+  }
+};
+
 // The element loops take the branches that are the same for every element as template
 // constants (math.h's *_update_t), so that each loop is straight-line code GCC vectorises; one
-// switch per block picks the loop.
-template <bool kWd, bool kMomentum, bool kFirst, bool kNesterov>
-inline __attribute__((always_inline)) void sgd_loop(const float* __restrict g, float c,
-                                                    float* __restrict p,
+// switch per block picks the loop. Each block function exists for both param kinds (P).
+template <bool kWd, bool kMomentum, bool kFirst, bool kNesterov, class P>
+inline __attribute__((always_inline)) void sgd_loop(const float* __restrict g, float c, P p,
                                                     float* __restrict buf, int64_t n,
                                                     const math::SgdHyper& h,
                                                     const math::SgdScalars& s) {
   float unused = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, p[j],
+    float pj = p.load(j);
+    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, pj,
                                                           kMomentum ? buf[j] : unused, h, s);
+    p.store(j, pj);
   }
 }
 
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, float* __restrict p,
-                             float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s) {
+template <class P>
+inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g, float c, P p,
+                                                       float* __restrict buf, int64_t n,
+                                                       const math::SgdHyper& h,
+                                                       const math::SgdScalars& s) {
   const int mode = (h.weight_decay != 0.0f ? 8 : 0) | (h.momentum != 0.0f ? 4 : 0) |
                    (s.first_step ? 2 : 0) | (h.nesterov ? 1 : 0);
   switch (mode) {
@@ -238,24 +270,39 @@ FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, float* __restri
   }
 }
 
-template <int kMode>
-inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c,
-                                                     float* __restrict p,
+FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p,
+                             float* __restrict buf, int64_t n, math::SgdHyper h,
+                             math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
+}
+FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam p,
+                             float* __restrict buf, int64_t n, math::SgdHyper h,
+                             math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
+}
+
+template <int kMode, class P>
+inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c, P p,
                                                      float* __restrict m, float* __restrict v,
                                                      float* __restrict max_v, int64_t n,
                                                      const math::AdamHyper& h,
                                                      const math::AdamScalars& s) {
   float unused = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    math::adam_update_mode<kMode>(g[j] * c, p[j], m[j], v[j], (kMode & 1) ? max_v[j] : unused, h,
+    float pj = p.load(j);
+    math::adam_update_mode<kMode>(g[j] * c, pj, m[j], v[j], (kMode & 1) ? max_v[j] : unused, h,
                                   s);
+    p.store(j, pj);
   }
 }
 
 // max_v: amsgrad's running max, or null.
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, float* __restrict p,
-                              float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s) {
+template <class P>
+inline __attribute__((always_inline)) void adam_block_t(const float* __restrict g, float c, P p,
+                                                        float* __restrict m, float* __restrict v,
+                                                        float* __restrict max_v, int64_t n,
+                                                        const math::AdamHyper& h,
+                                                        const math::AdamScalars& s) {
   switch (math::adam_mode(h, max_v != nullptr)) {
 #define FA_ADAM_CASE(k) \
   case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s); break;
@@ -267,14 +314,42 @@ FA_CPU_CLONES void adam_block(const float* __restrict g, float c, float* __restr
   }
 }
 
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, float* __restrict p,
+FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
+                              float* __restrict m, float* __restrict v, float* __restrict max_v,
+                              int64_t n, math::AdamHyper h, math::AdamScalars s) {
+  adam_block_t(g, c, p, m, v, max_v, n, h, s);
+}
+FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
+                              float* __restrict m, float* __restrict v, float* __restrict max_v,
+                              int64_t n, math::AdamHyper h, math::AdamScalars s) {
+  adam_block_t(g, c, p, m, v, max_v, n, h, s);
+}
+
+template <class P>
+inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, float c, P p,
+                                                     float* __restrict m, int64_t n,
+                                                     const math::LionHyper& h,
+                                                     const math::LionScalars& s) {
+  for (int64_t j = 0; j < n; ++j) {
+    float pj = p.load(j);
+    math::lion_update(g[j] * c, pj, m[j], h, s);
+    p.store(j, pj);
+  }
+}
+
+FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, int64_t n, math::LionHyper h,
                               math::LionScalars s) {
-  for (int64_t j = 0; j < n; ++j) math::lion_update(g[j] * c, p[j], m[j], h, s);
+  lion_loop(g, c, p, m, n, h, s);
+}
+FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
+                              float* __restrict m, int64_t n, math::LionHyper h,
+                              math::LionScalars s) {
+  lion_loop(g, c, p, m, n, h, s);
 }
 
 // The loop every step shares. update(i, offset, n, g, c, p) applies the rule to tensor i's
-// block, the gradient being g[j] * c. Without a fused micro-batch, g is acc itself and c the
+// block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam. Without a fused micro-batch, g is acc itself and c the
 // signed coef (math::effective_grad's product, so the same bits) and no staging pass runs; with
 // one, g is staged by grad_block and c = 1 (exact).
 template <class Update>
@@ -283,6 +358,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   const std::vector<int64_t> starts = element_starts(t);
+  const bool has_rem = t.rem.present();
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     float g[kBlock], p_staged[kBlock];
     for_each_block(starts, begin, end, [&](int64_t i, int64_t offset, int64_t n) {
@@ -294,11 +370,17 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
         grad = g;
         c = 1.0f;
       }
+      if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
+        update(i, offset, n, grad, c,
+               RemainderParam{static_cast<uint16_t*>(at(t.param, i, offset)),
+                              static_cast<int16_t*>(at(t.rem, i, offset))});
+        return;
+      }
       const DType param_dtype = t.param.dtype[i];
       float* p = p_staged;
       if (param_dtype == DType::kF32) p = at_f32(t.param, i, offset);
       else to_float(at(t.param, i, offset), param_dtype, n, p_staged);
-      update(i, offset, n, grad, c, p);
+      update(i, offset, n, grad, c, Fp32Param{p});
       if (param_dtype != DType::kF32) from_float(p, n, at(t.param, i, offset), param_dtype);
       if (t.lp.present()) from_float(p, n, at(t.lp, i, offset), t.lp.dtype[i]);
     });
@@ -312,7 +394,7 @@ void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper&
                   const ParallelFor& pf) {
   using namespace cpu;
   const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, float* p) {
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     float* buf = t.state1.present() ? at_f32(t.state1, i, offset) : nullptr;
     sgd_block(g, c, p, buf, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
   });
@@ -325,7 +407,7 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
   std::vector<math::AdamScalars> scalars(t.size());
   for (int64_t i = 0; i < t.size(); ++i) scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
   const bool amsgrad = t.state3.present();
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, float* p) {
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
                amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i]);
   });
@@ -335,7 +417,7 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
                    const ParallelFor& pf) {
   using namespace cpu;
   const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, float* p) {
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     lion_block(g, c, p, at_f32(t.state1, i, offset), n, h, s);
   });
 }

@@ -181,6 +181,57 @@ FA_HD void store_pack(void* p, uint8_t dt, int64_t i, int64_t n, bool vec, const
   }
 }
 
+// Exact 2-byte masters (master_weights="remainder"): the fp32 masters of elements [i, i + 8)
+// rebuilt from the bf16 weights w and the int16 remainders r (math::rebuild_master); zeros past
+// n. `vec`: both packs are 16-byte aligned and whole: one 16-byte load each, 8 elements.
+FA_HD void load_master_pack(const void* w, const void* r, int64_t i, int64_t n, bool vec,
+                            float (&v)[kPack]) {
+  const uint16_t* wb = static_cast<const uint16_t*>(w);
+  const int16_t* rb = static_cast<const int16_t*>(r);
+  if (vec) {
+    const uint4 wr = *reinterpret_cast<const uint4*>(wb + i);
+    const uint4 rr = *reinterpret_cast<const uint4*>(rb + i);
+    const uint32_t ws[4] = {wr.x, wr.y, wr.z, wr.w}, rs[4] = {rr.x, rr.y, rr.z, rr.w};
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) {
+      const int shift = 16 * (k % 2);  // little-endian
+      v[k] = math::rebuild_master(static_cast<uint16_t>(ws[k / 2] >> shift),
+                                  static_cast<int16_t>(static_cast<uint16_t>(rs[k / 2] >> shift)));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) v[k] = i + k < n ? math::rebuild_master(wb[i + k], rb[i + k]) : 0.0f;
+  }
+}
+
+// Elements [i, i + 8) of w and r = the split of the fp32 masters v (math::split_master); none
+// past n. `vec` as in load_master_pack.
+FA_HD void store_master_pack(void* w, void* r, int64_t i, int64_t n, bool vec, const float (&v)[kPack]) {
+  uint16_t* wb = static_cast<uint16_t*>(w);
+  int16_t* rb = static_cast<int16_t*>(r);
+  if (vec) {
+    uint32_t ws[4], rs[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const math::SplitMaster lo = math::split_master(v[2 * k]), hi = math::split_master(v[2 * k + 1]);
+      ws[k] = static_cast<uint32_t>(lo.weight) | static_cast<uint32_t>(hi.weight) << 16;
+      rs[k] = static_cast<uint32_t>(static_cast<uint16_t>(lo.remainder)) |
+              static_cast<uint32_t>(static_cast<uint16_t>(hi.remainder)) << 16;
+    }
+    *reinterpret_cast<uint4*>(wb + i) = make_uint4(ws[0], ws[1], ws[2], ws[3]);
+    *reinterpret_cast<uint4*>(rb + i) = make_uint4(rs[0], rs[1], rs[2], rs[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) {
+      if (i + k < n) {
+        const math::SplitMaster s = math::split_master(v[k]);
+        wb[i + k] = s.weight;
+        rb[i + k] = s.remainder;
+      }
+    }
+  }
+}
+
 // ---- host side ---------------------------------------------------------------------------------
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -3,7 +3,15 @@
 // last micro-batch), the fp32 state and param updated, the low-precision param written.
 //
 // Bytes per element, AdamW from acc with a bf16 param copy: read acc, master, m, v (16), write
-// master, m, v (12) and the bf16 param (2) = 30.
+// master, m, v (12) and the bf16 param (2) = 30. With a 2-byte remainder instead of the fp32
+// master (issue 28): read acc, bf16 param, remainder, m, v (16), write param, remainder, m, v
+// (12) = 28; the fused last micro-batch adds its bf16 gradient (30).
+//
+// The remainders travel in the table's lp column (kStepLp, dtype kI16): a step has either
+// low-precision copies or remainders, never both (the binding checks), so the mode costs no
+// operand and no table capacity. A call has remainders for all its tensors or for none, so the
+// mode is a template parameter (kRemainder): the fp32-master kernels carry none of its code or
+// registers (a run-time branch in one kernel made plain Adam spill 4 bytes at its bound).
 #include "../math.h"
 #include "multi_tensor.cuh"
 
@@ -99,7 +107,7 @@ FA_HD bool step_skipped(const DeviceStepArgs& args) {
 // Everything thread `thread` of the block for chunk `chunk` does, given the tensor's per-tensor
 // scalars (computed once per block by the kernel: Adam's are a pair of double pow calls, whose
 // register needs inside the element loop made ptxas spill).
-template <class Rule, int kArrays>
+template <class Rule, bool kRemainder, int kArrays>
 FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& args,
                             const typename Rule::Hyper& hyper, const typename Rule::Scalars& scalars,
                             int chunk, int thread) {
@@ -115,7 +123,9 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
     state3 = static_cast<float*>(table.ptr[kStepState3][t]);
     amsgrad = Rule::kAmsgrad && state3 != nullptr;
   }
-  const bool has_lp = table.ptr[kStepLp][t] != nullptr;
+  // the lp column holds either low-precision copies or (kRemainder) the remainders
+  constexpr bool has_rem = kRemainder;
+  const bool has_lp = !kRemainder && table.ptr[kStepLp][t] != nullptr;
   const uint8_t param_dtype = table.dtype[kStepParam][t];
   const float* __restrict__ acc = static_cast<const float*>(table.ptr[kStepAcc][t]);
   const void* __restrict__ grad = table.ptr[kStepGrad][t];
@@ -144,7 +154,8 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
       if (args.fused) {
         load_pack(grad, table.dtype[kStepGrad][t], idx[u], w.end, grad_vec && whole[u], g[u]);
       }
-      load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if constexpr (has_rem) load_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
+      else load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
       if (has_state1) load_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
       if (Rule::kStates >= 2) load_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
       if (amsgrad) load_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
@@ -157,7 +168,8 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
         const float ge = math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
         Rule::update(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], amsgrad, hyper, scalars);
       }
-      store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if constexpr (has_rem) store_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
+      else store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
       if (has_state1) store_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
       if (Rule::kStates >= 2) store_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
       if (amsgrad) store_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
@@ -166,22 +178,30 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
   }
 }
 
-// As step_thread_with, computing the tensor's scalars itself (the CPU emulation of the kernel).
+// As step_thread_with, computing the tensor's scalars itself (the CPU emulation of the kernel),
+// in the mode of the table's lp column (kI16: the remainders), as launch_step picks the kernel.
 template <class Rule, int kArrays>
 FA_HD void step_thread(const Table<kArrays>& table, const DeviceStepArgs& args,
                        const typename Rule::Hyper& hyper, int chunk, int thread) {
   if (step_skipped(args)) return;  // skip-all, no host sync
   const Work w = chunk_work(table, chunk);
   const auto scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
-  step_thread_with<Rule>(table, args, hyper, scalars, chunk, thread);
+  if (table.ptr[kStepLp][w.t] != nullptr && table.dtype[kStepLp][w.t] == static_cast<uint8_t>(DType::kI16)) {
+    step_thread_with<Rule, true>(table, args, hyper, scalars, chunk, thread);
+  } else {
+    step_thread_with<Rule, false>(table, args, hyper, scalars, chunk, thread);
+  }
 }
+
+// The operand of the lp column: the remainders when the step has them, else the lp copies.
+inline const Operand* lp_column(const TensorLists& t) { return t.rem.present() ? &t.rem : &t.lp; }
 
 namespace {
 
 template <class Rule>
 using TableOf = Table<Rule::kAmsgrad ? 7 : 6>;
 
-template <class Rule>
+template <class Rule, bool kRemainder>
 __global__ void __launch_bounds__(kThreads, Rule::kMinBlocks)
     step_kernel(const __grid_constant__ TableOf<Rule> table, DeviceStepArgs args,
                 typename Rule::Hyper hyper) {
@@ -193,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, Rule::kMinBlocks)
     scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
   }
   __syncthreads();
-  step_thread_with<Rule>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
+  step_thread_with<Rule, kRemainder>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
 }
 
 template <class Rule>
@@ -201,15 +221,18 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
                         void* stream) {
   const DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha, t.grad.present(),
                             a.grads_overwrite, a.maximize};
+  const bool remainders = t.rem.present();
   const auto launch = [&](const TableOf<Rule>& table, int chunks) {
-    step_kernel<Rule><<<chunks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(table, args, h);
+    const auto kernel = remainders ? step_kernel<Rule, true> : step_kernel<Rule, false>;
+    kernel<<<chunks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(table, args, h);
     return last_error();
   };
   if constexpr (Rule::kAmsgrad) {
-    const Operand* const ops[7] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp, &t.state3};
+    const Operand* const ops[7] = {&t.acc,    &t.grad,       &t.param, &t.state1,
+                                   &t.state2, lp_column(t), &t.state3};
     return for_each_table(t, ops, launch);
   } else {
-    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
+    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, lp_column(t)};
     return for_each_table(t, ops, launch);
   }
 }

@@ -14,7 +14,8 @@ namespace fa_test {
 using namespace fused_accum;
 
 enum class Algo { kSgd, kSgdPlain, kAdam, kAdamAmsgrad, kLion };
-enum class ParamKind { kMaster, kF32, kBF16 };  // fp32 master + bf16/fp16 copy; fp32; bf16, no master
+// fp32 master + bf16/fp16 copy; fp32; bf16, no master; bf16 + int16 remainder (an exact master)
+enum class ParamKind { kMaster, kF32, kBF16, kRemainder };
 enum class Fused { kNone, kAdd, kOverwrite };
 
 // The hyperparameters of tests/test_kernels.py's ALGOS.
@@ -40,6 +41,10 @@ struct StepCase {
   std::mt19937 rng;
   Flat acc, master, s1, s2, s3;
   Mixed param16, grad, lp;
+  // kRemainder: int16 remainders, uniform over all 2^16 patterns (negative ones included, with
+  // the swaps), every fourth tensor starting one element in (another tensor than param16's)
+  std::vector<std::vector<int16_t>> rem;
+  std::vector<int> rem_shift;
   std::vector<float> steps;
   double lr = 0.01;  // a double, as the kernels take it; not exact in fp32
   float coef = 0.25f, found_inf, grad_alpha = 0.5f;
@@ -50,6 +55,18 @@ struct StepCase {
         param16(sizes, rng, {DType::kBF16}), grad(sizes, rng), lp(sizes, rng, {DType::kBF16, DType::kF16}),
         found_inf(found_ ? 1.0f : 0.0f) {
     for (size_t i = 0; i < sizes.size(); ++i) steps.push_back(1.0f + (i % 3) * 4);  // incl. first steps
+    std::uniform_int_distribution<int> any16(-32768, 32767);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      rem_shift.push_back(i % 4 == 1 ? 1 : 0);
+      rem.emplace_back(sizes[i] + 1);
+      for (int16_t& r : rem.back()) r = static_cast<int16_t>(any16(rng));
+    }
+  }
+
+  uint16_t weight_bits(size_t i, int64_t j) const { return param16.half[i][j + param16.shift[i]]; }
+  int16_t remainder(size_t i, int64_t j) const { return rem[i][j + rem_shift[i]]; }
+  float rebuilt(size_t i, int64_t j) const {
+    return math::rebuild_master(weight_bits(i, j), remainder(i, j));
   }
 
   bool has_state1() const { return algo != Algo::kSgdPlain; }
@@ -62,8 +79,12 @@ struct StepCase {
       t.numel.push_back(sizes[i]);
       t.index.push_back(static_cast<int64_t>(i));
       t.acc.add(acc.at(i), DType::kF32);
-      if (kind == ParamKind::kBF16) t.param.add(param16.ptr(i), DType::kBF16);
-      else t.param.add(master.at(i), DType::kF32);
+      if (kind == ParamKind::kBF16 || kind == ParamKind::kRemainder) {
+        t.param.add(param16.ptr(i), DType::kBF16);
+      } else {
+        t.param.add(master.at(i), DType::kF32);
+      }
+      if (kind == ParamKind::kRemainder) t.rem.add(rem[i].data() + rem_shift[i], DType::kI16);
       if (has_state1()) t.state1.add(s1.at(i), DType::kF32);
       if (has_state2()) t.state2.add(s2.at(i), DType::kF32);
       if (has_state3()) t.state3.add(s3.at(i), DType::kF32);
@@ -83,6 +104,7 @@ struct StepCase {
     for (size_t i = 0; i < sizes.size() && bad < 5; ++i) {
       for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
         float p = kind == ParamKind::kBF16 ? before.param16.value(i, j) : before.master.value(i, j);
+        if (kind == ParamKind::kRemainder) p = before.rebuilt(i, j);
         float m = before.s1.value(i, j), v = before.s2.value(i, j), max_v = before.s3.value(i, j);
         if (!found) {
           const float g = math::effective_grad(before.acc.value(i, j),
@@ -98,7 +120,15 @@ struct StepCase {
           }
         }
         bool ok = true;
-        if (kind == ParamKind::kBF16) {
+        if (kind == ParamKind::kRemainder) {
+          // The exact master: the rebuilt new one is the update's, bit for bit (NaNs included),
+          // split as math::split_master splits it; a skipped step writes neither half.
+          const math::SplitMaster want =
+              found ? math::SplitMaster{before.weight_bits(i, j), before.remainder(i, j)}
+                    : math::split_master(p);
+          ok &= weight_bits(i, j) == want.weight && remainder(i, j) == want.remainder;
+          ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(p);
+        } else if (kind == ParamKind::kBF16) {
           // Within one bf16 ulp (2^-7 relative): a 1-ulp fp32 difference may cross a rounding edge.
           ok &= found ? param16.value(i, j) == before.param16.value(i, j)
                       : std::fabs(param16.value(i, j) - p) <= 0.0079f * std::fabs(p);
@@ -131,7 +161,7 @@ inline void check_all_steps(const std::vector<int64_t>& sizes, const StepRunner&
                             const std::vector<Algo>& algos = kAllAlgos) {
   unsigned seed = 0;
   for (Algo algo : algos)
-    for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16})
+    for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16, ParamKind::kRemainder})
       for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
         for (bool found : {false, true})
           StepCase(sizes, algo, kind, fused, found, ++seed).run_and_check(runner, what);

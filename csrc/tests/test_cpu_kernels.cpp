@@ -1,7 +1,8 @@
 // The CPU kernels' plumbing (csrc/cpu) without torch: tensors of awkward sizes and mixed dtypes,
 // cut into parallel ranges that end mid-tensor and mid-block, against a plain per-element loop
 // over the same math.h rules. Checks every element, the padding between tensors, the statistics,
-// the skip on found_inf and the low-precision param copy.
+// the skip on found_inf, the low-precision param copy, and the exact 2-byte masters (bf16 params
+// + int16 remainders, rebuilt and split in the update loops: step_case.h's kRemainder).
 #include <cmath>
 #include <cstdint>
 #include <random>

@@ -5,7 +5,10 @@
 // checked by tests/test_ext.py and tests/test_kernels.py on a GPU (pytest -m gpu).
 //
 // Sizes span several 8K-element chunks, and the lists are longer than one table holds, so the
-// relaunch path runs. Every fourth gradient is not 16-byte aligned (the scalar path).
+// relaunch path runs. Every fourth gradient is not 16-byte aligned (the scalar path). The exact
+// 2-byte masters (step_case.h's kRemainder) run the kernel's remainder instantiation: 16-byte
+// packs of 8 bf16 params and 8 int16 remainders where both are aligned, element by element
+// where either is not (every fourth param, a different every fourth remainder).
 #include "../cuda/accumulate.cu"
 #include "../cuda/step.cu"
 #include "check.h"
@@ -90,10 +93,11 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
     return static_cast<const char*>(nullptr);
   };
   if constexpr (Rule::kAmsgrad) {  // amsgrad's max_exp_avg_sq is a 7th operand, last
-    const Operand* const ops[7] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp, &t.state3};
+    const Operand* const ops[7] = {&t.acc,    &t.grad,             &t.param, &t.state1,
+                                   &t.state2, cuda::lp_column(t), &t.state3};
     cuda::for_each_table(t, ops, run);
   } else {
-    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, &t.lp};
+    const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, cuda::lp_column(t)};
     cuda::for_each_table(t, ops, run);
   }
 }

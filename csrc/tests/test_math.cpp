@@ -3,6 +3,7 @@
 // first step copies the gradient into the momentum buffer, weight decay coupled vs decoupled.
 // Also compiled by nvcc (test_math_nvcc.cu) to check the __host__ __device__ path.
 #include <cmath>
+#include <cstdint>
 #include <initializer_list>
 #include <limits>
 
@@ -165,5 +166,57 @@ void test_lion() {
 
 }  // namespace
 
-TEST_MAIN(test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_adam_eps();
+// Every fp32 bit pattern: split then rebuild gives it back (a bijection onto the pairs), the
+// weight is finite exactly when the master is, and it is the master rounded to the nearest bf16
+// with ties away from zero wherever that is finite (everywhere but the 2 x 32,768 finite masters
+// that round to inf, which show +-0.0); ties are where it differs from torch's ties-to-even.
+#ifndef FA_PATTERN_STRIDE
+#define FA_PATTERN_STRIDE 1  // (test_math_nvcc.cu checks every 17th: the same code, once is enough)
+#endif
+void test_split_rebuild_every_pattern() {
+  long long not_back = 0, finiteness = 0, not_nearest = 0, ties = 0, overflowing = 0;
+#pragma omp parallel for reduction(+ : not_back, finiteness, not_nearest, ties, overflowing)
+  for (long long i = 0; i < (1LL << 32); i += FA_PATTERN_STRIDE) {
+    const unsigned int u = static_cast<unsigned int>(i);
+    const float master = bits_float(u);
+    const SplitMaster s = split_master(master);
+    not_back += float_bits(rebuild_master(s.weight, s.remainder)) != u;
+    const float weight = bits_float(static_cast<unsigned int>(s.weight) << 16);
+    finiteness += nonfinite(weight) != nonfinite(master);
+    const unsigned int m = u & 0x7FFFFFFFu;
+    if (m >= kOverflowing && m < kInfBits) {
+      overflowing += (s.weight & 0x7FFFu) == 0;
+    } else if (m < kInfBits) {
+      const unsigned int away = ((m + 0x8000u) >> 16) | ((u >> 16) & 0x8000u);
+      not_nearest += s.weight != away;
+      ties += (m & 0xFFFFu) == 0x8000u;
+    }
+  }
+  CHECK(not_back == 0, "%lld patterns not rebuilt exactly", not_back);
+  CHECK(finiteness == 0, "%lld weights finite where the master is not, or the reverse", finiteness);
+  CHECK(not_nearest == 0, "%lld finite masters not shown as their nearest bf16 (ties away)", not_nearest);
+  if (FA_PATTERN_STRIDE == 1) {
+    CHECK(overflowing == 2 * 32768, "%lld overflowing masters shown as +-0", overflowing);
+    CHECK(ties == 2LL * 0x7F7F, "%lld exact ties", ties);  // one per finite bf16 step below the top, per sign
+  }
+}
+
+void test_split_special_values() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(split_master(0.0f).weight == 0x0000 && split_master(0.0f).remainder == 0, "+0");
+  CHECK(split_master(-0.0f).weight == 0x8000 && split_master(-0.0f).remainder == 0, "-0");
+  CHECK(split_master(INFINITY).weight == 0x7F80 && split_master(-INFINITY).weight == 0xFF80, "+-inf");
+  CHECK(split_master(nan).weight == 0x7FC0, "the quiet NaN");
+  CHECK(split_master(bits_float(0x7FFFFFFFu)).weight == 0x7F80, "NaN 0x7FFFFFFF: inf, not -0.0");
+  CHECK(split_master(bits_float(0xFFFFFFFFu)).weight == 0xFF80, "NaN 0xFFFFFFFF: -inf, not +0.0");
+  CHECK(split_master(bits_float(0x7F800001u)).weight == 0x7F80, "NaN just above inf: inf");
+  CHECK(split_master(1.0f + 0x1.0p-8f).weight == 0x3F81, "a tie rounds away from zero");
+  CHECK(split_master(-(1.0f + 0x1.0p-8f)).weight == 0xBF81, "... on both sides");
+  CHECK(split_master(bits_float(0x3F808000u - 1)).weight == 0x3F80, "one ulp below a tie: down");
+  CHECK(split_master(bits_float(0x3F808000u + 1)).weight == 0x3F81, "one ulp above: up");
+  CHECK(split_master(std::numeric_limits<float>::denorm_min()).weight == 0x0000, "a denormal");
+  CHECK(split_master(3.40282347e38f).weight == 0x0000, "the largest finite: +0.0 (see math.h)");
+}
+
+TEST_MAIN(test_split_rebuild_every_pattern(); test_split_special_values(); test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_adam_eps();
           test_adam_scalars_double(); test_adam_amsgrad(); test_lerp(); test_lion())

@@ -25,6 +25,15 @@ Conventions shared by all ops (and so by all backends):
   parameters themselves when they have no master (fp32 params, or ``master_weights=False``).
   ``lp_params``, when given, are the low-precision parameters that receive ``params`` rounded
   to their dtype after the update; an empty ``lp_params`` means there are none.
+- ``remainders``, when given (exact 2-byte masters, issue 28): ``params`` are the bf16
+  parameters themselves (any strides, updated in place) and ``remainders`` int16 tensors of
+  the same sizes (1-D contiguous views of the optimizer's remainder buffer), the low halves of
+  their fp32 masters; ``lp_params`` is then empty. Each step rebuilds the master,
+  ``rebuild_master(param, remainder)``, applies exactly the fp32-master update to it, and
+  writes ``split_master(new master)`` back into param and remainder (the contract and the tie
+  rule: :func:`split_master`). From the same master the new master is the fp32-master mode's,
+  bit for bit; the bf16 weight differs from that mode's (``master.to(bfloat16)``) only at exact
+  ties. fp16 or fp32 params with remainders are an error.
 - Optimizer state tensors (``exp_avgs``, ``exp_avg_sqs``, ``momentum_buffers``) are fp32.
 - ``steps`` is a 1-D fp32 tensor with the step count of each tensor in the list, already
   counting this step (so 1 on the first step). ``lr`` and ``coef`` are one-element device
@@ -40,11 +49,13 @@ Conventions shared by all ops (and so by all backends):
 - A non-empty ``grads`` on a step op fuses the window's last micro-batch into the step: the gradient used is
   ``coef * (grad_alpha * grad + (0 if grads_overwrite else acc))`` and ``acc`` is not written
   (it is ready to be overwritten by the next window either way).
+- A skipped step (``found_inf``) writes no value: params, remainders, lp_params and state keep
+  their bits (NaN payloads included: a remainder mode's master lives in those bits).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -123,6 +134,118 @@ def accumulate(
             sumsq.add_(torch.dot(view, view))
 
 
+# --- exact 2-byte masters: the bf16 weight plus an int16 remainder (issue 28) ----------------
+
+_OVERFLOWING = 0x7F7F8000  # fp32 magnitudes from here up to inf round to inf in bf16
+_INF = 0x7F800000  # the magnitude of fp32 inf
+
+
+def split_master(master: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(weight, remainder)`` of the fp32 ``master``: a bf16 tensor and an int16 tensor of its
+    shape, such that :func:`rebuild_master` gives ``master`` back bit for bit. The same map as
+    csrc/math.h's ``split_master`` (which the C++ and CUDA kernels use; csrc/tests/test_math.cpp
+    checks it on all 2**32 patterns), and the Triton kernels' ``_split_master``.
+
+    It is a bijection between the 2**32 fp32 bit patterns and the (bf16, int16) pairs. On the
+    magnitude ``m`` of the master's bits (the sign bit is the weight's):
+
+    - ``weight = (m + 0x8000) >> 16``: the nearest bf16, **ties away from zero** (no 16-bit
+      remainder can be exact and keep torch's round-to-nearest-even: an even bf16 value has
+      65,537 fp32 preimages), so ``weight == master.to(torch.bfloat16)`` except at exact ties
+      (low half 0x8000, one fp32 value per bf16 step: ~2**-16 of uniformly random bits), where
+      the weight is the neighbour farther from zero;
+    - ``remainder = m - (weight << 16)``, in [-32768, 32767] (negative: the master is below the
+      weight's magnitude);
+    - two swaps, both among negative remainders, so that a non-finite master never shows as a
+      finite weight: a NaN of magnitude >= 0x7FFF8000 (0x7FFFFFFF, the low half >= 0x8000)
+      would round to the pattern 0x8000 (-0.0, a zero in the forward): it shows +-inf instead;
+      that takes the pairs of the finite masters of magnitude >= 0x7F7F8000 (>= 3.3961e38,
+      which round to inf), which show +-0.0, the only pairs left.
+
+    So: every finite master below 3.3961e38 in magnitude shows as its nearest bf16 (ties away);
+    +-0 and denormals as +-0 (or the smallest bf16 denormal, by rounding); the largest finite
+    fp32 values, from 3.3961e38, as +-0.0; +-inf as +-inf; a NaN as +-inf when its low-order
+    payload rounds out of the bf16 NaN range (magnitudes 0x7F800001-0x7F807FFF and
+    0x7FFF8000-0x7FFFFFFF), else as the bf16 NaN it rounds to. A weight is finite exactly when
+    its master is.
+    """
+    if master.dtype != torch.float32:
+        raise ValueError(f"split_master: master must be float32, got {master.dtype}")
+    u = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sign = (u >> 16) & 0x8000
+    m = u & 0x7FFFFFFF
+    w = (m + 0x8000) >> 16
+    r = m - (w << 16)
+    w = torch.where((m >= _OVERFLOWING) & (m < _INF), 0, torch.where(w == 0x8000, 0x7F80, w))
+    bits = sign | w  # 0..0xFFFF: as int16, the patterns from 0x8000 up are negative
+    weight = (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
+    return weight.view(master.shape), r.to(torch.int16).view(master.shape)
+
+
+def rebuild_master(weight: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master that :func:`split_master` split into the bf16 ``weight`` and the int16
+    ``remainder`` (same shape): ``sign | ((|weight| << 16) + remainder)``, the two swaps undone."""
+    if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise ValueError(
+            f"rebuild_master: weight must be bfloat16 and remainder int16, got {weight.dtype} and {remainder.dtype}"
+        )
+    wb = weight.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    r = remainder.reshape(weight.shape).to(torch.int64)
+    sign = (wb & 0x8000) << 16
+    w = wb & 0x7FFF
+    negative = r < 0
+    w = torch.where(negative & (w == 0), 0x7F80, torch.where(negative & (w == 0x7F80), 0x8000, w))
+    u = sign | ((w << 16) + r)
+    u = u - (u >= 2**31).long() * 2**32  # as int32
+    return u.to(torch.int32).view(torch.float32).view(weight.shape)
+
+
+def check_remainders(op: str, t: StepTensors) -> None:
+    """The remainder mode's layout (see the module docstring), with the C++ binding's messages
+    (csrc/bindings.cpp, prepare_step) and the triton launcher's."""
+    if not t.remainders:
+        return
+    n = len(t.params)
+    if len(t.remainders) != n:
+        raise ValueError(f"{op}: remainders has {len(t.remainders)} tensors, expected 0 (none) or {n} (one per param)")
+    if t.lp_params:
+        raise ValueError(
+            f"{op}: remainders and lp_params are exclusive: with remainders, params are the bf16 parameters"
+        )
+    for i, (p, r) in enumerate(zip(t.params, t.remainders)):
+        if p.dtype != torch.bfloat16:
+            raise ValueError(
+                f"{op}: params[{i}] must be bfloat16 with remainders (the fp32 master is the bf16 parameter "
+                f"plus an int16 remainder), got {p.dtype}"
+            )
+        if r.dtype != torch.int16:
+            raise ValueError(f"{op}: remainders[{i}] must be int16, got {r.dtype}")
+        if r.device != p.device:
+            raise ValueError(f"{op}: remainders[{i}] is on {r.device}, expected {p.device} (the device of params[{i}])")
+        if r.numel() != p.numel():
+            raise ValueError(f"{op}: remainders[{i}] has {r.numel()} elements but params[{i}] has {p.numel()}")
+
+
+def _master(t: StepTensors, i: int) -> Tensor:
+    """The fp32 value the step updates for tensor ``i``: the master rebuilt from the bf16 param
+    and its remainder, else params[i] in fp32."""
+    if t.remainders:
+        return rebuild_master(t.params[i].reshape(-1), t.remainders[i].reshape(-1))
+    return t.params[i].reshape(-1).float()
+
+
+def _param_writes(t: StepTensors, i: int, new_p: Tensor) -> list:
+    """Where the updated fp32 value goes: split into param and remainder, or params[i] (rounded
+    to its dtype) and lp_params[i] (rounded to theirs)."""
+    if t.remainders:
+        weight, remainder = split_master(new_p)
+        return [(t.params[i], weight), (t.remainders[i], remainder)]
+    writes = [(t.params[i], new_p)]
+    if t.lp_params:
+        writes.append((t.lp_params[i], new_p))
+    return writes
+
+
 def _effective_grad(t: StepTensors, i: int, maximize: bool) -> Tensor:
     """The gradient a step uses for tensor ``i``: coef * (accumulated gradient, with the fused
     micro-batch's when ``t.grads`` are given), negated when maximizing."""
@@ -168,10 +291,13 @@ def _lr(lr: Tensor) -> Tensor:
 
 
 def _commit(found_inf, pairs):
-    """Write each (destination, new value) pair unless found_inf is set (no host sync)."""
+    """Write each (destination, new value) pair unless found_inf is set (no host sync). The new
+    value is rounded to the destination's dtype first, so a skipped step keeps every bit of the
+    destination (a round trip through fp32 would make a bf16 NaN the canonical 0x7FC0)."""
     for dst, new in pairs:
+        new = new.to(dst.dtype)
         if found_inf is not None:
-            new = torch.where(found_inf > 0, dst.reshape(-1).float(), new)
+            new = torch.where(found_inf > 0, dst.reshape(-1), new)
         dst.copy_(new.view_as(dst))
 
 
@@ -183,9 +309,10 @@ def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper) -> None:
     fused multiply-add where torch's fused CPU SGD has one, so fp32 params match it bit for bit.
     """
     neg_lr = _f32(-_lr(t.lr))  # torch's fused SGD: its double -lr rounded to fp32
-    for i, p in enumerate(t.params):
+    check_remainders("sgd_step", t)
+    for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
-        p32 = p.reshape(-1).float()
+        p32 = _master(t, i)
         if h.weight_decay != 0:
             g = _fma(p32, h.weight_decay, g)
         writes = []
@@ -195,10 +322,7 @@ def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper) -> None:
             new_buf = torch.where(first, g, _fma(g, 1 - h.dampening, buf * h.momentum))
             writes.append((buf, new_buf))
             g = _fma(new_buf, h.momentum, g) if h.nesterov else new_buf
-        new_p = _fma(g, neg_lr, p32)
-        writes.append((p, new_p))
-        if t.lp_params:
-            writes.append((t.lp_params[i], new_p))
+        writes += _param_writes(t, i, _fma(g, neg_lr, p32))
         _commit(t.found_inf, writes)
 
 
@@ -215,9 +339,10 @@ def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper) -> None:
     """
     lr = _lr(t.lr)
     beta1, beta2 = h.beta1, h.beta2
-    for i, p in enumerate(t.params):
+    check_remainders("adam_step", t)
+    for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
-        p32 = p.reshape(-1).float()
+        p32 = _master(t, i)
         step = t.steps[i].double()
         if h.weight_decay != 0:
             if h.decoupled:
@@ -233,10 +358,7 @@ def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper) -> None:
         neg_step_size = _f32(-lr / (1 - beta1**step))
         bias_correction2_sqrt = _f32(torch.sqrt(1 - beta2**step))
         denom = _sqrt(v) / bias_correction2_sqrt + h.eps
-        new_p = p32 + (neg_step_size * m) / denom
-        writes.append((p, new_p))
-        if t.lp_params:
-            writes.append((t.lp_params[i], new_p))
+        writes += _param_writes(t, i, p32 + (neg_step_size * m) / denom)
         _commit(t.found_inf, writes)
 
 
@@ -252,14 +374,12 @@ def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
     # lucidrains' ops with a Python float lr: add_(alpha=-lr) rounds lr to fp32, the decay
     # factor 1 - lr * weight_decay is formed in double
     lr32, decay = _f32(lr), _f32(1 - lr * h.weight_decay)
-    for i, p in enumerate(t.params):
+    check_remainders("lion_step", t)
+    for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
-        p32 = p.reshape(-1).float() * decay
+        p32 = _master(t, i) * decay
         m = s.exp_avgs[i]
         direction = torch.sign(_fma(g, 1 - h.beta1, m * h.beta1))
         new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
         new_m = _fma(g, 1 - h.beta2, m * h.beta2)
-        writes = [(m, new_m), (p, new_p)]
-        if t.lp_params:
-            writes.append((t.lp_params[i], new_p))
-        _commit(t.found_inf, writes)
+        _commit(t.found_inf, [(m, new_m), *_param_writes(t, i, new_p)])

@@ -78,6 +78,24 @@ NUM_WARPS = 4
 # 65,536 elements). First guesses: benchmarks/triton_sweep.py sweeps them on a GPU.
 PROGRAMS_PER_SM = 16
 MAX_CHUNK_BLOCKS = 64
+# Warps per program of a step kernel variant (step_num_warps): NUM_WARPS, but twice that for
+# Adam on 16-bit params stepped in place (no master, no remainder).
+
+
+def step_num_warps(kernel: str, param_bits: int, has_lp: bool, has_rem: bool) -> int:
+    """The warps a step kernel variant is launched with (``kernel``: "sgd", "adam", "lion";
+    ``param_bits``: 16 or 32). triton 3.6 (the GPU machine's) compiles Adam on 16-bit params
+    without a master (amsgrad or not) at BLOCK 1024 and 4 warps to 48 registers with one or two
+    saved around the out-of-line IEEE div/sqrt calls inside the main loop: 4 + 4 B of spill
+    stores and loads per iteration (amsgrad 8 + 36). At 8 warps (40 registers) or BLOCK 512 it
+    has no stack; 8 warps keeps BLOCK, so every variant cuts the same chunks. triton 3.9 spills
+    in neither shape; the other variants, the remainder ones included, in neither version
+    (scripts/check_triton_spills.py compiles each variant at the shape this returns)."""
+    if kernel == "adam" and param_bits == 16 and not has_lp and not has_rem:
+        return 2 * NUM_WARPS
+    return NUM_WARPS
+
+
 # No automatic FMA contraction: the kernels write tl.fma exactly where the reference (and the
 # C++ kernels, built with contraction off) has a fused multiply-add, so they round alike.
 FP_FUSION = False

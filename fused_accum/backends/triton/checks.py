@@ -109,9 +109,12 @@ def slice_starts(acc: Tensor, offsets: Tensor, grads: List[Tensor], numels: tupl
 # --- steps ---------------------------------------------------------------------------------------
 
 
-def step_lengths(name: str, params, states: dict, accs, lp_params, grads) -> None:
-    """Every list as long as params (lp_params and grads: or empty)."""
+def step_lengths(name: str, params, states: dict, accs, lp_params, grads, remainders=()) -> None:
+    """Every list as long as params (lp_params, grads and remainders: or empty; remainders and
+    lp_params not both)."""
     n = len(params)
+    if remainders and (len(remainders) != n or lp_params):
+        _remainder_refusal(name, params, remainders, lp_params)
     for what, xs in [("accs", accs), *states.items()]:
         if len(xs) != n:
             raise ValueError(f"{name}: {what} must be as long as params ({n}), got {len(xs)}")
@@ -149,8 +152,36 @@ def step_scalars(
         )
 
 
-def validate_step(name, params, states, accs, lp_params, grads, device) -> None:
+class _Remainders:
+    """What reference.check_remainders reads of a step's records."""
+
+    def __init__(self, params, remainders, lp_params):
+        self.params, self.remainders, self.lp_params = params, remainders, lp_params
+
+
+def _remainder_refusal(name, params, remainders, lp_params) -> None:
+    reference.check_remainders(name, _Remainders(params, remainders, lp_params))
+
+
+def check_remainders(name: str, params, remainders, lp_params, device: torch.device) -> None:
+    """reference.check_remainders (its messages), over whole lists first: bf16 params, int16
+    remainders of their sizes, on the device."""
+    ok = (
+        len(remainders) == len(params)
+        and not lp_params
+        and set(map(_dtype, params)) == {torch.bfloat16}
+        and set(map(_dtype, remainders)) == {torch.int16}
+        and tuple(map(_numel, remainders)) == tuple(map(_numel, params))
+        and set(map(_device, remainders)) == {device}
+    )
+    if not ok:
+        _remainder_refusal(name, params, remainders, lp_params)
+
+
+def validate_step(name, params, states, accs, lp_params, grads, device, remainders=()) -> None:
     """Every per-tensor check of a step (when its launch plan is built, see the package)."""
+    if remainders:
+        check_remainders(name, params, remainders, lp_params, device)
     numels = tuple(map(_numel, accs))
     fp32_lists = [accs, *states.values()]
     float_lists = [xs for xs in (params, lp_params, grads) if xs]

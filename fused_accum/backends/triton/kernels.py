@@ -43,7 +43,9 @@ took 164 registers (ptxas, sm_90), and a kernel gets the registers of its hungri
 156 for the whole kernel, 3 programs per SM. At 256 it takes 40, under the aligned body's 70.
 VEC = 8 would make the 16-bit accesses 16 bytes too, but then fp32 and 16-bit tensors get
 different register layouts and the compiler converts between them through shared memory (5
-shared-memory ops and a barrier per block in the PTX); 4 keeps a single layout.
+shared-memory ops and a barrier per block in the PTX); 4 keeps a single layout. So the exact
+2-byte master (HAS_REM: bf16 param + int16 remainder, issue 28) is two 8-byte accesses per 4
+elements, the 16 bytes the fp32 master's one access moves, in the same layout.
 """
 from __future__ import annotations
 
@@ -57,7 +59,8 @@ IS_ALIGNED = tl.constexpr(2)  # 1: every address is a multiple of VEC elements
 ACC = tl.constexpr(3)  # fp32 accumulator slice
 GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
 PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
-LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update
+LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update; or (HAS_REM)
+# the int16 remainder of a bf16 parameter's exact master (a step has one or the other)
 STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion)
 STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
 STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad)
@@ -159,14 +162,72 @@ def _effective_grad(row, idx, mask, coef, grad_alpha,
 
 
 @triton.jit
-def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr,
-                 HAS_LP: tl.constexpr, ALIGNED: tl.constexpr):
-    """Write the updated parameter, and its low-precision copy when there is one."""
+def _load_param(row, idx, mask, PARAM_DTYPE: tl.constexpr, HAS_REM: tl.constexpr, ALIGNED: tl.constexpr):
+    """The fp32 value a step updates: the param (an fp32 master, or a parameter stepped in
+    place), or with HAS_REM the exact master rebuilt from the bf16 param and its int16
+    remainder (the table's LP column holds the remainders: a step has lp_params or remainders,
+    never both)."""
     param = _address(row, PARAM, PARAM_DTYPE)
-    tl.store(_at(param, idx, ALIGNED), _round(new_p, PARAM_DTYPE), mask=mask)
-    if HAS_LP:
-        lp = _address(row, LP, LP_DTYPE)
-        tl.store(_at(lp, idx, ALIGNED), _round(new_p, LP_DTYPE), mask=mask)
+    if HAS_REM:
+        rem = _address(row, LP, tl.int16)
+        weight = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0)
+        return _rebuild_master(weight, tl.load(_at(rem, idx, ALIGNED), mask=mask, other=0))
+    else:
+        return tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr,
+                 HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, ALIGNED: tl.constexpr):
+    """Write the updated parameter, and its low-precision copy when there is one; with HAS_REM
+    the new master split into the bf16 param and its remainder."""
+    param = _address(row, PARAM, PARAM_DTYPE)
+    if HAS_REM:
+        weight, remainder = _split_master(new_p)
+        tl.store(_at(param, idx, ALIGNED), weight, mask=mask)
+        tl.store(_at(_address(row, LP, tl.int16), idx, ALIGNED), remainder, mask=mask)
+    else:
+        tl.store(_at(param, idx, ALIGNED), _round(new_p, PARAM_DTYPE), mask=mask)
+        if HAS_LP:
+            lp = _address(row, LP, LP_DTYPE)
+            tl.store(_at(lp, idx, ALIGNED), _round(new_p, LP_DTYPE), mask=mask)
+
+
+# Exact 2-byte masters (issue 28): reference.split_master / rebuild_master (and csrc/math.h's),
+# on the two 16-bit halves of the master's bits, in uint32 arithmetic. The remainder is the low
+# half read as a signed number; the weight's magnitude is the high half's plus one where the low
+# half is >= 0x8000 (nearest, ties away from zero), with the two swaps that keep non-finite
+# masters non-finite in the weight: rounding up from 0x7F7F (a finite master that rounds to
+# inf) shows +-0.0, from 0x7FFF (a NaN that would round to the pattern 0x8000, -0.0) shows
+# +-inf. Integer selects only: the same code compiled and interpreted.
+
+
+@triton.jit
+def _split_master(x):
+    """(bf16 weight, int16 remainder) of the fp32 ``x``, bit for bit split_master's."""
+    u = x.to(tl.uint32, bitcast=True)
+    high = u >> 16
+    low = u & 0xFFFF
+    up = low >= 0x8000
+    h = high & 0x7FFF
+    w = h + up.to(tl.uint32)
+    w = tl.where(up & (h == 0x7F7F), 0, w)
+    w = tl.where(up & (h == 0x7FFF), 0x7F80, w)
+    weight = ((high & 0x8000) | w).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return weight, low.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def _rebuild_master(weight, remainder):
+    """The fp32 master of the bf16 ``weight`` and int16 ``remainder``, rebuild_master's."""
+    wb = weight.to(tl.uint16, bitcast=True).to(tl.uint32)
+    low = remainder.to(tl.uint16, bitcast=True).to(tl.uint32)
+    negative = low >= 0x8000
+    w0 = wb & 0x7FFF
+    w = tl.where(negative & (w0 == 0), 0x7F80, w0)
+    w = tl.where(negative & (w0 == 0x7F80), 0x8000, w)
+    high = (wb & 0x8000) | (w - negative.to(tl.uint32))  # (w << 16) + remainder, on the halves
+    return ((high << 16) | low).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -317,7 +378,7 @@ def sgd_kernel(
     chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -325,13 +386,13 @@ def sgd_kernel(
     if _row_is_aligned(chunks, tensors):
         _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
                    True, BLOCK)
     else:
         _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
                    False, BLOCK // VEC)
 
@@ -340,15 +401,14 @@ def sgd_kernel(
 def _sgd_block(
     row, idx, mask, neg_lr, coef, first_step, grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    param = _address(row, PARAM, PARAM_DTYPE)
     buf = _address(row, STATE0, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED)
     if HAS_WEIGHT_DECAY:
         g = tl.fma(p, weight_decay, g)
     if HAS_MOMENTUM:
@@ -362,7 +422,7 @@ def _sgd_block(
             g = tl.fma(new_buf, momentum, g)
         else:
             g = new_buf
-    _store_param(row, idx, mask, tl.fma(g, neg_lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+    _store_param(row, idx, mask, tl.fma(g, neg_lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
 
 
 @triton.jit
@@ -370,7 +430,7 @@ def _sgd_chunk(
     chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, momentum, one_minus_dampening, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
@@ -383,14 +443,14 @@ def _sgd_chunk(
         idx = _block(off, BLOCK)
         _sgd_block(row, idx, idx < body_end, neg_lr, coef, first_step,
                    grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                    MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, ALIGNED)
     if ALIGNED:
         if body_end < end:
             idx = body_end + tl.arange(0, VEC)
             _sgd_block(row, idx, idx < end, neg_lr, coef, first_step,
                        grad_alpha, momentum, one_minus_dampening, weight_decay,
-                       PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                       PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                        MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, False)
 
 
@@ -400,7 +460,7 @@ def adam_kernel(
     grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
     one_minus_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -411,13 +471,13 @@ def adam_kernel(
         _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                     grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
                     one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, True, BLOCK)
     else:
         _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
                     grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
                     one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False,
                     BLOCK // VEC)
 
@@ -427,16 +487,15 @@ def _adam_block(
     row, idx, mask, coef, neg_step_size, bias_correction2_sqrt, decay,
     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
     AMSGRAD: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    param = _address(row, PARAM, PARAM_DTYPE)
     exp_avg = _address(row, STATE0, tl.float32)
     exp_avg_sq = _address(row, STATE1, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED)
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
             p = p * decay
@@ -457,7 +516,7 @@ def _adam_block(
         tl.store(_at(max_exp_avg_sq, idx, ALIGNED), v, mask=mask)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     new_p = p + tl.div_rn(neg_step_size * m, denom)
-    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
 
 
 @triton.jit
@@ -466,7 +525,7 @@ def _adam_chunk(
     grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
     one_minus_beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
     DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
@@ -489,7 +548,7 @@ def _adam_chunk(
         idx = _block(off, BLOCK)
         _adam_block(row, idx, idx < body_end, coef, neg_step_size, bias_correction2_sqrt, decay,
                     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, ALIGNED)
     if ALIGNED:
         if body_end < end:
@@ -497,7 +556,7 @@ def _adam_chunk(
             _adam_block(row, idx, idx < end, coef, neg_step_size, bias_correction2_sqrt, decay,
                         grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
                         weight_decay,
-                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                         MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False)
 
 
@@ -506,19 +565,19 @@ def lion_kernel(
     chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """reference.lion_step, one chunk per program (no step count: Lion has no bias correction)."""
     if _row_is_aligned(chunks, tensors):
         _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
                     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     HAS_FOUND_INF, MAXIMIZE, True, BLOCK)
     else:
         _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
                     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     HAS_FOUND_INF, MAXIMIZE, False, BLOCK // VEC)
 
 
@@ -526,21 +585,20 @@ def lion_kernel(
 def _lion_block(
     row, idx, mask, lr, coef, decay, grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    param = _address(row, PARAM, PARAM_DTYPE)
     exp_avg = _address(row, STATE0, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32) * decay
+    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED) * decay
     m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
     c = tl.fma(g, one_minus_beta1, m * beta1)
     # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
     direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
     tl.store(_at(exp_avg, idx, ALIGNED), tl.fma(g, one_minus_beta2, m * beta2), mask=mask)
     # direction is -1, 0 or 1: the product is exact
-    _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, ALIGNED)
+    _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
 
 
 @triton.jit
@@ -548,7 +606,7 @@ def _lion_chunk(
     chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
     grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -563,12 +621,12 @@ def _lion_chunk(
         idx = _block(off, BLOCK)
         _lion_block(row, idx, idx < body_end, lr, coef, decay, grad_alpha, beta1, beta2,
                     one_minus_beta1, one_minus_beta2,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                     MAXIMIZE, ALIGNED)
     if ALIGNED:
         if body_end < end:
             idx = body_end + tl.arange(0, VEC)
             _lion_block(row, idx, idx < end, lr, coef, decay, grad_alpha, beta1, beta2,
                         one_minus_beta1, one_minus_beta2,
-                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, FUSED, GRADS_OVERWRITE,
+                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
                         MAXIMIZE, False)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports th
 # at call time are read, by which point it is complete.
 _pkg = sys.modules[__package__]
 
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+# (int16: the remainders, in the LP column of a step with HAS_REM)
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.int16: tl.int16}
 
 
 def _capturing(device: torch.device) -> bool:
@@ -171,16 +172,21 @@ def _step(
 
     ``plan``: optional, any hashable the caller never reuses for other parameters. It promises
     that in every call with this plan the lists hold the same parameters in the same order, and
-    that ``accs``, the state lists and, when ``lp_params`` are given, ``params`` (the masters)
-    are the same tensors, each at a fixed address relative to the first of its list (views of
-    one flat buffer that moves, if ever, as a whole; the first addresses are checked each
-    call). What a model or a backward owns is read each call, address and dtype: ``lp_params``,
-    or ``params`` when there are none, and ``grads``; their sizes and strides are promised.
+    that ``accs``, the state lists, ``remainders`` and, when ``lp_params`` are given, ``params``
+    (the masters) are the same tensors, each at a fixed address relative to the first of its
+    list (views of one flat buffer that moves, if ever, as a whole; the first addresses are
+    checked each call). What a model or a backward owns is read each call, address and dtype:
+    ``lp_params``, or ``params`` when there are none (with remainders: the bf16 parameters),
+    and ``grads``; their sizes and strides are promised.
+
+    With ``t.remainders`` (exact 2-byte masters) the remainders take the table's LP column and
+    the kernels run HAS_REM: they rebuild each master from the bf16 param and its remainder and
+    split the update back into both (kernels._rebuild_master / _split_master).
     """
-    params, accs, lp_params, grads = t.params, t.accs, t.lp_params, t.grads
+    params, accs, lp_params, grads, remainders = t.params, t.accs, t.lp_params, t.grads, t.remainders
     lr, coef, found_inf = t.lr, t.coef, t.found_inf
     steps = t.steps if takes_steps else None
-    checks.step_lengths(name, params, states, accs, lp_params, grads)
+    checks.step_lengths(name, params, states, accs, lp_params, grads, remainders)
     n = len(params)
     if n == 0:
         return
@@ -195,15 +201,16 @@ def _step(
     capturing = _capturing(device)
     template = None
     if plan is not None:
-        where = plans.step_where(name, plan, device, params, states, accs, lp_params, grads)
+        where = plans.step_where(name, plan, device, params, states, accs, lp_params, grads, remainders)
         template = _pkg._template(
-            where, lambda: plans.step_template(name, params, states, accs, lp_params, grads, device)
+            where, lambda: plans.step_template(name, params, states, accs, lp_params, grads, device, remainders)
         )
     if template is None:  # no plan (or an unusable one): this call is a plan of its own
         params = checks.writable(params, write_back)
         lp_params = checks.writable(lp_params, write_back)
+        remainders = checks.writable(remainders, write_back)
         grads = checks.readable(grads, keep)
-        where = plans.unplanned_step_where(name, device, params, states, accs, lp_params, grads)
+        where = plans.unplanned_step_where(name, device, params, states, accs, lp_params, grads, remainders)
     read = plans.step_read(params, lp_params, grads)
     ptrs = [tuple(map(plans.data_ptr, xs)) for xs in read.values()]
     dtypes = [tuple(map(plans.dtype, xs)) for xs in read.values()]
@@ -211,14 +218,17 @@ def _step(
     launch = _pkg._lookup(key, capturing)
     if launch is None:
         if template is None:  # a call without a plan is checked on a miss only
-            template = plans.step_template(name, params, states, accs, lp_params, grads, device)
+            template = plans.step_template(name, params, states, accs, lp_params, grads, device, remainders)
         for what, xs, ds in zip(read, read.values(), dtypes):
             checks.check_dtypes(what, xs, ds)
-        columns, keys = plans.step_columns(template, read, ptrs, dtypes)
+        if remainders:  # the params read each call: still bf16 (a plan's dtypes may change)
+            checks.check_remainders(name, params, remainders, lp_params, device)
+        columns, keys = plans.step_columns(template, read, ptrs, dtypes, bool(remainders))
         launch = _pkg._make_plan(device, template.numels, columns, keys, capturing)
         _pkg._store(key, launch, capturing)
 
     steps_arg = () if steps is None else (steps.contiguous(),)
+    kind = name[: -len("_step")]  # the kernel: sgd, adam, lion
     with _on(device):
         for (param_dtype, lp_dtype, grad_dtype), group_tables, _ in launch.launches:
             kernel[(group_tables.n_chunks,)](
@@ -235,12 +245,13 @@ def _step(
                 LP_DTYPE=_TL_DTYPE[lp_dtype],
                 GRAD_DTYPE=_TL_DTYPE[grad_dtype],
                 HAS_LP=bool(lp_params),
+                HAS_REM=bool(remainders),
                 FUSED=bool(grads),
                 GRADS_OVERWRITE=bool(t.grads_overwrite),
                 HAS_FOUND_INF=found_inf is not None,
                 **flags,
                 BLOCK=_pkg.BLOCK,
-                num_warps=_pkg.NUM_WARPS,
+                num_warps=_pkg.step_num_warps(kind, param_dtype.itemsize * 8, bool(lp_params), bool(remainders)),
                 enable_fp_fusion=_pkg.FP_FUSION,
             )
     for original, copy in write_back:

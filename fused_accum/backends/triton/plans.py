@@ -125,44 +125,51 @@ _READ_COLUMNS = {
 }
 
 
-def step_where(name: str, plan, device, params, states, accs, lp_params, grads) -> Key:
-    """A caller plan's where: the lists it keeps (accs, states, and params when they are masters)
-    are promised to be views at fixed places of buffers that move, if ever, as a whole, so the
-    first address of each is enough."""
+def step_where(name: str, plan, device, params, states, accs, lp_params, grads, remainders=()) -> Key:
+    """A caller plan's where: the lists it keeps (accs, states, remainders, and params when they
+    are masters) are promised to be views at fixed places of buffers that move, if ever, as a
+    whole, so the first address of each is enough."""
     firsts = [accs[0].data_ptr(), *(xs[0].data_ptr() for xs in states.values())]
     if lp_params:
         firsts.append(params[0].data_ptr())
-    return Key(name, plan, device, tuple(states), len(params), bool(lp_params), bool(grads), *firsts)
+    if remainders:
+        firsts.append(remainders[0].data_ptr())
+    return Key(name, plan, device, tuple(states), len(params), bool(lp_params), bool(grads), bool(remainders), *firsts)
 
 
-def unplanned_step_where(name: str, device, params, states, accs, lp_params, grads) -> Key:
+def unplanned_step_where(name: str, device, params, states, accs, lp_params, grads, remainders=()) -> Key:
     """A call without a plan is keyed by every address and size it does not read each call. The
-    fused gradients are new tensors every window: their sizes are in the key; params, lp_params
-    and the state lists are checked against accs on a miss, and keep their size while their
-    address is unchanged."""
+    fused gradients are new tensors every window: their sizes are in the key; params, lp_params,
+    remainders and the state lists are checked against accs on a miss, and keep their size while
+    their address is unchanged."""
     kept = [tuple(map(data_ptr, xs)) for xs in (accs, *states.values())]
     if lp_params:  # the masters are kept, not read (see step_read)
         kept += [tuple(map(data_ptr, params)), tuple(map(dtype, params))]
+    if remainders:  # the optimizer's buffer, kept; the bf16 params are read (see step_read)
+        kept += ["remainders", tuple(map(data_ptr, remainders))]
     return Key(name, None, device, tuple(states), tuple(map(numel, accs)), tuple(map(numel, grads)), *kept)
 
 
 def step_read(params, lp_params, grads) -> dict:
-    """What a step reads every call, by argument name: what the model or the backward owns."""
+    """What a step reads every call, by argument name: what the model or the backward owns (with
+    remainders, the params: the model's bf16 parameters)."""
     read = {"lp_params": lp_params} if lp_params else {"params": params}
     if grads:
         read["grads"] = grads
     return read
 
 
-def step_template(name, params, states, accs, lp_params, grads, device) -> Template:
-    """Every check of a step, and the addresses of the lists a plan keeps (accs, states, and
-    params when they are masters)."""
-    checks.validate_step(name, params, states, accs, lp_params, grads, device)
-    if not checks.all_contiguous(params, lp_params, grads):
+def step_template(name, params, states, accs, lp_params, grads, device, remainders=()) -> Template:
+    """Every check of a step, and the addresses of the lists a plan keeps (accs, states,
+    remainders, and params when they are masters)."""
+    checks.validate_step(name, params, states, accs, lp_params, grads, device, remainders)
+    if not checks.all_contiguous(params, lp_params, grads, remainders):
         return _UNUSABLE
     columns = {kernels.ACC.value: (_addresses(accs), 4)}
     for column, xs in zip(STATE_COLUMNS, states.values()):
         columns[column] = (_addresses(xs), 4)
+    if remainders:  # in the LP column (a step has lp_params or remainders): the kernels' HAS_REM
+        columns[kernels.LP.value] = (_addresses(remainders), 2)
     param_dtypes = None
     if lp_params:  # params are the optimizer's masters: kept by the plan
         param_dtypes = tuple(map(dtype, params))
@@ -170,9 +177,12 @@ def step_template(name, params, states, accs, lp_params, grads, device) -> Templ
     return Template(tuple(map(numel, accs)), columns, param_dtypes)
 
 
-def step_columns(template: Template, read: dict, ptrs: list, dtypes: list) -> Tuple[tables.Columns, list]:
+def step_columns(
+    template: Template, read: dict, ptrs: list, dtypes: list, remainders: bool = False
+) -> Tuple[tables.Columns, list]:
     """The tensor table's columns (the template's and the read lists') and each row's dtype key
-    (param, lp, grad dtypes; fp32 where a list is absent: a placeholder, not read)."""
+    (param, lp, grad dtypes; int16 in the lp place with remainders; fp32 where a list is absent:
+    a placeholder, not read)."""
     columns = dict(template.columns)
     for what, addresses in zip(read, ptrs):
         column, position = _READ_COLUMNS[what]
@@ -182,7 +192,7 @@ def step_columns(template: Template, read: dict, ptrs: list, dtypes: list) -> Tu
     keys = list(
         zip(
             template.param_dtypes or read_dtypes["params"],
-            read_dtypes.get("lp_params") or fp32,
+            [torch.int16] * len(fp32) if remainders else read_dtypes.get("lp_params") or fp32,
             read_dtypes.get("grads") or fp32,
         )
     )
