@@ -29,7 +29,8 @@ time backward by backward, benchmarks/window_phases.py), ``distributed`` (the da
 sharded modes on gloo ranks, benchmarks/distributed.py), ``wgrad`` (the fused weight-gradient
 GEMM, benchmarks/wgrad.py), ``triton-sweep`` and ``triton-host`` (the Triton launch shape on a
 GPU and the launcher's host time, benchmarks/triton_sweep.py and triton_host.py; both run by
-benchmarks/device_check.sh).
+benchmarks/device_check.sh), ``offload`` (offload="cpu": the host step per bucket, and on a GPU
+a window with and without it, benchmarks/offload.py).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -416,6 +417,7 @@ TOOLS = {  # name -> module of benchmarks/ with a main(argv)
     "wgrad": "wgrad",
     "triton-sweep": "triton_sweep",
     "triton-host": "triton_host",
+    "offload": "offload",
 }
 
 

@@ -55,12 +55,13 @@ def state_dict(opt) -> dict:
             state[index_of[id(key)]] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entry.items()}
     for slot in window.slots:
         p = slot.param
-        if slot.master is None and not slot.has_grad:
+        flat = window.flat_groups[slot.flat_index]
+        keeps_master = flat.has_master or flat.has_remainder
+        if not keeps_master and not slot.has_grad:
             continue
         entry = state.setdefault(index_of[id(p)], {})
-        flat = window.flat_groups[slot.flat_index]
-        if slot.master is not None:
-            entry["master"] = flat.state_view(slot, slot.master).clone()
+        if keeps_master:  # (the remainder mode's rebuilt: a checkpoint holds fp32 masters only)
+            entry["master"] = flat.state_view(slot, flat.master_of(slot)).clone()
         if slot.has_grad and flat.layout.saves_accum(slot):
             entry["accum"] = slot.grad_view.clone()
     for slot in window.slots:  # (a topology's own form: a rank's pieces as rows of DTensors)
@@ -85,8 +86,9 @@ def gathered_state_dict(opt) -> dict:
     index_of = _param_indices(opt.param_groups)
     for flat in window.flat_groups:  # the same flat groups and keys, in the same order, on every rank
         buffers = dict(sorted(flat.state.items()))
-        if flat.master is not None:
-            buffers["master"] = flat.master
+        master = flat.master_buffer()
+        if master is not None:
+            buffers["master"] = master
         for key, buf in buffers.items():
             full = window.topology.gather_full(flat, buf)
             if full is None:  # (held whole here)
@@ -154,8 +156,8 @@ def adopt_saved(opt, slot: Slot) -> None:
 def _load_param_state(opt, slot: Slot, entry: dict) -> None:
     p = slot.param
     flat = opt._window.flat_groups[slot.flat_index]
-    if slot.master is not None:
-        slot.master.copy_(fp32_piece(flat, slot, entry["master"]) if "master" in entry else flat.param_piece(slot))
+    # (no master saved, a plain torch checkpoint's: the parameter's value is the master)
+    flat.set_master(slot, fp32_piece(flat, slot, entry["master"]) if "master" in entry else None)
     if "accum" in entry:
         slot.acc.copy_(fp32_piece(flat, slot, entry["accum"]))
         opt._window.ledger.took_grad(slot)

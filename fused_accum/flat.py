@@ -29,6 +29,9 @@ from torch import Tensor
 ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
+# A flat group's master_weights: True (an fp32 copy of each bf16/fp16 parameter), False (none:
+# updated in place), "remainder" (bf16 only: the parameter is the master's high half and an int16
+# remainder the rest, exactly: fused_accum.backends.reference.split_master).
 # Partial active sets whose device index a flat group keeps (FlatGroup.active_index): the few a
 # loop repeats (layers unused on some steps) stay cached; routing that picks a new set of
 # experts most steps reuses none, and would otherwise grow the cache by one tensor per step.
@@ -89,6 +92,7 @@ class Slot:
     acc: Optional[Tensor] = None  # 1-D fp32 view of the accumulator (None: the layout keeps no whole slice)
     full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param
     master: Optional[Tensor] = None  # 1-D fp32 master copy, for low-precision params with master weights
+    remainder: Optional[Tensor] = None  # 1-D int16, master_weights="remainder": the master's low half
     state: dict = dataclasses.field(default_factory=dict)  # optimizer state name -> 1-D fp32 view
     local: slice = dataclasses.field(
         default_factory=lambda: slice(0, 0)
@@ -129,6 +133,20 @@ class Layout:
     the flat group (layouts hold nothing of it)."""
 
     bucket_align = ALIGN  # each bucket's range is a multiple of this many elements
+    keeps_param_copy = False  # keeps a copy of the parameters to follow (offload's host copy)
+
+    def state_device(self, device: torch.device) -> torch.device:
+        """Where the masters, the optimizer state and the step's scalars live: with the
+        parameters (offload keeps them on the host)."""
+        return device
+
+    def step_backend(self, backend: str) -> str:
+        """The backend that steps (offload's host kernels); the folds use the group's own."""
+        return backend
+
+    def param_written(self, flat: "FlatGroup", slot: Slot) -> None:
+        """``slot``'s parameter was written from outside (its version moved): anything the
+        layout keeps of it follows (offload's host copy)."""
 
     def stored(self, param: Tensor) -> Tensor:
         """What this process stores and steps of ``param``: all of it."""
@@ -151,6 +169,7 @@ class Layout:
         slot.acc = flat.acc[slot.local]
         slot._grad_view = slot.full_view = slot.acc.view(self.stored(slot.param).shape)
         slot.master = flat.master[slot.local] if flat.master is not None else None
+        slot.remainder = flat.remainder[slot.local] if flat.remainder is not None else None
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
 
     def param_piece(self, flat: "FlatGroup", slot: Slot) -> Tensor:
@@ -158,15 +177,24 @@ class Layout:
         this process holds."""
         return self.stored(slot.param.detach()).reshape(-1)
 
+    def write_param_piece(self, flat: "FlatGroup", slot: Slot, values: Tensor) -> None:
+        """Write ``values`` (1-D, the parameter's dtype) over param_piece's elements."""
+        stored = self.stored(slot.param.detach())
+        stored.copy_(values.view(stored.shape))
+
     def step_lists(self, flat: "FlatGroup", active: list) -> tuple:
-        """(slots, accs, params, lp_params) the step op takes for ``active`` slots: every one
+        """(slots, accs, params, lp_params, remainders) the step op takes for ``active`` slots
+        (params: the fp32 masters, or the parameters themselves; remainders: the int16 low halves
+        of a "remainder" group's masters, whose high halves the params are): every one
         whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
         the backends walk it in logical order, the order of its accumulator slice. Passed as is,
         not detached (the step runs under no_grad, as torch's fused optimizers pass theirs): a
         detach per parameter per step costs a microsecond each."""
         accs = [s.acc for s in active]
         params = [s.param for s in active]
-        return (active, accs, [s.master for s in active], params) if flat.has_master else (active, accs, params, [])
+        if flat.has_master:
+            return active, accs, [s.master for s in active], params, []
+        return active, accs, params, [], [s.remainder for s in active] if flat.has_remainder else []
 
     def user_grad(self, flat: "FlatGroup", slot: Slot, grad: Tensor) -> Tensor:
         """A ``.grad`` the user assigned, as the slot's slice holds it."""
@@ -208,9 +236,11 @@ class FlatGroup:
         self.index, self.group_index = index, group_index
         self.dtype, self.device, self.backend = dtype, device, backend
         self.layout = layout = layout if layout is not None else Layout()
+        self.step_backend = layout.step_backend(backend)
         self.plan = object()  # names this group's buffers to the Triton backend's plan cache (ops plan=)
         self.master_weights = master_weights
-        self.has_master = dtype in LOW_PRECISION and master_weights
+        self._first_name = names[0] if names else "?"  # (for errors about the whole group)
+        self._set_master_mode(dtype)
         numels = [layout.stored(p).numel() for p in params]
         members = bucket_members(numels, bucket_numel)
         # Offsets in registration order; each bucket's end padded to the layout's alignment (a
@@ -226,13 +256,14 @@ class FlatGroup:
             ranges[b] = (start, total)
         self.total = total
         self.local_numel = layout.local_numel(total)
-        fp32 = dict(dtype=torch.float32, device=device)
-        self.acc = torch.zeros(layout.acc_numel(total), **fp32)
+        self.acc = torch.zeros(layout.acc_numel(total), dtype=torch.float32, device=device)
+        fp32 = dict(dtype=torch.float32, device=layout.state_device(device))
         self.master = torch.zeros(self.local_numel, **fp32) if self.has_master else None
+        self.remainder = self._new_remainder() if self.has_remainder else None  # zero: the master is the param
         self.state = {key: torch.zeros(self.local_numel, **fp32) for key in state_keys}
         self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
         # float64, as torch's fused optimizers take lr: a Python float lr keeps every bit
-        self.lr = torch.zeros((), dtype=torch.float64, device=device)
+        self.lr = torch.zeros((), dtype=torch.float64, device=fp32["device"])
         self.coef = torch.ones((), **fp32)
         self.one = torch.ones((), **fp32)
         self._index_cache: dict = {}  # active slot indices -> device index tensor (see active_index)
@@ -253,6 +284,60 @@ class FlatGroup:
                 slot.master.copy_(self.param_piece(slot))
         self._master_versions: Optional[list] = None  # the params' versions when the masters matched them
         self.masters_written()
+
+    def _set_master_mode(self, dtype) -> None:
+        if self.master_weights == "remainder" and dtype == torch.float16:
+            raise TypeError(
+                f"master_weights='remainder' is exact for bfloat16 parameters only, and parameter "
+                f"{self._first_name} (and its group's others on {self.device}) is float16: an fp16 value is not the high half of an fp32 one (5 exponent bits, not 8), "
+                "so no 16-bit remainder rebuilds its fp32 master; use master_weights=True for fp16"
+            )
+        self.has_master = dtype in LOW_PRECISION and self.master_weights is True
+        self.has_remainder = dtype == torch.bfloat16 and self.master_weights == "remainder"
+
+    def _new_remainder(self) -> Tensor:
+        return torch.zeros(self.local_numel, dtype=torch.int16, device=self.layout.state_device(self.device))
+
+    # --- the fp32 master, in every mode ---
+
+    def master_of(self, slot: Slot) -> Tensor:
+        """``slot``'s fp32 master as this process holds it (1-D): the fp32 copy, the parameter
+        rebuilt with its remainder, or the parameter itself (no master)."""
+        if self.has_master:
+            return slot.master
+        piece = self.param_piece(slot)
+        if self.has_remainder:
+            from .backends.reference import rebuild_master
+
+            return rebuild_master(piece, slot.remainder)
+        return piece.float()
+
+    def set_master(self, slot: Slot, value: Optional[Tensor]) -> None:
+        """``slot``'s master becomes ``value`` (1-D fp32, a checkpoint's), or the parameter's
+        value exactly (None); in the remainder mode the parameter is written with the split's
+        high half (the caller records the write: masters_written)."""
+        if self.has_master:
+            slot.master.copy_(self.param_piece(slot) if value is None else value)
+        elif self.has_remainder and value is None:
+            slot.remainder.zero_()
+        elif self.has_remainder:
+            from .backends.reference import split_master
+
+            weight, remainder = split_master(value)
+            self.layout.write_param_piece(self, slot, weight)
+            slot.remainder.copy_(remainder)
+
+    def master_buffer(self) -> Optional[Tensor]:
+        """The local fp32 masters as one buffer (the master buffer's layout), or None where
+        the group keeps none."""
+        if self.has_master:
+            return self.master
+        if not self.has_remainder:
+            return None
+        buf = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
+        for slot in self.slots:
+            buf[slot.local] = self.master_of(slot)
+        return buf
 
     # --- what the layout decides (the flat group's callers ask here) ---
 
@@ -286,16 +371,22 @@ class FlatGroup:
         copied from the parameters (a cast to bf16/fp16 gains one, a cast to fp32 drops it). No
         gradient survives: the caller tells the window's ledger."""
 
+        state_device = self.layout.state_device(device)
+
         def move(t):
-            return torch.zeros_like(t, device=device) if t.is_meta else t.to(device)
+            return torch.zeros_like(t, device=state_device) if t.is_meta else t.to(state_device)
 
         self.device, self.backend = device, backend
+        self.step_backend = self.layout.step_backend(backend)
         self.dtype = self.slots[0].param.dtype
-        self.has_master = self.dtype in LOW_PRECISION and self.master_weights
+        self._set_master_mode(self.dtype)
         self.acc = torch.zeros_like(self.acc, device=device)
         self.state = {key: move(buf) for key, buf in self.state.items()}
         self.steps, self.lr, self.coef, self.one = (move(t) for t in (self.steps, self.lr, self.coef, self.one))
-        self.master = torch.zeros(self.local_numel, dtype=torch.float32, device=device) if self.has_master else None
+        self.master = (
+            torch.zeros(self.local_numel, dtype=torch.float32, device=state_device) if self.has_master else None
+        )
+        self.remainder = self._new_remainder() if self.has_remainder else None
         self._index_cache = {}
         self.plan = object()  # new buffers: a new launch plan
         for slot in self.slots:
@@ -311,25 +402,32 @@ class FlatGroup:
         next step would write the stale master back over the user's weights. Called before
         anything reads the masters; one list comparison when nothing changed. Edits through
         ``p.data`` bypass the version counter, as they bypass autograd's own checks."""
-        if not self.has_master:
+        if not (self.has_master or self.has_remainder or self.layout.keeps_param_copy):
             return
         versions = [s.param._version for s in self.slots]
         if versions == self._master_versions:
             return
         if self._master_versions is not None:
             for slot, now, then in zip(self.slots, versions, self._master_versions):
-                if now == then or slot.master is None:
+                if now == then:
+                    continue
+                self.layout.param_written(self, slot)
+                if self.has_remainder:
+                    # A new weight restarts its remainder: the master is the weight, exactly (an
+                    # old remainder glued to a new high half would be neither). The same values
+                    # written back lose the remainder too: only the fp32 copy can tell them apart.
+                    slot.remainder.zero_()
                     continue
                 # A write of the values the master already rounds to (a checkpoint of the same
                 # step, an EMA swapped back) keeps the master's precision.
                 param = self.param_piece(slot)
-                if not torch.equal(param, slot.master.to(param.dtype)):
+                if slot.master is not None and not torch.equal(param, slot.master.to(param.device, param.dtype)):
                     slot.master.copy_(param)
         self._master_versions = versions
 
     def masters_written(self) -> None:
         """The optimizer just wrote the parameters from their masters: they agree again."""
-        if self.has_master:
+        if self.has_master or self.has_remainder or self.layout.keeps_param_copy:
             self._master_versions = [s.param._version for s in self.slots]
 
     def ensure_state(self, key: str) -> bool:
@@ -337,7 +435,7 @@ class FlatGroup:
         on, amsgrad enabled by editing a param group); True when it was allocated now."""
         if key in self.state:
             return False
-        buf = self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
+        buf = self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.steps.device)
         for slot in self.slots:  # (only the state views: .grad keeps showing the same tensor)
             slot.state[key] = buf[slot.local]
         return True
@@ -348,15 +446,14 @@ class FlatGroup:
         cache = self._index_cache
         index = cache.pop(indices, None)
         if index is None:
-            index = torch.tensor(indices, dtype=torch.int64, device=self.device)
+            index = torch.tensor(indices, dtype=torch.int64, device=self.steps.device)
             if len(cache) >= ACTIVE_SETS_KEPT:  # (MoE routing: a new set most steps)
                 del cache[next(iter(cache))]  # the least recently used
         cache[indices] = index  # (most recent last)
         return index
 
     def nbytes(self) -> int:
-        """Bytes of fp32 held by this group's buffers (accumulator, master, state, steps)."""
+        """Bytes held by this group's buffers (accumulator, master or remainder, state, steps)."""
         buffers = [self.acc, self.steps] + list(self.state.values())
-        if self.master is not None:
-            buffers.append(self.master)
+        buffers += [b for b in (self.master, self.remainder) if b is not None]
         return sum(b.numel() * b.element_size() for b in buffers)

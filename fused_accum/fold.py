@@ -45,7 +45,7 @@ class Folder:
     reduction to start)."""
 
     def __init__(
-        self, *, ledger: Ledger, flat_groups: list, stepper, topology, label: str, step_in_backward: bool, lock
+        self, *, ledger: Ledger, flat_groups: list, stepper, topology, label: str, step_in_backward: bool, lock, offload
     ) -> None:
         self.ledger = ledger
         self.table = ledger.table
@@ -56,6 +56,7 @@ class Folder:
         self.topology = topology  # (the window replaces it once decided: see GradientWindow.topology)
         self.label = label
         self.step_in_backward = step_in_backward
+        self.offload = offload  # offload="cpu" (fused_accum.offload), or None
         self.bucket_ids: list = []  # the hooks' bucket number -> (flat index, bucket index)
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
@@ -105,8 +106,8 @@ class Folder:
         ledger = self.ledger
         if not self.topology.fast_folds or self.step_in_backward:
             return False
-        if ledger.last_backward() and ledger.wants_stats:
-            return False  # its fold also adds the final values to the window's norm and flag
+        if ledger.last_backward() and ledger.last_needs_python:
+            return False  # its fold also adds the final values to the window's norm and flag (or offloads)
         if self._granted_at != ledger.changes[0]:  # (else no slot's has_grad/in_stats/view changed)
             buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self.bucket_ids):
@@ -160,6 +161,8 @@ class Folder:
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)
+        if self.offload is not None and self.ledger.last_backward():
+            self.offload.bucket_final(flat, bucket_index, self.ledger)  # (its sums are final: to the host)
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""

@@ -41,11 +41,15 @@ _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to
 class Ledger:
     """The window's counts, norm and flag, and every slot's window state (see the module)."""
 
-    def __init__(self, table, label: str, accum_steps: Optional[int], step_in_backward: bool, wants_stats: bool):
+    def __init__(
+        self, table, label: str, accum_steps: Optional[int], step_in_backward: bool, wants_stats: bool, offload=False
+    ):
         self.table = table  # the hooks' table (fused_accum.arrivals)
         self.fast = table if isinstance(table, FastPath) else None  # ... where it has the fast path
         self.label = label  # how errors name the optimizer
         self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the last pass takes the norm
+        # the window's last backward needs Python (its norm; offload's host step, as it goes)
+        self.last_needs_python = wants_stats or offload
         self.slots: list = []  # the window's, by key
         self.changes = array.array("q", [0])  # (read by the C++ hooks at a backward's start)
         self.accum_steps = accum_steps
@@ -118,7 +122,7 @@ class Ledger:
         """Let the C++ hooks run the coming backwards quietly, up to the window's last when it
         takes the norm (the caller decided every bucket is granted an add)."""
         steps = self.accum_steps
-        budget = steps - 1 - self.microbatches if self.wants_stats and steps is not None else _UNLIMITED
+        budget = steps - 1 - self.microbatches if self.last_needs_python and steps is not None else _UNLIMITED
         if budget > 0:
             self.fast.arm_quiet(budget, self.changes)
 

@@ -69,7 +69,7 @@ class Members:
         }  # may raise: before any buffer
         window, new_slots = self.window, []
         for (device, dtype), pairs in by_key.items():
-            window.join([p for p, _ in pairs])  # (DTensor parameters make the topology FSDP2's)
+            layout = self._layout(device, [p for p, _ in pairs])
             flat = FlatGroup(
                 len(window.flat_groups),
                 group_index,
@@ -82,7 +82,7 @@ class Members:
                 self.master_weights,
                 resolved[(device, dtype)],
                 self._bucket_numel(device),
-                window.topology.layout(),
+                layout,
             )
             window.add(flat)
             new_slots.extend(flat.slots)
@@ -92,6 +92,16 @@ class Members:
         if self.attached:
             window.attach(new_slots)
         return new_slots
+
+    def _layout(self, device, params: list):
+        """The layout of a new flat group of ``params``: the offload mode's, else the topology's,
+        which the parameters may change as they join (DTensors are FSDP2's)."""
+        window = self.window
+        topology = window.topology.join(window.ledger, params)
+        if window.offload is not None and topology.stands_aside:
+            raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
+        window.topology = topology
+        return window.offload.layout(device) if window.offload is not None else topology.layout()
 
     def _bucket_numel(self, device: torch.device) -> int:
         """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""

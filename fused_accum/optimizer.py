@@ -34,16 +34,46 @@ from .algorithms import check_after_groups, parse_algorithm
 from . import topology
 from .flat import padded_offsets  # noqa: F401 (re-exported)
 from .members import Members
+from .offload import Offload
 from .generic import GenericPath
 from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: importable here, as before)
 from .window import GradientWindow
 
 
+def _check_offload(offload, optimizer, master_weights, step_in_backward, process_group) -> None:
+    """``offload=``'s own checks (what it needs, what it does not support yet)."""
+    if offload is None:
+        return
+    if offload != "cpu":
+        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    if not isinstance(optimizer, str):
+        raise ValueError(
+            "offload='cpu' steps on the host with the package's kernels: a fused algorithm only "
+            "(sgd, adam, adamw, lion), not a torch.optim class"
+        )
+    if master_weights is False:
+        raise ValueError("offload='cpu' keeps the masters on the host: master_weights=False leaves none to keep")
+    if step_in_backward:
+        raise ValueError("step_in_backward=True steps on the device during backward: offload='cpu' steps on the host")
+    if process_group is not None:
+        raise NotImplementedError(
+            "offload='cpu' with process_group= (and shard=) is not supported yet: use DDP, which the "
+            "offloaded optimizer follows, or no offload"
+        )
+
+
 def _check_arguments(
-    optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm, skip_nonfinite
+    optimizer, accum_steps, master_weights, backend, bucket_cap_mb, step_in_backward, max_grad_norm, skip_nonfinite
 ) -> None:
     """The constructor's keywords, checked before anything is built (in this order: the first
     error found is the one raised). Those of data parallelism are checked by topology.choose."""
+    if not (master_weights is None or isinstance(master_weights, bool) or master_weights == "remainder"):
+        raise ValueError(f"master_weights must be True, False, 'remainder' or None, got {master_weights!r}")
+    if master_weights == "remainder" and not isinstance(optimizer, str):
+        raise ValueError(
+            "master_weights='remainder' needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
+            "class steps fp32 master tensors, which this mode does not keep"
+        )
     if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
         raise ValueError(f"accum_steps must be a positive int or None, got {accum_steps!r}")
     if backend != "auto" and backend not in backends.NAMES:
@@ -113,7 +143,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         optimizer: Union[str, type] = "adamw",
         *,
         accum_steps: Optional[int] = None,
-        master_weights: Optional[bool] = None,
+        master_weights: Union[bool, str, None] = None,
         backend: str = "auto",
         bucket_cap_mb: Optional[float] = None,
         step_in_backward: bool = False,
@@ -122,10 +152,19 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         process_group=None,
         shard: Optional[str] = None,
         reduce_dtype: Optional[torch.dtype] = None,
+        offload: Optional[str] = None,
         **hyperparameters: Any,
     ):
+        _check_offload(offload, optimizer, master_weights, step_in_backward, process_group)
         _check_arguments(
-            optimizer, accum_steps, backend, bucket_cap_mb, step_in_backward, max_grad_norm, skip_nonfinite
+            optimizer,
+            accum_steps,
+            master_weights,
+            backend,
+            bucket_cap_mb,
+            step_in_backward,
+            max_grad_norm,
+            skip_nonfinite,
         )
         topology.check_arguments(
             process_group, shard, reduce_dtype, fused=isinstance(optimizer, str), step_in_backward=step_in_backward
@@ -145,6 +184,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             process_group=process_group,
             shard=shard,
             reduce_dtype=reduce_dtype,
+            offload=offload,
             hyperparameters=dict(hyperparameters),
         )
         self.accum_steps = accum_steps
@@ -152,7 +192,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
         self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
-        self._master_weights = True if master_weights is None else bool(master_weights)
+        self._master_weights = True if master_weights is None else master_weights
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
         self._generic = GenericPath(generic_class) if generic_class is not None else None
@@ -164,6 +204,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             topology=topology.choose(process_group, shard, reduce_dtype),
             stepper=self._stepper,
             label=f"{type(self).__name__} at {id(self):#x}",
+            offload=Offload(self._stepper) if offload is not None else None,
         )
         self._members = Members(
             self._window,
@@ -293,11 +334,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         )
         if norm is not None:
             self.last_grad_norm = norm
-        for flat in window.flat_groups:
-            flat.refresh_masters()  # the user may have written the params since the last step
+        if window.offload is not None:  # (on the host: fused_accum.offload; it refreshes the masters)
+            speculable = num_items is None and getattr(self, "grad_scale", None) is None
+            window.offload.step(window, scale, skip, speculable and getattr(self, "found_inf", None) is None)
+        else:
+            for flat in window.flat_groups:
+                flat.refresh_masters()  # the user may have written the params since the last step
         if self._generic is not None:
             self._generic.step(self.param_groups, window.slots, self.state, scale, skip)
-        else:
+        elif window.offload is None:
             for flat in window.flat_groups:
                 active = [s for s in flat.slots if s.has_grad]
                 window.topology.before_flat_step(flat, active)

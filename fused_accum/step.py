@@ -15,6 +15,9 @@ buffers until the cycle collector ran (``tests/test_dropin.py``,
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, Optional
+
 import torch
 from torch import Tensor
 
@@ -74,8 +77,19 @@ class Stepper:
         self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
     ) -> None:
         """One step-op call for ``active`` slots; with ``grads``, also their last micro-batch."""
+        call = self.prepare_step(flat, active, coef, found_inf, grads, grads_overwrite)
+        if call is not None:
+            call()
+
+    @torch.no_grad()
+    def prepare_step(
+        self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
+    ) -> Optional[Callable[[], None]]:
+        """Everything of a step but the kernel: the device scalars, ``opt.state`` taken back, the
+        step counts; returns the op call, or None where nothing steps (an offloaded step calls
+        it on its host worker: fused_accum.offload)."""
         if not active:
-            return
+            return None
         group = self.param_groups[flat.group_index]
         lr = group["lr"]
         if isinstance(lr, Tensor):
@@ -95,23 +109,34 @@ class Stepper:
             index = flat.active_index(tuple(s.index for s in active))
             flat.steps.index_add_(0, index, increment.expand(len(active)))
             steps = flat.steps.index_select(0, index)
-        held, accs, params, lp_params = flat.step_lists(active)  # sharded: this rank's pieces
+        held, accs, params, lp_params, remainders = flat.step_lists(active)  # sharded: this rank's pieces
         if held is not active:
             if not held:
-                return
+                return None
             index = flat.active_index(tuple(s.index for s in held))
             steps = flat.steps.index_select(0, index)
             active = held
         op = ops.step_op(self.algorithm)
         fused = dict(grads=list(grads), grads_overwrite=grads_overwrite)  # the last micro-batch, if any
-        t = ops.StepTensors(params, accs, steps, flat.lr, flat.coef, lp_params=lp_params, found_inf=found_inf, **fused)
+        t = ops.StepTensors(
+            params,
+            accs,
+            steps,
+            flat.lr,
+            flat.coef,
+            lp_params=lp_params,
+            remainders=remainders,
+            found_inf=found_inf,
+            **fused,
+        )
         s = op.states_of([slot.state for slot in active], state_keys(self.algorithm, group))
         # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
         # of this flat group's buffers; what changes their layout (the active set, the lists
         # passed) is in the key.
         everyone = len(active) == len(flat.slots)
         layout = (None if everyone else tuple(x.index for x in active), len(grads), grads_overwrite)
-        op(t, s, op.hyper.of(self.algorithm, group), flat.backend, plan=(flat.plan, layout, tuple(map(bool, s))))
+        plan = (flat.plan, layout, tuple(map(bool, s)))
+        return functools.partial(op, t, s, op.hyper.of(self.algorithm, group), flat.step_backend, plan=plan)
 
     def rehome(self, flat: FlatGroup) -> None:
         """Move ``flat``'s buffers to where its parameters now are (a model moved, or

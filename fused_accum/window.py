@@ -119,10 +119,9 @@ def _detach_all(arrivals, handles: list) -> None:
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure, and the end of the window."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, topology: Local, stepper, label):
+    def __init__(self, *, accum_steps, step_in_backward, wants_stats, topology: Local, stepper, label, offload=None):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
-        self.wants_stats = wants_stats
         self._stepper = stepper  # step.Stepper: rehome(flat), fused_step (no reference up)
         self.label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
@@ -141,7 +140,8 @@ class GradientWindow:
         )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
         # the window's state (counts, norm, what is shown, every slot's window fields)
-        self.ledger = Ledger(self._arrivals, label, accum_steps, step_in_backward, wants_stats)
+        self.offload = offload  # offload="cpu": the host side (fused_accum.offload), or None
+        self.ledger = Ledger(self._arrivals, label, accum_steps, step_in_backward, wants_stats, offload is not None)
         self.slots: list[Slot] = self.ledger.slots  # by key
         self._folder = Folder(
             ledger=self.ledger,
@@ -151,6 +151,7 @@ class GradientWindow:
             label=label,
             step_in_backward=step_in_backward,
             lock=self.lock,
+            offload=offload,
         )
         self._exposure = Exposure(self.ledger, self.flat_groups, self._folder)
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
@@ -167,11 +168,6 @@ class GradientWindow:
 
     # --- membership ------------------------------------------------------------------------
 
-    def join(self, params: list) -> None:
-        """Parameters are about to get a flat group: the topology from now on (DTensor
-        parameters are FSDP2's), which gives the group its layout."""
-        self.topology = self.topology.join(self.ledger, params)
-
     def add(self, flat: FlatGroup) -> None:
         self.topology.add(self.ledger, flat)
         self.ledger.join(flat.slots)  # (new slots: show again)
@@ -180,8 +176,7 @@ class GradientWindow:
         self._params.extend(s.param for s in flat.slots)
         self._slot_of.update((id(s.param), s) for s in flat.slots)
 
-    def param_groups(self) -> list:
-        """The optimizer's param groups (what its step reads)."""
+    def param_groups(self) -> list:  # (the optimizer's: what its step reads)
         return self._stepper.param_groups
 
     def slot_for(self, param: Tensor) -> Optional[Slot]:
@@ -287,9 +282,9 @@ class GradientWindow:
                 self.reconcile(before_backward=True)
             else:
                 self._exposure.take_assigned_grads()
-            if self.step_in_backward:  # (every backward comes here: nothing is granted)
+            if self.step_in_backward or self.offload is not None:  # (this backward may step)
                 for flat in self.flat_groups:
-                    flat.refresh_masters()  # this backward may step from them
+                    flat.refresh_masters()  # the weights as the user left them
             self.ledger.checked()
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).
@@ -306,10 +301,9 @@ class GradientWindow:
             return self._folder.in_place_target(slot)
 
     def _fold_hooked(self, key: int, grad: Tensor) -> bool:
-        """A parameter with a user's post-accumulate-grad hook: folded now, its running sum shown
-        in ``.grad``. AccumulateGrad, handed an undefined gradient, still runs the user's hooks
-        after (torch 2.11 to 2.14 do): they see, and may edit, the sum so far, as natively.
-        False where it cannot be folded alone (see wgrad_target): AccumulateGrad runs as usual."""
+        """A parameter with a user's post-accumulate-grad hook: folded now, its running sum in
+        ``.grad``, which the hook (AccumulateGrad, handed an undefined gradient, still runs it:
+        torch 2.11-2.14) sees and may edit, as natively. False where it cannot be folded alone."""
         slot = self.slots[key]
         target = self.wgrad_target(slot.param)
         if target is None:
@@ -392,6 +386,8 @@ class GradientWindow:
             self.expose()
             self._folder.arm_quiet()
             self.ledger.note_acc_versions(self.flat_groups)
+            if self.offload is not None:
+                self.offload.note_end(self.flat_groups)
 
     def _count_microbatch(self) -> None:
         ledger = self.ledger
@@ -439,6 +435,8 @@ class GradientWindow:
         gradient to zero and show: it discards)."""
         if not self.topology.stands_aside:
             self.follow_moved_params()
+        if self.offload is not None:
+            self.offload.discard(self.flat_groups)  # (a speculation of a window that will not step)
         if set_to_none or self.topology.sharded:
             self.discard()
         else:
@@ -456,6 +454,8 @@ class GradientWindow:
     def discard(self) -> None:
         """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
         from a backward that raised); the next gradient of each slot overwrites it."""
+        if self.offload is not None:
+            self.offload.discard(self.flat_groups)
         self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()

@@ -45,7 +45,7 @@ stage "pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benc
 
 # The C++ hooks (fused_accum._C.Arrivals) ran above; their Python twin keeps the same contract.
 stage "pytest: the drop-in contract again on the Python hooks (FUSED_ACCUM_PYTHON_HOOKS=1)"
-FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py
+FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py tests/test_offload.py
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 stage "pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"

@@ -184,6 +184,40 @@ def _worker(rank, path):
             set_optimizer_state_dict(copy, opt2, template["optim"])
             train(copy, opt2, rank, range(1, WINDOWS))
             results[f"resume_{dtype}"] = dict(uninterrupted=full(model), resumed=full(copy))
+        # master_weights="remainder" on FSDP2's bf16 shards: the same run as fp32 masters whose
+        # weights are rounded by the split's tie rule (the tie twin, tests/test_remainder.py), and
+        # a DCP checkpoint of it resumed bit-exactly
+        from fused_accum.backends.reference import split_master
+
+        runs = {}
+        for mode in ("remainder", True):
+            model = shard(Net().to(torch.bfloat16), BF16_COMPUTE)
+            opt = fused_accum.AdamW(model.parameters(), accum_steps=K, master_weights=mode, **BF16_HYPER)
+            for window in range(WINDOWS):
+                train(model, opt, rank, [window])
+                if mode is True:  # the twin's weights: the split's high half of its masters
+                    for slot in opt._window.slots:
+                        local = slot.param.to_local()
+                        local.data.copy_(split_master(slot.master)[0].view(local.shape))
+            runs[str(mode)] = [p.to_local().clone() for p in model.parameters()]
+            if mode == "remainder":
+                ckpt = f"{path}.dcp_remainder"
+                model = shard(Net().to(torch.bfloat16), BF16_COMPUTE)
+                opt = fused_accum.AdamW(model.parameters(), accum_steps=K, master_weights="remainder", **BF16_HYPER)
+                train(model, opt, rank, range(1))
+                dcp.save(
+                    {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=ckpt
+                )
+                train(model, opt, rank, range(1, WINDOWS))
+                copy = shard(Net().to(torch.bfloat16), BF16_COMPUTE)
+                opt2 = fused_accum.AdamW(copy.parameters(), accum_steps=K, master_weights="remainder", **BF16_HYPER)
+                template = {"model": copy.state_dict(), "optim": get_optimizer_state_dict(copy, opt2)}
+                dcp.load(template, checkpoint_id=ckpt)
+                copy.load_state_dict(template["model"])
+                set_optimizer_state_dict(copy, opt2, template["optim"])
+                train(copy, opt2, rank, range(1, WINDOWS))
+                results["remainder_resume"] = dict(uninterrupted=full(model), resumed=full(copy))
+        results["remainder"] = runs
         # torch's own FSDP2 AdamW state dict (DTensor states, no masters) loads into ours
         (mine, theirs), (ours, ref) = pair(rank)
         train(theirs, ref, rank, range(1))
@@ -358,3 +392,11 @@ def test_hsdp_clip_norm_sums_over_the_shard_dimension_only(tmp_path):
         assert got["torch_norm"] > CLIP
         torch.testing.assert_close(got["norm"], got["torch_norm"], rtol=1e-6, atol=0)  # (as above)
         assert rel(got["ours"], got["torch"]) <= FIRST_REL  # one window: as the first of the others
+
+
+def test_the_remainder_mode_on_fsdp2_shards_equals_fp32_masters_with_tie_rounded_weights(ranks):
+    for rank in ranks:
+        got, want = rank["remainder"]["remainder"], rank["remainder"]["True"]
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, want))
+        resume = rank["remainder_resume"]
+        assert all(torch.equal(a, b) for a, b in zip(resume["resumed"], resume["uninterrupted"]))

@@ -56,10 +56,10 @@ class DTensorLayout(Layout):
             )
 
     def step_lists(self, flat, active: list) -> tuple:
-        held, accs, params, lp_params = super().step_lists(flat, active)
+        held, accs, params, lp_params, remainders = super().step_lists(flat, active)
         if flat.has_master:
-            return held, accs, params, [local_tensor(p) for p in lp_params]
-        return held, accs, [local_tensor(p) for p in params], lp_params
+            return held, accs, params, [local_tensor(p) for p in lp_params], remainders
+        return held, accs, [local_tensor(p) for p in params], lp_params, remainders
 
     def user_grad(self, flat, slot, grad: Tensor) -> Tensor:
         """The local shard of a DTensor gradient in the parameter's placements (FSDP2's is

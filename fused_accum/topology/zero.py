@@ -109,19 +109,24 @@ class ShardedLayout(Layout):
             slot.acc = flat.acc[off : off + p.numel()]
             slot._grad_view = slot.full_view = slot.acc.view(p.shape)
         slot.master = flat.master[slot.local] if flat.master is not None else None
+        slot.remainder = flat.remainder[slot.local] if flat.remainder is not None else None
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
 
     def param_piece(self, flat, slot) -> Tensor:
         whole = slot.param.detach().reshape(-1)
         return whole[slot.piece[0] : slot.piece[1]] if slot.piece is not None else whole[:0]
 
+    def write_param_piece(self, flat, slot, values: Tensor) -> None:
+        if slot.piece is not None:  # (the other ranks write theirs; the next step gathers all)
+            slot.param.detach().view(-1)[slot.piece[0] : slot.piece[1]].copy_(values)
+
     def step_lists(self, flat, active: list) -> tuple:
         """The active slots holding a piece here, with 1-D views of that piece: the reduced
         gradient, and as targets the fp32 master piece (lp target: the piece of the staging
-        buffer) or, without a master, the staging piece itself. Between begin_step and
-        finish_step."""
+        buffer) or, without an fp32 master, the staging piece itself (with its remainder in the
+        remainder mode). Between begin_step and finish_step."""
         held = [s for s in active if s.piece is not None]
-        accs, params, lps = [], [], []
+        accs, params, lps, remainders = [], [], [], []
         for slot in held:
             first, end, local = slot.piece
             accs.append(flat.acc[local : local + end - first] if self.grads else slot.acc[first:end])
@@ -129,9 +134,11 @@ class ShardedLayout(Layout):
             if flat.has_master:
                 params.append(slot.master)
                 lps.append(staged)
-            else:
+            else:  # (the remainder mode steps the staged weight with its remainder)
                 params.append(staged)
-        return held, accs, params, lps
+                if flat.has_remainder:
+                    remainders.append(slot.remainder)
+        return held, accs, params, lps, remainders
 
     def begin_step(self, flat) -> None:
         """Stage this rank's pieces of the parameters (param dtype) for the step to update in

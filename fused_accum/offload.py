@@ -1,0 +1,373 @@
+"""``offload="cpu"``: the optimizer's state on the host, the step on the host's CPU kernels, exact.
+
+On the device stay the parameters and the fp32 accumulators (bf16 AdamW: 2 + 4 = 6 B/param);
+the middle micro-batches fold there exactly as without offload. On the host (pinned memory
+where the device is a GPU) live the fp32 masters (or, with ``master_weights="remainder"``, the
+int16 remainders), the optimizer state and the step counts, a host copy of every parameter
+(what the step writes, and what goes back to the device), the window's gradient as it arrives
+from the device, and a backup of what a speculative step changes (:class:`OffloadLayout`).
+
+One transfer per window. When the window's last backward completes a bucket, its fp32 sum is
+final: it goes device-to-host once (on a side stream), and a host worker thread steps that
+bucket with the package's CPU kernels as soon as it lands, while the backward goes on. After the
+step the updated parameters come back host-to-device per bucket, and the next forward waits on
+exactly those copies (the compute stream waits on their events).
+
+Speculation, and why it stays exact. Clipping and non-finite skips need the whole window's norm,
+known only at its end, and ``num_items`` and a GradScaler's scale only at ``step()``. So the
+worker steps each bucket *speculatively*, with the coefficient 1, after copying aside (backup)
+everything the step will change of it. At ``step()``, where the step's real coefficient is 1 and
+nothing skips, and nothing the speculation read has changed since (the gradients, the weights,
+``opt.state``, the hyper-parameters), the speculation is the step: it is committed as it is.
+Otherwise the backup is put back and the buckets are stepped again from it, with the real
+coefficient and skip flag: the same kernels on the same values as a step taken after the window,
+bit for bit. No arithmetic rollback anywhere. The backup is the "second host copy of the state"
+the design asks for, taken the other way round: stepping in place and copying the old values
+aside (during the backward) makes a commit free and keeps ``opt.state``'s views where they are.
+
+What speculates: a window with ``accum_steps`` set, whose last backward is known, when the last
+step did not use ``num_items`` or a GradScaler (a loop that does, does at every step: its window
+steps at ``step()`` instead, still bucket by bucket, each bucket's copy to the host overlapping
+the step of the one before). A window of any other length steps at ``step()`` too.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .flat import Layout
+
+# A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
+# slow and its timing random with it, to show the next forward never sees half a step).
+WORKER_DELAY: Optional[Callable[[], None]] = None
+_HOST = torch.device("cpu")
+
+
+class OffloadLayout(Layout):
+    """A flat group's buffers under offload: the accumulator on the device, everything the step
+    reads and writes on the host (one instance per flat group: it holds that group's host copy
+    of the parameters, the window's gradient on the host, and the speculation's backup)."""
+
+    keeps_param_copy = True
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
+        self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
+        self.backup: dict = {}  # buffer name -> its copy taken before a speculative step
+
+    def _host(self, numel: int, dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
+
+    def state_device(self, device) -> torch.device:
+        return _HOST
+
+    def step_backend(self, backend: str) -> str:
+        return backends.resolve("auto", _HOST)  # the C++ CPU kernels (the reference without them)
+
+    def place_buckets(self, flat) -> None:
+        self.host_params = self._host(flat.total, flat.dtype)
+        self.host_acc = self._host(flat.total, torch.float32)
+
+    def set_views(self, flat, slot) -> None:
+        super().set_views(flat, slot)
+        self.host_params[slot.local].copy_(slot.param.detach().reshape(-1))
+
+    def param_written(self, flat, slot) -> None:
+        self.host_params[slot.local].copy_(slot.param.detach().reshape(-1))
+
+    def step_lists(self, flat, active: list) -> tuple:
+        """The host's: the gradient as copied, the host copy of each parameter (written by the
+        step: as the rounded master, or stepped in place with its remainder, or as an fp32
+        parameter's own master)."""
+        accs = [self.host_acc[s.local] for s in active]
+        copies = [self.host_params[s.local] for s in active]
+        if flat.has_master:
+            return active, accs, [s.master for s in active], copies, []
+        return active, accs, copies, [], [s.remainder for s in active] if flat.has_remainder else []
+
+    # --- the speculation's backup ---
+
+    def _buffers(self, flat) -> dict:
+        buffers = {"params": self.host_params, **flat.state}
+        for name in ("master", "remainder"):
+            if getattr(flat, name) is not None:
+                buffers[name] = getattr(flat, name)
+        return buffers
+
+    def back_up(self, flat, start: int, end: int) -> None:
+        """Copy aside elements [start, end) of everything a step changes (a bucket's range)."""
+        for name, buf in self._buffers(flat).items():
+            if name not in self.backup or self.backup[name].numel() != buf.numel():
+                self.backup[name] = torch.empty_like(buf)
+            self.backup[name][start:end] = buf[start:end]
+
+    def restore(self, flat, start: int, end: int) -> None:
+        for name, buf in self._buffers(flat).items():
+            buf[start:end] = self.backup[name][start:end]
+
+
+class _Worker:
+    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.Queue = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self.busy_s = 0.0  # seconds spent running tasks (benchmarks/offload.py: how much hides)
+        self._thread = threading.Thread(target=_work, args=(self._tasks, weakref.ref(self)), daemon=True)
+        self._thread.name = "fused_accum offload"
+        self._thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    def drain(self) -> None:
+        """Wait until every submitted task has run."""
+        self._tasks.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("fused_accum offload: the host step failed") from error
+
+    def stop(self) -> None:
+        """End the thread and wait for it (also at interpreter exit, through the optimizer's
+        finalizer, before finalizing begins: a thread still running then would be cut off inside
+        a torch op, and that aborts the process)."""
+        self._tasks.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+
+
+def _work(tasks: queue.Queue, worker_ref) -> None:
+    while True:
+        task = tasks.get()
+        try:
+            if task is None:
+                return
+            if WORKER_DELAY is not None:
+                WORKER_DELAY()
+            start = time.perf_counter()
+            with torch.no_grad():
+                task()
+            worker = worker_ref()
+            if worker is not None:
+                worker.busy_s += time.perf_counter() - start
+        except BaseException as error:  # (kept for drain: the main thread raises it)
+            worker = worker_ref()
+            if worker is not None and worker._error is None:
+                worker._error = error
+        finally:
+            task = None  # (let go of the task's tensors now, not at the next one)
+            tasks.task_done()
+
+
+class _Copies:
+    """Transfers between the device and the host. On a GPU each runs on a side stream, stream-
+    ordered after the device's work, and returns its event (the worker synchronizes on it); on a
+    CPU it runs on the worker, in order, with nothing to wait for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def to_host(self, dst: Tensor, src: Tensor):
+        """Start ``dst.copy_(src)``: None on a CPU (the worker copies), else the copy's event."""
+        if not self.cuda:
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the folds
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            return self.stream.record_event()
+
+
+class Offload:
+    """The host side of one optimizer under ``offload="cpu"``: its flat groups' layouts, the
+    worker, the speculation of the window's last backward, and the host step."""
+
+    def __init__(self, stepper) -> None:
+        self.stepper = stepper
+        self.worker = _Worker()
+        self._finalizer = weakref.finalize(self, self.worker.stop)
+        self._copies: dict = {}  # device -> _Copies
+        self.speculate = True  # (off after a step that used num_items or a GradScaler)
+        self.speculated: dict = {}  # (flat index, bucket index) -> what the speculation read
+        self.pending_h2d: list = []  # events the compute stream waits on after a step
+        # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
+        self.committed = self.redone = 0
+
+    def layout(self, device) -> OffloadLayout:
+        """A new flat group's layout: host buffers pinned where its parameters are on a GPU."""
+        pinned = torch.device(device).type == "cuda"
+        if pinned:
+            try:
+                torch.empty(1, pin_memory=True)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"offload='cpu' keeps the optimizer state in pinned host memory, which this machine cannot give ({err})"
+                ) from None
+        return OffloadLayout(pinned)
+
+    def copies(self, device) -> _Copies:
+        if device not in self._copies:
+            self._copies[device] = _Copies(device)
+        return self._copies[device]
+
+    # --- during the window's last backward ---
+
+    def bucket_final(self, flat, bucket_index: int, ledger) -> None:
+        """The window's last backward completed a bucket: its fold wrote the final sums. Copy
+        them to the host and step the bucket there speculatively (see the module)."""
+        if not self.speculate or ledger.pieces_seen:
+            return
+        bucket = flat.buckets[bucket_index]
+        slots = [s for s in bucket.slots if s.has_grad]
+        if not slots:
+            return
+        steps_before = flat.steps.clone()
+        call = self.stepper.prepare_step(flat, slots, flat.one, None)
+        if call is None:
+            return
+        group = self.stepper.param_groups[flat.group_index]
+        self.speculated[(flat.index, bucket_index)] = dict(
+            slots=slots,
+            steps=steps_before,
+            acc_version=None,  # (set at the backward's end: note_end)
+            versions=[s.param._version for s in flat.slots],
+            hyper=_hyper_of(group),
+        )
+        self._submit_step(flat, bucket, call, self.copies(flat.device).to_host(*_acc_range(flat, bucket)), backup=True)
+
+    def note_end(self, flat_groups) -> None:
+        """A backward ended: what the speculated buckets' accumulators hold now is what they read."""
+        for (flat_index, _), record in self.speculated.items():
+            if record["acc_version"] is None:
+                record["acc_version"] = flat_groups[flat_index].acc._version
+
+    def _submit_step(self, flat, bucket, call, event, backup: bool) -> None:
+        layout = flat.layout
+        host, device = _acc_range(flat, bucket)
+
+        def task() -> None:
+            if event is None:
+                host.copy_(device)
+            else:
+                event.synchronize()
+            if backup:
+                layout.back_up(flat, bucket.start, bucket.end)
+            call()
+
+        self.worker.submit(task)
+
+    # --- at step() ---
+
+    def step(self, window, scale: dict, skip: Optional[dict], speculable: bool) -> None:
+        """The host step of every flat group: the speculation committed where it is the step,
+        else put back and stepped again; then the parameters back to the device."""
+        self.worker.drain()
+        coefs = {d: c.to(_HOST) for d, c in scale.items()}  # (what the host kernels read)
+        skips = {d: f.to(_HOST) for d, f in skip.items()} if skip is not None else None
+        commit = speculable and skips is None and all(bool((c == 1).all()) for c in coefs.values())
+        for flat in window.flat_groups:
+            active = {s.key for s in flat.slots if s.has_grad}
+            stepped = set()
+            for b, bucket in enumerate(flat.buckets):
+                record = self.speculated.pop((flat.index, b), None)
+                if record is None:
+                    continue
+                if commit and self._still_valid(flat, record):
+                    stepped.update(s.key for s in record["slots"])
+                    self.committed += 1
+                    continue
+                self._put_back(flat, bucket, record)
+                self.redone += 1
+            flat.refresh_masters()  # (after the put-backs: a weight written since wins over them)
+            coef = coefs[flat.device]
+            found_inf = skips[flat.device] if skips is not None else None
+            for b, bucket in enumerate(flat.buckets):
+                slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
+                call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
+                if call is not None:
+                    self._submit_step(
+                        flat, bucket, call, self.copies(flat.device).to_host(*_acc_range(flat, bucket)), False
+                    )
+            if active:
+                self._to_device(flat)
+        self.worker.drain()
+        for device, event in self.pending_h2d:  # the next forward waits on these copies, no more
+            torch.cuda.current_stream(device).wait_event(event)
+        self.pending_h2d = []
+        self.speculate = speculable  # (a loop that passes num_items or a scaler passes them every step)
+
+    @staticmethod
+    def _put_back(flat, bucket, record) -> None:
+        """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
+        flat.layout.restore(flat, bucket.start, bucket.end)
+        index = torch.tensor([s.index for s in record["slots"]], dtype=torch.int64)
+        flat.steps[index] = record["steps"][index]
+
+    def _still_valid(self, flat, record) -> bool:
+        """Whether nothing a speculation read changed since: the accumulator (``.grad`` edited
+        in place), the weights, the active slots, ``opt.state``, the hyper-parameters."""
+        stepper = self.stepper
+        group = stepper.param_groups[flat.group_index]
+        return (
+            record["acc_version"] == flat.acc._version
+            and record["versions"] == [s.param._version for s in flat.slots]
+            and all(s.has_grad for s in record["slots"])
+            and record["hyper"] == _hyper_of(group)
+            and all(
+                stepper.state.get(s.param) is stepper.shown.get(s.key) and not stepper.shown[s.key].edited
+                for s in record["slots"]
+                if s.key in stepper.shown
+            )
+        )
+
+    def _to_device(self, flat) -> None:
+        """The updated parameters back to the device, bucket by bucket (on the worker, after
+        its steps)."""
+        layout, copies = flat.layout, self.copies(flat.device)
+
+        def task() -> None:
+            params = [s.param.detach() for s in flat.slots]
+            hosts = [layout.host_params[s.local].view(s.param.shape) for s in flat.slots]
+            if copies.cuda:
+                with torch.cuda.stream(copies.stream):
+                    torch._foreach_copy_(params, hosts, non_blocking=True)
+                    self.pending_h2d.append((flat.device, copies.stream.record_event()))
+            else:
+                torch._foreach_copy_(params, hosts)
+
+        self.worker.submit(task)
+
+    def drain(self) -> None:
+        """Wait for the host (a step's worker tasks, a speculation in flight)."""
+        self.worker.drain()
+
+    def discard(self, flat_groups) -> None:
+        """The window was discarded before its step: put back what was speculated."""
+        self.worker.drain()
+        for (flat_index, b), record in self.speculated.items():
+            flat = flat_groups[flat_index]
+            self._put_back(flat, flat.buckets[b], record)
+        self.speculated.clear()
+
+
+def _acc_range(flat, bucket) -> tuple:
+    return flat.layout.host_acc[bucket.start : bucket.end], flat.acc[bucket.start : bucket.end]
+
+
+def _hyper_of(group: dict) -> tuple:
+    """A param group's hyper-parameters as compared values (a tensor lr by its value)."""
+    return tuple(
+        (k, float(v) if isinstance(v, Tensor) else v)
+        for k, v in sorted(group.items())
+        if k not in ("params", "param_names")
+    )

@@ -1,0 +1,271 @@
+"""``offload="cpu"``: exact against the same optimizer without offload, on a CPU-only machine.
+
+The whole pipeline runs here with CPU parameters: the "device" buffers (parameters and
+accumulators) and the host ones are both in CPU memory, the transfers are copies made on the
+host worker, in order, and the worker thread, the speculation, its commit, its put-back and
+re-run, and the waits are the code a GPU runs (the GPU adds only its side stream and events:
+fused_accum/offload.py, _Copies). The oracle is the same optimizer without offload on the
+``cpu`` backend, whose kernels the host runs: parameters, masters and state must be equal bit
+for bit after every window.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fused_accum
+from fused_accum import offload as offload_module
+from fused_accum.backends import ext
+
+pytestmark = pytest.mark.skipif(ext._C is None, reason="the host step runs the C++ CPU kernels")
+
+ALGORITHMS = {
+    "sgd": (fused_accum.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adamw": (fused_accum.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam-amsgrad": (fused_accum.Adam, dict(lr=1e-2, amsgrad=True)),
+    "lion": (fused_accum.Lion, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+def net(dtype, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3), nn.Linear(3, 3)).to(dtype)
+
+
+def batches(n, dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 6, generator=gen).to(dtype), torch.randn(4, 3, generator=gen)) for _ in range(n)]
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return (model(x).float() - y).square().mean()
+
+
+def train(model, opt, k, windows, *, poison=(), num_items=False, scaler=None, edit_at=None, dtype=torch.float32):
+    data = batches(k * windows, dtype)
+    for w in range(windows):
+        if w == edit_at:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)  # a user edit between steps
+        for j in range(k):
+            loss = loss_of(model, data[w * k + j]) / (1 if num_items else k)
+            if w in poison and j == k - 1:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step(num_items=torch.tensor(float(4 * k)) if num_items else None)
+        opt.zero_grad()
+        yield w
+
+
+def state_of(opt) -> list:
+    """Every tensor the step keeps: masters (rebuilt where a remainder holds them), state, steps."""
+    out = []
+    for flat in opt._window.flat_groups:
+        for slot in flat.slots:
+            out.append(flat.master_of(slot).cpu())
+            out.extend(v.cpu() for _, v in sorted(slot.state.items()))
+        out.append(flat.steps.cpu())
+    return out
+
+
+def assert_equal_runs(ours, ours_opt, ref, ref_opt, when):
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{when}: parameter {name}"
+    for i, (a, b) in enumerate(zip(state_of(ours_opt), state_of(ref_opt))):
+        assert torch.equal(a, b), f"{when}: state tensor {i}"
+
+
+CASES = [
+    # name, algorithm, param dtype, master mode, k, optimizer keywords, loop options
+    ("adamw-bf16-k8-clips", "adamw", torch.bfloat16, True, 8, dict(max_grad_norm=0.02), {}),
+    ("adamw-bf16-k3-no-clip", "adamw", torch.bfloat16, True, 3, dict(max_grad_norm=1e6), {}),
+    ("adamw-fp32-k1", "adamw", torch.float32, True, 1, {}, {}),
+    (
+        "sgd-bf16-k3-skip",
+        "sgd",
+        torch.bfloat16,
+        True,
+        3,
+        dict(max_grad_norm=0.02, skip_nonfinite=True),
+        dict(poison=(2,)),
+    ),
+    ("lion-fp32-k8", "lion", torch.float32, True, 8, {}, {}),
+    ("amsgrad-bf16-remainder-k3", "adam-amsgrad", torch.bfloat16, "remainder", 3, dict(max_grad_norm=0.05), {}),
+    ("adamw-bf16-num_items", "adamw", torch.bfloat16, True, 3, {}, dict(num_items=True)),
+    ("adamw-bf16-user-edit", "adamw", torch.bfloat16, True, 3, {}, dict(edit_at=3)),
+    ("sgd-fp16-gradscaler", "sgd", torch.float16, True, 3, {}, dict(scaler=True)),
+]
+
+
+@pytest.mark.parametrize("name, algorithm, dtype, master, k, kwargs, loop", CASES, ids=[c[0] for c in CASES])
+def test_offload_is_bit_identical_to_the_same_optimizer_without(
+    name, algorithm, dtype, master, k, kwargs, loop, one_thread
+):
+    cls, hyper = ALGORITHMS[algorithm]
+    ours, ref = net(dtype), net(dtype)
+    common = dict(master_weights=master, accum_steps=k, backend="cpu", **hyper, **kwargs)
+    ours_opt = cls(ours.parameters(), offload="cpu", **common)
+    ref_opt = cls(ref.parameters(), **common)
+    loop = dict(loop)
+    scalers = (
+        [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+        if loop.pop("scaler", False)
+        else [None, None]
+    )
+    runs = [
+        train(ours, ours_opt, k, 6, scaler=scalers[0], dtype=dtype, **loop),
+        train(ref, ref_opt, k, 6, scaler=scalers[1], dtype=dtype, **loop),
+    ]
+    for w, _ in zip(*runs):
+        assert_equal_runs(ours, ours_opt, ref, ref_opt, f"window {w}")
+    offload = ours_opt._window.offload
+    if "clips" in name or "skip" in name or "remainder" in name:
+        assert offload.redone > 0  # (a clip or a skip: the speculation was put back and redone)
+    if "no-clip" in name or name == "lion-fp32-k8":
+        assert offload.committed > 0 and offload.redone == 0  # (every speculation was the step)
+    if "num_items" in name or "gradscaler" in name:
+        assert not offload.speculate  # (after the first step: such a loop steps at step())
+
+
+@pytest.mark.parametrize("fault", ["commit_always", "no_put_back"])
+def test_a_planted_fault_in_the_commit_logic_is_caught(fault, monkeypatch, one_thread):
+    """The exactness test fails if a clipped window's speculation were committed, or put back
+    without restoring the state it changed."""
+    if fault == "commit_always":
+        monkeypatch.setattr(offload_module.Offload, "_still_valid", lambda self, flat, record: True)
+        monkeypatch.setattr(offload_module.Offload, "step", _step_committing_always)
+    else:
+        monkeypatch.setattr(offload_module.Offload, "_put_back", staticmethod(lambda flat, bucket, record: None))
+    with pytest.raises(AssertionError):
+        test_offload_is_bit_identical_to_the_same_optimizer_without(*CASES[0][:7], None)
+
+
+_real_step = offload_module.Offload.step
+
+
+def _step_committing_always(self, window, scale, skip, speculable):
+    """A broken step that commits whatever the coefficient (as if the clip never applied)."""
+    return _real_step(self, window, {d: torch.ones_like(c) for d, c in scale.items()}, skip, speculable)
+
+
+def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(monkeypatch, one_thread):
+    """The worker made slow, at random, before every task: each step still returns with every
+    parameter written (equal to the run without offload), and the backwards that run while the
+    worker steps are unaffected."""
+    rng = random.Random(0)
+    monkeypatch.setattr(offload_module, "WORKER_DELAY", lambda: time.sleep(rng.random() * 0.004))
+    ours, ref = net(torch.bfloat16), net(torch.bfloat16)
+    kwargs = dict(lr=1e-2, accum_steps=4, max_grad_norm=0.05, backend="cpu", bucket_cap_mb=1e-6)  # (a bucket each)
+    ours_opt = fused_accum.AdamW(ours.parameters(), offload="cpu", **kwargs)
+    ref_opt = fused_accum.AdamW(ref.parameters(), **kwargs)
+    for w, _ in zip(train(ours, ours_opt, 4, 8, dtype=torch.bfloat16), train(ref, ref_opt, 4, 8, dtype=torch.bfloat16)):
+        assert_equal_runs(ours, ours_opt, ref, ref_opt, f"window {w}")
+    assert len(ours_opt._window.flat_groups[0].buckets) == 6  # (six buckets in flight)
+
+
+def test_a_mid_window_checkpoint_of_an_offloaded_optimizer_resumes_bit_exactly(one_thread):
+    model = net(torch.bfloat16)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, accum_steps=3, offload="cpu", backend="cpu")
+    run = train(model, opt, 3, 2, dtype=torch.bfloat16)
+    next(run), next(run)
+    data = batches(2, torch.bfloat16, seed=7)
+    loss_of(model, data[0]).div(3).backward()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    twin = net(torch.bfloat16, seed=5)
+    twin.load_state_dict(saved[0])
+    twin_opt = fused_accum.AdamW(twin.parameters(), lr=1e-2, accum_steps=3, offload="cpu", backend="cpu")
+    twin_opt.load_state_dict(saved[1])
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for _ in range(2):
+            loss_of(m, data[1]).div(3).backward()
+        o.step()
+        o.zero_grad()
+    assert_equal_runs(model, opt, twin, twin_opt, "after the resumed window")
+
+
+def test_bytes_per_parameter_on_the_device_and_on_the_host():
+    """bf16 AdamW: the device keeps the 2-byte weight and the 4-byte accumulator (6 B/param); the
+    host the fp32 master, the two moments, its copy of the weight, the window's gradient and the
+    speculation's backup (4 + 8 + 2 + 4 + 14 = 32 B/param), counted from the buffers."""
+    model = nn.Linear(1000, 1000).to(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    opt = fused_accum.AdamW(model.parameters(), accum_steps=2, offload="cpu", backend="cpu")
+    for _ in range(2):
+        model(torch.randn(2, 1000).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    flat = opt._window.flat_groups[0]
+    layout = flat.layout
+    device = flat.acc.numel() * 4 + sum(p.numel() * p.element_size() for p in model.parameters())
+    host = sum(
+        t.numel() * t.element_size() for t in [flat.master, *flat.state.values(), layout.host_params, layout.host_acc]
+    )
+    host += sum(t.numel() * t.element_size() for t in layout.backup.values())
+    assert 6 <= device / n < 6.001, device / n  # (slices padded to 64 elements)
+    assert 32 <= host / n < 32.01, host / n
+
+
+def test_what_offload_refuses():
+    params = net(torch.bfloat16).parameters
+    with pytest.raises(ValueError, match="offload must be"):
+        fused_accum.AdamW(params(), offload="nvme")
+    with pytest.raises(ValueError, match="a fused algorithm only"):
+        fused_accum.FusedAccumOptimizer(params(), torch.optim.RMSprop, offload="cpu", lr=0.1)
+    with pytest.raises(ValueError, match="master_weights=False"):
+        fused_accum.AdamW(params(), offload="cpu", master_weights=False)
+    with pytest.raises(ValueError, match="steps on the host"):
+        fused_accum.AdamW(params(), offload="cpu", accum_steps=2, step_in_backward=True)
+
+
+def test_a_scheduler_between_the_last_backward_and_the_step_is_seen(one_thread):
+    """The speculation stepped with the lr of its time; an lr changed before step() (a scheduler
+    stepped first) makes it redo the step with the new one, as without offload."""
+    ours, ref = net(torch.bfloat16), net(torch.bfloat16)
+    opts = [
+        fused_accum.AdamW(m.parameters(), lr=1e-2, accum_steps=2, backend="cpu", offload=o)
+        for m, o in ((ours, "cpu"), (ref, None))
+    ]
+    data = batches(6, torch.bfloat16)
+    for w in range(3):
+        for model, opt in zip((ours, ref), opts):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            opt.param_groups[0]["lr"] *= 0.5
+            opt.step()
+            opt.zero_grad()
+    assert_equal_runs(ours, opts[0], ref, opts[1], "after 3 windows")
+    assert opts[0]._window.offload.redone > 0
+
+
+def test_under_ddp_the_offloaded_step_takes_ddps_grad(tmp_path, one_thread):
+    """DDP owns .grad (one process, gloo): the offloaded step takes it at step(), without
+    speculation, equal to the same DDP run without offload."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        ours, ref = net(torch.bfloat16), net(torch.bfloat16)
+        ddp, ref_ddp = nn.parallel.DistributedDataParallel(ours), nn.parallel.DistributedDataParallel(ref)
+        ours_opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, offload="cpu", backend="cpu")
+        ref_opt = fused_accum.AdamW(ref.parameters(), lr=1e-2, backend="cpu")
+        data = batches(6, torch.bfloat16)
+        for w in range(3):
+            for model, opt in ((ddp, ours_opt), (ref_ddp, ref_opt)):
+                for j in range(2):
+                    loss_of(model, data[2 * w + j]).div(2).backward()
+                opt.step()
+                opt.zero_grad()
+        for p, q in zip(ours.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,328 @@
+"""``master_weights="remainder"``: bf16 parameters trained as with an fp32 master, in 2 bytes.
+
+The fp32 master is the bf16 parameter (its high half, rounded to nearest with ties away from
+zero) plus an int16 remainder, split and rebuilt exactly in the step (the map and its proofs:
+csrc/math.h, tests of every fp32 pattern in csrc/tests/test_math.cpp and of the kernels in
+tests/test_kernels.py). Here, the optimizer:
+
+- The oracle is the fp32-master mode (``master_weights=True``) with one change, its *tie twin*:
+  after every step its bf16 weights are set (through ``.data``, which the optimizer does not
+  watch) to the split's high half of its fp32 master, so its forward sees exactly the weights
+  the remainder mode writes; the two modes differ in nothing else. The remainder mode must then
+  equal the twin bit for bit: every weight, every rebuilt master, every loss, for every fused
+  algorithm, with clipping, non-finite skips, ``num_items``, GradScaler and step_in_backward.
+- Against the plain fp32-master mode the only difference is the tie rule: its weights are
+  ``master.to(bfloat16)`` (ties to even), ours round exact ties away from zero (2^-17 of values
+  per step for random low bits); a model run shows the losses it leaves, next to fp32 and to
+  bf16 without masters.
+- Checkpoints hold the rebuilt fp32 master (torch's shapes): they load into either mode.
+- A weight written from outside restarts its remainder: the master is then the weight, exactly.
+- Memory: 2 bytes per parameter less than the fp32-master mode, counted from the buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fused_accum
+from fused_accum.backends.reference import rebuild_master, split_master
+from helpers import CPU_BACKENDS, data
+
+BACKENDS = [b for b in CPU_BACKENDS if b != "triton"]  # (triton: in the interpreter process, -k triton)
+
+
+def bf16_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(torch.bfloat16)
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return (model(x.to(torch.bfloat16)).float() - y).square().mean()
+
+
+ALGORITHMS = {
+    "sgd": (fused_accum.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adam": (fused_accum.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw": (fused_accum.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw-amsgrad": (fused_accum.AdamW, dict(lr=1e-2, amsgrad=True)),
+    "lion": (fused_accum.Lion, dict(lr=1e-3, weight_decay=0.1)),
+}
+
+
+def masters(opt) -> list:
+    """Each parameter's fp32 master as the optimizer holds it (rebuilt in the remainder mode)."""
+    window = opt._window
+    return [window.flat_groups[s.flat_index].master_of(s).clone() for s in window.slots]
+
+
+def set_twin_weights(opt) -> None:
+    """The tie twin: every bf16 weight becomes its fp32 master's split high half."""
+    for slot in opt._window.slots:
+        if slot.master is not None:
+            slot.param.data.copy_(split_master(slot.master)[0].view(slot.param.shape))
+
+
+def run(model, opt, windows, *, twin=False, k=2, step_kwargs=None, poison=None, scaler=None):
+    """``windows`` windows of ``k`` micro-batches; the losses seen."""
+    losses = []
+    batches = data(windows * k, seed=3)
+    for w in range(windows):
+        for j in range(k):
+            loss = loss_of(model, batches[w * k + j]) / k
+            if poison is not None and w == poison and j == 0:
+                loss = loss * float("inf")  # a non-finite window: skipped with skip_nonfinite
+            losses.append(loss.item())
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(opt, **(step_kwargs or {}))
+            scaler.update()
+        else:
+            opt.step(**(step_kwargs or {}))
+        opt.zero_grad()
+        if twin:
+            set_twin_weights(opt)
+    return losses
+
+
+def assert_bit_equal(ours_model, ours_opt, twin_model, twin_opt, losses=None):
+    for (name, p), q in zip(ours_model.named_parameters(), twin_model.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), f"weight {name}"
+    for i, (m, t) in enumerate(zip(masters(ours_opt), masters(twin_opt))):
+        assert torch.equal(m.view(torch.int32), t.view(torch.int32)), f"master {i}"
+    if losses is not None:
+        assert losses[0] == losses[1]
+
+
+CASES = [pytest.param(a, {}, {}, id=a) for a in ALGORITHMS] + [
+    pytest.param("adamw", {"max_grad_norm": 0.05}, {}, id="adamw-clip"),
+    pytest.param("sgd", {"max_grad_norm": 0.05, "skip_nonfinite": True}, {}, id="sgd-clip-skip"),
+    pytest.param("lion", {"skip_nonfinite": True}, {}, id="lion-skip"),
+    pytest.param("adam", {}, {"num_items": torch.tensor(3.0)}, id="adam-num_items"),
+    pytest.param("adamw", {"accum_steps": 2, "step_in_backward": True}, {}, id="adamw-step_in_backward"),
+    pytest.param("sgd", {"accum_steps": 2, "step_in_backward": True}, {}, id="sgd-step_in_backward"),
+    pytest.param("adamw", {"scaler": True}, {}, id="adamw-gradscaler"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("algorithm, kwargs, step_kwargs", CASES)
+def test_the_remainder_mode_steps_as_the_fp32_master_mode_with_tie_rounded_weights(
+    algorithm, kwargs, step_kwargs, backend, one_thread
+):
+    cls, hyper = ALGORITHMS[algorithm]
+    kwargs = dict(kwargs)
+    use_scaler = kwargs.pop("scaler", False)
+    skip = kwargs.get("skip_nonfinite", False)
+    ours, twin = bf16_net(), bf16_net()
+    ours_opt = cls(ours.parameters(), master_weights="remainder", backend=backend, **hyper, **kwargs)
+    twin_opt = cls(twin.parameters(), master_weights=True, backend=backend, **hyper, **kwargs)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**14) if use_scaler else None for _ in range(2)]
+    poison = 2 if skip else None
+    got = run(ours, ours_opt, 6, step_kwargs=step_kwargs, poison=poison, scaler=scalers[0])
+    want = run(twin, twin_opt, 6, twin=True, step_kwargs=step_kwargs, poison=poison, scaler=scalers[1])
+    assert_bit_equal(ours, ours_opt, twin, twin_opt, (got, want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_skipped_step_leaves_weight_and_remainder_untouched(backend):
+    model = bf16_net()
+    opt = fused_accum.AdamW(
+        model.parameters(), lr=1e-2, master_weights="remainder", skip_nonfinite=True, backend=backend
+    )
+    run(model, opt, 2)
+    weights = [p.detach().clone() for p in model.parameters()]
+    remainders = [s.remainder.clone() for s in opt._window.slots]
+    batch = data(1, seed=9)[0]
+    (loss_of(model, batch) * float("nan")).backward()
+    opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(s.remainder, r) for s, r in zip(opt._window.slots, remainders))
+
+
+def test_a_weight_written_from_outside_restarts_its_remainder():
+    """``model.load_state_dict``, ``clamp_``, ``mul_``: the master becomes the weight exactly
+    (never an old remainder glued to a new high half), at the next step as in a checkpoint."""
+    model = bf16_net()
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, master_weights="remainder")
+    run(model, opt, 3)
+    assert any(s.remainder.any() for s in opt._window.slots)  # (the remainders hold something)
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    saved = opt.state_dict()["state"][0]["master"]
+    assert torch.equal(saved, model[0].weight.float())  # the edited weight, exactly
+    twin = bf16_net()
+    twin.load_state_dict(model.state_dict())
+    twin_opt = fused_accum.AdamW(twin.parameters(), lr=1e-2, master_weights="remainder")
+    twin_opt.load_state_dict(opt.state_dict())
+    run(model, opt, 2)
+    run(twin, twin_opt, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+@pytest.mark.parametrize("into", ["remainder", True])
+@pytest.mark.parametrize("source", ["remainder", True])
+def test_checkpoints_hold_fp32_masters_and_load_into_either_mode(source, into, tmp_path):
+    """state_dict() shows the rebuilt fp32 master (no int16, nothing mode-specific): a checkpoint
+    of one mode loads into the other (weights_only), and resumes where the source's master was."""
+    model = bf16_net()
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, master_weights=source)
+    run(model, opt, 3)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    saved = torch.load(tmp_path / "opt.pt", weights_only=True)
+    for entry in saved["state"].values():
+        assert entry["master"].dtype == torch.float32 and set(entry) <= {"step", "exp_avg", "exp_avg_sq", "master"}
+    resumed = bf16_net()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = fused_accum.AdamW(resumed.parameters(), lr=1e-2, master_weights=into)
+    resumed_opt.load_state_dict(saved)
+    for got, want in zip(masters(resumed_opt), masters(opt)):
+        assert torch.equal(got, want)  # the same fp32 master, in either mode
+    if into == source == "remainder":
+        run(model, opt, 2)
+        run(resumed, resumed_opt, 2)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+def test_bytes_per_parameter_held_by_the_optimizer():
+    """bf16 AdamW: accumulator 4 + remainder 2 + two moments 8 = 14 B beside the 2 B weight
+    (16 in all), against 4 + 4 + 8 = 16 (18) with fp32 masters, counted from the buffers."""
+    per_param = {}
+    for mode in ("remainder", True):
+        model = nn.Linear(1000, 1000).to(torch.bfloat16)
+        opt = fused_accum.AdamW(model.parameters(), master_weights=mode)
+        n = sum(p.numel() for p in model.parameters())
+        held = sum(flat.nbytes() - flat.steps.numel() * 4 for flat in opt._window.flat_groups)
+        per_param[mode] = held / n
+    # (the slices are padded to 64 elements: 1000 x 1000 + 1000 -> at most 64 more per tensor)
+    assert 14 <= per_param["remainder"] < 14.001 and 16 <= per_param[True] < 16.001, per_param
+
+
+def test_what_the_mode_refuses():
+    with pytest.raises(TypeError, match="bfloat16 parameters only"):
+        fused_accum.AdamW(nn.Linear(2, 2).half().parameters(), master_weights="remainder")
+    with pytest.raises(ValueError, match="needs a fused algorithm"):
+        fused_accum.FusedAccumOptimizer(
+            bf16_net().parameters(), torch.optim.RMSprop, master_weights="remainder", lr=0.1
+        )
+    with pytest.raises(ValueError, match="master_weights must be"):
+        fused_accum.AdamW(bf16_net().parameters(), master_weights="bf16")
+    fused_accum.AdamW(nn.Linear(2, 2).parameters(), master_weights="remainder")  # fp32: its own master
+
+
+# --- a model run: 200 windows of 8 micro-batches ---------------------------------------------------
+
+
+def _gpt_run(mode, windows=200, k=8):
+    from benchmarks.end_to_end import E2EConfig, TinyGPT, make_batches
+
+    cfg = E2EConfig(
+        d_model=32, n_layers=2, n_heads=2, vocab=64, seq_len=16, micro_batch=2, accum_steps=k, windows=windows
+    )
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    if mode != "fp32":
+        model = model.to(torch.bfloat16)
+    master = {"fp32": None, "master": True, "twin": True, "remainder": "remainder", "none": False}[mode]
+    opt = fused_accum.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, master_weights=master)
+    losses = []
+    for window in make_batches(cfg, torch.device("cpu")):
+        total = 0.0
+        for idx, targets in window:
+            loss = model(idx, targets) / k
+            total += loss.item()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mode == "twin":
+            set_twin_weights(opt)
+        losses.append(total)
+    return model, opt, losses
+
+
+def test_a_small_bf16_gpt_trains_in_the_remainder_mode_as_with_fp32_masters(one_thread):
+    """200 windows of k = 8: the remainder mode equals the tie twin bit for bit (every window's
+    loss, every weight and master at the end), so what separates it from the fp32-master mode is
+    the tie rule alone; both stay nearer to fp32 training than bf16 without masters."""
+    ours, ours_opt, losses = _gpt_run("remainder")
+    twin, twin_opt, twin_losses = _gpt_run("twin")
+    assert_bit_equal(ours, ours_opt, twin, twin_opt, (losses, twin_losses))
+    _, _, master_losses = _gpt_run("master")
+    _, _, fp32_losses = _gpt_run("fp32")
+    _, _, none_losses = _gpt_run("none")
+    tail = slice(-20, None)  # the last 20 windows' mean loss
+
+    def mean(xs):
+        return sum(xs[tail]) / len(xs[tail])
+
+    gap = {
+        name: abs(mean(xs) - mean(fp32_losses))
+        for name, xs in dict(remainder=losses, master=master_losses, none=none_losses).items()
+    }
+    assert gap["remainder"] < gap["none"] and gap["master"] < gap["none"], gap
+    assert mean(losses) < losses[0] - 0.5  # (it trains: from ~ln 64 = 4.16 down)
+
+
+# --- what users do between steps, drawn (hypothesis) -------------------------------------------
+
+from hypothesis import given, note, settings  # noqa: E402 (a test dependency: requirements-dev.txt)
+from hypothesis import strategies as st  # noqa: E402
+
+EVENTS = ("none", "edit_weight", "clip_grad_value", "clear_grad", "zero_grad_mid_window", "checkpoint", "state_clear")
+
+
+def _with_events(cfg, mode):
+    """``cfg``'s loop on a fresh bf16 net in ``mode`` ("remainder", or "twin"); its weights."""
+    cls, hyper = ALGORITHMS[cfg["algorithm"]]
+    master = "remainder" if mode == "remainder" else True
+    model = bf16_net(cfg["seed"])
+    opt = cls(model.parameters(), master_weights=master, max_grad_norm=cfg["clip"], **hyper)
+    batches = data(len(cfg["windows"]) * 3, seed=cfg["seed"])
+    for w, (k, event) in enumerate(zip(cfg["windows"], cfg["events"])):
+        for j in range(k):
+            if event == "zero_grad_mid_window" and j == 1:
+                opt.zero_grad()
+            loss_of(model, batches[3 * w + j]).div(k).backward()
+        if event == "edit_weight":
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+        elif event == "clip_grad_value":
+            nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        elif event == "clear_grad":
+            model[2].bias.grad = None
+        elif event == "state_clear":
+            opt.state.clear()
+        opt.step()
+        opt.zero_grad()
+        if mode == "twin":
+            set_twin_weights(opt)
+        if event == "checkpoint":  # a fresh model and optimizer from the checkpoints, as a resume
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+            model = bf16_net(cfg["seed"] + 1)
+            model.load_state_dict(saved[0])
+            opt = cls(model.parameters(), master_weights=master, max_grad_norm=cfg["clip"], **hyper)
+            opt.load_state_dict(saved[1])
+    return model
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    cfg=st.fixed_dictionaries(
+        dict(
+            algorithm=st.sampled_from(sorted(ALGORITHMS)),
+            seed=st.integers(0, 100),
+            clip=st.sampled_from([None, 0.05]),
+            windows=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+            events=st.lists(st.sampled_from(EVENTS), min_size=3, max_size=3),
+        )
+    )
+)
+def test_the_remainder_mode_equals_the_tie_twin_whatever_the_user_does_between_steps(cfg):
+    note(repr(cfg))
+    ours, twin = _with_events(cfg, "remainder"), _with_events(cfg, "twin")
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
