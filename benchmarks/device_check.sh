@@ -30,6 +30,8 @@
 #   triton-sweep  benchmarks/triton_sweep.py: BLOCK, num_warps, programs per SM, one at a time
 #   triton-host   benchmarks/triton_host.py: the Triton launcher's host time, kernels stubbed
 #   wgrad         benchmarks/wgrad.py --e2e: the fused weight-gradient GEMM against the bf16 GEMM
+#   offload       benchmarks/offload.py: the host step per bucket; a k = 8 window of a small bf16 GPT with and
+#                 without offload='cpu' (ms, peak device memory, how much of the host step hides)
 #   goals         scripts/device_goals.py: launches per op on 2,048 tensors, the k = 8 window's
 #                 gradient traffic, and summary.md (every goal: met, MISSED or not measured)
 # Only the GPU benchmark suites run (not `window`, the CPU thread table, nor cpu_adam).
@@ -94,11 +96,11 @@ export PYTHONUNBUFFERED=1  # else python holds its output back and a killed stag
 # configurations after 10 s; the launcher host time ~15 s; the goals stage counts launches
 # (23 s measured on a step that synced per parameter, issue 26 section 1) and times the window's
 # traffic: 40-45 s.
-STAGES=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad goals)
+STAGES=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad offload goals)
 declare -A LIMIT=([toolchain]=20 [build]=50 [device]=25 [gpu-core]=115 [gpu-matrix]=65 [kernels]=50
-                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [goals]=45)
+                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [offload]=20 [goals]=45)
 KILL_AFTER=15
-TOTAL_BUDGET=480  # 8 minutes: a 10-minute command, with a machine start and a rerun's margin
+TOTAL_BUDGET=500  # 8 1/3 minutes: a 10-minute command (the machine's start is not in it), 100 s to spare
 
 if [[ $DRY_RUN == 1 ]]; then
   for s in "${STAGES[@]}"; do LIMIT[$s]=120; done
@@ -290,6 +292,10 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
       if [[ $dry == 1 ]]; then
         CMD=("$PY" -m benchmarks.wgrad --smoke --device cpu --e2e --out "$OUT" --extra-out "$SCRATCH")
       else CMD=("$PY" -m benchmarks.wgrad --device cuda --e2e --out "$OUT" --extra-out "$SCRATCH")
+      fi ;;
+    offload)  # offload.csv stays in the scratch folder (8 files back): summary.md reports it
+      if [[ $dry == 1 ]]; then CMD=("$PY" benchmarks/offload.py --quick --out "$SCRATCH")
+      else CMD=("$PY" benchmarks/offload.py --out "$SCRATCH")
       fi ;;
     goals)
       if [[ $dry == 1 ]]; then
