@@ -28,7 +28,10 @@ aside (during the backward) makes a commit free and keeps ``opt.state``'s views 
 What speculates: a window with ``accum_steps`` set, whose last backward is known, when the last
 step did not use ``num_items`` or a GradScaler (a loop that does, does at every step: its window
 steps at ``step()`` instead, still bucket by bucket, each bucket's copy to the host overlapping
-the step of the one before). A window of any other length steps at ``step()`` too.
+the step of the one before). A window of any other length steps at ``step()`` too, and so does
+every window under ``process_group=``: its last backward's buckets are not final until their
+all-reduce, which the step waits for (``fold.bucket_complete`` asks the topology: ``syncs``).
+Under DDP, which owns ``.grad``, the window is taken at ``step()`` as well.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: i
 from .window import GradientWindow
 
 
-def _check_offload(offload, optimizer, master_weights, step_in_backward, process_group) -> None:
+def _check_offload(offload, optimizer, master_weights, step_in_backward, shard) -> None:
     """``offload=``'s own checks (what it needs, what it does not support yet)."""
     if offload is None:
         return
@@ -55,10 +55,10 @@ def _check_offload(offload, optimizer, master_weights, step_in_backward, process
         raise ValueError("offload='cpu' keeps the masters on the host: master_weights=False leaves none to keep")
     if step_in_backward:
         raise ValueError("step_in_backward=True steps on the device during backward: offload='cpu' steps on the host")
-    if process_group is not None:
+    if shard is not None:
         raise NotImplementedError(
-            "offload='cpu' with process_group= (and shard=) is not supported yet: use DDP, which the "
-            "offloaded optimizer follows, or no offload"
+            "offload='cpu' with shard= is not supported yet: each rank would offload its shard, a layout "
+            "of its own; use process_group= without shard=, or DDP"
         )
 
 
@@ -155,7 +155,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         offload: Optional[str] = None,
         **hyperparameters: Any,
     ):
-        _check_offload(offload, optimizer, master_weights, step_in_backward, process_group)
+        _check_offload(offload, optimizer, master_weights, step_in_backward, shard)
         _check_arguments(
             optimizer,
             accum_steps,

@@ -72,6 +72,10 @@ SCENARIOS = {
 }
 
 
+# offload="cpu" with process_group=: (loss kind, how windows end)
+OFFLOAD_CASES = [("clip", "accum_steps"), ("items", "none")]
+
+
 def _optimizer(model, shard, algorithm, kind, cap, ends, **extra):
     common = dict(
         process_group=dist.group.WORLD,
@@ -208,6 +212,20 @@ def _worker(rank, path):
             opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
             _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
             results[f"bf16_{shard}"] = [p.detach().clone() for p in model.parameters()]
+        # offload="cpu" under process_group= (no shard): the window is all-reduced on the
+        # device, then stepped on the host (no speculation: the last backward's buckets are not
+        # final until the collective): bit for bit the same replicated optimizer without offload
+        for kind, ends in OFFLOAD_CASES:
+            for offload in (None, "cpu"):
+                model = Net().to(torch.bfloat16)
+                opt = _optimizer(model, None, "adamw", kind, 1e-5, ends, offload=offload)
+                _train(model, opt, rank, kind, ends, range(WINDOWS))
+                state = opt.state_dict()["state"]
+                results[f"offload_{kind}_{ends}_{offload}"] = dict(
+                    params=[p.detach().clone() for p in model.parameters()],
+                    state=[v.clone() for i in sorted(state) for _, v in sorted(state[i].items())],
+                    speculated=(opt._window.offload.committed, opt._window.offload.redone) if offload else None,
+                )
         # resharding through gathered_state_dict: 2 ranks -> 1 process (checked by the parent)
         model = Net()
         opt = _optimizer(model, "state", "adamw", "clip", 1e-5, "accum_steps")
@@ -479,6 +497,16 @@ def test_resume_from_per_rank_state_dict(ranks, shard):
     for rank in ranks:
         assert rank[f"resume_{shard}"]["shapes"] == [("DTensor", (2, 256), (1, 256))] * 2
     del uninterrupted
+
+
+@pytest.mark.parametrize("kind, ends", OFFLOAD_CASES)
+def test_offload_under_a_process_group_equals_it_without(ranks, kind, ends):
+    for rank in ranks:
+        got, want = rank[f"offload_{kind}_{ends}_cpu"], rank[f"offload_{kind}_{ends}_None"]
+        assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"]))
+        assert len(got["state"]) == len(want["state"]) > 0
+        assert all(torch.equal(a, b) for a, b in zip(got["state"], want["state"]))
+        assert got["speculated"] == (0, 0)  # nothing speculated: no bucket committed or put back
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])
