@@ -296,7 +296,8 @@ class WindowReducer:
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(self.group, device_type=flat.device.type)
         longest = max(flat.layout.piece_lengths(flat, slot))
-        row = torch.zeros(1, longest, dtype=piece.dtype, device=piece.device)
+        # (on the group's device: under offload the piece is on the host)
+        row = torch.zeros(1, longest, dtype=piece.dtype, device=flat.device)
         row[0, : piece.numel()] = piece
         return DTensor.from_local(
             row, self._mesh, [Shard(0)], run_check=False, shape=(self.world, longest), stride=(longest, 1)
@@ -306,7 +307,8 @@ class WindowReducer:
         """Sharded: the whole of a local (master or state) buffer of ``flat``, in the unsharded
         layout (``flat.total`` elements), all-gathered from every rank's parts (a collective:
         every rank calls it, in the same order)."""
-        full = torch.zeros(flat.total, dtype=buf.dtype, device=buf.device)
+        full = torch.zeros(flat.total, dtype=buf.dtype, device=flat.device)
+        buf = buf.to(flat.device)  # (under offload it is on the host)
         works = []
         for bucket, (start, end, local_start) in zip(flat.buckets, flat.layout.parts):
             local = buf[local_start : local_start + end - start]

@@ -161,9 +161,8 @@ class Folder:
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)
-        if self.offload is not None and self.ledger.last_backward() and not self.topology.syncs(self.ledger):
-            # its sums are final: to the host (where a collective still reduces them, at step())
-            self.offload.bucket_final(flat, bucket_index, self.ledger)
+        if self.offload is not None and self.ledger.last_backward() and self.topology.final_at_bucket(self.ledger):
+            self.offload.bucket_final(flat, bucket_index, self.ledger)  # (its sums are final: to the host)
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""

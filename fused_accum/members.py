@@ -101,7 +101,8 @@ class Members:
         if window.offload is not None and topology.stands_aside:
             raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
         window.topology = topology
-        return window.offload.layout(device) if window.offload is not None else topology.layout()
+        layout = topology.layout()
+        return window.offload.layout(device, layout) if window.offload is not None else layout
 
     def _bucket_numel(self, device: torch.device) -> int:
         """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""

@@ -1,11 +1,13 @@
 """``offload="cpu"``: the optimizer's state on the host, the step on the host's CPU kernels, exact.
 
-On the device stay the parameters and the fp32 accumulators (bf16 AdamW: 2 + 4 = 6 B/param);
-the middle micro-batches fold there exactly as without offload. On the host (pinned memory
-where the device is a GPU) live the fp32 masters (or, with ``master_weights="remainder"``, the
-int16 remainders), the optimizer state and the step counts, a host copy of every parameter
+On the device stay the parameters and the fp32 accumulators (bf16 AdamW: 2 + 4 = 6 B/param;
+with ``shard="grads"`` over N ranks 2 + 4/N); the middle micro-batches fold there exactly as
+without offload. On the host live the fp32 masters (or, with ``master_weights="remainder"``,
+the int16 remainders), the optimizer state and the step counts, a host copy of every parameter
 (what the step writes, and what goes back to the device), the window's gradient as it arrives
-from the device, and a backup of what a speculative step changes (:class:`OffloadLayout`).
+from the device, and a backup of what a speculative step changes (:class:`OffloadLayout`; under
+``shard=`` each rank's part of them, :class:`ShardedOffloadLayout`). The two that cross, the
+gradient and the parameter copy, are pinned where the device is a GPU; the rest never does.
 
 One transfer per window. When the window's last backward completes a bucket, its fp32 sum is
 final: it goes device-to-host once (on a side stream), and a host worker thread steps that
@@ -29,9 +31,10 @@ What speculates: a window with ``accum_steps`` set, whose last backward is known
 step did not use ``num_items`` or a GradScaler (a loop that does, does at every step: its window
 steps at ``step()`` instead, still bucket by bucket, each bucket's copy to the host overlapping
 the step of the one before). A window of any other length steps at ``step()`` too, and so does
-every window under ``process_group=``: its last backward's buckets are not final until their
-all-reduce, which the step waits for (``fold.bucket_complete`` asks the topology: ``syncs``).
-Under DDP, which owns ``.grad``, the window is taken at ``step()`` as well.
+every window under ``process_group=`` (and ``shard=``): its last backward's buckets are not
+final until their collective, which the step waits for (``fold.bucket_complete`` asks the
+topology: ``final_at_bucket``). Under DDP, which owns ``.grad``, the window is taken at
+``step()`` as well.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch import Tensor
 
 from . import backends
 from .flat import Layout
+from .topology.zero import ShardedLayout
 
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
 # slow and its timing random with it, to show the next forward never sees half a step).
@@ -87,6 +91,18 @@ class OffloadLayout(Layout):
     def param_written(self, flat, slot) -> None:
         self.host_params[slot.local].copy_(slot.param.detach().reshape(-1))
 
+    def acc_range(self, flat, bucket_index: int) -> tuple:
+        """(host, device) views of what a bucket's step reads of the window's gradient."""
+        bucket = flat.buckets[bucket_index]
+        return self.host_acc[bucket.start : bucket.end], flat.acc[bucket.start : bucket.end]
+
+    def send_params(self, flat, copies: "_Copies", pending: list) -> None:
+        """The updated parameters, host to device (on the worker, after the steps; on a GPU on
+        the side stream, its event appended to ``pending``)."""
+        params = [s.param.detach() for s in flat.slots]
+        hosts = [self.host_params[s.local].view(s.param.shape) for s in flat.slots]
+        copies.to_device(params, hosts, pending)
+
     def step_lists(self, flat, active: list) -> tuple:
         """The host's: the gradient as copied, the host copy of each parameter (written by the
         step: as the rounded master, or stepped in place with its remainder, or as an fp32
@@ -116,6 +132,49 @@ class OffloadLayout(Layout):
     def restore(self, flat, start: int, end: int) -> None:
         for name, buf in self._buffers(flat).items():
             buf[start:end] = self.backup[name][start:end]
+
+
+class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
+    """``shard=`` under offload: this rank's part of every bucket (:class:`ShardedLayout`),
+    with its masters, state, parameter pieces and gradient parts on the host. The accumulator
+    stays on the device, whole ("state") or this rank's part ("grads"): bf16 AdamW keeps 2 + 4
+    (or 2 + 4/N) B/param there and 18/N on the host. After the host step the updated pieces go
+    to the device's staging buffer, which the topology all-gathers (``after_step_params``)."""
+
+    def __init__(self, rank: int, world: int, mode: str, pinned: bool) -> None:
+        ShardedLayout.__init__(self, rank, world, mode)
+        OffloadLayout.__init__(self, pinned)
+
+    def place_buckets(self, flat) -> None:
+        ShardedLayout.place_buckets(self, flat)
+        self.host_params = self._host(flat.local_numel, flat.dtype)  # this rank's pieces only
+        self.host_acc = self._host(flat.local_numel, torch.float32)
+
+    def set_views(self, flat, slot) -> None:
+        ShardedLayout.set_views(self, flat, slot)
+        self.param_written(flat, slot)
+
+    def param_written(self, flat, slot) -> None:
+        self.host_params[slot.local].copy_(self.param_piece(flat, slot))
+
+    def acc_range(self, flat, bucket_index: int) -> tuple:
+        start, end, local = self.parts[bucket_index]
+        host = self.host_acc[local : local + end - start]
+        return host, flat.acc[local : local + end - start] if self.grads else flat.acc[start:end]
+
+    def send_params(self, flat, copies: "_Copies", pending: list) -> None:
+        held = [s for s in flat.slots if s.piece is not None]
+        self.staging = torch.empty(flat.total, dtype=flat.dtype, device=flat.device)  # (see begin_step)
+        staged = [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held]
+        copies.to_device(staged, [self.host_params[s.local] for s in held], pending)
+
+    def step_lists(self, flat, active: list) -> tuple:
+        held = [s for s in active if s.piece is not None]
+        accs = [self.host_acc[s.local] for s in held]
+        pieces = [self.host_params[s.local] for s in held]
+        if flat.has_master:
+            return held, accs, [s.master for s in held], pieces, []
+        return held, accs, pieces, [], [s.remainder for s in held] if flat.has_remainder else []
 
 
 class _Worker:
@@ -190,6 +249,16 @@ class _Copies:
             dst.copy_(src, non_blocking=True)
             return self.stream.record_event()
 
+    def to_device(self, dsts: list, srcs: list, pending: list) -> None:
+        """``dsts[i].copy_(srcs[i])``; on a GPU on the side stream, its event kept in ``pending``
+        (the compute stream waits on it before the next forward)."""
+        if not self.cuda:
+            torch._foreach_copy_(dsts, srcs)
+            return
+        with torch.cuda.stream(self.stream):
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            pending.append((self.device, self.stream.record_event()))
+
 
 class Offload:
     """The host side of one optimizer under ``offload="cpu"``: its flat groups' layouts, the
@@ -206,8 +275,10 @@ class Offload:
         # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
         self.committed = self.redone = 0
 
-    def layout(self, device) -> OffloadLayout:
-        """A new flat group's layout: host buffers pinned where its parameters are on a GPU."""
+    def layout(self, device, base: Layout) -> OffloadLayout:
+        """A new flat group's layout, over the topology's ``base`` (one process's, or a rank's
+        part of each bucket under ``shard=``): host buffers pinned where the parameters are on a
+        GPU."""
         pinned = torch.device(device).type == "cuda"
         if pinned:
             try:
@@ -216,6 +287,8 @@ class Offload:
                 raise RuntimeError(
                     f"offload='cpu' keeps the optimizer state in pinned host memory, which this machine cannot give ({err})"
                 ) from None
+        if isinstance(base, ShardedLayout):
+            return ShardedOffloadLayout(base.rank, base.world, base.mode, pinned)
         return OffloadLayout(pinned)
 
     def copies(self, device) -> _Copies:
@@ -246,7 +319,7 @@ class Offload:
             versions=[s.param._version for s in flat.slots],
             hyper=_hyper_of(group),
         )
-        self._submit_step(flat, bucket, call, self.copies(flat.device).to_host(*_acc_range(flat, bucket)), backup=True)
+        self._submit_step(flat, bucket_index, call, backup=True)
 
     def note_end(self, flat_groups) -> None:
         """A backward ended: what the speculated buckets' accumulators hold now is what they read."""
@@ -254,9 +327,12 @@ class Offload:
             if record["acc_version"] is None:
                 record["acc_version"] = flat_groups[flat_index].acc._version
 
-    def _submit_step(self, flat, bucket, call, event, backup: bool) -> None:
-        layout = flat.layout
-        host, device = _acc_range(flat, bucket)
+    def _submit_step(self, flat, bucket_index: int, call, backup: bool) -> None:
+        """Queue a bucket's step on the worker, after its gradient's copy to the host (started
+        here on a GPU; on a CPU the worker copies)."""
+        layout, bucket = flat.layout, flat.buckets[bucket_index]
+        host, device = layout.acc_range(flat, bucket_index)
+        event = self.copies(flat.device).to_host(host, device)
 
         def task() -> None:
             if event is None:
@@ -298,9 +374,7 @@ class Offload:
                 slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
                 call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
                 if call is not None:
-                    self._submit_step(
-                        flat, bucket, call, self.copies(flat.device).to_host(*_acc_range(flat, bucket)), False
-                    )
+                    self._submit_step(flat, b, call, backup=False)
             if active:
                 self._to_device(flat)
         self.worker.drain()
@@ -334,21 +408,9 @@ class Offload:
         )
 
     def _to_device(self, flat) -> None:
-        """The updated parameters back to the device, bucket by bucket (on the worker, after
-        its steps)."""
-        layout, copies = flat.layout, self.copies(flat.device)
-
-        def task() -> None:
-            params = [s.param.detach() for s in flat.slots]
-            hosts = [layout.host_params[s.local].view(s.param.shape) for s in flat.slots]
-            if copies.cuda:
-                with torch.cuda.stream(copies.stream):
-                    torch._foreach_copy_(params, hosts, non_blocking=True)
-                    self.pending_h2d.append((flat.device, copies.stream.record_event()))
-            else:
-                torch._foreach_copy_(params, hosts)
-
-        self.worker.submit(task)
+        """The updated parameters back to the device (on the worker, after its steps)."""
+        copies = self.copies(flat.device)
+        self.worker.submit(lambda: flat.layout.send_params(flat, copies, self.pending_h2d))
 
     def drain(self) -> None:
         """Wait for the host (a step's worker tasks, a speculation in flight)."""
@@ -361,10 +423,6 @@ class Offload:
             flat = flat_groups[flat_index]
             self._put_back(flat, flat.buckets[b], record)
         self.speculated.clear()
-
-
-def _acc_range(flat, bucket) -> tuple:
-    return flat.layout.host_acc[bucket.start : bucket.end], flat.acc[bucket.start : bucket.end]
 
 
 def _hyper_of(group: dict) -> tuple:

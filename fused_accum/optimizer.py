@@ -40,8 +40,8 @@ from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: i
 from .window import GradientWindow
 
 
-def _check_offload(offload, optimizer, master_weights, step_in_backward, shard) -> None:
-    """``offload=``'s own checks (what it needs, what it does not support yet)."""
+def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None:
+    """``offload=``'s own checks (what it needs; FSDP2 is refused as its parameters join)."""
     if offload is None:
         return
     if offload != "cpu":
@@ -55,11 +55,6 @@ def _check_offload(offload, optimizer, master_weights, step_in_backward, shard) 
         raise ValueError("offload='cpu' keeps the masters on the host: master_weights=False leaves none to keep")
     if step_in_backward:
         raise ValueError("step_in_backward=True steps on the device during backward: offload='cpu' steps on the host")
-    if shard is not None:
-        raise NotImplementedError(
-            "offload='cpu' with shard= is not supported yet: each rank would offload its shard, a layout "
-            "of its own; use process_group= without shard=, or DDP"
-        )
 
 
 def _check_arguments(
@@ -155,7 +150,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         offload: Optional[str] = None,
         **hyperparameters: Any,
     ):
-        _check_offload(offload, optimizer, master_weights, step_in_backward, shard)
+        _check_offload(offload, optimizer, master_weights, step_in_backward)
         _check_arguments(
             optimizer,
             accum_steps,
@@ -337,6 +332,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if window.offload is not None:  # (on the host: fused_accum.offload; it refreshes the masters)
             speculable = num_items is None and getattr(self, "grad_scale", None) is None
             window.offload.step(window, scale, skip, speculable and getattr(self, "found_inf", None) is None)
+            window.topology.after_step_params(window.flat_groups)  # (shard=: the pieces, to every rank)
         else:
             for flat in window.flat_groups:
                 flat.refresh_masters()  # the user may have written the params since the last step

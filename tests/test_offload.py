@@ -225,8 +225,6 @@ def test_what_offload_refuses():
         fused_accum.AdamW(params(), offload="cpu", master_weights=False)
     with pytest.raises(ValueError, match="steps on the host"):
         fused_accum.AdamW(params(), offload="cpu", accum_steps=2, step_in_backward=True)
-    with pytest.raises(NotImplementedError, match="shard= is not supported yet"):
-        fused_accum.AdamW(params(), offload="cpu", shard="state")
 
 
 def test_a_scheduler_between_the_last_backward_and_the_step_is_seen(one_thread):

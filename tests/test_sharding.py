@@ -72,8 +72,15 @@ SCENARIOS = {
 }
 
 
-# offload="cpu" with process_group=: (loss kind, how windows end)
-OFFLOAD_CASES = [("clip", "accum_steps"), ("items", "none")]
+# offload="cpu" with process_group=: (shard, loss kind, how windows end, master_weights)
+OFFLOAD_CASES = [
+    (None, "clip", "accum_steps", True),
+    (None, "items", "none", True),
+    ("state", "clip", "accum_steps", True),
+    ("state", "items", "no_sync", "remainder"),
+    ("grads", "clip", "accum_steps", "remainder"),
+    ("grads", "items", "none", True),
+]
 
 
 def _optimizer(model, shard, algorithm, kind, cap, ends, **extra):
@@ -212,20 +219,57 @@ def _worker(rank, path):
             opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
             _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
             results[f"bf16_{shard}"] = [p.detach().clone() for p in model.parameters()]
-        # offload="cpu" under process_group= (no shard): the window is all-reduced on the
-        # device, then stepped on the host (no speculation: the last backward's buckets are not
-        # final until the collective): bit for bit the same replicated optimizer without offload
-        for kind, ends in OFFLOAD_CASES:
+        # offload="cpu" under process_group= and shard=: the window is reduced on the device,
+        # then stepped on the host (no speculation: the last backward's buckets are not final
+        # until their collective), each rank its own pieces under shard=: bit for bit the same
+        # optimizer without offload
+        for case in OFFLOAD_CASES:
+            shard, kind, ends, master = case
             for offload in (None, "cpu"):
                 model = Net().to(torch.bfloat16)
-                opt = _optimizer(model, None, "adamw", kind, 1e-5, ends, offload=offload)
+                opt = _optimizer(model, shard, "adamw", kind, 1e-5, ends, offload=offload, master_weights=master)
                 _train(model, opt, rank, kind, ends, range(WINDOWS))
-                state = opt.state_dict()["state"]
-                results[f"offload_{kind}_{ends}_{offload}"] = dict(
+                whole = opt.gathered_state_dict()["state"]
+                results[("offload", *case, offload)] = dict(
                     params=[p.detach().clone() for p in model.parameters()],
-                    state=[v.clone() for i in sorted(state) for _, v in sorted(state[i].items())],
+                    state=[v.clone() for i in sorted(whole) for _, v in sorted(whole[i].items())],
                     speculated=(opt._window.offload.committed, opt._window.offload.redone) if offload else None,
                 )
+        # ... and through torch.distributed.checkpoint: saved after a window, loaded into a fresh
+        # offloaded optimizer, trained on: equal to the uninterrupted run
+        for shard in ("state", "grads"):
+            model = Net().to(torch.bfloat16)
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps", offload="cpu")
+            _train(model, opt, rank, "clip", "accum_steps", range(1))
+            saved = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.save(saved, checkpoint_id=f"{path}.offload_{shard}")
+            _train(model, opt, rank, "clip", "accum_steps", range(1, WINDOWS))
+            copy = Net().to(torch.bfloat16)
+            opt2 = _optimizer(copy, shard, "adamw", "clip", 1e-5, "accum_steps", offload="cpu")
+            template = {"model": copy.state_dict(), "optim": get_optimizer_state_dict(copy, opt2)}
+            dcp.load(template, checkpoint_id=f"{path}.offload_{shard}")
+            copy.load_state_dict(template["model"])
+            set_optimizer_state_dict(copy, opt2, template["optim"])
+            _train(copy, opt2, rank, "clip", "accum_steps", range(1, WINDOWS))
+            results[("offload_dcp", shard)] = dict(
+                resumed=[p.detach().clone() for p in copy.parameters()],
+                uninterrupted=[p.detach().clone() for p in model.parameters()],
+            )
+        # ... and its bytes per parameter, counted from the buffers it allocates
+        for shard in ("state", "grads"):
+            model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).to(torch.bfloat16)
+            opt = fused_accum.AdamW(
+                model.parameters(), process_group=dist.group.WORLD, shard=shard, accum_steps=K, offload="cpu"
+            )
+            for _ in range(K):
+                model(torch.randn(8, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            flat, n = opt._window.flat_groups[0], sum(p.numel() for p in model.parameters())
+            layout = flat.layout
+            host = [flat.master, *flat.state.values(), layout.host_params, layout.host_acc, *layout.backup.values()]
+            results[("offload_bytes", shard)] = dict(
+                device=(flat.acc.numel() * 4 + 2 * n) / n, host=sum(t.numel() * t.element_size() for t in host) / n
+            )
         # resharding through gathered_state_dict: 2 ranks -> 1 process (checked by the parent)
         model = Net()
         opt = _optimizer(model, "state", "adamw", "clip", 1e-5, "accum_steps")
@@ -499,14 +543,35 @@ def test_resume_from_per_rank_state_dict(ranks, shard):
     del uninterrupted
 
 
-@pytest.mark.parametrize("kind, ends", OFFLOAD_CASES)
-def test_offload_under_a_process_group_equals_it_without(ranks, kind, ends):
+@pytest.mark.parametrize("case", OFFLOAD_CASES, ids=["-".join(map(str, c)) for c in OFFLOAD_CASES])
+def test_offload_under_a_process_group_equals_it_without(ranks, case):
     for rank in ranks:
-        got, want = rank[f"offload_{kind}_{ends}_cpu"], rank[f"offload_{kind}_{ends}_None"]
+        got, want = rank[("offload", *case, "cpu")], rank[("offload", *case, None)]
         assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"]))
-        assert len(got["state"]) == len(want["state"]) > 0
+        assert len(got["state"]) == len(want["state"]) > 0  # masters (rebuilt), moments, steps
         assert all(torch.equal(a, b) for a, b in zip(got["state"], want["state"]))
         assert got["speculated"] == (0, 0)  # nothing speculated: no bucket committed or put back
+        assert not all(torch.equal(a, b) for a, b in zip(got["params"], Net().to(torch.bfloat16).parameters()))
+
+
+@pytest.mark.parametrize("shard, device", [("state", 6.0), ("grads", 4.0)])
+def test_offloaded_shards_hold_their_part_on_the_host(ranks, shard, device):
+    """bf16 AdamW, 2 ranks: the device keeps the weight and the accumulator, whole with "state"
+    (2 + 4 B/param) and this rank's part with "grads" (2 + 4/2); the host this rank's part of
+    the master, the moments, the weight and the gradient ((4 + 8 + 2 + 4) / 2 = 9 B/param) and no
+    backup (nothing speculates under a process group). Buckets are padded to 64 x 2 elements:
+    under 0.01 B/param here."""
+    for rank in ranks:
+        counted = rank[("offload_bytes", shard)]
+        assert device <= counted["device"] < device + 0.01, counted
+        assert 9.0 <= counted["host"] < 9.01, counted
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_an_offloaded_sharded_checkpoint_resumes_through_dcp(ranks, shard):
+    for rank in ranks:
+        result = rank[("offload_dcp", shard)]
+        assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["uninterrupted"]))
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])

@@ -29,6 +29,8 @@ methods are how it changes it.
 ``added``                    gradients were folded (so a reduction is owed)
 ``bucket_complete``          a bucket's local values are final for this backward
 ``syncs``                    the backward now running ends with the reduction
+``final_at_bucket``          a bucket the window's last backward completed holds the window's
+                             gradient here already (offload may step it as it lands)
 ``backward_ended``           a backward that reached the parameters ended
 ``finish``                   complete the reduction owed (the window's last backward, the step)
 ``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
@@ -115,6 +117,9 @@ class Topology:
 
     def syncs(self, ledger) -> bool:
         return False
+
+    def final_at_bucket(self, ledger) -> bool:
+        return True
 
     def backward_ended(self, ledger, flat_groups) -> None:
         pass

@@ -46,6 +46,9 @@ class Replicated(Topology):
         steps = ledger.accum_steps
         return steps is None or self._no_sync_used or ledger.microbatches >= steps - 1
 
+    def final_at_bucket(self, ledger) -> bool:
+        return not self.syncs(ledger)  # (a reduced bucket is final only once its collective is)
+
     def bucket_complete(self, flat_groups, ledger, flat, bucket) -> None:
         if self.syncs(ledger):
             self.reducer.bucket_ready(flat_groups, bucket)  # overlaps the rest of the backward

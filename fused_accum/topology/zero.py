@@ -232,6 +232,9 @@ class Zero(Replicated):
         # "grads" reduce-scatters every backward; the step averages
         return not self.grads and super().syncs(ledger)
 
+    def final_at_bucket(self, ledger) -> bool:
+        return False  # reduced at the window's end ("state") or the backward's ("grads")
+
     def staging_for(self, flat, bucket):
         return self.reducer.staging_for(flat, bucket) if self.grads else None
 
