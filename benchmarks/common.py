@@ -448,6 +448,7 @@ def _replace_atomically(path: Path, write: Callable[[Any], None], newline: Optio
     of benchmarks/device_check.sh at its time limit) leaves the previous complete file, never
     half of one."""
     tmp = Path(str(path) + ".tmp")
+    tmp.parent.mkdir(parents=True, exist_ok=True)  # (--out names a folder that may not exist yet)
     with open(tmp, "w", newline=newline) as f:
         write(f)
     os.replace(tmp, path)

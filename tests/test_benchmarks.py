@@ -966,3 +966,22 @@ def test_every_benchmark_script_is_reachable_from_the_runner():
     assert scripts == set(run.TOOLS.values())
     for module in run.TOOLS.values():
         assert callable(getattr(__import__(f"benchmarks.{module}", fromlist=["main"]), "main"))
+
+
+def test_the_offload_benchmark_writes_its_host_step_rows_into_a_new_folder(tmp_path):
+    """benchmarks/offload.py --quick on the CPU: one row per bucket size, each with the step's
+    time, the copy aside's and GB/s at the AdamW step's 30 B/param; --out may name a folder that
+    does not exist yet (the device check's scratch folder did, a user's may not)."""
+    from benchmarks import offload
+
+    out = tmp_path / "new" / "folder"
+    assert offload.main(["--quick", "--out", str(out)]) == 0
+    with open(out / "offload.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["numel"]) for r in rows] == [2**17, 2**20]
+    for r in rows:
+        assert r["what"] == "host step of one bucket" and r["threads"] == "1"
+        step_ms, numel = float(r["step_ms"]), int(r["numel"])
+        assert step_ms > 0 and float(r["backup_ms"]) > 0
+        assert float(r["step_gbs"]) == pytest.approx(numel * 30 / step_ms / 1e6, rel=0.01)  # (rounded)
+        assert r["git_commit"] and r["date_utc"] and r["torch"] == torch.__version__
