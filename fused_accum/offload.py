@@ -27,14 +27,15 @@ bit for bit. No arithmetic rollback anywhere. The backup is the "second host cop
 the design asks for, taken the other way round: stepping in place and copying the old values
 aside (during the backward) makes a commit free and keeps ``opt.state``'s views where they are.
 
-What speculates: a window with ``accum_steps`` set, whose last backward is known, when the last
-step did not use ``num_items`` or a GradScaler (a loop that does, does at every step: its window
-steps at ``step()`` instead, still bucket by bucket, each bucket's copy to the host overlapping
-the step of the one before). A window of any other length steps at ``step()`` too, and so does
-every window under ``process_group=`` (and ``shard=``): its last backward's buckets are not
-final until their collective, which the step waits for (``fold.bucket_complete`` asks the
-topology: ``final_at_bucket``). Under DDP, which owns ``.grad``, the window is taken at
-``step()`` as well.
+What speculates: a window with ``accum_steps`` set (its last backward is known) when the step
+before it was the speculation's: it used neither ``num_items`` nor a GradScaler (a loop that
+does, does at every step) and it neither clipped nor skipped (clipping comes in runs; after the
+first step that does not clip, the next window speculates again). Every other window steps at
+``step()``, still bucket by bucket, each bucket's copy to the host overlapping the step of the
+one before; so does every window under ``process_group=`` (and ``shard=``), whose last
+backward's buckets are final only after their collective, which the step waits for
+(``fold.bucket_complete`` asks the topology: ``final_at_bucket``), and under DDP, which owns
+``.grad``.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ class Offload:
         self.worker = _Worker()
         self._finalizer = weakref.finalize(self, self.worker.stop)
         self._copies: dict = {}  # device -> _Copies
-        self.speculate = True  # (off after a step that used num_items or a GradScaler)
+        self.speculate = True  # (off after a step that was not the speculation's: see step)
         self.speculated: dict = {}  # (flat index, bucket index) -> what the speculation read
         self.pending_h2d: list = []  # events the compute stream waits on after a step
         # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
@@ -353,7 +354,9 @@ class Offload:
         self.worker.drain()
         coefs = {d: c.to(_HOST) for d, c in scale.items()}  # (what the host kernels read)
         skips = {d: f.to(_HOST) for d, f in skip.items()} if skip is not None else None
-        commit = speculable and skips is None and all(bool((c == 1).all()) for c in coefs.values())
+        # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
+        commit = speculable and all(bool((c == 1).all()) for c in coefs.values())
+        commit = commit and (skips is None or not any(bool(f.any()) for f in skips.values()))
         for flat in window.flat_groups:
             active = {s.key for s in flat.slots if s.has_grad}
             stepped = set()
@@ -381,7 +384,11 @@ class Offload:
         for device, event in self.pending_h2d:  # the next forward waits on these copies, no more
             torch.cuda.current_stream(device).wait_event(event)
         self.pending_h2d = []
-        self.speculate = speculable  # (a loop that passes num_items or a scaler passes them every step)
+        # The next window speculates only after a window whose step was the speculation's: a
+        # loop that passes num_items or a scaler passes them every step, and clipping comes in
+        # runs (a clipped window's speculation is put back and stepped again: three passes over
+        # the state instead of one). The first window that does not clip turns it back on.
+        self.speculate = commit
 
     @staticmethod
     def _put_back(flat, bucket, record) -> None:

@@ -166,12 +166,40 @@ def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(mon
     rng = random.Random(0)
     monkeypatch.setattr(offload_module, "WORKER_DELAY", lambda: time.sleep(rng.random() * 0.004))
     ours, ref = net(torch.bfloat16), net(torch.bfloat16)
-    kwargs = dict(lr=1e-2, accum_steps=4, max_grad_norm=0.05, backend="cpu", bucket_cap_mb=1e-6)  # (a bucket each)
+    # a bucket each; no clip (every speculation stands) but a skipped window (window 3, put back)
+    kwargs = dict(lr=1e-2, accum_steps=4, max_grad_norm=1e6, skip_nonfinite=True, backend="cpu", bucket_cap_mb=1e-6)
     ours_opt = fused_accum.AdamW(ours.parameters(), offload="cpu", **kwargs)
     ref_opt = fused_accum.AdamW(ref.parameters(), **kwargs)
-    for w, _ in zip(train(ours, ours_opt, 4, 8, dtype=torch.bfloat16), train(ref, ref_opt, 4, 8, dtype=torch.bfloat16)):
+    runs = [train(m, o, 4, 8, dtype=torch.bfloat16, poison=(3,)) for m, o in ((ours, ours_opt), (ref, ref_opt))]
+    for w, _ in zip(*runs):
         assert_equal_runs(ours, ours_opt, ref, ref_opt, f"window {w}")
     assert len(ours_opt._window.flat_groups[0].buckets) == 6  # (six buckets in flight)
+    # windows 0-3 and 5-7 speculated (4 after the skip did not): 7 x 6 buckets, 6 of them put back
+    assert (ours_opt._window.offload.committed, ours_opt._window.offload.redone) == (36, 6)
+
+
+def test_after_a_clipped_window_the_next_steps_at_step_until_one_does_not_clip(one_thread):
+    """Clipping comes in runs: a clipped window's speculation is put back and stepped again, so
+    the window after it does not speculate; the window after the first unclipped step does."""
+    ours, ref = net(torch.bfloat16), net(torch.bfloat16)
+    kwargs = dict(lr=1e-2, accum_steps=2, max_grad_norm=100.0, backend="cpu")
+    opts = [
+        fused_accum.AdamW(ours.parameters(), offload="cpu", **kwargs),
+        fused_accum.AdamW(ref.parameters(), **kwargs),
+    ]
+    offload, data = opts[0]._window.offload, batches(10, torch.bfloat16)
+    seen = []
+    for w, loud in enumerate([False, True, True, False, False]):  # (loud: a norm far above 100)
+        for model, opt in zip((ours, ref), opts):
+            for j in range(2):
+                (loss_of(model, data[2 * w + j]) * (1e5 if loud else 1.0)).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_equal_runs(ours, opts[0], ref, opts[1], f"window {w}")
+        seen.append((offload.committed, offload.redone))
+    # committed in 0, put back in 1, no speculation in 2 (after a clip) nor 3 (after a clip),
+    # committed in 4 (after 3, which did not clip)
+    assert seen == [(1, 0), (1, 1), (1, 1), (1, 1), (2, 1)], seen
 
 
 def test_a_mid_window_checkpoint_of_an_offloaded_optimizer_resumes_bit_exactly(one_thread):
