@@ -309,7 +309,7 @@ class FlatGroup:
         if self.has_remainder:
             from .backends.reference import rebuild_master
 
-            return rebuild_master(piece, slot.remainder)
+            return rebuild_master(piece.to(slot.remainder.device), slot.remainder)  # (offload: on the host)
         return piece.float()
 
     def set_master(self, slot: Slot, value: Optional[Tensor]) -> None:

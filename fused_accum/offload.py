@@ -35,7 +35,16 @@ first step that does not clip, the next window speculates again). Every other wi
 one before; so does every window under ``process_group=`` (and ``shard=``), whose last
 backward's buckets are final only after their collective, which the step waits for
 (``fold.bucket_complete`` asks the topology: ``final_at_bucket``), and under DDP, which owns
-``.grad``.
+``.grad``. A bucket holding a parameter with a post-accumulate-grad hook does not speculate (the
+hook may edit ``.grad`` after the fold), nor does any bucket of an optimizer with step pre-hooks
+(they run before the step and may edit ``opt.state``).
+
+What the user sees meanwhile. The last backward returns once the host has stepped its buckets
+(the worker ran alongside it; what is left is its last buckets), so nothing the user does after
+it races the worker. Until ``step()``, ``opt.state`` shows the speculated state: reading it
+there shows the step to come, a checkpoint (``state_dict``) puts the speculation back first
+(the window then steps at ``step()``), and an in-place edit of it there cannot be made exact, so
+``step()`` refuses it (seen through the state buffers' version counters) and steps nothing.
 """
 
 from __future__ import annotations
@@ -87,32 +96,63 @@ class OffloadLayout(Layout):
 
     def set_views(self, flat, slot) -> None:
         super().set_views(flat, slot)
-        self.host_params[slot.local].copy_(slot.param.detach().reshape(-1))
+        self.param_written(flat, slot)
 
     def param_written(self, flat, slot) -> None:
-        self.host_params[slot.local].copy_(slot.param.detach().reshape(-1))
+        self._host_param(slot).copy_(self._device_param(flat, slot))
 
-    def acc_range(self, flat, bucket_index: int) -> tuple:
-        """(host, device) views of what a bucket's step reads of the window's gradient."""
+    # --- what crosses, per bucket (the layout decides which elements are this process's) ---
+
+    def _held(self, slots: list) -> list:
+        return slots
+
+    def _host_param(self, slot) -> Tensor:
+        return self.host_params[slot.local].view(slot.param.shape)
+
+    def _device_param(self, flat, slot) -> Tensor:
+        return slot.param.detach()
+
+    def local_range(self, flat, bucket_index: int) -> tuple:
+        """(start, end) of a bucket's elements in the host buffers."""
         bucket = flat.buckets[bucket_index]
-        return self.host_acc[bucket.start : bucket.end], flat.acc[bucket.start : bucket.end]
+        return bucket.start, bucket.end
 
-    def send_params(self, flat, copies: "_Copies", pending: list) -> None:
-        """The updated parameters, host to device (on the worker, after the steps; on a GPU on
-        the side stream, its event appended to ``pending``)."""
-        params = [s.param.detach() for s in flat.slots]
-        hosts = [self.host_params[s.local].view(s.param.shape) for s in flat.slots]
-        copies.to_device(params, hosts, pending)
+    def _device_acc(self, flat, bucket_index: int) -> Tensor:
+        start, end = self.local_range(flat, bucket_index)
+        return flat.acc[start:end]
+
+    def fetch_lists(self, flat, bucket_index: int) -> tuple:
+        """(host views, device views) to copy in before a bucket's step: its gradient and, where
+        the step reads the parameters themselves (no fp32 master: fp32 parameters, or the
+        remainder mode's bf16 weights), their values as the device has them (an edit through
+        ``.data`` moves no version counter, and the step without offload would read it)."""
+        start, end = self.local_range(flat, bucket_index)
+        hosts, devices = [self.host_acc[start:end]], [self._device_acc(flat, bucket_index)]
+        if not flat.has_master:
+            held = self._held(flat.buckets[bucket_index].slots)
+            hosts += [self._host_param(s) for s in held]
+            devices += [self._device_param(flat, s) for s in held]
+        return hosts, devices
+
+    def begin_send(self, flat) -> None:
+        """Before the updated parameters are sent (on the main thread: what the send writes
+        into is allocated on the compute stream)."""
+
+    def send_lists(self, flat, stepped: list) -> tuple:
+        """(device views, host views): the updated parameters to send back after a step (those
+        of the ``stepped`` slots: the others are not written, as without offload)."""
+        return [s.param.detach() for s in stepped], [self._host_param(s) for s in stepped]
 
     def step_lists(self, flat, active: list) -> tuple:
         """The host's: the gradient as copied, the host copy of each parameter (written by the
         step: as the rounded master, or stepped in place with its remainder, or as an fp32
         parameter's own master)."""
-        accs = [self.host_acc[s.local] for s in active]
-        copies = [self.host_params[s.local] for s in active]
+        held = self._held(active)
+        accs = [self.host_acc[s.local] for s in held]
+        copies = [self.host_params[s.local] for s in held]
         if flat.has_master:
-            return active, accs, [s.master for s in active], copies, []
-        return active, accs, copies, [], [s.remainder for s in active] if flat.has_remainder else []
+            return held, accs, [s.master for s in held], copies, []
+        return held, accs, copies, [], [s.remainder for s in held] if flat.has_remainder else []
 
     # --- the speculation's backup ---
 
@@ -123,16 +163,24 @@ class OffloadLayout(Layout):
                 buffers[name] = getattr(flat, name)
         return buffers
 
-    def back_up(self, flat, start: int, end: int) -> None:
-        """Copy aside elements [start, end) of everything a step changes (a bucket's range)."""
+    def back_up(self, flat, bucket_index: int) -> None:
+        """Copy aside a bucket's elements of everything a step changes."""
+        start, end = self.local_range(flat, bucket_index)
         for name, buf in self._buffers(flat).items():
             if name not in self.backup or self.backup[name].numel() != buf.numel():
                 self.backup[name] = torch.empty_like(buf)
             self.backup[name][start:end] = buf[start:end]
 
-    def restore(self, flat, start: int, end: int) -> None:
+    def restore(self, flat, bucket_index: int) -> None:
+        start, end = self.local_range(flat, bucket_index)
         for name, buf in self._buffers(flat).items():
             buf[start:end] = self.backup[name][start:end]
+
+    def versions(self, flat) -> tuple:
+        """The version counters of what a step changes and the user can reach: ``opt.state``'s
+        views of the step counts (written by the main thread) and of the state buffers (by the
+        worker's steps). (The masters and the host copies are the optimizer's own.)"""
+        return tuple(buf._version for buf in (flat.steps, *flat.state.values()))
 
 
 class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
@@ -155,27 +203,33 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
         ShardedLayout.set_views(self, flat, slot)
         self.param_written(flat, slot)
 
-    def param_written(self, flat, slot) -> None:
-        self.host_params[slot.local].copy_(self.param_piece(flat, slot))
+    def _held(self, slots: list) -> list:
+        return [s for s in slots if s.piece is not None]
 
-    def acc_range(self, flat, bucket_index: int) -> tuple:
+    def _host_param(self, slot) -> Tensor:
+        return self.host_params[slot.local]
+
+    def _device_param(self, flat, slot) -> Tensor:
+        return self.param_piece(flat, slot)
+
+    def local_range(self, flat, bucket_index: int) -> tuple:
         start, end, local = self.parts[bucket_index]
-        host = self.host_acc[local : local + end - start]
-        return host, flat.acc[local : local + end - start] if self.grads else flat.acc[start:end]
+        return local, local + end - start
 
-    def send_params(self, flat, copies: "_Copies", pending: list) -> None:
-        held = [s for s in flat.slots if s.piece is not None]
+    def _device_acc(self, flat, bucket_index: int) -> Tensor:
+        if self.grads:  # (the accumulator is this rank's parts, in the local order)
+            return super()._device_acc(flat, bucket_index)
+        start, end, _ = self.parts[bucket_index]
+        return flat.acc[start:end]
+
+    def begin_send(self, flat) -> None:
         self.staging = torch.empty(flat.total, dtype=flat.dtype, device=flat.device)  # (see begin_step)
-        staged = [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held]
-        copies.to_device(staged, [self.host_params[s.local] for s in held], pending)
 
-    def step_lists(self, flat, active: list) -> tuple:
-        held = [s for s in active if s.piece is not None]
-        accs = [self.host_acc[s.local] for s in held]
-        pieces = [self.host_params[s.local] for s in held]
-        if flat.has_master:
-            return held, accs, [s.master for s in held], pieces, []
-        return held, accs, pieces, [], [s.remainder for s in held] if flat.has_remainder else []
+    def send_lists(self, flat, stepped: list) -> tuple:
+        held = self._held(flat.slots)  # (every piece: the all-gather writes every parameter)
+        return [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held], [
+            self.host_params[s.local] for s in held
+        ]
 
 
 class _Worker:
@@ -192,8 +246,12 @@ class _Worker:
     def submit(self, task: Callable[[], None]) -> None:
         self._tasks.put(task)
 
+    def wait(self) -> None:
+        """Wait until every submitted task has run (an error stays for :meth:`drain`)."""
+        self._tasks.join()
+
     def drain(self) -> None:
-        """Wait until every submitted task has run."""
+        """Wait until every submitted task has run; raise a task's error."""
         self._tasks.join()
         error, self._error = self._error, None
         if error is not None:
@@ -241,13 +299,19 @@ class _Copies:
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def to_host(self, dst: Tensor, src: Tensor):
-        """Start ``dst.copy_(src)``: None on a CPU (the worker copies), else the copy's event."""
+    def after_compute(self) -> None:
+        """What the side stream runs from now on waits for the compute stream's work so far."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def to_host(self, dsts: list, srcs: list):
+        """Start ``dsts[i].copy_(srcs[i])``: None on a CPU (the worker copies), else the copy's
+        event."""
         if not self.cuda:
             return None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the folds
+        self.after_compute()  # (after the folds)
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
             return self.stream.record_event()
 
     def to_device(self, dsts: list, srcs: list, pending: list) -> None:
@@ -265,13 +329,17 @@ class Offload:
     """The host side of one optimizer under ``offload="cpu"``: its flat groups' layouts, the
     worker, the speculation of the window's last backward, and the host step."""
 
-    def __init__(self, stepper) -> None:
+    def __init__(self, stepper, owner) -> None:
         self.stepper = stepper
+        self._owner = owner  # a weakref to the optimizer (its step pre-hooks)
         self.worker = _Worker()
         self._finalizer = weakref.finalize(self, self.worker.stop)
         self._copies: dict = {}  # device -> _Copies
         self.speculate = True  # (off after a step that was not the speculation's: see step)
         self.speculated: dict = {}  # (flat index, bucket index) -> what the speculation read
+        # flat index -> its buffers' versions (OffloadLayout.versions) once the speculation of
+        # the window's last backward is done: what the user edits after moves them
+        self._expected: dict = {}
         self.pending_h2d: list = []  # events the compute stream waits on after a step
         # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
         self.committed = self.redone = 0
@@ -299,49 +367,70 @@ class Offload:
 
     # --- during the window's last backward ---
 
+    def _may_speculate(self, bucket) -> bool:
+        """What stops a speculation besides the last step (see the module): a user's
+        post-accumulate-grad hook in the bucket (it may edit ``.grad`` in place after the fold,
+        in this backward), and step pre-hooks (they run at ``step()``, before the step, and may
+        read or edit ``opt.state``)."""
+        if any(s.param._post_accumulate_grad_hooks for s in bucket.slots):
+            return False
+        owner = self._owner()
+        return owner is not None and not owner._optimizer_step_pre_hooks and not _global_step_pre_hooks()
+
     def bucket_final(self, flat, bucket_index: int, ledger) -> None:
         """The window's last backward completed a bucket: its fold wrote the final sums. Copy
         them to the host and step the bucket there speculatively (see the module)."""
-        if not self.speculate or ledger.pieces_seen:
-            return
         bucket = flat.buckets[bucket_index]
+        if not self.speculate or ledger.pieces_seen or not self._may_speculate(bucket):
+            return
         slots = [s for s in bucket.slots if s.has_grad]
         if not slots:
             return
-        steps_before = flat.steps.clone()
         call = self.stepper.prepare_step(flat, slots, flat.one, None)
         if call is None:
             return
         group = self.stepper.param_groups[flat.group_index]
-        self.speculated[(flat.index, bucket_index)] = dict(
+        self.speculated[(flat.index, bucket_index)] = record = dict(
             slots=slots,
-            steps=steps_before,
+            # the step counts after prepare_step took any user's entry (as the backup will see
+            # the state) and added one to each speculated slot's count
+            steps=flat.steps.clone(),
             acc_version=None,  # (set at the backward's end: note_end)
             versions=[s.param._version for s in flat.slots],
             hyper=_hyper_of(group),
+            backed_up=False,  # (set by the worker: a task that failed first has nothing to restore)
         )
-        self._submit_step(flat, bucket_index, call, backup=True)
+        self._submit_step(flat, bucket_index, call, record)
 
     def note_end(self, flat_groups) -> None:
-        """A backward ended: what the speculated buckets' accumulators hold now is what they read."""
-        for (flat_index, _), record in self.speculated.items():
-            if record["acc_version"] is None:
-                record["acc_version"] = flat_groups[flat_index].acc._version
+        """A backward ended: what the speculated buckets' accumulators hold now is what they read.
+        The last one waits for its speculation (the host has stepped while it ran: what is left
+        is its last buckets), so that what the user does after it never races the worker, and
+        an in-place edit of ``opt.state`` after it is seen (``step`` refuses it)."""
+        ended = [(f, record) for (f, _), record in self.speculated.items() if record["acc_version"] is None]
+        if not ended:
+            return
+        for flat_index, record in ended:
+            record["acc_version"] = flat_groups[flat_index].acc._version
+        self.worker.wait()
+        for flat_index, _ in ended:
+            self._expected[flat_index] = flat_groups[flat_index].layout.versions(flat_groups[flat_index])
 
-    def _submit_step(self, flat, bucket_index: int, call, backup: bool) -> None:
-        """Queue a bucket's step on the worker, after its gradient's copy to the host (started
-        here on a GPU; on a CPU the worker copies)."""
-        layout, bucket = flat.layout, flat.buckets[bucket_index]
-        host, device = layout.acc_range(flat, bucket_index)
-        event = self.copies(flat.device).to_host(host, device)
+    def _submit_step(self, flat, bucket_index: int, call, record: Optional[dict] = None) -> None:
+        """Queue a bucket's step on the worker, after its copies to the host (started here on a
+        GPU; on a CPU the worker copies); with a speculation's ``record``, after its backup."""
+        layout = flat.layout
+        hosts, devices = layout.fetch_lists(flat, bucket_index)
+        event = self.copies(flat.device).to_host(hosts, devices)
 
         def task() -> None:
             if event is None:
-                host.copy_(device)
+                torch._foreach_copy_(hosts, devices)
             else:
                 event.synchronize()
-            if backup:
-                layout.back_up(flat, bucket.start, bucket.end)
+            if record is not None:
+                layout.back_up(flat, bucket_index)
+                record["backed_up"] = True
             call()
 
         self.worker.submit(task)
@@ -351,7 +440,9 @@ class Offload:
     def step(self, window, scale: dict, skip: Optional[dict], speculable: bool) -> None:
         """The host step of every flat group: the speculation committed where it is the step,
         else put back and stepped again; then the parameters back to the device."""
-        self.worker.drain()
+        self._settle(window.flat_groups)
+        for copies in self._copies.values():  # the parameters are rewritten after what reads them
+            copies.after_compute()
         coefs = {d: c.to(_HOST) for d, c in scale.items()}  # (what the host kernels read)
         skips = {d: f.to(_HOST) for d, f in skip.items()} if skip is not None else None
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
@@ -360,7 +451,7 @@ class Offload:
         for flat in window.flat_groups:
             active = {s.key for s in flat.slots if s.has_grad}
             stepped = set()
-            for b, bucket in enumerate(flat.buckets):
+            for b in range(len(flat.buckets)):
                 record = self.speculated.pop((flat.index, b), None)
                 if record is None:
                     continue
@@ -368,7 +459,7 @@ class Offload:
                     stepped.update(s.key for s in record["slots"])
                     self.committed += 1
                     continue
-                self._put_back(flat, bucket, record)
+                self._put_back(flat, b, record)
                 self.redone += 1
             flat.refresh_masters()  # (after the put-backs: a weight written since wins over them)
             coef = coefs[flat.device]
@@ -377,9 +468,9 @@ class Offload:
                 slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
                 call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
                 if call is not None:
-                    self._submit_step(flat, b, call, backup=False)
+                    self._submit_step(flat, b, call)
             if active:
-                self._to_device(flat)
+                self._to_device(flat, [s for s in flat.slots if s.key in active])
         self.worker.drain()
         for device, event in self.pending_h2d:  # the next forward waits on these copies, no more
             torch.cuda.current_stream(device).wait_event(event)
@@ -390,12 +481,36 @@ class Offload:
         # the state instead of one). The first window that does not clip turns it back on.
         self.speculate = commit
 
+    def _settle(self, flat_groups) -> None:
+        """Wait for the speculation; a failed one is put back (and the error raised); one
+        whose state the user edited since is put back too, and refused: it cannot be exact."""
+        try:
+            self.worker.drain()
+        except RuntimeError:
+            self.cancel(flat_groups)
+            raise
+        edited = [
+            flat.index
+            for flat in flat_groups
+            if flat.index in self._expected and self._expected[flat.index] != flat.layout.versions(flat)
+        ]
+        self._expected = {}
+        if edited and self.speculated:
+            self.cancel(flat_groups)
+            raise RuntimeError(
+                "offload='cpu': opt.state was edited in place between the window's last "
+                "backward and step(), after the host had already stepped it speculatively; the edit is "
+                "undone and nothing was stepped. Edit the state before the window's last backward or "
+                "after step() (or register a step pre-hook: with one, no window speculates)"
+            )
+
     @staticmethod
-    def _put_back(flat, bucket, record) -> None:
+    def _put_back(flat, bucket_index: int, record) -> None:
         """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
-        flat.layout.restore(flat, bucket.start, bucket.end)
+        if record["backed_up"]:
+            flat.layout.restore(flat, bucket_index)
         index = torch.tensor([s.index for s in record["slots"]], dtype=torch.int64)
-        flat.steps[index] = record["steps"][index]
+        flat.steps[index] = record["steps"][index] - 1
 
     def _still_valid(self, flat, record) -> bool:
         """Whether nothing a speculation read changed since: the accumulator (``.grad`` edited
@@ -414,28 +529,46 @@ class Offload:
             )
         )
 
-    def _to_device(self, flat) -> None:
+    def _to_device(self, flat, stepped: list) -> None:
         """The updated parameters back to the device (on the worker, after its steps)."""
-        copies = self.copies(flat.device)
-        self.worker.submit(lambda: flat.layout.send_params(flat, copies, self.pending_h2d))
+        copies, layout = self.copies(flat.device), flat.layout
+        layout.begin_send(flat)
 
-    def drain(self) -> None:
-        """Wait for the host (a step's worker tasks, a speculation in flight)."""
-        self.worker.drain()
+        def task() -> None:
+            copies.to_device(*layout.send_lists(flat, stepped), self.pending_h2d)
 
-    def discard(self, flat_groups) -> None:
-        """The window was discarded before its step: put back what was speculated."""
+        self.worker.submit(task)
+
+    def cancel(self, flat_groups) -> None:
+        """Put back what was speculated (the window was discarded, a backward of it raised, or
+        its state is about to be read whole: a checkpoint); its step then runs at ``step()``."""
         self.worker.drain()
         for (flat_index, b), record in self.speculated.items():
-            flat = flat_groups[flat_index]
-            self._put_back(flat, flat.buckets[b], record)
+            self._put_back(flat_groups[flat_index], b, record)
         self.speculated.clear()
+        self._expected = {}
+
+
+def _global_step_pre_hooks() -> bool:
+    """Whether a user registered a step pre-hook for every optimizer (not counting the one this
+    package registers: fused_accum.owners, which hands parameters between optimizers)."""
+    from torch.optim import optimizer
+
+    from .owners import _foreign_step
+
+    hooks = getattr(optimizer, "_global_optimizer_pre_hooks", {})
+    return any(hook is not _foreign_step for hook in hooks.values())
+
+
+def _value(v):
+    """A hyper-parameter as a compared value: tensors by their values (also inside tuples)."""
+    if isinstance(v, Tensor):
+        return v.tolist()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_value(x) for x in v)
+    return v
 
 
 def _hyper_of(group: dict) -> tuple:
-    """A param group's hyper-parameters as compared values (a tensor lr by its value)."""
-    return tuple(
-        (k, float(v) if isinstance(v, Tensor) else v)
-        for k, v in sorted(group.items())
-        if k not in ("params", "param_names")
-    )
+    """A param group's hyper-parameters as compared values (a tensor lr or betas by value)."""
+    return tuple((k, _value(v)) for k, v in sorted(group.items()) if k not in ("params", "param_names"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -199,7 +200,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             topology=topology.choose(process_group, shard, reduce_dtype),
             stepper=self._stepper,
             label=f"{type(self).__name__} at {id(self):#x}",
-            offload=Offload(self._stepper) if offload is not None else None,
+            offload=Offload(self._stepper, weakref.ref(self)) if offload is not None else None,
         )
         self._members = Members(
             self._window,

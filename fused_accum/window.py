@@ -337,6 +337,8 @@ class GradientWindow:
                 return
             self._folder.revoke_fast()
             self.flush()
+            if self.offload is not None:  # (what it speculated lacks the retried backward)
+                self.offload.cancel(self.flat_groups)
             self.expose()
 
     def _queue_end_of_backward(self, arrived: bool) -> None:
@@ -430,13 +432,12 @@ class GradientWindow:
         self.topology.after_step(self.ledger, self.flat_groups)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """``opt.zero_grad()``. ``set_to_none``: discard the window. Else the exposed gradients
-        are zeroed in place and stay exposed, as in torch (a sharded topology has no full
-        gradient to zero and show: it discards)."""
+        """``opt.zero_grad()``: discard the window (``set_to_none``; a sharded topology has no
+        full gradient to zero), else zero the exposed gradients in place, as torch does."""
         if not self.topology.stands_aside:
             self.follow_moved_params()
         if self.offload is not None:
-            self.offload.discard(self.flat_groups)  # (a speculation of a window that will not step)
+            self.offload.cancel(self.flat_groups)  # (a speculation of a window that will not step)
         if set_to_none or self.topology.sharded:
             self.discard()
         else:
@@ -452,10 +453,9 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=True)
 
     def discard(self) -> None:
-        """``zero_grad()``: forget every gradient of the window (and any still in buckets, e.g.
-        from a backward that raised); the next gradient of each slot overwrites it."""
+        """Forget every gradient of the window (also any left in buckets by a raised backward)."""
         if self.offload is not None:
-            self.offload.discard(self.flat_groups)
+            self.offload.cancel(self.flat_groups)
         self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
