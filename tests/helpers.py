@@ -176,3 +176,21 @@ def data(n, micro=4, seed=1, dtype=torch.float32):
 
 def mse(model, x, y):
     return ((model(x) - y) ** 2).mean()
+
+
+class RaiseWhenArmed(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: a backward that fails half way (the
+    layers after it have their gradients, the ones before it none), as an OOM or an error in a
+    custom op would leave it."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if RaiseWhenArmed.armed:
+            raise RuntimeError("planted error in backward")
+        return g

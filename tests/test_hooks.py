@@ -17,6 +17,7 @@ from torch import nn
 import fused_accum
 from fused_accum import arrivals
 from fused_accum.extension import _C
+from helpers import RaiseWhenArmed  # tests/helpers.py
 
 HAVE_CPP = _C is not None and hasattr(_C, "Arrivals")
 
@@ -386,25 +387,8 @@ def test_what_a_backward_folded_before_it_raised_is_added_to_not_overwritten(hoo
     assert opt.microbatches == 1
 
 
-class _RaiseWhenArmed(torch.autograd.Function):
-    """Raises in backward while ``armed``: the layers after it have their gradients, the ones
-    before it none, as in a backward that fails half way (an OOM, an error in a custom op)."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _RaiseWhenArmed.armed:
-            raise RuntimeError("planted error in backward")
-        return g
-
-
 def _half_failing(model, x):
-    return model[2](_RaiseWhenArmed.apply(torch.tanh(model[0](x)))).square().mean()
+    return model[2](RaiseWhenArmed.apply(torch.tanh(model[0](x)))).square().mean()
 
 
 @pytest.mark.parametrize("then", ["clip", "zero_grad"])
@@ -422,7 +406,7 @@ def test_after_a_backward_that_raised_grad_holds_what_arrived_as_torchs_does(hoo
         xs = _batches(4, seed=window)
         for i, x in enumerate(xs):
             for model in (a, b):
-                _RaiseWhenArmed.armed = i == window
+                RaiseWhenArmed.armed = i == window
                 try:
                     _half_failing(model, x).backward()
                 except RuntimeError as error:
@@ -432,7 +416,7 @@ def test_after_a_backward_that_raised_grad_holds_what_arrived_as_torchs_does(hoo
                     else:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
                 finally:
-                    _RaiseWhenArmed.armed = False
+                    RaiseWhenArmed.armed = False
             for p, q in zip(a.parameters(), b.parameters()):
                 assert (p.grad is None) == (q.grad is None)
                 if q.grad is not None:

@@ -22,6 +22,7 @@ from torch import nn
 import fused_accum
 from fused_accum import offload as offload_module
 from fused_accum.backends import ext
+from helpers import RaiseWhenArmed  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(ext._C is None, reason="the host step runs the C++ CPU kernels")
 
@@ -356,20 +357,6 @@ def _window(model, opt, batch, scale=1.0, before_step=None):
     opt.zero_grad()
 
 
-class _Boom(torch.autograd.Function):
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("boom")
-        return g
-
-
 def test_a_backward_that_raised_and_its_retry_step_from_both(one_thread):
     """The raised backward's completed buckets were speculated from its gradient alone; the
     retry adds to them: the speculation is put back when the backward raises."""
@@ -379,17 +366,17 @@ def test_a_backward_that_raised_and_its_retry_step_from_both(one_thread):
         for model, o in ((ours, opt), (ref, ref_opt)):
             x, y = batch
             if w == 2:
-                _Boom.armed = True
-                with pytest.raises(RuntimeError, match="boom"):
-                    loss_of(nn.Sequential(*model[:2], _BoomLayer(), *model[2:]), (x, y)).backward()
-                _Boom.armed = False
+                RaiseWhenArmed.armed = True
+                with pytest.raises(RuntimeError, match="planted error"):
+                    loss_of(nn.Sequential(*model[:2], _RaisingLayer(), *model[2:]), (x, y)).backward()
+                RaiseWhenArmed.armed = False
             _window(model, o, batch)
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
 
 
-class _BoomLayer(nn.Module):
+class _RaisingLayer(nn.Module):
     def forward(self, x):
-        return _Boom.apply(x)
+        return RaiseWhenArmed.apply(x)
 
 
 def test_a_state_reset_or_a_momentum_turned_on_before_a_redone_window(one_thread):

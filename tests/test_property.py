@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, note, settings  # a test dependency: 
 from hypothesis import strategies as st
 
 import fused_accum  # noqa: E402
+from helpers import RaiseWhenArmed  # tests/helpers.py
 from lion_reference import LionReference  # tests/lion_reference.py
 
 RTOL = 1e-6
@@ -212,32 +213,15 @@ def test_matches_torch_optim_with_native_grad_accumulation(cfg):
 # must reach max_grad_norm's clip (torch clips at the step, after them).
 
 
-class _Boom(torch.autograd.Function):
-    """Identity whose backward raises while ``armed``: a backward that fails half way (the
-    output layer's gradients arrived, the rest did not)."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.armed:
-            raise RuntimeError("planted error in backward")
-        return g
-
-
 class EventNet(PropNet):
     def forward(self, x):
         h = torch.tanh(self.emb(x))
-        h = _Boom.apply(torch.tanh(self.mid(h)))
+        h = RaiseWhenArmed.apply(torch.tanh(self.mid(h)))
         return self.out(h)
 
 
 def _raised_backward(model, opt, x, y):
-    _Boom.armed = True
+    RaiseWhenArmed.armed = True
     try:
         ((model(x) - y) ** 2).mean().backward()
     except RuntimeError as error:
@@ -245,7 +229,7 @@ def _raised_backward(model, opt, x, y):
     else:
         raise AssertionError("the planted error did not raise")
     finally:
-        _Boom.armed = False
+        RaiseWhenArmed.armed = False
 
 
 def _scaled_state_dict(model, opt, x, y):
