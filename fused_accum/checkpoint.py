@@ -122,6 +122,8 @@ def load_state_dict(opt, saved: dict) -> None:
     window = opt._window
     opt._members.adopt_unfrozen(opt)  # (unfrozen since the last step: they get slots, and their state, now)
     window.discard()
+    for flat in window.flat_groups:  # a model loaded first: the masters it leaves unsaved follow it
+        flat.refresh_masters()
     opt.state.clear()
     id_to_param = {}
     for group, saved_group in zip(opt.param_groups, saved_groups):
@@ -153,6 +155,7 @@ def adopt_saved(opt, slot: Slot) -> None:
     entry = opt.state.get(slot.param)
     if entry:
         _load_param_state(opt, slot, dict(entry))
+        opt._window.flat_groups[slot.flat_index].masters_written()  # (the master is the checkpoint's)
 
 
 def _load_param_state(opt, slot: Slot, entry: dict) -> None:

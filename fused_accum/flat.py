@@ -117,6 +117,16 @@ class Slot:
     stepped = _read_only("_stepped")
 
 
+def check_master_mode(master_weights, dtype, label: str) -> None:
+    """Raise where ``master_weights`` cannot keep a parameter of ``dtype``'s master."""
+    if master_weights == "remainder" and dtype == torch.float16:
+        raise TypeError(
+            f"master_weights='remainder' is exact for bfloat16 parameters only, and parameter {label} is "
+            "float16: an fp16 value is not the high half of an fp32 one (5 exponent bits, not 8), so no "
+            "16-bit remainder rebuilds its fp32 master; use master_weights=True for fp16"
+        )
+
+
 @dataclasses.dataclass(eq=False)
 class Bucket:
     """Slots folded by one accumulate call (and reduced by one collective)."""
@@ -286,12 +296,7 @@ class FlatGroup:
         self.masters_written()
 
     def _set_master_mode(self, dtype) -> None:
-        if self.master_weights == "remainder" and dtype == torch.float16:
-            raise TypeError(
-                f"master_weights='remainder' is exact for bfloat16 parameters only, and parameter "
-                f"{self._first_name} (and its group's others on {self.device}) is float16: an fp16 value is not the high half of an fp32 one (5 exponent bits, not 8), "
-                "so no 16-bit remainder rebuilds its fp32 master; use master_weights=True for fp16"
-            )
+        check_master_mode(self.master_weights, dtype, f"{self._first_name} (and its group's others on {self.device})")
         self.has_master = dtype in LOW_PRECISION and self.master_weights is True
         self.has_remainder = dtype == torch.bfloat16 and self.master_weights == "remainder"
 

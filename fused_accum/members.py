@@ -14,7 +14,7 @@ import torch
 
 from . import backends, checkpoint
 from .algorithms import state_keys, validate_hyperparameters
-from .flat import SUPPORTED_DTYPES, FlatGroup
+from .flat import SUPPORTED_DTYPES, FlatGroup, check_master_mode
 
 
 def _param_label(group_index, j, param, names):
@@ -43,6 +43,8 @@ class Members:
         if self.algorithm is not None:
             validate_hyperparameters(self.algorithm, group)
         names = group.get("param_names")
+        for j, p in enumerate(group["params"]):  # frozen ones too (unfrozen later), before anything is built
+            check_master_mode(self.master_weights, p.dtype, _param_label(group_index, j, p, names))
         seen, trainable = set(), []
         for j, p in enumerate(group["params"]):
             if id(p) in seen:  # torch warned about the duplicate; it is trained once

@@ -310,6 +310,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # .grad, natively; they join here and step now (their later windows step in backward).
             self._members.adopt_unfrozen(self)
             for flat in window.flat_groups:
+                flat.refresh_masters()  # (a weight written since the backward stepped it)
                 self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.one)
                 flat.masters_written()
             window.after_step()

@@ -326,3 +326,106 @@ def test_the_remainder_mode_equals_the_tie_twin_whatever_the_user_does_between_s
     ours, twin = _with_events(cfg, "remainder"), _with_events(cfg, "twin")
     for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
+
+
+# --- writes the masters must follow (found by a review; each failed before its fix) -----------
+
+
+def _master_is_the_weight(opt, param) -> bool:
+    """After an outside write the master restarts: it is the weight, exactly (never an old
+    remainder glued to the new high half, nor the old master undoing the write)."""
+    slot = next(s for s in opt._window.slots if s.param is param)
+    flat = opt._window.flat_groups[slot.flat_index]
+    flat.refresh_masters()
+    return torch.equal(flat.master_of(slot), param.detach().reshape(-1).float())
+
+
+@pytest.mark.parametrize("master", ["remainder", True])
+def test_a_weight_written_after_a_backward_that_stepped_is_followed(master, one_thread):
+    """step_in_backward: the window's last backward stepped; the user writes a weight before
+    step(), which then only steps what joined late: the write is kept, as a write after step()."""
+    runs = {}
+    for where in ("before_step", "after_step"):
+        model = bf16_net()
+        opt = fused_accum.AdamW(
+            model.parameters(), lr=1e-2, master_weights=master, accum_steps=2, step_in_backward=True
+        )
+        batches = data(8, seed=3)
+        for w in range(4):
+            for b in batches[2 * w : 2 * w + 2]:
+                (loss_of(model, b) / 2).backward()
+            if w == 2 and where == "before_step":
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+            opt.step()
+            if w == 2 and where == "after_step":
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+            if w == 2:
+                assert _master_is_the_weight(opt, model[0].weight), where
+            opt.zero_grad()
+        runs[where] = (model, opt)
+    assert_bit_equal(*runs["before_step"], *runs["after_step"])
+
+
+@pytest.mark.parametrize("master", ["remainder", True])
+def test_a_parameter_a_checkpoint_has_no_state_for_restarts_from_the_loaded_weight(master, one_thread):
+    """A torch.optim checkpoint in which a bias never had a gradient: after model then
+    optimizer load_state_dict, that bias's master is the loaded weight."""
+    src = bf16_net(7).float()
+    torch_opt = torch.optim.AdamW(src.parameters(), lr=1e-2)
+    src[2].bias.requires_grad_(False)  # no state entry for it in the checkpoint
+    for b in data(3, seed=5):
+        (src(b[0]) - b[1]).square().mean().backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    src[2].bias.requires_grad_(True)
+    model = bf16_net()
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, master_weights=master)
+    run(model, opt, 3)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()})
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert _master_is_the_weight(opt, model[2].bias)
+
+
+def test_a_checkpoints_state_adopted_when_its_parameter_is_unfrozen_keeps_its_remainder(one_thread):
+    """Frozen at construction, a checkpoint loaded, unfrozen, a window: the master the
+    checkpoint held is the one stepped from (as with fp32 masters), not restarted."""
+    source = bf16_net()
+    source_opt = fused_accum.AdamW(source.parameters(), lr=1e-2, master_weights="remainder")
+    run(source, source_opt, 3)
+    saved = copy.deepcopy((source.state_dict(), source_opt.state_dict()))
+    held = saved[1]["state"][0]["master"]
+    assert not torch.equal(held, source[0].weight.detach().float())  # (a remainder to keep)
+    results = {}
+    for master in ("remainder", True):
+        model = bf16_net()
+        model.load_state_dict(saved[0])
+        model[0].weight.requires_grad_(False)
+        opt = fused_accum.AdamW(model.parameters(), lr=1e-2, master_weights=master)
+        opt.load_state_dict(copy.deepcopy(saved[1]))
+        model[0].weight.requires_grad_(True)
+        loss_of(model, data(1, seed=9)[0]).backward()
+        opt._members.adopt_unfrozen(opt)  # (what step() does first)
+        slot = next(s for s in opt._window.slots if s.param is model[0].weight)
+        flat = opt._window.flat_groups[slot.flat_index]
+        assert torch.equal(flat.master_of(slot), held.reshape(-1)), master
+        opt.step()
+        results[master] = flat.master_of(slot).clone()
+    assert torch.equal(results["remainder"], results[True])
+
+
+def test_an_fp16_parameter_is_refused_before_anything_is_built():
+    """add_param_group with bf16 and fp16 parameters, and an fp16 parameter frozen at
+    construction (it would be refused only when unfrozen, by then dropped): refused at once,
+    and the optimizer stays as it was."""
+    model = bf16_net()
+    opt = fused_accum.AdamW(model.parameters(), master_weights="remainder")
+    extra = [nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), nn.Parameter(torch.ones(4, dtype=torch.float16))]
+    with pytest.raises(TypeError, match="exact for bfloat16 parameters only"):
+        opt.add_param_group({"params": extra})
+    assert len(opt.param_groups) == 1 and len(opt._window.flat_groups) == 1
+    run(model, opt, 2)  # (still trains)
+    frozen = nn.Parameter(torch.ones(4, dtype=torch.float16), requires_grad=False)
+    with pytest.raises(TypeError, match="exact for bfloat16 parameters only"):
+        fused_accum.AdamW([*bf16_net().parameters(), frozen], master_weights="remainder")
