@@ -519,3 +519,19 @@ def test_a_failed_host_task_puts_the_speculation_back(monkeypatch, one_thread):
     opt.zero_grad()
     _window(ref, ref_opt, data[1])
     assert_equal_runs(ours, opt, ref, ref_opt, "after the failed and the repeated step")
+
+
+def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
+    """torch.compile of the model (aot_eager: the same graph capture as inductor, without its
+    C++ compile): the hooks see the compiled backward's gradients as they do eager ones."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=2, max_grad_norm=1e6)
+    compiled = [torch.compile(m, backend="aot_eager") for m in (ours, ref)]
+    data = batches(6, torch.bfloat16)
+    for w in range(3):
+        for model, o in zip(compiled, (opt, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    assert opt._window.offload.committed > 0
