@@ -307,7 +307,7 @@ class _Copies:
     def to_host(self, dsts: list, srcs: list):
         """Start ``dsts[i].copy_(srcs[i])``: None on a CPU (the worker copies), else the copy's
         event."""
-        if not self.cuda:
+        if not self.cuda or not dsts:
             return None
         self.after_compute()  # (after the folds)
         with torch.cuda.stream(self.stream):
@@ -316,7 +316,10 @@ class _Copies:
 
     def to_device(self, dsts: list, srcs: list, pending: list) -> None:
         """``dsts[i].copy_(srcs[i])``; on a GPU on the side stream, its event kept in ``pending``
-        (the compute stream waits on it before the next forward)."""
+        (the compute stream waits on it before the next forward). Nothing to copy where a rank
+        holds none of a flat group (its part of every bucket is padding)."""
+        if not dsts:
+            return
         if not self.cuda:
             torch._foreach_copy_(dsts, srcs)
             return
@@ -424,7 +427,7 @@ class Offload:
         event = self.copies(flat.device).to_host(hosts, devices)
 
         def task() -> None:
-            if event is None:
+            if event is None and hosts:
                 torch._foreach_copy_(hosts, devices)
             else:
                 event.synchronize()

@@ -255,6 +255,27 @@ def _worker(rank, path):
                 resumed=[p.detach().clone() for p in copy.parameters()],
                 uninterrupted=[p.detach().clone() for p in model.parameters()],
             )
+        # ... and with a param group of which rank 1 holds nothing (42 elements, every bucket's
+        # second half padding): nothing to send there, and the all-gather still pairs up
+        for offload in (None, "cpu"):
+            model = Net().to(torch.bfloat16)
+            tiny = nn.Linear(13, 3).to(torch.bfloat16)
+            torch.nn.init.constant_(tiny.weight, 0.01)
+            groups = [{"params": model.parameters()}, {"params": tiny.parameters(), "lr": 1e-3}]
+            opt = fused_accum.AdamW(
+                groups, lr=1e-2, process_group=dist.group.WORLD, shard="grads", bucket_cap_mb=1e-5, offload=offload
+            )
+            for window in range(WINDOWS):
+                for micro in range(K):
+                    x, _ = data(rank, window, micro)
+                    (
+                        loss_of(model, rank, window, micro, "mean") + tiny(x.to(torch.bfloat16)).float().square().mean()
+                    ).backward()
+                opt.step()
+                opt.zero_grad()
+            results[("offload_empty_rank", offload)] = [
+                p.detach().clone() for p in [*model.parameters(), *tiny.parameters()]
+            ]
         # ... and its bytes per parameter, counted from the buffers it allocates
         for shard in ("state", "grads"):
             model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).to(torch.bfloat16)
@@ -565,6 +586,12 @@ def test_offloaded_shards_hold_their_part_on_the_host(ranks, shard, device):
         counted = rank[("offload_bytes", shard)]
         assert device <= counted["device"] < device + 0.01, counted
         assert 9.0 <= counted["host"] < 9.01, counted
+
+
+def test_offload_where_a_rank_holds_none_of_a_param_group(ranks):
+    for rank in ranks:
+        got, want = rank[("offload_empty_rank", "cpu")], rank[("offload_empty_rank", None)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])
