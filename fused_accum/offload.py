@@ -57,9 +57,11 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import optimizer as torch_optimizer
 
 from . import backends
 from .flat import Layout
+from .owners import _foreign_step
 from .topology.zero import ShardedLayout
 
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
@@ -91,8 +93,9 @@ class OffloadLayout(Layout):
         return backends.resolve("auto", _HOST)  # the C++ CPU kernels (the reference without them)
 
     def place_buckets(self, flat) -> None:
-        self.host_params = self._host(flat.total, flat.dtype)
-        self.host_acc = self._host(flat.total, torch.float32)
+        super().place_buckets(flat)  # (under shard=, the parts: then local_numel is this rank's)
+        self.host_params = self._host(flat.local_numel, flat.dtype)
+        self.host_acc = self._host(flat.local_numel, torch.float32)
 
     def set_views(self, flat, slot) -> None:
         super().set_views(flat, slot)
@@ -193,15 +196,6 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
     def __init__(self, rank: int, world: int, mode: str, pinned: bool) -> None:
         ShardedLayout.__init__(self, rank, world, mode)
         OffloadLayout.__init__(self, pinned)
-
-    def place_buckets(self, flat) -> None:
-        ShardedLayout.place_buckets(self, flat)
-        self.host_params = self._host(flat.local_numel, flat.dtype)  # this rank's pieces only
-        self.host_acc = self._host(flat.local_numel, torch.float32)
-
-    def set_views(self, flat, slot) -> None:
-        ShardedLayout.set_views(self, flat, slot)
-        self.param_written(flat, slot)
 
     def _held(self, slots: list) -> list:
         return [s for s in slots if s.piece is not None]
@@ -393,13 +387,15 @@ class Offload:
         if call is None:
             return
         group = self.stepper.param_groups[flat.group_index]
+        index = torch.tensor([s.index for s in slots], dtype=torch.int64)
         self.speculated[(flat.index, bucket_index)] = record = dict(
             slots=slots,
-            # the step counts after prepare_step took any user's entry (as the backup will see
-            # the state) and added one to each speculated slot's count
-            steps=flat.steps.clone(),
+            index=index,
+            # their step counts after prepare_step took any user's entry (as the backup will see
+            # the state) and added one to each
+            steps=flat.steps[index],
             acc_version=None,  # (set at the backward's end: note_end)
-            versions=[s.param._version for s in flat.slots],
+            versions=[s.param._version for s in bucket.slots],  # the weights it read or wrote
             hyper=_hyper_of(group),
             backed_up=False,  # (set by the worker: a task that failed first has nothing to restore)
         )
@@ -458,7 +454,7 @@ class Offload:
                 record = self.speculated.pop((flat.index, b), None)
                 if record is None:
                     continue
-                if commit and self._still_valid(flat, record):
+                if commit and self._still_valid(flat, b, record):
                     stepped.update(s.key for s in record["slots"])
                     self.committed += 1
                     continue
@@ -512,17 +508,16 @@ class Offload:
         """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
         if record["backed_up"]:
             flat.layout.restore(flat, bucket_index)
-        index = torch.tensor([s.index for s in record["slots"]], dtype=torch.int64)
-        flat.steps[index] = record["steps"][index] - 1
+        flat.steps[record["index"]] = record["steps"] - 1
 
-    def _still_valid(self, flat, record) -> bool:
+    def _still_valid(self, flat, bucket_index: int, record) -> bool:
         """Whether nothing a speculation read changed since: the accumulator (``.grad`` edited
         in place), the weights, the active slots, ``opt.state``, the hyper-parameters."""
         stepper = self.stepper
         group = stepper.param_groups[flat.group_index]
         return (
             record["acc_version"] == flat.acc._version
-            and record["versions"] == [s.param._version for s in flat.slots]
+            and record["versions"] == [s.param._version for s in flat.buckets[bucket_index].slots]
             and all(s.has_grad for s in record["slots"])
             and record["hyper"] == _hyper_of(group)
             and all(
@@ -555,11 +550,7 @@ class Offload:
 def _global_step_pre_hooks() -> bool:
     """Whether a user registered a step pre-hook for every optimizer (not counting the one this
     package registers: fused_accum.owners, which hands parameters between optimizers)."""
-    from torch.optim import optimizer
-
-    from .owners import _foreign_step
-
-    hooks = getattr(optimizer, "_global_optimizer_pre_hooks", {})
+    hooks = getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
     return any(hook is not _foreign_step for hook in hooks.values())
 
 

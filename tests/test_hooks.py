@@ -347,21 +347,6 @@ def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(h
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
-class _RaiseOnce(torch.autograd.Function):
-    raised = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if not _RaiseOnce.raised:
-            _RaiseOnce.raised = True
-            raise RuntimeError("planted error in backward")
-        return g
-
-
 def test_what_a_backward_folded_before_it_raised_is_added_to_not_overwritten(hooks):
     # The first backward completes the second layer's bucket (an overwrite the C++ hooks do
     # themselves, which the window records at its next Python callback) and then raises: its
@@ -371,16 +356,19 @@ def test_what_a_backward_folded_before_it_raised_is_added_to_not_overwritten(hoo
         x = _batches(1)[0]
         h = torch.tanh(model[0](x))
         if raising:
-            h = _RaiseOnce.apply(h)
+            h = RaiseWhenArmed.apply(h)
         return model[2](h).square().sum()
 
     a, b = _pair()
     opt = fused_accum.SGD(a.parameters(), lr=0.1, bucket_cap_mb=13 * 5 * 4 / 2**20)  # a bucket per layer
     assert len(opt._window._folder.bucket_ids) >= 2
     for model in (a, b):
-        _RaiseOnce.raised = False
-        with pytest.raises(RuntimeError, match="planted error"):
-            run(model, raising=True).backward()
+        RaiseWhenArmed.armed = True
+        try:
+            with pytest.raises(RuntimeError, match="planted error"):
+                run(model, raising=True).backward()
+        finally:
+            RaiseWhenArmed.armed = False
         run(model, raising=False).backward()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)  # the same fp32 add either way
