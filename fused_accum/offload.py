@@ -531,6 +531,7 @@ class Offload:
         """The updated parameters back to the device (on the worker, after its steps)."""
         copies, layout = self.copies(flat.device), flat.layout
         layout.begin_send(flat)
+        copies.after_compute()  # (the side stream writes the staging buffer allocated on the compute stream)
 
         def task() -> None:
             copies.to_device(*layout.send_lists(flat, stepped), self.pending_h2d)
