@@ -313,10 +313,13 @@ def test_on_a_gpu_the_device_holds_6_bytes_per_param_and_the_forward_waits_for_t
     ours = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 64)).cuda().to(torch.bfloat16)
     ref = copy.deepcopy(ours)
     n = sum(p.numel() for p in ours.parameters())
+    # the twin first (its 16 B/param of masters, moments and accumulator on the device), then the
+    # offload optimizer alone between the two readings: what it adds to the device
+    ref_opt = fused_accum.AdamW(ref.parameters(), lr=1e-3, accum_steps=4, max_grad_norm=0.05)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     opt = fused_accum.AdamW(ours.parameters(), lr=1e-3, accum_steps=4, max_grad_norm=0.05, offload="cpu")
-    ref_opt = fused_accum.AdamW(ref.parameters(), lr=1e-3, accum_steps=4, max_grad_norm=0.05)
+    torch.cuda.synchronize()
     after_build = torch.cuda.memory_allocated()
     monkeypatch.setattr(offload_module, "WORKER_DELAY", lambda: time.sleep(random.uniform(0, 0.003)))
     gen = torch.Generator(device="cuda").manual_seed(1)
