@@ -77,9 +77,9 @@ def _read_only(stored: str) -> property:
 class Slot:
     """One parameter's place in its flat group, and its state in the current window.
 
-    The window's fields (``has_grad``, ``in_stats``, ``grad_view``, ``folded_in``, ``stepped``)
-    are read-only here: the window's ledger (fused_accum.ledger) is their one writer, and counts
-    each change of the first three in ``changes``, its window's counter (the layout sets
+    The window's fields (``has_grad``, ``grad_view``, ``folded_in``, ``stepped``) are read-only
+    here: the window's ledger (fused_accum.ledger) is their one writer, and counts each change of
+    the first two in ``changes``, its window's counter (the layout sets
     ``grad_view`` when it makes a slot's views: before the slot joins a window, or when the
     group moves, which the mover tells the ledger)."""
 
@@ -101,7 +101,6 @@ class Slot:
     # --- the window's (written by fused_accum.ledger only) ---
     _grad_view: Optional[Tensor] = None  # (grad_view) what ``.grad`` is set to
     _has_grad: bool = False  # (has_grad) the accumulator slice holds this window's gradient
-    _in_stats: bool = False  # (in_stats) its final value is already in the window's norm / non-finite flag
     _folded_in: int = -1  # (folded_in) the backward that last folded it (to spot a second piece)
     _stepped: bool = False  # (stepped) step_in_backward already applied its update this window
     # --- a layout's own (fused_accum.topology.zero): this rank's elements of the parameter ---
@@ -111,7 +110,6 @@ class Slot:
     changes: array.array = dataclasses.field(default_factory=lambda: _UNCOUNTED)
 
     has_grad = _read_only("_has_grad")
-    in_stats = _read_only("_in_stats")
     grad_view = _read_only("_grad_view")
     folded_in = _read_only("_folded_in")
     stepped = _read_only("_stepped")

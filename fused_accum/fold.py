@@ -3,16 +3,14 @@
 The window (:mod:`fused_accum.window`) hands a bucket's gradients here when its hooks saw every
 slot of it arrive, and what is left of partly filled buckets when a backward ends. A bucket is
 one ``ops.accumulate`` call per kind: the window's first gradient of a slice overwrites it (so
-no zeroing pass is needed), later ones add. On the window's last backward the same pass adds
-the final values to the window's norm and non-finite flag, and with ``step_in_backward`` it is
-the fused step instead. What each fold changes in the window's state is the ledger's to record
+no zeroing pass is needed), later ones add. With ``step_in_backward`` the window's last backward's
+fold is the fused step instead. What each fold changes in the window's state is the ledger's to record
 (:mod:`fused_accum.ledger`).
 
-The fast path. Where a fold needs nothing of Python (no norm to take, nothing to reduce, no
-fused step, an extension backend) the window's hooks may fold a complete bucket themselves
+The fast path. Where a fold needs nothing of Python (nothing to reduce, no fused step, no
+offloaded step, an extension backend) the window's hooks may fold a complete bucket themselves
 (``grant_fast``), and may run whole middle backwards without calling Python at all
-(``arm_quiet``). Such a grant is decided from every slot's ``has_grad``, ``in_stats`` and
-``grad_view``, and holds while the ledger's change counter keeps the value it had then.
+(``arm_quiet``). Such a grant is decided from every slot's ``has_grad`` and ``grad_view``, and holds while the ledger's change counter keeps the value it had then.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from torch import Tensor
 
 from . import backends, ops
 from .flat import Bucket, FlatGroup
-from .ledger import _IS_NONE, FOLDED_IN, HAS_GRAD, IN_STATS, Ledger
+from .ledger import _IS_NONE, HAS_GRAD, Ledger
 
 
 class WgradTarget(NamedTuple):
@@ -95,9 +93,9 @@ class Folder:
     def grant_fast_folds(self) -> bool:
         """Let the hooks fold, without calling back, the buckets of the backward about to run
         whose fold needs nothing of Python (see fused_accum.arrivals): an add where every slot
-        holds this window's gradient (the middle micro-batches, and the last unless it takes
-        the norm), an overwrite where none does (the first). No slot may be in the window's
-        norm yet, and no reduction or fused step may read what the fold writes. An add records
+        holds this window's gradient (the middle micro-batches, and the last unless offload
+        steps it as it goes), an overwrite where none does (the first). No reduction or fused
+        step may read what the fold writes. An add records
         nothing in Python; the slots an overwrite fills are recorded after it (see
         take_fast_overwrites). True when every bucket is granted an add."""
         if self.fast is None:
@@ -107,13 +105,13 @@ class Folder:
         if not self.topology.fast_folds or self.step_in_backward:
             return False
         if ledger.last_backward() and ledger.last_needs_python:
-            return False  # its fold also adds the final values to the window's norm and flag (or offloads)
-        if self._granted_at != ledger.changes[0]:  # (else no slot's has_grad/in_stats/view changed)
+            return False  # offload steps its buckets as they complete
+        if self._granted_at != ledger.changes[0]:  # (else no slot's has_grad/view changed)
             buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self.bucket_ids):
                 flat = self.flat_groups[flat_index]
                 bucket = flat.buckets[bucket_index]
-                if not backends.fast_folds(flat.backend) or any(map(IN_STATS, bucket.slots)):
+                if not backends.fast_folds(flat.backend):
                     continue
                 held = list(map(HAS_GRAD, bucket.slots))
                 if all(held) or not any(held):
@@ -136,13 +134,13 @@ class Folder:
             return
         for bucket_id in self.fast.take_overwritten():
             flat_index, bucket_index = self.bucket_ids[bucket_id]
-            self._folded(self.flat_groups[flat_index].buckets[bucket_index].slots, stats=False)
+            self._folded(self.flat_groups[flat_index].buckets[bucket_index].slots)
 
     def arm_quiet(self) -> None:
         """At the end of a backward: let the C++ hooks run the next ones without calling Python
         while each would do nothing here but count (fused_accum.arrivals): every bucket is
-        granted an add (no norm to take, no reduction, no fused step), up to the window's last
-        backward where that one takes the norm, as long as the change counter keeps its value
+        granted an add (no reduction, no fused step), up to the window's last backward where
+        offload steps that one as it goes, as long as the change counter keeps its value
         (no slot's state was set from Python since) and the count is not set."""
         if not self.topology.fast_folds or self.step_in_backward:
             return
@@ -151,8 +149,8 @@ class Folder:
 
     # --- folding ------------------------------------------------------------------------------
 
-    def _folded(self, slots: list, stats: bool) -> None:
-        self.ledger.folded(slots, stats)
+    def _folded(self, slots: list) -> None:
+        self.ledger.folded(slots)
         self.topology.added()
 
     def bucket_complete(self, bucket_id: int, grads: list) -> None:
@@ -199,9 +197,6 @@ class Folder:
             ledger.moved(flat.slots)
         last = ledger.last_backward()
         fuse_step = ledger.may_step_in_backward and last and not ledger.pieces_seen
-        # On the window's last backward the values written are final: the same pass adds them
-        # to the window's norm and non-finite flag (unless a reduction changes them after).
-        local_stats = last and ledger.wants_stats and not self.topology.syncs(ledger)
         # Partitioned before folding (a fold sets has_grad): the window's first gradient of a
         # slot overwrites it, later ones add. Usually a whole bucket is one kind.
         first = [not s.has_grad for s in in_order]
@@ -230,16 +225,14 @@ class Folder:
             if staged is not None:  # (shard="grads": reduce-scattered after the backward)
                 relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
                 ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
-                self._folded(slots, False)
+                self._folded(slots)
                 continue
-            stats = local_stats and ledger.total not in map(FOLDED_IN, slots)
-            found_inf, sumsq = ledger.stats_tensors(flat.device) if stats else (None, None)
             if len(slots) == len(bucket.slots):
                 offsets = bucket.offsets
             else:
                 offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
-            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, found_inf, sumsq, flat.backend, plan=plan)
-            self._folded(slots, stats)
+            ops.accumulate(flat.acc, offsets, kind_grads, 1.0, overwrite, None, None, flat.backend, plan=plan)
+            self._folded(slots)
         if fuse_step:
             ledger.stepped_in_pass(in_order)
 
@@ -260,7 +253,7 @@ class Folder:
 
         def done() -> None:
             with self.lock:
-                self._folded([slot], stats=False)
+                self._folded([slot])
                 self.table.arrive_in_place(slot.key)  # may complete the bucket: a fold
 
         return WgradTarget(slot.full_view, overwrite, self.flat_groups[slot.flat_index].backend, done)

@@ -2,15 +2,15 @@
 
 :class:`Ledger` holds what a window knows between two steps and what its decisions are taken
 from. Per slot (fused_accum.flat.Slot): whether it holds this window's gradient (``has_grad``),
-whether its final value is already in the window's norm (``in_stats``), the view ``.grad``
-shows (``grad_view``), the backward that last folded it (``folded_in``) and whether
-step_in_backward stepped it (``stepped``). Per window: the count of backwards, the norm and
-non-finite flag, whether step_in_backward may step it or has, and what ``.grad`` shows.
+the view ``.grad`` shows (``grad_view``), the backward that last folded it (``folded_in``) and
+whether step_in_backward stepped it (``stepped``). Per window: the count of backwards, whether
+step_in_backward may step it or has, and what ``.grad`` shows. (The window's norm and non-finite
+flag are not kept: the step takes them from the buffers' values, ``Topology.norm_terms``.)
 
 Only the ledger's methods change them, each named for the event that changes them (a bucket
 was folded, a gradient taken from the user, a ``.grad`` cleared, a backward ended, the window
 stepped, ended, moved); everywhere else they are read (the slot's fields have no setter).
-Every change of a slot's ``has_grad``, ``in_stats`` or ``grad_view`` adds one to the window's
+Every change of a slot's ``has_grad`` or ``grad_view`` adds one to the window's
 change counter, an int64 the C++ hooks read too: a decision taken at a count (the fast-fold
 grants, a quiet backward, the ``.grad`` exposure) holds while the count keeps its value. The
 hooks' table flags (``slow``, ``hide``, ``stands_aside``) are set here, as consequences of
@@ -32,8 +32,8 @@ from torch import Tensor
 
 from .arrivals import FastPath
 
-HAS_GRAD, IN_STATS, GRAD_VIEW, FOLDED_IN = (
-    operator.attrgetter(f"_{n}") for n in ("has_grad", "in_stats", "grad_view", "folded_in")
+HAS_GRAD, GRAD_VIEW = (
+    operator.attrgetter(f"_{n}") for n in ("has_grad", "grad_view")
 )  # (C-level getters, for the per-slot loops)
 _UNLIMITED = 2**62  # quiet backwards armed where no coming backward is known to be the last
 
@@ -47,9 +47,9 @@ class Ledger:
         self.table = table  # the hooks' table (fused_accum.arrivals)
         self.fast = table if isinstance(table, FastPath) else None  # ... where it has the fast path
         self.label = label  # how errors name the optimizer
-        self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the last pass takes the norm
-        # the window's last backward needs Python (its norm; offload's host step, as it goes)
-        self.last_needs_python = wants_stats or offload
+        self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the step takes the norm
+        # the window's last backward needs Python (offload's host step, as it goes)
+        self.last_needs_python = offload
         self.slots: list = []  # the window's, by key
         self.changes = array.array("q", [0])  # (read by the C++ hooks at a backward's start)
         self.accum_steps = accum_steps
@@ -57,8 +57,6 @@ class Ledger:
         self._microbatches = 0  # backwards in this window the window itself counted
         self._total = 0  # ... over the window's life (what Slot.folded_in holds)
         self._quiet_seen = 0  # the hooks' quiet total when last taken in
-        self._stats: dict = {}  # device -> (found_inf, sumsq): 0-d fp32 the last pass adds into
-        self.acc_versions: list = []  # the accumulators' versions when the last backward ended
         self.pieces_seen = False  # some slot received two gradients in one micro-batch
         self.stepped_in_backward = False  # step_in_backward stepped this window already
         # step_in_backward may step this window: from construction, zero_grad() or a window
@@ -119,8 +117,8 @@ class Ledger:
         self._restart_count(microbatches)
 
     def arm_quiet(self) -> None:
-        """Let the C++ hooks run the coming backwards quietly, up to the window's last when it
-        takes the norm (the caller decided every bucket is granted an add)."""
+        """Let the C++ hooks run the coming backwards quietly, up to the window's last where
+        offload steps it as it goes (the caller decided every bucket is granted an add)."""
         steps = self.accum_steps
         budget = steps - 1 - self.microbatches if self.last_needs_python and steps is not None else _UNLIMITED
         if budget > 0:
@@ -128,25 +126,16 @@ class Ledger:
 
     # --- folds ---------------------------------------------------------------------------
 
-    def folded(self, slots: list, stats: bool) -> None:
-        """``slots`` received a gradient in this micro-batch; ``stats``: the fold added their
-        final values to the window's norm and non-finite flag."""
+    def folded(self, slots: list) -> None:
+        """``slots`` received a gradient in this micro-batch."""
         now = self.total
-        stale = entered = False  # a value in the norm/flag is no longer final; one entered it
         for slot in slots:  # (a per-slot loop of the last backward: stored fields, counted once)
             if slot._folded_in == now:
                 self.pieces_seen = True  # a second piece in one micro-batch (reentrant checkpoint)
-                stale = True
-            elif slot._in_stats:
-                stale = True
-            elif stats:
-                slot._in_stats = entered = True
             slot._folded_in = now
             slot._has_grad = True
         if slots:
             self._changed()
-        if stale:
-            self.invalidate_stats()
 
     def stepped_in_pass(self, slots: list) -> None:
         """step_in_backward stepped ``slots`` from their last gradient: nothing of theirs is left
@@ -168,7 +157,6 @@ class Ledger:
     def took_grad(self, slot) -> None:
         """``slot`` holds a gradient taken whole (a user's ``.grad``, a checkpoint's, FSDP2's)."""
         slot._has_grad = True
-        slot._in_stats = False
         self._changed()
 
     def took_all(self, slots) -> None:
@@ -186,58 +174,13 @@ class Ledger:
     def moved(self, slots) -> None:
         """``slots`` got new buffers (their parameters moved or were cast): no gradient left."""
         for slot in slots:
-            slot._has_grad = slot._in_stats = False
+            slot._has_grad = False
         self._changed()
 
     def view_set(self, slot, view) -> None:
         """``.grad`` is to show ``view`` for ``slot`` (a new view, a sharded placeholder)."""
         slot._grad_view = view
         self._changed()
-
-    # --- the norm and the non-finite flag ---------------------------------------------------
-
-    def stats_tensors(self, device) -> tuple:
-        """(found_inf, sumsq) on ``device``: 0-d fp32 tensors the last accumulate pass adds into."""
-        if device not in self._stats:
-            self._stats[device] = tuple(torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
-        return self._stats[device]
-
-    def invalidate_stats(self) -> None:
-        """Forget the norm and flag; the step takes them again from the buffers."""
-        entered = False
-        for slot in self.slots:
-            if slot._in_stats:
-                slot._in_stats, entered = False, True
-        if entered:
-            self._changed()
-        for found_inf, sumsq in self._stats.values():
-            found_inf.zero_()
-            sumsq.zero_()
-
-    def note_acc_versions(self, flat_groups) -> None:
-        """At a backward's end: the accumulators' versions (every ``.grad`` view shares its
-        buffer's version counter, which any in-place write moves)."""
-        self.acc_versions = [flat.acc._version for flat in flat_groups]
-
-    def completed_stats(self, flat_groups) -> dict:
-        """device -> (found_inf, sumsq) over every gradient of the window: what the last
-        accumulate pass did not see is added here, one ``_foreach_norm`` per flat group. A
-        ``.grad`` edited in place since the last backward ended (``scaler.unscale_``,
-        ``clip_grad_value_``, ``nan_to_num_``) moved its buffer's version counter: the values the
-        last pass saw are gone, so everything is taken again from the buffers."""
-        if [flat.acc._version for flat in flat_groups] != self.acc_versions:
-            self.invalidate_stats()
-        entered = False
-        for flat in flat_groups:
-            missing = [s for s in flat.slots if s._has_grad and not s._in_stats]
-            if missing:
-                _, sumsq = self.stats_tensors(flat.device)
-                sumsq.add_(torch.stack(torch._foreach_norm([s.acc for s in missing])).square().sum())
-                for slot in missing:
-                    slot._in_stats = entered = True
-        if entered:
-            self._changed()
-        return {flat.device: self.stats_tensors(flat.device) for flat in flat_groups}
 
     # --- the window's end ----------------------------------------------------------------------
 
@@ -259,7 +202,6 @@ class Ledger:
         if self.step_in_backward:
             for slot in self.slots:
                 slot._stepped = False
-        self.invalidate_stats()
 
     def discarded(self) -> None:
         """Every gradient of the window is gone and no ``.grad`` shows a view: a new window."""
@@ -356,11 +298,7 @@ class Exposure:
                 if before_backward:
                     slot.param.grad = None  # the next gradient is added by our kernels
         ledger.shown = not before_backward
-        if changed and not any(map(HAS_GRAD, ledger.slots)):
-            return True
-        if changed:
-            ledger.invalidate_stats()  # the norm/flag described values that are gone
-        return False
+        return changed and not any(map(HAS_GRAD, ledger.slots))
 
     def take_assigned_grads(self) -> None:
         """At a window's first backward: a ``.grad`` the user assigned since the window began

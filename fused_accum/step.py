@@ -250,11 +250,6 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
     if isinstance(found_inf, Tensor):
         flag = (found_inf.to(home) > 0).float()
         bad = flag if bad is None else torch.maximum(bad, flag)
-        if grad_scale is None:
-            # GradScaler passes no scale after its unscale_(opt), which divided .grad in place
-            # with an op that leaves the version counter alone (torch 2.13's
-            # _amp_foreach_non_finite_check_and_unscale_): the last pass's norm is stale.
-            window.ledger.invalidate_stats()
     if max_grad_norm is not None or skip_nonfinite:
         # (over every rank's gradient, in a data-parallel topology)
         total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)

@@ -387,7 +387,6 @@ class GradientWindow:
                 self._count_microbatch()
             self.expose()
             self._folder.arm_quiet()
-            self.ledger.note_acc_versions(self.flat_groups)
             if self.offload is not None:
                 self.offload.note_end(self.flat_groups)
 

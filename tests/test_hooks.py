@@ -282,9 +282,9 @@ def test_bf16_gradients_are_accumulated_in_fp32(hooks):
 
 @pytest.mark.parametrize("clip", [True, False])
 def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, monkeypatch, clip):
-    # With accum_steps=4: the first backward overwrites, the middle ones add, and so does the
-    # last one without clipping; with clipping the last one also takes the norm, which is
-    # Python's. The C++ hooks fold the rest themselves (the Python twin never does). The
+    # With accum_steps=4: the first backward overwrites, the middle ones and the last add. With
+    # clipping too: the norm is taken from the buffers at step(), not by the last backward's
+    # folds, so the C++ hooks fold every backward themselves (the Python twin never does). The
     # gradients are torch's either way, bit for bit.
     a, b = _pair()
     # lr=0: the parameters stay equal to b's, which no optimizer steps
@@ -314,8 +314,7 @@ def test_middle_micro_batches_fold_in_the_hooks_without_calling_python(hooks, mo
         for q in b.parameters():
             q.grad = None
     in_hooks = 0 if hooks == "cpp" else n_buckets
-    last = n_buckets if clip else in_hooks
-    assert per_backward == [in_hooks, in_hooks, in_hooks, last] * 2
+    assert per_backward == [in_hooks] * 8
 
 
 def test_dot_grad_follows_what_the_user_does_between_fast_middle_micro_batches(hooks):
@@ -451,9 +450,9 @@ def _python_calls(monkeypatch, opt) -> list:
 @pytest.mark.parametrize("clip", [True, False])
 def test_middle_backwards_run_without_python_and_still_count(cpp_hooks, monkeypatch, clip):
     # After the window's first backward the C++ hooks run the next ones alone (quiet): they
-    # check what Python would, fold and count, and call nothing, up to the last backward of
-    # the window where that one takes the norm. The count, the gradients and the step are
-    # torch's all the same.
+    # check what Python would, fold and count, and call nothing, the window's last backward
+    # included (with clipping too: the step takes the norm from the buffers). The count, the
+    # gradients and the step are torch's all the same.
     a, b = _pair()
     # plain SGD: ours and torch's round its update alike, so the models stay equal
     opt = fused_accum.SGD(
@@ -477,7 +476,7 @@ def test_middle_backwards_run_without_python_and_still_count(cpp_hooks, monkeypa
         ref.zero_grad()
         for p, q in zip(a.parameters(), b.parameters()):
             assert torch.equal(p, q)
-    assert per_backward == [True, False, False, clip] * 3
+    assert per_backward == [True, False, False, False] * 3
 
 
 def test_another_optimizers_changes_leave_this_ones_quiet_backwards_alone(cpp_hooks, monkeypatch):

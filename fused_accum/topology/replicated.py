@@ -58,7 +58,6 @@ class Replicated(Topology):
             self.reducer.finish(flat_groups)
             self._unreduced = False
             ledger.took_all([s for flat in flat_groups for s in flat.slots])  # the group's gradient
-            ledger.invalidate_stats()  # any local norm described local values
 
     def reset(self) -> None:
         self._unreduced = False
