@@ -8,18 +8,27 @@ before it (fused_accum/offload.py), per bucket size: the budget the window's las
 to hide them in (a bucket lands on the host every (bucket bytes / device-to-host bandwidth)).
 
 On a GPU also: a k = 8 window of a small bf16 GPT (benchmarks/end_to_end.TinyGPT) with and
-without offload: ms per window, peak device memory, and the fraction of the host step hidden
-behind the last backward (1 - what offload added to the window / the host's busy time).
-Writes offload.csv (one row per measurement) and prints a table; a timing, never a test.
+without offload: ms per window, peak device memory, the optimizer's device bytes per parameter
+(after its build and after the last window; the bf16 weight's 2 B are beside them), and with
+offload the host work per window (the speculation's back-up and the host steps, timed on the
+worker, not its waits for the copies; the warm-up windows left out), the fraction of it hidden
+(1 - what offload added to the window / that host work), and how many windows speculated and
+how many buckets' speculations were committed or put back and stepped again (a clipped window's
+are redone, and the next window does not speculate: see fused_accum/offload.py).
+Writes offload.csv as each row is measured (one row per measurement) and prints it; a timing,
+never a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
@@ -33,7 +42,8 @@ from fused_accum import ops  # noqa: E402
 from fused_accum.algorithms import AdamHyper  # noqa: E402
 
 
-def host_step_rows(sizes, threads, repeats=5) -> list:
+def host_step_rows(sizes, threads, repeats=5, out=None) -> list:
+    """``out``: called with each row as it is measured."""
     rows = []
     for numel in sizes:
         master, m, v, acc = (torch.randn(numel) for _ in range(4))
@@ -71,71 +81,188 @@ def host_step_rows(sizes, threads, repeats=5) -> list:
                     step_gbs=round(numel * 30 / step_ms / 1e6, 2),  # the AdamW step's 30 B/param
                 )
             )
+            if out is not None:
+                out(rows[-1])
     return rows
 
 
-def window_rows(device, windows=6) -> list:
-    from benchmarks.end_to_end import E2EConfig, TinyGPT, make_batches
+class _HostWork:
+    """Seconds the offload worker spends backing up a speculated bucket and stepping buckets on
+    the host: those alone, not its waits for the device-to-host copies (``event.synchronize``,
+    which the worker's ``busy_s`` counts too). Patches the layout's ``back_up`` and the
+    optimizer's ``prepare_step`` (its returned call is the host step) while installed."""
 
-    rows = []
-    cfg = E2EConfig(
-        d_model=256, n_layers=4, n_heads=4, vocab=4096, seq_len=256, micro_batch=4, accum_steps=8, windows=windows
-    )
-    for offload in (None, "cpu"):
-        torch.manual_seed(0)
-        model = TinyGPT(cfg).to(device, torch.bfloat16)
-        opt = fused_accum.AdamW(model.parameters(), lr=1e-4, accum_steps=8, max_grad_norm=1.0, offload=offload)
-        torch.cuda.reset_peak_memory_stats(device)
-        times, waits = [], []
-        for w, window in enumerate(make_batches(cfg, device)):
-            torch.cuda.synchronize(device)
+    def __init__(self, opt) -> None:
+        from fused_accum import offload as offload_module
+
+        self.seconds = 0.0
+        self._layout_cls = offload_module.OffloadLayout
+        self._back_up = self._layout_cls.back_up
+        self._stepper = opt._window.offload.stepper
+        self._own = vars(self._stepper).get("prepare_step")  # (an instance attribute already there)
+        self._prepare = self._stepper.prepare_step
+        timed = self._timed
+
+        def back_up(layout, *args, **kwargs):
+            return timed(self._back_up, layout, *args, **kwargs)
+
+        def prepare_step(*args, **kwargs):
+            call = self._prepare(*args, **kwargs)
+            return None if call is None else (lambda: timed(call))
+
+        self._layout_cls.back_up = back_up
+        self._stepper.prepare_step = prepare_step
+
+    def _timed(self, fn, *args, **kwargs):
+        if threading.current_thread().name != "fused_accum offload":  # (a step run on the main thread)
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def remove(self) -> None:
+        self._layout_cls.back_up = self._back_up
+        if self._own is None:
+            del self._stepper.prepare_step  # (the class's method again)
+        else:
+            self._stepper.prepare_step = self._own
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device) -> Optional[int]:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _window_row(device, cfg, batches, offload, warmup) -> dict:
+    """One variant's k-micro-batch windows: ms per window (median after ``warmup``), the step's
+    wait, peak device memory, the optimizer's device bytes per parameter (after its build, and
+    held after the last window), and with offload the host work per window (after warm-up, the
+    back-up and the step only), the fraction of it hidden, and the speculation's counts."""
+    from benchmarks.end_to_end import TinyGPT
+
+    k = cfg.accum_steps
+    torch.manual_seed(0)
+    model = TinyGPT(cfg).to(device, torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    _sync(device)
+    before = _allocated(device)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-4, accum_steps=k, max_grad_norm=1.0, offload=offload)
+    _sync(device)
+    built = _allocated(device)
+    host = _HostWork(opt) if offload else None
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times, waits, spec = [], [], []
+        committed = redone = 0
+        for w, window in enumerate(batches):
+            if w == warmup and offload:  # (the worker is idle: step() drained it)
+                host.seconds = 0.0
+                committed, redone = opt._window.offload.committed, opt._window.offload.redone
+            _sync(device)
             start = time.perf_counter()
             for idx, targets in window:
-                (model(idx, targets) / 8).backward()
-            torch.cuda.synchronize(device)
+                (model(idx, targets) / k).backward()
+            _sync(device)
             before_step = time.perf_counter()
+            if offload:
+                counts = opt._window.offload.committed + opt._window.offload.redone
             opt.step()
             opt.zero_grad()
-            torch.cuda.synchronize(device)
+            _sync(device)
             end = time.perf_counter()
-            if w >= 2:
+            if w >= warmup:
                 times.append(end - start)
                 waits.append(end - before_step)
+                if offload:  # (this window's step settled what its last backward speculated)
+                    spec.append(opt._window.offload.committed + opt._window.offload.redone > counts)
+        held = _allocated(device)
         row = dict(
-            what="k = 8 window, bf16 TinyGPT",
+            what=f"k = {k} window, bf16 TinyGPT",
             offload=offload or "none",
+            windows=len(times),
             window_ms=round(statistics.median(times) * 1e3, 2),
             step_wait_ms=round(statistics.median(waits) * 1e3, 2),
-            peak_device_mb=round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+            peak_device_mb=round(torch.cuda.max_memory_allocated(device) / 2**20, 1) if device.type == "cuda" else "",
+            weight_b_per_param=2,  # (bf16)
+            opt_device_b_per_param=round((built - before) / n, 2) if before is not None else "",
+            opt_device_b_per_param_after=round((held - before) / n, 2) if before is not None else "",
+            host_work_ms="",
+            hidden_fraction="",
+            speculated_windows="",
+            committed_buckets="",
+            redone_buckets="",
         )
         if offload:
-            worker = opt._window.offload.worker
-            busy_ms = worker.busy_s / len(make_batches(cfg, device)) * 1e3
-            row["host_busy_ms"] = round(busy_ms, 2)
-            # how much of the host's work added nothing to the window (the last backward waits
-            # for its speculation, step() for the rest: neither wait alone tells)
+            row["host_work_ms"] = round(host.seconds / len(times) * 1e3, 2)
+            row["speculated_windows"] = sum(spec)
+            row["committed_buckets"] = opt._window.offload.committed - committed
+            row["redone_buckets"] = opt._window.offload.redone - redone
+        return row
+    finally:
+        if host is not None:
+            host.remove()
+        del opt, model
+        gc.collect()
+        _sync(device)
+
+
+def window_rows(device, windows=6, cfg=None, warmup=2, out=None) -> list:
+    """Without and with offload, the same windows: see :func:`_window_row`. The offload row's
+    hidden fraction is 1 - (what offload added to the median window) / (its host work per
+    window): how much of the host's back-up and step the window did not wait for. ``out``:
+    called with each row as it is measured."""
+    from benchmarks.end_to_end import E2EConfig, make_batches
+
+    if cfg is None:
+        cfg = E2EConfig(
+            d_model=256, n_layers=4, n_heads=4, vocab=4096, seq_len=256, micro_batch=4, accum_steps=8, windows=windows
+        )
+    batches = make_batches(cfg, device)
+    rows = []
+    for offload in (None, "cpu"):
+        row = _window_row(device, cfg, batches, offload, warmup)
+        if offload:
             added = row["window_ms"] - rows[0]["window_ms"]
-            row["hidden_fraction"] = round(min(1.0, max(0.0, 1 - added / busy_ms)), 3) if busy_ms else None
+            busy = row["host_work_ms"]
+            row["hidden_fraction"] = round(min(1.0, max(0.0, 1 - added / busy)), 3) if busy else ""
         rows.append(row)
+        if out is not None:
+            out(row)
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="two bucket sizes, one thread count")
-    parser.add_argument("--out", default=None, help="write offload.csv here")
+    parser.add_argument("--out", default=None, help="write offload.csv here (rewritten after each row)")
     args = parser.parse_args(argv)
-    with common.stop_on_sigint():
-        sizes = [2**17, 2**20] if args.quick else [2**17, 2**20, 2**22, 25 * 2**18]
-        threads = [1] if args.quick else sorted({1, torch.get_num_threads()})
-        rows = host_step_rows(sizes, threads)
-        if torch.cuda.is_available():
-            rows += window_rows(torch.device("cuda"))
-    for row in rows:
-        print("  ".join(f"{k}={v}" for k, v in row.items()))
-    if args.out:
-        meta = common.metadata(torch.device("cuda" if torch.cuda.is_available() else "cpu"), list(argv or []))
-        common.write_csv(Path(args.out) / "offload.csv", rows, meta)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = common.metadata(device, list(argv or []))
+    rows = []
+
+    def add(row) -> None:  # each row printed and in offload.csv as it is measured (a stage cut at
+        rows.append(row)  # its limit keeps what it had)
+        print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        if args.out:
+            common.write_csv(Path(args.out) / "offload.csv", rows, meta)
+
+    try:
+        with common.stop_on_sigint():
+            sizes = [2**17, 2**20] if args.quick else [2**17, 2**20, 2**22, 25 * 2**18]
+            threads = [1] if args.quick else sorted({1, torch.get_num_threads()})
+            host_step_rows(sizes, threads, out=add)
+            if device.type == "cuda":
+                window_rows(device, out=add)
+    except KeyboardInterrupt:
+        print(f"offload: interrupted; {len(rows)} rows written", flush=True)
+        return 1
     return 0
 
 

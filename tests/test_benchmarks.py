@@ -985,3 +985,42 @@ def test_the_offload_benchmark_writes_its_host_step_rows_into_a_new_folder(tmp_p
         assert step_ms > 0 and float(r["backup_ms"]) > 0
         assert float(r["step_gbs"]) == pytest.approx(numel * 30 / step_ms / 1e6, rel=0.01)  # (rounded)
         assert r["git_commit"] and r["date_utc"] and r["torch"] == torch.__version__
+
+
+def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
+    """benchmarks/offload.py's window rows (a GPU's, here on the CPU at a tiny size; issue 34):
+    the host work is the back-up and the steps timed on the worker (not its waits for the
+    copies), over the windows after the warm-up; the rows count the windows that speculated and
+    the buckets committed or redone; the timing patches are gone after."""
+    from benchmarks import offload
+    from benchmarks.end_to_end import E2EConfig
+    from fused_accum import offload as offload_module
+    from fused_accum.step import Stepper
+
+    back_up, prepare = offload_module.OffloadLayout.back_up, Stepper.prepare_step
+    cfg = E2EConfig(d_model=32, n_layers=1, n_heads=2, vocab=64, seq_len=16, micro_batch=2, accum_steps=8, windows=5)
+    seen = []
+    base, ours = offload.window_rows(torch.device("cpu"), cfg=cfg, out=seen.append)
+    assert seen == [base, ours] and (base["offload"], ours["offload"]) == ("none", "cpu")
+    assert base["what"] == ours["what"] == "k = 8 window, bf16 TinyGPT" and ours["windows"] == 3
+    assert ours["host_work_ms"] > 0 and 0.0 <= ours["hidden_fraction"] <= 1.0
+    assert ours["speculated_windows"] == 3 and ours["committed_buckets"] >= 3 and ours["redone_buckets"] == 0
+    assert base["host_work_ms"] == "" and base["speculated_windows"] == ""
+    assert offload_module.OffloadLayout.back_up is back_up and Stepper.prepare_step is prepare
+
+
+def test_the_offload_benchmark_writes_each_row_as_it_comes(tmp_path, monkeypatch):
+    """Stopped at its limit (SIGINT) after its first row, offload.csv holds that row (issue 34:
+    it was written only at the end)."""
+    from benchmarks import offload
+
+    real = offload.host_step_rows
+
+    def first_then_interrupt(sizes, threads, out=None):
+        real(sizes[:1], threads, out=out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(offload, "host_step_rows", first_then_interrupt)
+    assert offload.main(["--quick", "--out", str(tmp_path)]) == 1
+    with open(tmp_path / "offload.csv") as f:
+        assert [int(r["numel"]) for r in csv.DictReader(f)] == [2**17]
