@@ -21,6 +21,13 @@ worker steps each bucket *speculatively*, with the coefficient 1, after copying 
 everything the step will change of it. At ``step()``, where the step's real coefficient is 1 and
 nothing skips, and nothing the speculation read has changed since (the gradients, the weights,
 ``opt.state``, the hyper-parameters), the speculation is the step: it is committed as it is.
+Whether the gradients and the weights changed is decided from their values, never from version
+counters (they miss ``.data`` writes, ``scaler.unscale_``, ``dist.all_reduce(p.grad)`` and our
+own folds of a backward past the last, and move on ``clip_grad_norm_``'s multiply by 1.0): a
+fingerprint of each bucket's accumulator range and weights, its bits summed three ways (plain,
+squared, position-weighted) in exact int64 arithmetic on the device, is taken when the bucket
+is sent and again at ``step()`` (a read of 4 + 2 B/param on the device for bf16 weights), and
+the host reads the comparisons as one flag per bucket, in one sync per window.
 Otherwise the backup is put back and the buckets are stepped again from it, with the real
 coefficient and skip flag: the same kernels on the same values as a step taken after the window,
 bit for bit. No arithmetic rollback anywhere. The backup is the "second host copy of the state"
@@ -29,8 +36,11 @@ aside (during the backward) makes a commit free and keeps ``opt.state``'s views 
 
 What speculates: a window with ``accum_steps`` set (its last backward is known) when the step
 before it was the speculation's: it used neither ``num_items`` nor a GradScaler (a loop that
-does, does at every step) and it neither clipped nor skipped (clipping comes in runs; after the
-first step that does not clip, the next window speculates again). Every other window steps at
+does, does at every step), it neither clipped nor skipped, and nothing changed the gradients or
+the weights after its last backward (a trainer's ``clip_grad_norm_`` that did not bind multiplies
+by 1.0 and changes nothing: that window commits). Clipping comes in runs: after a window whose
+step was not the speculation's, the next ones are only watched (their fingerprints taken, no
+step) until one would have committed; the window after it speculates again. Every other window steps at
 ``step()``, still bucket by bucket, each bucket's copy to the host overlapping the step of the
 one before; so does every window under ``process_group=`` (and ``shard=``), whose last
 backward's buckets are final only after their collective, which the step waits for
@@ -49,6 +59,7 @@ there shows the step to come, a checkpoint (``state_dict``) puts the speculation
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -99,6 +110,8 @@ class OffloadLayout(Layout):
 
     def set_views(self, flat, slot) -> None:
         super().set_views(flat, slot)
+        if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
+            self.host_params = self._host(flat.local_numel, flat.dtype)
         self.param_written(flat, slot)
 
     def param_written(self, flat, slot) -> None:
@@ -125,17 +138,26 @@ class OffloadLayout(Layout):
         return flat.acc[start:end]
 
     def fetch_lists(self, flat, bucket_index: int) -> tuple:
-        """(host views, device views) to copy in before a bucket's step: its gradient and, where
-        the step reads the parameters themselves (no fp32 master: fp32 parameters, or the
-        remainder mode's bf16 weights), their values as the device has them (an edit through
-        ``.data`` moves no version counter, and the step without offload would read it)."""
+        """(host views, device views) to copy in before a bucket's step: its gradient, and the
+        parameters' values as the device has them (the step reads them: as the master itself,
+        where there is no fp32 copy, or to follow a weight written from outside, where there is;
+        an edit through ``.data`` or a collective moves no version counter, and the step without
+        offload would read it): 4 + 2 B/param from the device for bf16 weights."""
         start, end = self.local_range(flat, bucket_index)
-        hosts, devices = [self.host_acc[start:end]], [self._device_acc(flat, bucket_index)]
-        if not flat.has_master:
-            held = self._held(flat.buckets[bucket_index].slots)
-            hosts += [self._host_param(s) for s in held]
-            devices += [self._device_param(flat, s) for s in held]
+        held = self._held(flat.buckets[bucket_index].slots)
+        hosts = [self.host_acc[start:end]] + [self._host_param(s) for s in held]
+        devices = [self._device_acc(flat, bucket_index)] + [self._device_param(flat, s) for s in held]
         return hosts, devices
+
+    def fingerprint(self, flat, bucket_index: int) -> Tensor:
+        """What a bucket's step reads from the device, as a fingerprint (see :func:`_fingerprint`):
+        its accumulator range and its parameters' values."""
+        _, devices = self.fetch_lists(flat, bucket_index)
+        acc, weights = devices[0], devices[1:]
+        parts = [_fingerprint(acc)]
+        if weights:
+            parts.append(_fingerprint(torch.cat([w.reshape(-1) for w in weights])))
+        return torch.cat(parts)
 
     def begin_send(self, flat) -> None:
         """Before the updated parameters are sent (on the main thread: what the send writes
@@ -170,7 +192,8 @@ class OffloadLayout(Layout):
         """Copy aside a bucket's elements of everything a step changes."""
         start, end = self.local_range(flat, bucket_index)
         for name, buf in self._buffers(flat).items():
-            if name not in self.backup or self.backup[name].numel() != buf.numel():
+            kept = self.backup.get(name)
+            if kept is None or kept.numel() != buf.numel() or kept.dtype != buf.dtype:
                 self.backup[name] = torch.empty_like(buf)
             self.backup[name][start:end] = buf[start:end]
 
@@ -322,6 +345,20 @@ class _Copies:
             pending.append((self.device, self.stream.record_event()))
 
 
+@dataclasses.dataclass(eq=False)
+class _Speculation:
+    """One bucket of a window's last backward, as it was sent: what its step read (a fingerprint
+    on the device, the hyper-parameters) and, where the worker stepped it speculatively, what
+    to put back (``steps``: the step counts the step began from)."""
+
+    slots: list
+    read: Tensor  # the bucket's fingerprint when it was sent (OffloadLayout.fingerprint)
+    hyper: tuple
+    index: Optional[Tensor] = None  # the slots' indices in the flat group's step counts
+    steps: Optional[Tensor] = None  # their step counts after prepare_step; None: only watched
+    backed_up: bool = False  # (set by the worker: a task that failed first has nothing to restore)
+
+
 class Offload:
     """The host side of one optimizer under ``offload="cpu"``: its flat groups' layouts, the
     worker, the speculation of the window's last backward, and the host step."""
@@ -333,7 +370,7 @@ class Offload:
         self._finalizer = weakref.finalize(self, self.worker.stop)
         self._copies: dict = {}  # device -> _Copies
         self.speculate = True  # (off after a step that was not the speculation's: see step)
-        self.speculated: dict = {}  # (flat index, bucket index) -> what the speculation read
+        self.speculated: dict = {}  # (flat index, bucket index) -> _Speculation
         # flat index -> its buffers' versions (OffloadLayout.versions) once the speculation of
         # the window's last backward is done: what the user edits after moves them
         self._expected: dict = {}
@@ -375,47 +412,44 @@ class Offload:
         return owner is not None and not owner._optimizer_step_pre_hooks and not _global_step_pre_hooks()
 
     def bucket_final(self, flat, bucket_index: int, ledger) -> None:
-        """The window's last backward completed a bucket: its fold wrote the final sums. Copy
-        them to the host and step the bucket there speculatively (see the module)."""
-        bucket = flat.buckets[bucket_index]
-        if not self.speculate or ledger.pieces_seen or not self._may_speculate(bucket):
+        """The window's last backward completed a bucket: its fold wrote the final sums. Take
+        its fingerprint; where the window speculates, copy it to the host and step it there
+        speculatively (see the module); else it is only watched, to tell at ``step()`` whether
+        the next window may speculate."""
+        bucket, key = flat.buckets[bucket_index], (flat.index, bucket_index)
+        if key in self.speculated or ledger.pieces_seen or not self._may_speculate(bucket):
             return
         slots = [s for s in bucket.slots if s.has_grad]
         if not slots:
             return
+        group = self.stepper.param_groups[flat.group_index]
+        record = _Speculation(slots, flat.layout.fingerprint(flat, bucket_index), _hyper_of(group))
+        self.speculated[key] = record
+        if not self.speculate:
+            return
         call = self.stepper.prepare_step(flat, slots, flat.one, None)
         if call is None:
             return
-        group = self.stepper.param_groups[flat.group_index]
-        index = torch.tensor([s.index for s in slots], dtype=torch.int64)
-        self.speculated[(flat.index, bucket_index)] = record = dict(
-            slots=slots,
-            index=index,
-            # their step counts after prepare_step took any user's entry (as the backup will see
-            # the state) and added one to each
-            steps=flat.steps[index],
-            acc_version=None,  # (set at the backward's end: note_end)
-            versions=[s.param._version for s in bucket.slots],  # the weights it read or wrote
-            hyper=_hyper_of(group),
-            backed_up=False,  # (set by the worker: a task that failed first has nothing to restore)
-        )
+        record.index = torch.tensor([s.index for s in slots], dtype=torch.int64)
+        # their step counts after prepare_step took any user's entry (as the backup will see the
+        # state) and added one to each
+        record.steps = flat.steps[record.index]
         self._submit_step(flat, bucket_index, call, record)
 
     def note_end(self, flat_groups) -> None:
-        """A backward ended: what the speculated buckets' accumulators hold now is what they read.
-        The last one waits for its speculation (the host has stepped while it ran: what is left
-        is its last buckets), so that what the user does after it never races the worker, and
-        an in-place edit of ``opt.state`` after it is seen (``step`` refuses it)."""
-        ended = [(f, record) for (f, _), record in self.speculated.items() if record["acc_version"] is None]
+        """A backward ended. After the last one, wait for its speculation (the host has stepped
+        while it ran: what is left is its last buckets), so that what the user does after it
+        never races the worker, and an in-place edit of ``opt.state`` after it is seen (``step``
+        refuses it)."""
+        ended = {f for (f, _), record in self.speculated.items() if record.steps is not None}
+        ended -= set(self._expected)
         if not ended:
             return
-        for flat_index, record in ended:
-            record["acc_version"] = flat_groups[flat_index].acc._version
         self.worker.wait()
-        for flat_index, _ in ended:
+        for flat_index in ended:
             self._expected[flat_index] = flat_groups[flat_index].layout.versions(flat_groups[flat_index])
 
-    def _submit_step(self, flat, bucket_index: int, call, record: Optional[dict] = None) -> None:
+    def _submit_step(self, flat, bucket_index: int, call, record: Optional[_Speculation] = None) -> None:
         """Queue a bucket's step on the worker, after its copies to the host (started here on a
         GPU; on a CPU the worker copies); with a speculation's ``record``, after its backup."""
         layout = flat.layout
@@ -429,7 +463,7 @@ class Offload:
                 event.synchronize()
             if record is not None:
                 layout.back_up(flat, bucket_index)
-                record["backed_up"] = True
+                record.backed_up = True
             call()
 
         self.worker.submit(task)
@@ -440,22 +474,23 @@ class Offload:
         """The host step of every flat group: the speculation committed where it is the step,
         else put back and stepped again; then the parameters back to the device."""
         self._settle(window.flat_groups)
+        unchanged = self._unchanged(window.flat_groups)  # (the window's one host sync, with the two below)
         for copies in self._copies.values():  # the parameters are rewritten after what reads them
             copies.after_compute()
         coefs = {d: c.to(_HOST) for d, c in scale.items()}  # (what the host kernels read)
         skips = {d: f.to(_HOST) for d, f in skip.items()} if skip is not None else None
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
-        commit = speculable and all(bool((c == 1).all()) for c in coefs.values())
-        commit = commit and (skips is None or not any(bool(f.any()) for f in skips.values()))
+        as_sent = speculable and all(bool((c == 1).all()) for c in coefs.values())
+        as_sent = as_sent and (skips is None or not any(bool(f.any()) for f in skips.values()))
         for flat in window.flat_groups:
             active = {s.key for s in flat.slots if s.has_grad}
             stepped = set()
             for b in range(len(flat.buckets)):
                 record = self.speculated.pop((flat.index, b), None)
-                if record is None:
+                if record is None or record.steps is None:
                     continue
-                if commit and self._still_valid(flat, b, record):
-                    stepped.update(s.key for s in record["slots"])
+                if as_sent and unchanged[(flat.index, b)] and self._still_valid(flat, record):
+                    stepped.update(s.key for s in record.slots)
                     self.committed += 1
                     continue
                 self._put_back(flat, b, record)
@@ -470,15 +505,29 @@ class Offload:
                     self._submit_step(flat, b, call)
             if active:
                 self._to_device(flat, [s for s in flat.slots if s.key in active])
+        self.speculated.clear()
         self.worker.drain()
         for device, event in self.pending_h2d:  # the next forward waits on these copies, no more
             torch.cuda.current_stream(device).wait_event(event)
         self.pending_h2d = []
-        # The next window speculates only after a window whose step was the speculation's: a
-        # loop that passes num_items or a scaler passes them every step, and clipping comes in
-        # runs (a clipped window's speculation is put back and stepped again: three passes over
-        # the state instead of one). The first window that does not clip turns it back on.
-        self.speculate = commit
+        # The next window speculates only after a window whose step was the speculation's (or
+        # would have been, where it was only watched): a loop that passes num_items or a scaler
+        # passes them every step, and clipping comes in runs (a clipped window's speculation is
+        # put back and stepped again: three passes over the state instead of one). A window whose
+        # clip did not bind (clip_grad_norm_ multiplied by 1.0) turns it back on.
+        self.speculate = as_sent and all(unchanged.values())
+
+    def _unchanged(self, flat_groups) -> dict:
+        """(flat index, bucket index) -> whether what each sent bucket's step read is as it was
+        sent: its fingerprint taken again and compared on the device, the answers read at once."""
+        keys = list(self.speculated)
+        if not keys:
+            return {}
+        same = [
+            (flat_groups[f].layout.fingerprint(flat_groups[f], b) == self.speculated[(f, b)].read).all().to(_HOST)
+            for f, b in keys
+        ]
+        return dict(zip(keys, torch.stack(same).tolist()))
 
     def _settle(self, flat_groups) -> None:
         """Wait for the speculation; a failed one is put back (and the error raised); one
@@ -494,7 +543,7 @@ class Offload:
             if flat.index in self._expected and self._expected[flat.index] != flat.layout.versions(flat)
         ]
         self._expected = {}
-        if edited and self.speculated:
+        if edited and any(record.steps is not None for record in self.speculated.values()):
             self.cancel(flat_groups)
             raise RuntimeError(
                 "offload='cpu': opt.state was edited in place between the window's last "
@@ -504,25 +553,24 @@ class Offload:
             )
 
     @staticmethod
-    def _put_back(flat, bucket_index: int, record) -> None:
+    def _put_back(flat, bucket_index: int, record: _Speculation) -> None:
         """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
-        if record["backed_up"]:
+        if record.backed_up:
             flat.layout.restore(flat, bucket_index)
-        flat.steps[record["index"]] = record["steps"] - 1
+        flat.steps[record.index] = record.steps - 1
 
-    def _still_valid(self, flat, bucket_index: int, record) -> bool:
-        """Whether nothing a speculation read changed since: the accumulator (``.grad`` edited
-        in place), the weights, the active slots, ``opt.state``, the hyper-parameters."""
+    def _still_valid(self, flat, record: _Speculation) -> bool:
+        """Whether what a speculation read of the optimizer is as it was (its gradients and
+        weights are compared by value: :meth:`_unchanged`): the active slots, ``opt.state``'s
+        entries, the hyper-parameters."""
         stepper = self.stepper
         group = stepper.param_groups[flat.group_index]
         return (
-            record["acc_version"] == flat.acc._version
-            and record["versions"] == [s.param._version for s in flat.buckets[bucket_index].slots]
-            and all(s.has_grad for s in record["slots"])
-            and record["hyper"] == _hyper_of(group)
+            all(s.has_grad for s in record.slots)
+            and record.hyper == _hyper_of(group)
             and all(
                 stepper.state.get(s.param) is stepper.shown.get(s.key) and not stepper.shown[s.key].edited
-                for s in record["slots"]
+                for s in record.slots
                 if s.key in stepper.shown
             )
         )
@@ -543,9 +591,23 @@ class Offload:
         its state is about to be read whole: a checkpoint); its step then runs at ``step()``."""
         self.worker.drain()
         for (flat_index, b), record in self.speculated.items():
-            self._put_back(flat_groups[flat_index], b, record)
+            if record.steps is not None:
+                self._put_back(flat_groups[flat_index], b, record)
         self.speculated.clear()
         self._expected = {}
+
+
+# Each dtype's bits as an integer type of its width (a fingerprint sums bits, not values).
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _fingerprint(values: Tensor) -> Tensor:
+    """Three int64 sums of the bits of 1-D ``values``: plain, squared and weighted by position
+    (a cumulative sum), in exact wrap-around integer arithmetic on their device, so that the
+    same values give the same fingerprint whatever the order of the additions, and a changed
+    value, a swap of two values or a sign flip almost surely do not. ``mul_(1.0)`` keeps it."""
+    bits = values.view(_BITS[values.dtype]).to(torch.int64)
+    return torch.stack([bits.sum(), bits.square().sum(), bits.cumsum(0).sum()])
 
 
 def _global_step_pre_hooks() -> bool:

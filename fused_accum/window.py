@@ -453,8 +453,6 @@ class GradientWindow:
 
     def discard(self) -> None:
         """Forget every gradient of the window (also any left in buckets by a raised backward)."""
-        if self.offload is not None:
-            self.offload.cancel(self.flat_groups)
         self._arrivals.clear()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
@@ -462,6 +460,8 @@ class GradientWindow:
 
     def _forget_all(self) -> None:
         """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
+        if self.offload is not None:
+            self.offload.cancel(self.flat_groups)  # (a speculation of a window that will not step)
         self.topology.reset()
         self.ledger.discarded()
         self.topology.after_step(self.ledger, self.flat_groups)

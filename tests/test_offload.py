@@ -144,7 +144,7 @@ def test_a_planted_fault_in_the_commit_logic_is_caught(fault, monkeypatch, one_t
     """The exactness test fails if a clipped window's speculation were committed, or put back
     without restoring the state it changed."""
     if fault == "commit_always":
-        monkeypatch.setattr(offload_module.Offload, "_still_valid", lambda self, flat, bucket_index, record: True)
+        monkeypatch.setattr(offload_module.Offload, "_still_valid", lambda self, flat, record: True)
         monkeypatch.setattr(offload_module.Offload, "step", _step_committing_always)
     else:
         monkeypatch.setattr(offload_module.Offload, "_put_back", staticmethod(lambda flat, bucket, record: None))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import fused_accum
 
@@ -163,3 +164,215 @@ def test_hand_written_data_parallel_clips_with_the_reduced_norm(tmp_path):
     zero, one = _run_ranks(_hand_written_dp, tmp_path, dict(max_grad_norm=0.05))
     for p, q in zip(zero, one):
         assert torch.equal(p, q)
+
+
+# --- offload: the speculation is committed only where it is the step -------------------------
+
+needs_ext = pytest.mark.skipif(
+    __import__("fused_accum.backends.ext", fromlist=["_C"])._C is None, reason="the host step runs the C++ CPU kernels"
+)
+
+
+def _offload_pair(dtype=torch.float32, algorithm=fused_accum.AdamW, **kwargs):
+    """(model, optimizer) with offload="cpu" and its twin without, on the CPU kernels the host
+    runs: they must agree bit for bit after every window."""
+    kwargs = dict(dict(lr=1e-2, accum_steps=2, backend="cpu"), **kwargs)
+    pairs = []
+    for offload in ("cpu", None):
+        model = _model(dtype=dtype)
+        pairs.append((model, algorithm(model.parameters(), offload=offload, **kwargs)))
+    return pairs
+
+
+def _state(opt):
+    out = []
+    for flat in opt._window.flat_groups:
+        for slot in flat.slots:
+            out.append(flat.master_of(slot))
+            out.extend(v for _, v in sorted(slot.state.items()))
+        out.append(flat.steps)
+    return out
+
+
+def _assert_same(pairs, when=""):
+    (a, a_opt), (b, b_opt) = pairs
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{when}: parameter {name}: {(p.float() - q.float()).abs().max()}"
+    for i, (x, y) in enumerate(zip(_state(a_opt), _state(b_opt))):
+        assert torch.equal(x, y), f"{when}: state tensor {i}"
+
+
+def _run(pairs, windows=4, k=2, *, between=None, scale=None, dtype=torch.float32):
+    """Train both: k backwards a window, ``between(model, opt, window)`` after the last, step."""
+    for w in range(windows):
+        for model, opt in pairs:
+            for batch in _batches(k, seed=w, dtype=dtype):
+                loss = _loss(model, batch, k) * (scale(w) if scale else 1.0)
+                loss.float().backward()
+            if between is not None:
+                between(model, opt, w)
+            opt.step()
+            opt.zero_grad()
+        _assert_same(pairs, f"window {w}")
+    return pairs[0][1]._window.offload
+
+
+@needs_ext
+def test_offload_commits_every_window_under_a_trainers_clip_that_does_not_bind():
+    # The loop the README recommends: the trainer clips after the last backward. Its
+    # clip_grad_norm_ multiplies .grad by 1.0 in place: a version counter moves, no value does.
+    # 0 of 10 speculations were committed (step() took 19 ms against 1.3 ms).
+    pairs = _offload_pair()
+    offload = _run(pairs, 6, between=lambda m, o, w: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e6))
+    buckets = len(pairs[0][1]._window.flat_groups[0].buckets)
+    assert (offload.committed, offload.redone) == (6 * buckets, 0)
+
+
+@needs_ext
+def test_offload_commits_over_90_percent_of_non_binding_windows_after_a_run_of_clipped_ones():
+    # Early in training the trainer's clip binds (the loss is scaled up here for 3 windows),
+    # then it stops: after the first window that does not clip, each one commits again.
+    pairs = _offload_pair()
+    clip = lambda m, o, w: torch.nn.utils.clip_grad_norm_(m.parameters(), 5.0)  # noqa: E731
+    offload = _run(pairs, 23, between=clip, scale=lambda w: 100.0 if w < 3 else 1.0)
+    buckets = len(pairs[0][1]._window.flat_groups[0].buckets)
+    # 20 windows do not clip; the first of them is only watched (the one before it clipped)
+    assert offload.committed == 19 * buckets >= 0.9 * 20 * buckets
+    assert offload.redone == buckets  # the first window clipped after its speculation
+
+
+def _clamp_data(m, o, w):
+    for p in m.parameters():
+        p.grad.data.clamp_(-0.01, 0.01)
+
+
+def _prune_data(m, o, w):
+    m[0].weight.data[::3] = 0.0
+
+
+def _mul_weight(m, o, w):
+    with torch.no_grad():
+        m[0].weight.mul_(0.5)
+
+
+def _clip_binding(m, o, w):
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+
+
+def _assign_exp_avg(m, o, w):
+    p = m[0].weight
+    if w:  # (after the first step: before it, torch.optim keeps no entry to assign into)
+        o.state[p]["exp_avg"] = torch.full_like(p, 0.25, dtype=torch.float32)
+
+
+def _update_exp_avg(m, o, w):
+    p = m[2].bias
+    if w:
+        o.state[p].update(exp_avg=torch.full_like(p, -0.5, dtype=torch.float32))
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    "edit",
+    [_clamp_data, _prune_data, _mul_weight, _clip_binding, _assign_exp_avg, _update_exp_avg],
+    ids=lambda f: f.__name__,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offload_sees_what_the_user_did_after_the_last_backward(edit, dtype):
+    # Each edit between the last backward and step(), against the same optimizer without
+    # offload. Through .data no counter moves: the committed speculation ignored the clamp
+    # (1.5e-2 from torch) and brought pruned rows back (0.41 instead of 0.061).
+    pairs = _offload_pair(dtype)
+    _run(pairs, 3, between=edit, dtype=dtype)
+
+
+@needs_ext
+def test_offload_backwards_past_the_hint_are_stepped():
+    # accum_steps=2 but 4 backwards a window: the speculation of the 2nd was committed, and the
+    # 3rd and 4th were dropped (equal to torch trained on the first two only; 4.7e-2 off).
+    pairs = _offload_pair()
+    _run(pairs, 3, k=4)
+
+
+@needs_ext
+def test_offload_after_unscale_and_a_plain_step():
+    # scaler.unscale_(opt) then opt.step(): unscale_'s kernel moves no counter; the committed
+    # speculation had stepped from the scaled gradients (SGD: 7.9e5 from torch after 3 steps).
+    pairs = _offload_pair(algorithm=fused_accum.SGD, lr=0.05, momentum=0.9)
+    scalers = {}
+
+    def unscale(m, o, w):
+        scalers[id(o)].unscale_(o)
+
+    for w in range(3):
+        for model, opt in pairs:
+            scalers[id(opt)] = scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+            for batch in _batches(2, seed=w):
+                scaler.scale(_loss(model, batch)).backward()
+            unscale(model, opt, w)
+            opt.step()
+            opt.zero_grad()
+        _assert_same(pairs, f"window {w}")
+
+
+@needs_ext
+def test_offload_with_gradscaler_unscale_then_scaler_step():
+    pairs = _offload_pair(algorithm=fused_accum.SGD, lr=0.05, momentum=0.9)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) for _ in pairs]
+    for w in range(3):
+        for (model, opt), scaler in zip(pairs, scalers):
+            for batch in _batches(2, seed=w):
+                scaler.scale(_loss(model, batch)).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        _assert_same(pairs, f"window {w}")
+
+
+@needs_ext
+def test_offload_a_discarded_window_leaves_nothing_on_the_host():
+    # model.zero_grad() after a window's last backward, no step: the host's speculative step
+    # stayed (Adam's step count 4 instead of 3 after 4 windows, one discarded: 1.7e-2 off).
+    pairs = _offload_pair()
+    for w in range(4):
+        for model, opt in pairs:
+            for batch in _batches(2, seed=w):
+                _loss(model, batch).backward()
+            if w == 1:
+                model.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        if w != 1:  # (until the next backward or step(), opt.state shows the speculation: offload.py)
+            _assert_same(pairs, f"window {w}")
+    assert pairs[0][1]._window.flat_groups[0].steps.tolist() == [3.0] * 4
+
+
+@needs_ext
+@pytest.mark.parametrize("cast", ["bf16-to-fp32", "fp32-to-bf16-remainder"])
+def test_offload_follows_a_model_cast_after_the_optimizer_was_built(cast):
+    # The host copy of the parameters kept its dtype: fp32 parameters stepped through a bf16
+    # copy (up to 3.9e-3 off), or "the host step failed".
+    built, to = (torch.bfloat16, torch.float32) if cast == "bf16-to-fp32" else (torch.float32, torch.bfloat16)
+    master = "remainder" if cast.endswith("remainder") else True
+    pairs = _offload_pair(built, master_weights=master)
+    for model, _ in pairs:
+        model.to(to)
+    _run(pairs, 3, dtype=to)
+
+
+@needs_ext
+def test_offload_a_global_step_pre_hook_turns_speculation_off():
+    def halve(opt, args, kwargs):
+        for state in opt.state.values():
+            if "exp_avg" in state:
+                state["exp_avg"].mul_(0.5)
+
+    handle = register_optimizer_step_pre_hook(halve)
+    try:
+        pairs = _offload_pair()
+        offload = _run(pairs, 3)
+    finally:
+        handle.remove()
+    assert offload.committed == offload.redone == 0
