@@ -7,8 +7,8 @@ summary); the rest get a stand-in from here that does what the real stage does t
 
   build DIR         prints what the real build would do; builds nothing
   write-tests DIR   writes DIR/core and DIR/matrix: small pytest files marked ``gpu``, standing in
-                    for the GPU test files, with the capture test's name (the summary's goal reads
-                    its outcome), a skip, and (matrix) parametrised cases
+                    for the GPU test files, with the capture tests' names (the summary's goal reads
+                    their outcomes), a skip, and (matrix) parametrised cases
   triton-sweep OUT  writes OUT/triton_sweep.csv a row at a time, with the real sweep's columns
 """
 
@@ -33,6 +33,12 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_a_captured_window_replays_like_eager(backend):
+    assert backend in ("cuda", "triton")
+
+
+@pytest.mark.parametrize("master_weights", [True, "remainder"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_a_captured_bf16_window_with_masters_replays_like_eager(backend, master_weights):
     assert backend in ("cuda", "triton")
 
 

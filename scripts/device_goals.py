@@ -62,7 +62,14 @@ ACCUM_GOAL_PCT, ADAMW_GOAL_PCT = 92.0, 88.0
 TRAFFIC_GOAL, TRAFFIC_BYTES = 1.6, {"torch": 182, "fused_accum": 108}  # bytes per parameter per window
 TRITON_GOAL = 1.05
 LAUNCH_GOAL = 2
-CAPTURE_TEST = ("test_optimizer_gpu", "test_a_captured_window_replays_like_eager")
+# the capture goal's tests (module, test, label): fp32 parameters, and bf16 parameters with fp32
+# masters or int16 remainders (issue 34), each parametrised by backend
+CAPTURE_TESTS = (
+    ("test_optimizer_gpu", "test_a_captured_window_replays_like_eager", "fp32"),
+    ("test_optimizer_gpu", "test_a_captured_bf16_window_with_masters_replays_like_eager", "bf16"),
+)
+OFFLOAD_DEVICE_GOAL = 6.0  # B/param on the device under offload: the bf16 weight's 2 and the accumulator's 4
+OFFLOAD_DEVICE_SLACK = 0.1  # the accumulator padded to 64 elements per slice, a few scalars
 
 
 # --- reading what the stages left ------------------------------------------------------------
@@ -219,19 +226,37 @@ def goal_e2e(e2e_rows) -> Dict[str, str]:
 
 def goal_offload(offload_rows) -> Dict[str, str]:
     """offload="cpu" (benchmarks/offload.py): the k = 8 window's throughput with offload against
-    without, and how much of the host step the last backward hid."""
+    without, and the device bytes per parameter (the bf16 weight and what the optimizer holds
+    there, the larger of after its build and after the last window); with how much of the host
+    work the window hid, and whether its windows speculated and committed."""
     by = {r.get("offload"): r for r in offload_rows if r.get("what", "").startswith("k = 8 window")}
     ours, base = by.get("cpu"), by.get("none")
     if ours is None or base is None:
         return not_measured("no window rows in offload.csv (the offload stage did not run on a GPU)")
     ratio = num(base["window_ms"]) / num(ours["window_ms"])
+    misses = [] if ratio >= 0.9 else ["below 90%"]
+    held = max(num(ours.get("opt_device_b_per_param")), num(ours.get("opt_device_b_per_param_after")))
+    on_device = num(ours.get("weight_b_per_param")) + held
+    if math.isfinite(on_device):
+        device_text = (
+            f"{on_device:.2f} B/param on the device ({num(ours.get('weight_b_per_param')):g} the weight, "
+            f"{held:.2f} the optimizer; without offload {num(base.get('opt_device_b_per_param_after')):.2f})"
+        )
+        if on_device > OFFLOAD_DEVICE_GOAL + OFFLOAD_DEVICE_SLACK:
+            misses.append(f"{on_device:.2f} B/param on the device")
+    else:
+        device_text = "device bytes not measured (no opt_device_b_per_param in offload.csv)"
     text = (
         f"{num(ours['window_ms']):.1f} ms/window with offload, {num(base['window_ms']):.1f} without: "
-        f"{100 * ratio:.0f}% of the throughput; peak device memory {ours['peak_device_mb']} MiB against "
-        f"{base['peak_device_mb']}; host step {ours.get('host_busy_ms', '?')} ms/window, "
-        f"{100 * num(ours.get('hidden_fraction', 'nan')):.0f}% of it hidden behind the last backward"
+        f"{100 * ratio:.0f}% of the throughput; {device_text}; peak device memory {ours['peak_device_mb']} MiB "
+        f"against {base['peak_device_mb']}; host work (back-up and step) {ours.get('host_work_ms', '?')} ms/window, "
+        f"{100 * num(ours.get('hidden_fraction', 'nan')):.0f}% of it hidden; speculated in "
+        f"{ours.get('speculated_windows', '?')} of {ours.get('windows', '?')} timed windows, "
+        f"{ours.get('committed_buckets', '?')} bucket steps committed, {ours.get('redone_buckets', '?')} redone"
     )
-    return {"measured": text, "verdict": verdict([] if ratio >= 0.9 else ["below 90%"])}
+    if not misses and not math.isfinite(on_device):
+        return {"measured": text, "verdict": "not measured (the device bytes; the throughput met)"}
+    return {"measured": text, "verdict": verdict(misses)}
 
 
 def goal_wgrad(wgrad_rows) -> Dict[str, str]:
@@ -298,20 +323,36 @@ def junit_cases(scratch: Path) -> Dict[str, List[Dict[str, str]]]:
 
 
 def goal_capture(cases_by_stage) -> Dict[str, str]:
-    module, test = CAPTURE_TEST
-    found = [
-        c
-        for cases in cases_by_stage.values()
-        for c in cases
-        if c["classname"].endswith(module) and c["name"].startswith(test + "[")
-    ]
+    """Met only where every case of every capture test passed; where some were skipped (a backend
+    unavailable) or a test did not report, the verdict names the cases it stands on."""
+    found, silent = [], []
+    for module, test, label in CAPTURE_TESTS:
+        cases = [
+            (label + c["name"][len(test) :], c)
+            for stage_cases in cases_by_stage.values()
+            for c in stage_cases
+            if c["classname"].endswith(module) and c["name"].startswith(test + "[")
+        ]
+        found += cases
+        if not cases:
+            silent.append(f"{label} ({module}.py::{test} did not report)")
     if not found:
-        return not_measured(f"{module}.py::{test} did not report (its stage killed, or not collected)")
-    parts = [f"{c['name'][len(test) :]} {c['outcome']}" + (f": {c['message']}" if c["message"] else "") for c in found]
-    misses = [c["name"][len(test) :] for c in found if c["outcome"] in ("failed", "error")]
-    if not misses and all(c["outcome"] == "skipped" for c in found):
+        return not_measured("; ".join(silent) + ": its stage killed, or not collected")
+    parts = [f"{case} {c['outcome']}" + (f": {c['message']}" if c["message"] else "") for case, c in found]
+    parts += silent
+    misses = [case for case, c in found if c["outcome"] in ("failed", "error")]
+    passed = [case for case, c in found if c["outcome"] == "passed"]
+    unmeasured = [case for case, c in found if c["outcome"] == "skipped"] + [s.split(" ")[0] for s in silent]
+    if misses:
+        return {"measured": "; ".join(parts), "verdict": verdict(misses)}
+    if not passed:
         return {"measured": "; ".join(parts), "verdict": "not measured (skipped)"}
-    return {"measured": "; ".join(parts), "verdict": verdict(misses)}
+    if unmeasured:
+        return {
+            "measured": "; ".join(parts),
+            "verdict": f"met for {', '.join(passed)} only (not measured: {', '.join(unmeasured)})",
+        }
+    return {"measured": "; ".join(parts), "verdict": "met"}
 
 
 # --- measuring what no suite measures --------------------------------------------------------
@@ -677,11 +718,16 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
         ),
         ("fused wgrad no slower than the bf16 GEMM alone", goal_wgrad(read_csv(out / "wgrad.csv")), "wgrad.csv"),
         (
-            "offload='cpu': >= 90% of the k = 8 window's throughput without it, 6 B/param on the device",
+            "offload='cpu': >= 90% of the k = 8 window's throughput without it, <= 6 B/param on the device "
+            "(the bf16 weight and the optimizer's)",
             goal_offload(read_csv(scratch / "offload.csv")),
             "offload stage (offload.csv)",
         ),
-        ("graph capture of a whole window replayed equal to eager", goal_capture(cases), "gpu-core junit"),
+        (
+            "graph capture of a whole window replayed equal to eager (fp32; bf16 with masters or remainders)",
+            goal_capture(cases),
+            "gpu-core junit",
+        ),
     ]
     lines = header(args) + ["## Goals", ""]
     lines += table(

@@ -161,7 +161,7 @@ def test_the_summary_names_every_goal_and_each_stage(planted):
     ]
     assert len(goals) == 10, text  # issue 21's eight GPU goals, issue 28's and issue 29's, each with a verdict
     # the stand-in capture test passed: its goal is read from the gpu-core junit file
-    assert re.search(r"\| graph capture of a whole window replayed equal to eager \| met \|", text), text
+    assert re.search(r"\| graph capture of a whole window replayed equal to eager \(.*?\) \| met \|", text), text
     for stage in STAGES[:-1]:  # the goals stage writes the summary, so it lists those before it
         assert re.search(rf"^\| {stage} \|", text, flags=re.M), stage
 
@@ -485,3 +485,67 @@ def test_the_spill_check_reads_local_memory_and_loops_off_the_sass():
         "in_loop": 0,
         "calls": 0,
     }
+
+
+def _case(module, name, outcome, message=""):
+    return {"classname": f"tests.{module}", "name": name, "outcome": outcome, "message": message}
+
+
+def test_the_capture_goal_says_which_cases_it_stands_on():
+    """Issue 34: one backend passed and the other skipped read "met"; the verdict now names the
+    cases measured. Every case of both capture tests (fp32, and bf16 with masters or remainders)
+    passed: met; one failed: MISSED, named; all skipped: not measured."""
+    goals = _goals()
+    fp32 = "test_a_captured_window_replays_like_eager"
+    bf16 = "test_a_captured_bf16_window_with_masters_replays_like_eager"
+
+    def cases(triton, bf16_outcome="passed"):
+        found = [
+            _case("test_optimizer_gpu", f"{fp32}[cuda]", "passed"),
+            _case("test_optimizer_gpu", f"{fp32}[triton]", triton),
+        ]
+        found += [_case("test_optimizer_gpu", f"{bf16}[cuda-{m}]", bf16_outcome) for m in ("True", "remainder")]
+        return {"gpu-core": found}
+
+    assert goals.goal_capture(cases("passed"))["verdict"] == "met"
+    partial = goals.goal_capture(cases("skipped"))
+    assert partial["verdict"] == (
+        "met for fp32[cuda], bf16[cuda-True], bf16[cuda-remainder] only (not measured: fp32[triton])"
+    ), partial
+    assert goals.goal_capture(cases("passed", "failed"))["verdict"] == "MISSED (bf16[cuda-True], bf16[cuda-remainder])"
+    only_fp32 = goals.goal_capture({"gpu-core": cases("passed")["gpu-core"][:2]})
+    assert only_fp32["verdict"] == "met for fp32[cuda], fp32[triton] only (not measured: bf16)", only_fp32
+    assert "did not report" in only_fp32["measured"]
+    skipped = {"gpu-core": [dict(c, outcome="skipped") for c in cases("skipped")["gpu-core"]]}
+    assert goals.goal_capture(skipped)["verdict"] == "not measured (skipped)"
+    assert goals.goal_capture({})["verdict"].startswith("not measured (fp32 (")
+
+
+def test_the_offload_goal_judges_the_device_bytes_and_reports_the_speculation():
+    """Issue 34: the goal's "6 B/param on the device" was in its label only; it is judged now
+    (the bf16 weight's 2 B and the optimizer's, the larger of after its build and after the last
+    window), and the row's speculation counts are in what it measured."""
+    goals = _goals()
+    base = dict(
+        what="k = 8 window, bf16 TinyGPT",
+        offload="none",
+        window_ms="10.0",
+        peak_device_mb="100",
+        weight_b_per_param="2",
+        opt_device_b_per_param="16.0",
+        opt_device_b_per_param_after="16.0",
+    )
+    ours = dict(base, offload="cpu", window_ms="10.5", peak_device_mb="60", opt_device_b_per_param="4.02",
+                opt_device_b_per_param_after="4.05", windows="4", host_work_ms="3.0", hidden_fraction="0.833",
+                speculated_windows="4", committed_buckets="12", redone_buckets="0")  # fmt: skip
+    met = goals.goal_offload([base, ours])
+    assert met["verdict"] == "met", met
+    assert "6.05 B/param on the device (2 the weight, 4.05 the optimizer; without offload 16.00)" in met["measured"]
+    assert (
+        "83% of it hidden; speculated in 4 of 4 timed windows, 12 bucket steps committed, 0 redone" in met["measured"]
+    )
+    heavy = goals.goal_offload([base, dict(ours, opt_device_b_per_param_after="8.0", window_ms="12.0")])
+    assert heavy["verdict"] == "MISSED (below 90%, 10.00 B/param on the device)", heavy
+    unmeasured = {k: v for k, v in ours.items() if not k.startswith("opt_device")}
+    assert goals.goal_offload([base, unmeasured])["verdict"] == "not measured (the device bytes; the throughput met)"
+    assert goals.goal_offload([base])["verdict"].startswith("not measured (no window rows")
