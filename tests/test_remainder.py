@@ -60,11 +60,15 @@ def masters(opt) -> list:
     return [window.flat_groups[s.flat_index].master_of(s).clone() for s in window.slots]
 
 
-def set_twin_weights(opt) -> None:
-    """The tie twin: every bf16 weight becomes its fp32 master's split high half."""
+def set_twin_weights(opt, ties_away: bool = True) -> None:
+    """The tie twin: every bf16 weight becomes its fp32 master's split high half (for the
+    forward and backward), and its rounding to nearest even again before the step (``ties_away``
+    False): the fp32-master step takes a weight that no longer rounds its master as a weight
+    written from outside, and would restart that element's master from it."""
     for slot in opt._window.slots:
         if slot.master is not None:
-            slot.param.data.copy_(split_master(slot.master)[0].view(slot.param.shape))
+            weight = split_master(slot.master)[0] if ties_away else slot.master.to(torch.bfloat16)
+            slot.param.data.copy_(weight.view(slot.param.shape))
 
 
 def run(model, opt, windows, *, twin=False, k=2, step_kwargs=None, poison=None, scaler=None):
@@ -78,6 +82,8 @@ def run(model, opt, windows, *, twin=False, k=2, step_kwargs=None, poison=None, 
                 loss = loss * float("inf")  # a non-finite window: skipped with skip_nonfinite
             losses.append(loss.item())
             (scaler.scale(loss) if scaler is not None else loss).backward()
+        if twin:
+            set_twin_weights(opt, ties_away=False)
         if scaler is not None:
             scaler.step(opt, **(step_kwargs or {}))
             scaler.update()
@@ -236,6 +242,8 @@ def _gpt_run(mode, windows=200, k=8):
             loss = model(idx, targets) / k
             total += loss.item()
             loss.backward()
+        if mode == "twin":
+            set_twin_weights(opt, ties_away=False)
         opt.step()
         opt.zero_grad()
         if mode == "twin":
@@ -287,6 +295,8 @@ def _with_events(cfg, mode):
             if event == "zero_grad_mid_window" and j == 1:
                 opt.zero_grad()
             loss_of(model, batches[3 * w + j]).div(k).backward()
+        if mode == "twin":  # (before the events: an edit of the weight is the user's)
+            set_twin_weights(opt, ties_away=False)
         if event == "edit_weight":
             with torch.no_grad():
                 model[0].weight.mul_(0.5)
