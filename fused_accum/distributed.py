@@ -159,6 +159,7 @@ def _let_go_before_exit() -> None:
         handoff.release(patience=max(0.0, deadline - time.monotonic()))
 
 
+@torch.compiler.disable  # (never traced: a walk of the heap, from the window's first backward)
 def ddp_wrapping(params) -> bool:
     """Whether a live DistributedDataParallel module wraps any of ``params``: it then fills and
     reduces ``.grad``, the window's hooks stand aside and the step takes ``.grad``.
@@ -166,7 +167,10 @@ def ddp_wrapping(params) -> bool:
     DDP reads each gradient in a hook on the AccumulateGrad node that runs after ours, so it
     must see autograd's ``.grad``. Asked once per optimizer, only once a process group exists (of
     any size: scripts that always wrap run DDP under ``torchrun --nproc_per_node=1`` too): it
-    walks the objects the garbage collector tracks (tens of ms for a large program).
+    walks the objects the garbage collector tracks (tens of ms for a large program). It asks each
+    object's ``type()``, not ``isinstance``, which reads ``__class__``: that raises ReferenceError
+    on a ``weakref.proxy`` whose referent is gone, and one such proxy anywhere in the heap would
+    make the walk raise.
     """
     params = list(params)
     if not (dist.is_available() and dist.is_initialized()):
@@ -175,7 +179,7 @@ def ddp_wrapping(params) -> bool:
 
     wanted = {id(p) for p in params}
     return any(
-        isinstance(obj, DistributedDataParallel) and any(id(p) in wanted for p in obj._module_parameters)
+        issubclass(type(obj), DistributedDataParallel) and any(id(p) in wanted for p in obj._module_parameters)
         for obj in gc.get_objects()
     )
 
