@@ -47,6 +47,12 @@ wraps tensors for each call; a fold called from Python saves nothing by skipping
 Only a :class:`FastPath` is granted folds or armed: the window checks ``isinstance(table,
 FastPath)``, once per table (the check looks up every member). tests/test_hooks.py holds both
 implementations to these protocols, member by member.
+
+Every callback into Python that the autograd engine or the hooks make is :func:`_untraced`
+(``torch.compiler.disable``): a ``torch.compile``d function that calls ``loss.backward()``
+keeps Dynamo's frame callback set while the engine runs, and Dynamo would otherwise compile each
+Python frame entered from the backward, tracing the window's state changes into graphs that
+replay or drop them (tests/test_compiled_backward.py).
 """
 
 from __future__ import annotations
@@ -65,6 +71,15 @@ from .extension import _C
 logger = logging.getLogger("fused_accum")
 
 _current_graph_task_id = torch._C._current_graph_task_id
+
+# Wraps each callback the engine or the hooks make into Python (the hooks on the nodes, the
+# window's callbacks, the window's end-of-backward callbacks). Inside a torch.compile'd function
+# that calls backward(), Dynamo would trace these frames: the window's Python state changes (a
+# step's lr filled in during backward, the topology decided, a running sum shown in .grad) would
+# be traced into graphs and replayed or dropped. Eagerly it costs about 0.6 us per call (Dynamo's
+# eval-frame callback set to None and back): once per bucket and per backward with the C++ hooks,
+# twice per parameter with the Python ones.
+_untraced = torch.compiler.disable
 
 
 @runtime_checkable
@@ -203,7 +218,7 @@ def make_arrivals(
     backward_raised: Callable,
 ) -> HookTable:
     """The C++ hooks (a :class:`FastPath`) where the extension is built, else the Python ones."""
-    callbacks = (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised)
+    callbacks = tuple(_untraced(c) for c in (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised))
     if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
         return PythonArrivals(*callbacks)
     if _C is None or not hasattr(_C, "Arrivals"):
@@ -227,6 +242,7 @@ class _Bucket:
         return grads
 
 
+@_untraced  # (registered on the AccumulateGrad nodes: see _untraced)
 def _pre_hook(arrivals_ref, param_ref, key, grad_outputs):
     arrivals, param = arrivals_ref(), param_ref()
     if arrivals is not None and param is not None:
@@ -234,6 +250,7 @@ def _pre_hook(arrivals_ref, param_ref, key, grad_outputs):
     return None
 
 
+@_untraced  # (registered on the AccumulateGrad nodes: see _untraced)
 def _post_hook(arrivals_ref, param_ref, key, grad_inputs, grad_outputs):
     if grad_outputs[0] is None:
         return  # the pre-hook took the gradient (or there was none)

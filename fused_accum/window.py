@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from . import owners
-from .arrivals import make_arrivals
+from .arrivals import _untraced, make_arrivals
 from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
 from .ledger import Exposure, Ledger
@@ -97,12 +97,14 @@ class _EndOfBackward:
     def __init__(self, window_ref, task: int) -> None:
         self.window_ref, self.task, self.ran = window_ref, task, False
 
+    @_untraced  # (queued on the engine: see arrivals._untraced)
     def __call__(self) -> None:
         self.ran = True
         window = self.window_ref()
         if window is not None:
             window._end_of_backward(self.task)
 
+    @_untraced  # (dropped by the engine, maybe inside a compiled function's backward)
     def __del__(self) -> None:
         window = None if self.ran else self.window_ref()
         if window is not None:
@@ -313,6 +315,7 @@ class GradientWindow:
             slot.param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
         return True
 
+    @_untraced  # (called from FSDP2's post-accumulate-grad hook: see arrivals._untraced)
     def take_grad(self, key: int, grad: Tensor) -> None:
         """A gradient handed to the window whole (FSDP2 reduce-scattered a micro-batch into the
         parameter's ``.grad``): copied into its slot's slice, which ``.grad`` shows from then."""
@@ -380,7 +383,7 @@ class GradientWindow:
                 # This backward ran inside a node of another one (checkpoint(use_reentrant=True)
                 # re-enters the engine): the micro-batch ends with the outermost backward, so
                 # queue there once that node is done.
-                enclosing.register_hook(lambda *_: self._queue_end_of_backward(arrived))
+                enclosing.register_hook(_untraced(lambda *_: self._queue_end_of_backward(arrived)))
                 return
             if arrived:
                 self.topology.backward_ended(self.ledger, self.flat_groups)
