@@ -98,7 +98,7 @@ class _HostWork:
         self.seconds = 0.0
         self._layout_cls = offload_module.OffloadLayout
         self._back_up = self._layout_cls.back_up
-        self._stepper = opt._window.offload.stepper
+        self._stepper = opt._window.placement.stepper
         self._own = vars(self._stepper).get("prepare_step")  # (an instance attribute already there)
         self._prepare = self._stepper.prepare_step
         timed = self._timed
@@ -164,7 +164,7 @@ def _window_row(device, cfg, batches, offload, warmup) -> dict:
         for w, window in enumerate(batches):
             if w == warmup and offload:  # (the worker is idle: step() drained it)
                 host.seconds = 0.0
-                committed, redone = opt._window.offload.committed, opt._window.offload.redone
+                committed, redone = opt._window.placement.committed, opt._window.placement.redone
             _sync(device)
             start = time.perf_counter()
             for idx, targets in window:
@@ -172,7 +172,7 @@ def _window_row(device, cfg, batches, offload, warmup) -> dict:
             _sync(device)
             before_step = time.perf_counter()
             if offload:
-                counts = opt._window.offload.committed + opt._window.offload.redone
+                counts = opt._window.placement.committed + opt._window.placement.redone
             opt.step()
             opt.zero_grad()
             _sync(device)
@@ -181,7 +181,7 @@ def _window_row(device, cfg, batches, offload, warmup) -> dict:
                 times.append(end - start)
                 waits.append(end - before_step)
                 if offload:  # (this window's step settled what its last backward speculated)
-                    spec.append(opt._window.offload.committed + opt._window.offload.redone > counts)
+                    spec.append(opt._window.placement.committed + opt._window.placement.redone > counts)
         held = _allocated(device)
         row = dict(
             what=f"k = {k} window, bf16 TinyGPT",
@@ -202,8 +202,8 @@ def _window_row(device, cfg, batches, offload, warmup) -> dict:
         if offload:
             row["host_work_ms"] = round(host.seconds / len(times) * 1e3, 2)
             row["speculated_windows"] = sum(spec)
-            row["committed_buckets"] = opt._window.offload.committed - committed
-            row["redone_buckets"] = opt._window.offload.redone - redone
+            row["committed_buckets"] = opt._window.placement.committed - committed
+            row["redone_buckets"] = opt._window.placement.redone - redone
         return row
     finally:
         if host is not None:

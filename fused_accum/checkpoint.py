@@ -38,8 +38,7 @@ def state_dict(opt) -> dict:
     window = opt._window
     window.flush()
     window.reconcile()
-    if window.offload is not None:  # a checkpoint holds the state before this window's step
-        window.offload.cancel(window.flat_groups)
+    window.placement.before_checkpoint(window.flat_groups)
     for flat in window.flat_groups:
         flat.refresh_masters()  # a checkpoint holds the weights the model has now
     index_of = _param_indices(opt.param_groups)

@@ -43,7 +43,16 @@ class Folder:
     reduction to start)."""
 
     def __init__(
-        self, *, ledger: Ledger, flat_groups: list, stepper, topology, label: str, step_in_backward: bool, lock, offload
+        self,
+        *,
+        ledger: Ledger,
+        flat_groups: list,
+        stepper,
+        topology,
+        label: str,
+        step_in_backward: bool,
+        lock,
+        placement,
     ) -> None:
         self.ledger = ledger
         self.table = ledger.table
@@ -54,7 +63,7 @@ class Folder:
         self.topology = topology  # (the window replaces it once decided: see GradientWindow.topology)
         self.label = label
         self.step_in_backward = step_in_backward
-        self.offload = offload  # offload="cpu" (fused_accum.offload), or None
+        self.placement = placement  # where the step runs (fused_accum.placement)
         self.bucket_ids: list = []  # the hooks' bucket number -> (flat index, bucket index)
         # by bucket number: a key the Triton backend caches a bucket's launch plan under (ops'
         # plan=): the bucket's accumulator and offsets are fixed, only the gradients change
@@ -105,7 +114,7 @@ class Folder:
         if not self.topology.fast_folds or self.step_in_backward:
             return False
         if ledger.last_backward() and ledger.last_needs_python:
-            return False  # offload steps its buckets as they complete
+            return False  # the placement takes its buckets as they complete (offload)
         if self._granted_at != ledger.changes[0]:  # (else no slot's has_grad/view changed)
             buckets, accs, offsets, overwrite = [], [], [], []
             for bucket_id, (flat_index, bucket_index) in enumerate(self.bucket_ids):
@@ -159,8 +168,9 @@ class Folder:
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)
-        if self.offload is not None and self.ledger.last_backward() and self.topology.final_at_bucket(self.ledger):
-            self.offload.bucket_final(flat, bucket_index, self.ledger)  # (its sums are final: to the host)
+        ledger = self.ledger
+        if self.placement.hands_on_buckets and ledger.last_backward() and self.topology.final_at_bucket(ledger):
+            self.placement.bucket_final(flat, bucket_index, ledger)  # (its sums are final)
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""

@@ -42,14 +42,20 @@ class Ledger:
     """The window's counts, norm and flag, and every slot's window state (see the module)."""
 
     def __init__(
-        self, table, label: str, accum_steps: Optional[int], step_in_backward: bool, wants_stats: bool, offload=False
+        self,
+        table,
+        label: str,
+        accum_steps: Optional[int],
+        step_in_backward: bool,
+        wants_stats: bool,
+        last_needs_python: bool = False,
     ):
         self.table = table  # the hooks' table (fused_accum.arrivals)
         self.fast = table if isinstance(table, FastPath) else None  # ... where it has the fast path
         self.label = label  # how errors name the optimizer
         self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the step takes the norm
-        # the window's last backward needs Python (offload's host step, as it goes)
-        self.last_needs_python = offload
+        # the window's last backward needs Python (the placement takes each bucket: offload)
+        self.last_needs_python = last_needs_python
         self.slots: list = []  # the window's, by key
         self.changes = array.array("q", [0])  # (read by the C++ hooks at a backward's start)
         self.accum_steps = accum_steps

@@ -96,15 +96,11 @@ class Members:
         return new_slots
 
     def _layout(self, device, params: list):
-        """The layout of a new flat group of ``params``: the offload mode's, else the topology's,
+        """The layout of a new flat group of ``params``: the placement's over the topology's,
         which the parameters may change as they join (DTensors are FSDP2's)."""
         window = self.window
-        topology = window.topology.join(window.ledger, params)
-        if window.offload is not None and topology.stands_aside:
-            raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
-        window.topology = topology
-        layout = topology.layout()
-        return window.offload.layout(device, layout) if window.offload is not None else layout
+        window.topology = window.topology.join(window.ledger, params)
+        return window.placement.layout(device, window.topology.layout())
 
     def _bucket_numel(self, device: torch.device) -> int:
         """Elements per bucket for parameters on ``device`` (see ``bucket_cap_mb``)."""

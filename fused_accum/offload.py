@@ -73,6 +73,7 @@ from torch.optim import optimizer as torch_optimizer
 from . import backends
 from .flat import Layout
 from .owners import _foreign_step
+from .placement import Placement
 from .topology.zero import ShardedLayout
 
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
@@ -359,9 +360,12 @@ class _Speculation:
     backed_up: bool = False  # (set by the worker: a task that failed first has nothing to restore)
 
 
-class Offload:
-    """The host side of one optimizer under ``offload="cpu"``: its flat groups' layouts, the
-    worker, the speculation of the window's last backward, and the host step."""
+class Offload(Placement):
+    """The host placement of one optimizer under ``offload="cpu"``: its flat groups' layouts,
+    the worker, the speculation of the window's last backward, and the host step (the fixed
+    points: fused_accum.placement)."""
+
+    hands_on_buckets = True  # (each bucket of the last backward is sent as it completes)
 
     def __init__(self, stepper, owner) -> None:
         self.stepper = stepper
@@ -382,6 +386,8 @@ class Offload:
         """A new flat group's layout, over the topology's ``base`` (one process's, or a rank's
         part of each bucket under ``shard=``): host buffers pinned where the parameters are on a
         GPU."""
+        if type(base).stored is not Layout.stored:  # (the buffers hold DTensor parameters' local shards)
+            raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
         pinned = torch.device(device).type == "cuda"
         if pinned:
             try:
@@ -436,7 +442,7 @@ class Offload:
         record.steps = flat.steps[record.index]
         self._submit_step(flat, bucket_index, call, record)
 
-    def note_end(self, flat_groups) -> None:
+    def backward_ended(self, flat_groups) -> None:
         """A backward ended. After the last one, wait for its speculation (the host has stepped
         while it ran: what is left is its last buckets), so that what the user does after it
         never races the worker, and an in-place edit of ``opt.state`` after it is seen (``step``
@@ -470,9 +476,10 @@ class Offload:
 
     # --- at step() ---
 
-    def step(self, window, scale: dict, skip: Optional[dict], speculable: bool) -> None:
+    def step_window(self, window, stepper, scale: dict, skip: Optional[dict], speculable: bool) -> None:
         """The host step of every flat group: the speculation committed where it is the step,
-        else put back and stepped again; then the parameters back to the device."""
+        else put back and stepped again; then the parameters back to the device, and the
+        topology's after-step of them (``shard=``: the all-gather)."""
         self._settle(window.flat_groups)
         unchanged = self._unchanged(window.flat_groups)  # (the window's one host sync, with the two below)
         for copies in self._copies.values():  # the parameters are rewritten after what reads them
@@ -516,6 +523,7 @@ class Offload:
         # put back and stepped again: three passes over the state instead of one). A window whose
         # clip did not bind (clip_grad_norm_ multiplied by 1.0) turns it back on.
         self.speculate = as_sent and all(unchanged.values())
+        window.topology.after_step_params(window.flat_groups)
 
     def _unchanged(self, flat_groups) -> dict:
         """(flat index, bucket index) -> whether what each sent bucket's step read is as it was
@@ -535,7 +543,7 @@ class Offload:
         try:
             self.worker.drain()
         except RuntimeError:
-            self.cancel(flat_groups)
+            self.discarded(flat_groups)
             raise
         edited = [
             flat.index
@@ -544,7 +552,7 @@ class Offload:
         ]
         self._expected = {}
         if edited and any(record.steps is not None for record in self.speculated.values()):
-            self.cancel(flat_groups)
+            self.discarded(flat_groups)
             raise RuntimeError(
                 "offload='cpu': opt.state was edited in place between the window's last "
                 "backward and step(), after the host had already stepped it speculatively; the edit is "
@@ -586,7 +594,7 @@ class Offload:
 
         self.worker.submit(task)
 
-    def cancel(self, flat_groups) -> None:
+    def discarded(self, flat_groups) -> None:
         """Put back what was speculated (the window was discarded, a backward of it raised, or
         its state is about to be read whole: a checkpoint); its step then runs at ``step()``."""
         self.worker.drain()
@@ -595,6 +603,8 @@ class Offload:
                 self._put_back(flat_groups[flat_index], b, record)
         self.speculated.clear()
         self._expected = {}
+
+    before_checkpoint = discarded  # (a checkpoint holds the state before this window's step)
 
 
 # Each dtype's bits as an integer type of its width (a fingerprint sums bits, not values).

@@ -36,6 +36,7 @@ from . import topology
 from .flat import padded_offsets  # noqa: F401 (re-exported)
 from .members import Members
 from .offload import Offload
+from .placement import Placement
 from .generic import GenericPath
 from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: importable here, as before)
 from .window import GradientWindow
@@ -200,7 +201,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             topology=topology.choose(process_group, shard, reduce_dtype),
             stepper=self._stepper,
             label=f"{type(self).__name__} at {id(self):#x}",
-            offload=Offload(self._stepper, weakref.ref(self)) if offload is not None else None,
+            placement=Offload(self._stepper, weakref.ref(self)) if offload == "cpu" else Placement(),
         )
         self._members = Members(
             self._window,
@@ -331,21 +332,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         )
         if norm is not None:
             self.last_grad_norm = norm
-        if window.offload is not None:  # (on the host: fused_accum.offload; it refreshes the masters)
-            speculable = num_items is None and getattr(self, "grad_scale", None) is None
-            window.offload.step(window, scale, skip, speculable and getattr(self, "found_inf", None) is None)
-            window.topology.after_step_params(window.flat_groups)  # (shard=: the pieces, to every rank)
-        else:
+        if self._generic is not None:
             for flat in window.flat_groups:
                 flat.refresh_masters()  # the user may have written the params since the last step
-        if self._generic is not None:
             self._generic.step(self.param_groups, window.slots, self.state, scale, skip)
-        elif window.offload is None:
-            for flat in window.flat_groups:
-                active = [s for s in flat.slots if s.has_grad]
-                window.topology.before_flat_step(flat, active)
-                self._stepper.fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)
-            window.topology.after_step_params(window.flat_groups)
+        else:
+            # a speculation (offload's) is the step only without num_items or a GradScaler
+            speculable = num_items is None and getattr(self, "grad_scale", None) is None
+            speculable = speculable and getattr(self, "found_inf", None) is None
+            window.placement.step_window(window, self._stepper, scale, skip, speculable)
         for flat in window.flat_groups:
             flat.masters_written()
         window.after_step()

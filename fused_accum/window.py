@@ -18,9 +18,12 @@ end of each backward and of the window, and which parameters it owns (:mod:`fuse
 What else happens where data parallelism is involved (DDP standing aside, reductions, sharded
 buffers, FSDP2) is its topology's (:mod:`fused_accum.topology`), asked at fixed points.
 
+Where the step runs is its placement's (:mod:`fused_accum.placement`: the device, or the host
+with offload), also asked at fixed points.
+
 ``accum_steps`` (when known) is only a hint that enables fusions on the window's last backward:
-the norm and non-finite flag come out of its accumulate pass, ``step_in_backward`` steps buckets
-as they complete, and data-parallel buckets are reduced while the backward still runs.
+``step_in_backward`` steps buckets as they complete, data-parallel buckets are reduced while the
+backward still runs, and a placement may take each bucket as it completes (offload).
 
 The hooks hold the window weakly and nothing below holds it, so deleting the optimizer frees
 everything at once; a finaliser then removes the hooks.
@@ -42,6 +45,7 @@ from .arrivals import _untraced, make_arrivals
 from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
 from .ledger import Exposure, Ledger
+from .placement import Placement
 from .topology import Local
 
 _current_graph_task_id = torch._C._current_graph_task_id
@@ -121,7 +125,9 @@ def _detach_all(arrivals, handles: list) -> None:
 class GradientWindow:
     """Hooks, micro-batch counting, ``.grad`` exposure, and the end of the window."""
 
-    def __init__(self, *, accum_steps, step_in_backward, wants_stats, topology: Local, stepper, label, offload=None):
+    def __init__(
+        self, *, accum_steps, step_in_backward, wants_stats, topology: Local, stepper, label, placement: Placement
+    ):
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self._stepper = stepper  # step.Stepper: rehome(flat), fused_step (no reference up)
@@ -141,9 +147,11 @@ class GradientWindow:
             functools.partial(_backward_raised, this),
         )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
-        # the window's state (counts, norm, what is shown, every slot's window fields)
-        self.offload = offload  # offload="cpu": the host side (fused_accum.offload), or None
-        self.ledger = Ledger(self._arrivals, label, accum_steps, step_in_backward, wants_stats, offload is not None)
+        self.placement = placement  # where the step runs (fused_accum.placement)
+        # the window's state (counts, what is shown, every slot's window fields)
+        self.ledger = Ledger(
+            self._arrivals, label, accum_steps, step_in_backward, wants_stats, placement.hands_on_buckets
+        )
         self.slots: list[Slot] = self.ledger.slots  # by key
         self._folder = Folder(
             ledger=self.ledger,
@@ -153,7 +161,7 @@ class GradientWindow:
             label=label,
             step_in_backward=step_in_backward,
             lock=self.lock,
-            offload=offload,
+            placement=placement,
         )
         self._exposure = Exposure(self.ledger, self.flat_groups, self._folder)
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
@@ -284,7 +292,7 @@ class GradientWindow:
                 self.reconcile(before_backward=True)
             else:
                 self._exposure.take_assigned_grads()
-            if self.step_in_backward or self.offload is not None:  # (this backward may step)
+            if self.step_in_backward or self.placement.hands_on_buckets:  # (this backward may step)
                 for flat in self.flat_groups:
                     flat.refresh_masters()  # the weights as the user left them
             self.ledger.checked()
@@ -340,8 +348,7 @@ class GradientWindow:
                 return
             self._folder.revoke_fast()
             self.flush()
-            if self.offload is not None:  # (what it speculated lacks the retried backward)
-                self.offload.cancel(self.flat_groups)
+            self.placement.discarded(self.flat_groups)  # (what it took lacks the retried backward)
             self.expose()
 
     def _queue_end_of_backward(self, arrived: bool) -> None:
@@ -390,8 +397,7 @@ class GradientWindow:
                 self._count_microbatch()
             self.expose()
             self._folder.arm_quiet()
-            if self.offload is not None:
-                self.offload.note_end(self.flat_groups)
+            self.placement.backward_ended(self.flat_groups)
 
     def _count_microbatch(self) -> None:
         ledger = self.ledger
@@ -438,8 +444,7 @@ class GradientWindow:
         full gradient to zero), else zero the exposed gradients in place, as torch does."""
         if not self.topology.stands_aside:
             self.follow_moved_params()
-        if self.offload is not None:
-            self.offload.cancel(self.flat_groups)  # (a speculation of a window that will not step)
+        self.placement.discarded(self.flat_groups)  # (what it took of a window that will not step)
         if set_to_none or self.topology.sharded:
             self.discard()
         else:
@@ -463,8 +468,7 @@ class GradientWindow:
 
     def _forget_all(self) -> None:
         """Every gradient is gone and no ``.grad`` shows a view: a new window starts."""
-        if self.offload is not None:
-            self.offload.cancel(self.flat_groups)  # (a speculation of a window that will not step)
+        self.placement.discarded(self.flat_groups)  # (what it took of a window that will not step)
         self.topology.reset()
         self.ledger.discarded()
         self.topology.after_step(self.ledger, self.flat_groups)

@@ -130,7 +130,7 @@ def test_offload_is_bit_identical_to_the_same_optimizer_without(
     ]
     for w, _ in zip(*runs):
         assert_equal_runs(ours, ours_opt, ref, ref_opt, f"window {w}")
-    offload = ours_opt._window.offload
+    offload = ours_opt._window.placement
     if "clips" in name or "skip" in name or "remainder" in name:
         assert offload.redone > 0  # (a clip or a skip: the speculation was put back and redone)
     if "no-clip" in name or name == "lion-fp32-k8":
@@ -145,19 +145,19 @@ def test_a_planted_fault_in_the_commit_logic_is_caught(fault, monkeypatch, one_t
     without restoring the state it changed."""
     if fault == "commit_always":
         monkeypatch.setattr(offload_module.Offload, "_still_valid", lambda self, flat, record: True)
-        monkeypatch.setattr(offload_module.Offload, "step", _step_committing_always)
+        monkeypatch.setattr(offload_module.Offload, "step_window", _step_committing_always)
     else:
         monkeypatch.setattr(offload_module.Offload, "_put_back", staticmethod(lambda flat, bucket, record: None))
     with pytest.raises(AssertionError):
         test_offload_is_bit_identical_to_the_same_optimizer_without(*CASES[0][:7], None)
 
 
-_real_step = offload_module.Offload.step
+_real_step = offload_module.Offload.step_window
 
 
-def _step_committing_always(self, window, scale, skip, speculable):
+def _step_committing_always(self, window, stepper, scale, skip, speculable):
     """A broken step that commits whatever the coefficient (as if the clip never applied)."""
-    return _real_step(self, window, {d: torch.ones_like(c) for d, c in scale.items()}, skip, speculable)
+    return _real_step(self, window, stepper, {d: torch.ones_like(c) for d, c in scale.items()}, skip, speculable)
 
 
 def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(monkeypatch, one_thread):
@@ -176,7 +176,7 @@ def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(mon
         assert_equal_runs(ours, ours_opt, ref, ref_opt, f"window {w}")
     assert len(ours_opt._window.flat_groups[0].buckets) == 6  # (six buckets in flight)
     # windows 0-3 and 5-7 speculated (4 after the skip did not): 7 x 6 buckets, 6 of them put back
-    assert (ours_opt._window.offload.committed, ours_opt._window.offload.redone) == (36, 6)
+    assert (ours_opt._window.placement.committed, ours_opt._window.placement.redone) == (36, 6)
 
 
 def test_after_a_clipped_window_the_next_steps_at_step_until_one_does_not_clip(one_thread):
@@ -188,7 +188,7 @@ def test_after_a_clipped_window_the_next_steps_at_step_until_one_does_not_clip(o
         fused_accum.AdamW(ours.parameters(), offload="cpu", **kwargs),
         fused_accum.AdamW(ref.parameters(), **kwargs),
     ]
-    offload, data = opts[0]._window.offload, batches(10, torch.bfloat16)
+    offload, data = opts[0]._window.placement, batches(10, torch.bfloat16)
     seen = []
     for w, loud in enumerate([False, True, True, False, False]):  # (loud: a norm far above 100)
         for model, opt in zip((ours, ref), opts):
@@ -273,7 +273,7 @@ def test_a_scheduler_between_the_last_backward_and_the_step_is_seen(one_thread):
             opt.step()
             opt.zero_grad()
     assert_equal_runs(ours, opts[0], ref, opts[1], "after 3 windows")
-    assert opts[0]._window.offload.redone > 0
+    assert opts[0]._window.placement.redone > 0
 
 
 def test_under_ddp_the_offloaded_step_takes_ddps_grad(tmp_path, one_thread):
@@ -338,7 +338,7 @@ def test_on_a_gpu_the_device_holds_6_bytes_per_param_and_the_forward_waits_for_t
     assert added < 4.1, added  # the accumulator, padded to 64 elements per slice, and a few scalars
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p.float(), q.float(), rtol=2**-7, atol=1e-5)  # 1 bf16 ulp
-    assert opt._window.offload.committed + opt._window.offload.redone > 0  # it speculated
+    assert opt._window.placement.committed + opt._window.placement.redone > 0  # it speculated
 
 
 # --- loops a review found inexact (each against the same optimizer without offload) -----------
@@ -421,7 +421,7 @@ def test_a_post_accumulate_grad_hook_that_edits_grad_is_seen(one_thread):
         for model, o in ((ours, opt), (ref, ref_opt)):
             _window(model, o, batch)
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
-    assert opt._window.offload.committed > 0  # (the other buckets still speculate)
+    assert opt._window.placement.committed > 0  # (the other buckets still speculate)
 
 
 def test_a_checkpoint_between_the_last_backward_and_step_holds_the_state_before_the_step(one_thread):
@@ -470,7 +470,7 @@ def test_a_step_pre_hook_turns_speculation_off(one_thread):
         for model, o in ((ours, opt), (ref, ref_opt)):
             _window(model, o, batch)
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
-    assert opt._window.offload.committed == opt._window.offload.redone == 0
+    assert opt._window.placement.committed == opt._window.placement.redone == 0
 
 
 def test_an_edit_through_data_of_a_parameter_that_is_its_own_master_is_kept(one_thread):
@@ -537,4 +537,4 @@ def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
             o.step()
             o.zero_grad()
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
-    assert opt._window.offload.committed > 0
+    assert opt._window.placement.committed > 0

@@ -233,7 +233,7 @@ def _worker(rank, path):
                 results[("offload", *case, offload)] = dict(
                     params=[p.detach().clone() for p in model.parameters()],
                     state=[v.clone() for i in sorted(whole) for _, v in sorted(whole[i].items())],
-                    speculated=(opt._window.offload.committed, opt._window.offload.redone) if offload else None,
+                    speculated=(opt._window.placement.committed, opt._window.placement.redone) if offload else None,
                 )
         # ... and through torch.distributed.checkpoint: saved after a window, loaded into a fresh
         # offloaded optimizer, trained on: equal to the uninterrupted run

@@ -34,6 +34,15 @@ def test_the_one_process_modules_hold_no_sharded_or_dtensor_branch():
         assert found == [], (name, found)
 
 
+def test_the_core_holds_no_placement_branch():
+    # Where the step runs is its placement's (fused_accum.placement): the core calls it at fixed
+    # points, never through an `if offload` branch (issue 35).
+    branch = re.compile(r"offload( is not None|\.)")
+    for name in ("window.py", "fold.py", "checkpoint.py", "members.py", "ledger.py", "optimizer.py"):
+        found = branch.findall((PACKAGE / name).read_text())
+        assert found == [], (name, found)
+
+
 def test_no_class_is_over_350_lines():
     long = []
     for path in SOURCES:

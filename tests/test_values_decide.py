@@ -219,7 +219,7 @@ def _run(pairs, windows=4, k=2, *, between=None, scale=None, dtype=torch.float32
             opt.step()
             opt.zero_grad()
         _assert_same(pairs, f"window {w}")
-    return pairs[0][1]._window.offload
+    return pairs[0][1]._window.placement
 
 
 @needs_ext
