@@ -272,19 +272,30 @@ FA_HD void lion_update(float g, float& param, float& exp_avg, const LionHyper& h
 // ---- exact 2-byte masters: a bf16 weight plus a 16-bit remainder --------------------------------
 
 // master_weights="remainder" keeps a bf16 parameter's fp32 master as the parameter itself (its
-// high half, rounded) plus an int16 remainder, split and rebuilt here, in the step. The split is
-// a bijection between the 2^32 fp32 bit patterns and the (bf16, int16) pairs, so the master is
-// rebuilt bit for bit. fused_accum/backends/reference.py (split_master, rebuild_master) is the
-// same map in PyTorch; the README's "Exact 2-byte masters" says which patterns show how.
+// high half, rounded) plus an int16 remainder, split and rebuilt here, in the step.
+// fused_accum/backends/reference.py (split_master, rebuild_master) is the same map in PyTorch;
+// the README's "Exact 2-byte masters" says which patterns show how.
 //
-// On the magnitude m (the sign rides along): weight = (m + 0x8000) >> 16, the nearest bf16 with
-// ties away from zero (no remainder rule can keep torch's ties-to-even: an even bf16 value has
-// 65,537 fp32 preimages), remainder = m - (weight << 16), in [-32768, 32767]. Then two swaps,
-// both among negative remainders, so that a non-finite master never shows as a finite weight:
-// a NaN of magnitude >= 0x7FFF8000 would round to the pattern 0x8000 (-0.0): it shows +-inf;
-// that takes the pairs of the finite masters >= 0x7F7F8000 (>= 3.3961e38, which round to inf):
-// they show +-0.0, the only pairs left (by count, every finite master can show a finite weight
-// only if these do). A master's weight is then finite exactly when the master is.
+// The split, on the magnitude m of the master's bits (the sign bit is the weight's):
+//   - m < 0x7F7F8000 (every finite master below 3.3961e38): weight W = (m + 0x8000) >> 16, the
+//     nearest bf16 with ties away from zero (no remainder rule can keep torch's ties-to-even: an
+//     even bf16 value has 65,537 fp32 preimages), remainder r = m - (W << 16), in
+//     [-32768, 32767]. Exact round trip.
+//   - 0x7F7F8000 <= m <= 0x7F800000 (finite masters that round to inf in bf16, and inf):
+//     (+-inf, 0): they become +-inf, as master.to(torch.bfloat16) would show them.
+//   - m > 0x7F800000 (NaN): (+-NaN: the bf16 pattern 0x7FC0 with the sign, remainder 0): a NaN
+//     stays a NaN (its payload is not kept).
+// The rebuild of any pair (W = the weight's magnitude bits, r the remainder):
+//   - W == 0 and r < 0: +-0.0 (the weight itself);
+//   - W == 0x7F80 (inf) and r != 0: +-inf (the weight itself);
+//   - otherwise sign | ((W << 16) + r) (a NaN weight with any remainder rebuilds to a NaN).
+// So every pair rebuilds to a master that rounds to its weight under the tie rule (the split of
+// the rebuild gives the weight back, NaN weights as the canonical NaN), within half a bf16 ulp
+// of it: a remainder left under a weight written from outside the optimizer moves the master by
+// less than half an ulp of the new weight, and never to a huge value or a NaN. (The map was a
+// bijection with two swaps before; (+-0, r < 0) then rebuilt to finite masters >= 3.3961e38,
+// and pruning, w.data[mask] = 0 over a negative remainder, gave a NaN loss two steps later.)
+// csrc/tests/test_math.cpp checks these properties on all 2^32 patterns and all 2^32 pairs.
 FA_HD_ALWAYS_INLINE unsigned int float_bits(float f) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(f);
@@ -311,46 +322,66 @@ struct SplitMaster {
 };
 
 constexpr unsigned int kOverflowing = 0x7F7F8000u;  // magnitudes from here to inf round to inf
-constexpr unsigned int kInfBits = 0x7F800000u;      // (the tests' names for the swapped ranges)
+constexpr unsigned int kInfBits = 0x7F800000u;      // the magnitude of inf
 
 // Computed on the two halves in 16-bit arithmetic, which is the map above: the remainder is the
-// low half read as a signed number (m - (weight << 16) lies in [-32768, 32767] and equals m
-// modulo 2^16), and the weight's magnitude is the high half's plus one where that number is
-// negative (the low half >= 0x8000: round up, ties away from zero). The CPU loops then run the
-// selects on 32 lanes per AVX-512 register, half the time of the same map on 32-bit lanes
-// (measured: split 0.15 -> 0.08 ns, rebuild 0.18 -> 0.13 ns per element, AVX-512; AVX2 2x too).
+// low half read as a signed number (m - (W << 16) lies in [-32768, 32767] and equals m modulo
+// 2^16), and the weight's magnitude is the high half's plus one where that number is negative
+// (the low half >= 0x8000: round up, ties away from zero). The CPU loops then run the selects on
+// 32 lanes per AVX-512 register, half the time of the same map on 32-bit lanes (measured: split
+// 0.15 -> 0.08 ns, rebuild 0.18 -> 0.13 ns per element, AVX-512; AVX2 2x too).
 //
 // The selects are written as masks (all ones or zeros), not ?: or &&: the CPU's fused update
 // loops (csrc/cpu/kernels.cpp) carry these inline, and with ?: GCC 13 left 15 of the 16 Adam
-// loops unvectorised ("control flow in loop").
+// loops unvectorised ("control flow in loop"). Magnitude halves are at most 0x7FFF, so they are
+// compared as signed shorts (AVX2 has no unsigned 16-bit compare).
 FA_HD_ALWAYS_INLINE unsigned short mask_if(bool c) { return static_cast<unsigned short>(-static_cast<int>(c)); }
 
 FA_HD_ALWAYS_INLINE SplitMaster split_master(float master) {
   const unsigned int u = float_bits(master);
   const unsigned short high = static_cast<unsigned short>(u >> 16);
   const short r = static_cast<short>(static_cast<unsigned short>(u));
-  const unsigned short h = high & 0x7FFFu;
+  const short h = static_cast<short>(high & 0x7FFFu);
   const unsigned short up = mask_if(r < 0);  // round the magnitude up
-  // the swaps: rounding up from 0x7F7F is a finite master that rounds to inf (shown +-0.0), from
-  // 0x7FFF a NaN that would round to 0x8000 (shown +-inf)
-  const unsigned short overflowing = up & mask_if(h == 0x7F7Fu);
-  const unsigned short nan_to_sign = up & mask_if(h == 0x7FFFu);
+  // rounding up from 0x7F7F: a finite master that rounds to inf (its weight, 0x7F80, is inf
+  // already; the remainder goes); above 0x7F80, or 0x7F80 with a low half: a NaN
+  const unsigned short overflowing = up & mask_if(h == 0x7F7F);
+  const unsigned short nan = mask_if(h > 0x7F80) | (mask_if(h == 0x7F80) & mask_if(r != 0));
   const unsigned short w = static_cast<unsigned short>(h - up);  // h + 1 where up
-  const unsigned short shown = (w & static_cast<unsigned short>(~(overflowing | nan_to_sign))) | (0x7F80u & nan_to_sign);
-  return {static_cast<unsigned short>((high & 0x8000u) | shown), r};
+  const unsigned short shown = (w & static_cast<unsigned short>(~nan)) | (0x7FC0u & nan);
+  const short rem = static_cast<short>(static_cast<unsigned short>(r) & static_cast<unsigned short>(~(overflowing | nan)));
+  return {static_cast<unsigned short>((high & 0x8000u) | shown), rem};
 }
 
 FA_HD_ALWAYS_INLINE float rebuild_master(unsigned short weight, short remainder) {
-  const unsigned short w0 = weight & 0x7FFFu;
+  const short w0 = static_cast<short>(weight & 0x7FFFu);
   const unsigned short negative = mask_if(remainder < 0);
-  // the swaps undone: (+-0, negative) is an overflowing finite master, (+-inf, negative) a NaN
-  const unsigned short from_zero = negative & mask_if(w0 == 0u);
-  const unsigned short from_inf = negative & mask_if(w0 == 0x7F80u);
-  const unsigned short w = (w0 & static_cast<unsigned short>(~(from_zero | from_inf))) | (0x7F80u & from_zero) |
-                           (0x8000u & from_inf);
-  // (w << 16) + remainder: the high half is w, less one where the remainder is negative
-  const unsigned short high = (weight & 0x8000u) | static_cast<unsigned short>(w + negative);
-  return bits_float(static_cast<unsigned int>(high) << 16 | static_cast<unsigned short>(remainder));
+  // the weight itself: +-0 under a negative remainder, +-inf under any but 0
+  const unsigned short keep = (negative & mask_if(w0 == 0)) | (mask_if(w0 == 0x7F80) & mask_if(remainder != 0));
+  // (W << 16) + remainder: the high half is W, less one where the remainder is negative
+  const unsigned short moved = (weight & 0x8000u) | static_cast<unsigned short>(w0 + negative);
+  const unsigned short high = (weight & keep) | (moved & static_cast<unsigned short>(~keep));
+  const unsigned short low = static_cast<unsigned short>(remainder) & static_cast<unsigned short>(~keep);
+  return bits_float(static_cast<unsigned int>(high) << 16 | low);
+}
+
+// ---- fp32 masters follow the weight, element by element ---------------------------------------
+
+// When a step has low-precision params (lp_params: the bf16/fp16 weights whose fp32 masters it
+// updates), each element's master is first taken as float(lp) where the lp element's bits
+// differ from the bits of the master rounded to lp's dtype (the rounding the step writes lp
+// with: round to nearest even), else the master as it is; the update runs from that value.
+// Values decide, not version counters: a weight written from outside the optimizer
+// (p.data[mask] = 0, dist.broadcast(p), an EMA swap) moves no counter reliably, and a stale
+// master would write its old value back over the user's. Only elements whose weight no longer
+// equals the master's rounding restart: a write that changes nothing keeps the master's full
+// precision. Bits, not values: a NaN master whose rounding equals the stored NaN bits is kept,
+// and -0.0 against +0.0 counts as a difference. `rounded` is the master's rounding to lp's
+// dtype and `lp_bits` the stored ones (each zero-extended), `lp` the stored value widened.
+// A bit select (no ?:), so that the CPU loop vectorises and a NaN's payload is kept as it is.
+FA_HD_ALWAYS_INLINE float follow_weight(float master, unsigned int rounded, unsigned int lp_bits, float lp) {
+  const unsigned int differ = 0u - static_cast<unsigned int>(rounded != lp_bits);
+  return bits_float((float_bits(lp) & differ) | (float_bits(master) & ~differ));
 }
 
 }  // namespace math

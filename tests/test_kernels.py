@@ -210,15 +210,20 @@ ALGOS = {
 
 
 def _step_inputs(algo, sizes, param_kind, device, gen):
-    """Inputs of one step op. param_kind: 'master' (fp32 master + bf16/fp16 params to write),
-    'fp32' (fp32 params are their own master) or 'bf16' (bf16 params, no master)."""
+    """Inputs of one step op. param_kind: 'master' (fp32 master + bf16/fp16 params, read and
+    written), 'fp32' (fp32 params are their own master) or 'bf16' (bf16 params, no master)."""
     n_state = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}[algo]
     param_dtype = torch.bfloat16 if param_kind == "bf16" else torch.float32
     params = [torch.randn(n, generator=gen).to(device=device, dtype=param_dtype) for n in sizes]
     states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(n_state)]
     lp = []
     if param_kind == "master":
-        lp = [torch.full((n,), float("nan"), device=device, dtype=LOW[i % 2]) for i, n in enumerate(sizes)]
+        # the masters' rounding, but an eighth of the elements written from outside (the step
+        # reads lp: the masters follow it there, reference.follow_weight)
+        lp = [p.to(LOW[i % 2]) for i, p in enumerate(params)]
+        for low in lp:
+            edited = torch.rand(low.numel(), generator=gen) < 0.125
+            low[edited.to(device)] = torch.randn(int(edited.sum()), generator=gen).to(device, low.dtype)
     accs = flat_layout(sizes, device, fill=NAN).views
     for a in accs:
         a.copy_(torch.randn(a.numel(), generator=gen))
@@ -780,30 +785,45 @@ class TieCount(NamedTuple):
     differing: int  # ... whose weight is not master.to(bfloat16) (the even neighbour is nearer 0)
 
 
+def canonical(master: torch.Tensor) -> torch.Tensor:
+    """What the remainder mode keeps of an fp32 master: rebuild_master(split_master(master)),
+    the master itself below 3.3961e38 in magnitude, +-inf from there to inf, the canonical NaN
+    (with its sign) for a NaN."""
+    return reference.rebuild_master(*reference.split_master(master.contiguous()))
+
+
 def check_split_weights(masters, weights, remainders) -> TieCount:
     """The written (weight, remainder) of each fp32 master, checked on its bits: it is
-    split_master(master) (so it rebuilds the master exactly); the weight is finite exactly when
-    the master is; below the overflowing magnitudes it is master.to(bfloat16) except at exact
-    ties, where it is the neighbour away from zero; from there to inf it is +-0.0."""
+    split_master(master), so it rebuilds the master exactly below the overflowing magnitudes
+    (3.3961e38), +-inf from there to inf, the canonical NaN for a NaN; the weight is finite
+    exactly when the master is finite and below 3.3961e38, NaN exactly when the master is; below
+    the overflowing magnitudes it is master.to(bfloat16) except at exact ties, where it is the
+    neighbour away from zero; from there up it is master.to(bfloat16) (+-inf, or a NaN)."""
     ties = differing = 0
     for master, weight, remainder in zip(masters, weights, remainders):
         master = master.reshape(-1)
         want_w, want_r = reference.split_master(master)
         assert torch.equal(_u16(weight), _u16(want_w)), "weights are not split_master's"
         assert torch.equal(_u16(remainder), _u16(want_r)), "remainders are not split_master's"
-        assert torch.equal(_u32(reference.rebuild_master(weight.reshape(-1), remainder.reshape(-1))), _u32(master))
-        w32 = weight.reshape(-1).float()
-        assert torch.equal(torch.isfinite(w32), torch.isfinite(master)), "a weight finite where its master is not"
         m = _u32(master) & 0x7FFFFFFF
         shown = m < _OVERFLOWING  # finite masters that round to a finite bf16
+        rebuilt = _u32(reference.rebuild_master(weight.reshape(-1), remainder.reshape(-1)))
+        assert torch.equal(rebuilt[shown], _u32(master)[shown]), "a master below 3.3961e38 not rebuilt exactly"
+        sign = _u32(master) & 0x80000000
+        huge = (m >= _OVERFLOWING) & (m <= _INF_BITS)
+        assert torch.equal(rebuilt[huge], (sign | _INF_BITS)[huge]), "a master from 3.3961e38 up not rebuilt as inf"
+        nan = m > _INF_BITS
+        assert torch.equal(rebuilt[nan], (sign | 0x7FC00000)[nan]), "a NaN not rebuilt as the canonical NaN"
+        w32 = weight.reshape(-1).float()
+        assert torch.equal(torch.isfinite(w32), shown), "a weight finite where its master is huge or not finite"
+        assert torch.equal(torch.isnan(w32), torch.isnan(master)), "a weight NaN where its master is not"
         rne = _u16(master.to(torch.bfloat16))
         at_tie = shown & ((m & 0xFFFF) == 0x8000)
         differs = shown & (_u16(weight) != rne)
         assert not (differs & ~at_tie).any(), "a weight differs from master.to(bfloat16) away from a tie"
         away = ((m + 0x8000) >> 16) | ((_u32(master) >> 16) & 0x8000)
         assert torch.equal(_u16(weight)[at_tie], away[at_tie]), "a tie not rounded away from zero"
-        overflowing = (m >= _OVERFLOWING) & (m < _INF_BITS)
-        assert ((_u16(weight)[overflowing] & 0x7FFF) == 0).all(), "an overflowing master not shown as +-0"
+        assert torch.equal(_u16(weight)[huge], rne[huge]), "an overflowing master not shown as +-inf"
         ties += int(at_tie.sum())
         differing += int(differs.sum())
     return TieCount(ties, differing)
@@ -842,13 +862,16 @@ def run_both_modes(module, algo, sizes, n_steps, seed, device="cpu"):
     """n_steps of ``algo`` in the fp32-master mode (fp32 masters + bf16 lp_params) and in the
     remainder mode (bf16 params + int16 remainders), from the same masters and states, with
     the same gradients, coef, fused micro-batches (none, added, overwriting) and skipped steps
-    (found_inf) each step: after each step the rebuilt masters and the states are the
-    fp32-master mode's bit for bit, and the weights are checked by check_split_weights. The
-    data is drawn on the CPU (the same on every device). Returns the tie counts summed over the
-    steps."""
+    (found_inf) each step: after each step the rebuilt masters are the fp32-master mode's as
+    the remainder mode keeps them (canonical: bit for bit below 3.3961e38), the states are the
+    fp32-master mode's bit for bit, and the weights are checked by check_split_weights; then
+    both modes go on from those masters. The data is drawn on the CPU (the same on every
+    device). Returns the tie counts summed over the steps."""
     gen = torch.Generator().manual_seed(seed)
-    masters = [_awkward_fp32(n, gen).to(device) for n in sizes]
-    lp = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes]
+    # from masters the remainder mode keeps (the overflowing ones as +-inf); the fp32 mode's
+    # lp_params their rounding (the masters follow them where they are not)
+    masters = [canonical(_awkward_fp32(n, gen)).to(device) for n in sizes]
+    lp = [master.to(torch.bfloat16) for master in masters]
     weights = [_strided_bf16(n, i, device) for i, n in enumerate(sizes)]
     remainders = [torch.empty(n, dtype=torch.int16, device=device) for n in sizes]
     for master, w, r in zip(masters, weights, remainders):
@@ -886,15 +909,18 @@ def run_both_modes(module, algo, sizes, n_steps, seed, device="cpu"):
             assert all(torch.equal(_u16(r), b) for r, b in zip(got_r, before[1])), f"step {k}"
         for master, w, r in zip(want, got_w, got_r):
             rebuilt = reference.rebuild_master(w.reshape(-1), r)
-            diff = (_u32(rebuilt) != _u32(master)).sum().item()
+            diff = (_u32(rebuilt) != _u32(canonical(master))).sum().item()
             assert diff == 0, f"step {k}: {diff} of {master.numel()} masters differ"
         for s, s_r in zip(states, states_r):
             for x, y in zip(s, s_r):
                 assert torch.equal(_u32(x.cpu()), _u32(y.cpu())), f"step {k}: states differ"
-        for master, low in zip(want, cpu(lp)):
-            assert torch.equal(_u16(low), _u16(master.to(torch.bfloat16)))
+        for master, low in zip(want, cpu(lp)):  # (a NaN as any NaN: CUDA writes 0x7FFF, torch 0x7FC0)
+            same = (_u16(low) == _u16(master.to(torch.bfloat16))) | (torch.isnan(low) & torch.isnan(master))
+            assert bool(same.all())
         count = check_split_weights(want, got_w, got_r)
         total = TieCount(total.ties + count.ties, total.differing + count.differing)
+        for master in masters:  # both modes go on from the same masters
+            master.copy_(canonical(master))
     return total
 
 
@@ -951,17 +977,18 @@ def _edge_patterns() -> torch.Tensor:
 
 
 def test_split_and_rebuild_special_values():
-    """Each class survives split and rebuild bit for bit, a non-finite master never shows as a
-    finite weight, and the documented weights: ties away from zero (torch's .to(bfloat16)
-    rounds 1 + 2**-8 to even, 1.0), the NaN 0x7FFFFFFF as inf (not -0.0: TE/apex), the finite
-    masters that round to inf as +-0.0. Then every low half of the edge high halves (14 per sign)
-    and a spread sample of all 2**32 patterns: the round trip both ways (split of rebuild gives
-    the pair back, so the map is onto the pairs too), finiteness kept, and check_split_weights'
-    rule. csrc/tests/test_math.cpp checks math.h's split on every pattern; the kernels are
-    checked against this one in test_remainder_step_special_values."""
+    """Each class splits by the rule (check_split_weights: rebuilt bit for bit below 3.3961e38,
+    +-inf from there to inf, the canonical NaN for a NaN), and the documented weights: ties away
+    from zero (torch's .to(bfloat16) rounds 1 + 2**-8 to even, 1.0), the finite masters that
+    round to inf as +-inf, every NaN as the NaN 0x7FC0 (with its sign). Then every low half of
+    the edge high halves (14 per sign) and a spread sample of all 2**32 patterns, by the same
+    rule; and every pair with an edge weight (each of the 2**16 remainders): the rebuilt master
+    rounds to its weight (its split gives the weight back, a NaN weight as the canonical NaN),
+    is NaN, inf or finite as the weight is, and lies within half a bf16 ulp of it.
+    csrc/tests/test_math.cpp checks math.h's split on every pattern and its rebuild on every
+    pair; the kernels are checked against this one in test_remainder_step_special_values."""
     weight, remainder = reference.split_master(SPECIAL)
-    assert torch.equal(_u32(reference.rebuild_master(weight, remainder)), _u32(SPECIAL))
-    assert torch.equal(torch.isfinite(weight.float()), torch.isfinite(SPECIAL))
+    check_split_weights([SPECIAL], [weight], [remainder])
     shown = dict(zip(SPECIAL_BITS, _u16(weight).tolist()))
     expect = {
         0x00000000: 0x0000,
@@ -972,39 +999,59 @@ def test_split_and_rebuild_special_values():
         0x3F808001: 0x3F81,  # one ulp above: up
         0x3F818000: 0x3F82,  # a tie whose upper neighbour is even: torch's too
         0x7F7F7FFF: 0x7F7F,  # the largest finite bf16
-        0x7F7F8000: 0x0000,  # rounds to inf: shown as +0.0 (see split_master)
-        0x7F7FFFFF: 0x0000,  # the largest finite fp32
+        0x7F7F8000: 0x7F80,  # rounds to inf: inf, as .to(bfloat16)
+        0x7F7FFFFF: 0x7F80,  # the largest finite fp32
         0x7F800000: 0x7F80,  # inf
-        0x7F800001: 0x7F80,  # a NaN whose payload rounds away: inf
-        0x7FC00000: 0x7FC0,  # the quiet NaN
-        0x7FFF7FFF: 0x7FFF,  # a NaN
-        0x7FFF8000: 0x7F80,  # would round to 0x8000 (-0.0): inf
-        0x7FFFFFFF: 0x7F80,
+        0x7F800001: 0x7FC0,  # NaNs: the NaN 0x7FC0, whatever their payload
+        0x7FC00000: 0x7FC0,
+        0x7FFF7FFF: 0x7FC0,
+        0x7FFF8000: 0x7FC0,
+        0x7FFFFFFF: 0x7FC0,
     }
     for bits, want in expect.items():
         assert shown[bits] == want, f"{bits:#010x} shows as {shown[bits]:#06x}, expected {want:#06x}"
     negative = dict(zip(SPECIAL_BITS, _u16(weight).tolist()[len(SPECIAL_BITS) :]))
     assert all(negative[b] == shown[b] | 0x8000 for b in SPECIAL_BITS), "the sign rides along"
     assert _u16(SPECIAL[5:6].to(torch.bfloat16)).item() == 0x3F80  # (torch rounds that tie to even)
+    assert (_u16(remainder)[torch.tensor(SPECIAL_BITS * 2) & 0x7FFFFFFF >= _OVERFLOWING] == 0).all()
 
     masters = _edge_patterns()
     weight, remainder = reference.split_master(masters)
-    assert torch.equal(_u32(reference.rebuild_master(weight, remainder)), _u32(masters))
     check_split_weights([masters], [weight], [remainder])
-    # onto: every pair with an edge weight (each remainder) is the split of its rebuild
+    # every pair with an edge weight (each remainder): decoded next to its weight
     high = torch.tensor(EDGE_HIGH_HALVES, dtype=torch.int64).repeat_interleave(2**16)
     pair_w = (high - (high >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
     pair_r = torch.arange(-(2**15), 2**15, dtype=torch.int64).repeat(len(EDGE_HIGH_HALVES)).to(torch.int16)
-    again_w, again_r = reference.split_master(reference.rebuild_master(pair_w, pair_r))
-    assert torch.equal(_u16(again_w), _u16(pair_w)) and torch.equal(_u16(again_r), _u16(pair_r))
+    check_rebuilt_pairs(pair_w, pair_r)
+
+
+def check_rebuilt_pairs(pair_w: torch.Tensor, pair_r: torch.Tensor) -> None:
+    """For every (bf16 weight, int16 remainder) pair: the rebuilt master splits back to the
+    weight (a NaN weight: to the canonical NaN with its sign), is NaN exactly when the weight
+    is, +-inf exactly when the weight is, has the weight's sign, and lies within half a bf16
+    ulp of it (the distance from W << 16 to its tie W << 16 | 0x8000, in float64: exact)."""
+    rebuilt = reference.rebuild_master(pair_w, pair_r)
+    again_w, _ = reference.split_master(rebuilt)
+    wb = _u16(pair_w)
+    w_nan, w_inf = (wb & 0x7FFF) > 0x7F80, (wb & 0x7FFF) == 0x7F80
+    want_w = torch.where(w_nan, (wb & 0x8000) | 0x7FC0, wb)
+    assert torch.equal(_u16(again_w), want_w), "a pair whose master does not round to its weight"
+    assert torch.equal(torch.isnan(rebuilt), w_nan) and torch.equal(torch.isinf(rebuilt), w_inf)
+    finite = ~w_nan & ~w_inf
+    assert torch.equal((_u32(rebuilt) >> 31)[~w_nan], (wb >> 15)[~w_nan]), "a master with another sign"
+    w64 = pair_w.float().double()[finite]
+    mag = (wb & 0x7FFF)[finite] << 16
+    half_ulp = _from_u32(mag | 0x8000).double() - _from_u32(mag).double()
+    assert ((rebuilt.double()[finite] - w64).abs() <= half_ulp).all(), "a master more than half an ulp away"
 
 
 @pytest.mark.parametrize("backend,device", REMAINDER_BACKENDS)
 def test_remainder_step_special_values(backend, device):
     """A step that keeps the masters, then one step of each algorithm, on masters of every
     special class (SPECIAL) and on the edge patterns (for the interpreter: SPECIAL only: 1.8M
-    elements take it minutes), random gradients, in both modes: the rebuilt
-    masters and the states equal the fp32-master mode's bit for bit (NaN payloads included)
+    elements take it minutes), random gradients, in both modes from the same masters (those
+    the remainder mode keeps: canonical): the rebuilt masters equal the fp32-master mode's as
+    the remainder mode keeps them, the states equal its bit for bit (NaN payloads included),
     and the weights are split_master's (check_split_weights): the kernels' split and rebuild
     are the reference's on these patterns."""
     masters0 = SPECIAL if backend == "triton" else torch.cat([SPECIAL, _edge_patterns()])
@@ -1028,11 +1075,11 @@ def test_remainder_step_special_values(backend, device):
             remainders=rem,
         )
         module.lion_step(t, ops.LionStates(m), ops.LionHyper(0.9, 0.99, 0.0, False))
-    assert torch.equal(_u32(reference.rebuild_master(weight.cpu(), remainder.cpu())), _u32(masters[0].cpu()))
+    assert torch.equal(_u32(reference.rebuild_master(weight.cpu(), remainder.cpu())), _u32(canonical(masters[0].cpu())))
     count = check_split_weights([masters[0].cpu()], [weight.cpu()], [remainder.cpu()])
     assert count.ties >= 4 and count.differing >= 2, count
-    for algo in REMAINDER_ALGOS:
-        masters = [masters0.to(device).clone()]
+    for algo in REMAINDER_ALGOS:  # both modes from the masters the remainder mode keeps
+        masters = [canonical(masters0).to(device)]
         weight, remainder = (x.to(device) for x in reference.split_master(masters0))
         states = [[torch.randn(n, generator=gen).abs().to(device)] for _ in range(_n_states(algo))]
         states_r = [_clone(s) for s in states]
@@ -1043,7 +1090,7 @@ def test_remainder_step_special_values(backend, device):
         _remainder_call(module, algo, masters, [], [], states, *args)
         _remainder_call(module, algo, [weight], [remainder], [], states_r, *args)
         rebuilt = reference.rebuild_master(weight.cpu(), remainder.cpu())
-        assert torch.equal(_u32(rebuilt), _u32(masters[0].cpu())), algo
+        assert torch.equal(_u32(rebuilt), _u32(canonical(masters[0].cpu()))), algo
         for x, y in zip(states, states_r):
             assert torch.equal(_u32(x[0].cpu()), _u32(y[0].cpu())), algo
         check_split_weights([masters[0].cpu()], [weight.cpu()], [remainder.cpu()])

@@ -117,6 +117,28 @@ FA_CPU_CLONES void from_float(const float* src, int64_t n, void* dst, DType dt) 
   }
 }
 
+// p[j] = math::follow_weight of the master p[j] and the low-precision param lp[j] of dtype dt,
+// for j < n: the master follows the weight where lp's bits are not the master's rounding
+// (from_float's, the rounding the step writes lp with). An fp32 lp is its master's rounding
+// exactly when the bits are equal: p takes lp's bits either way.
+FA_CPU_CLONES void follow_lp(float* __restrict p, const void* __restrict lp, DType dt, int64_t n) {
+  switch (dt) {
+    case DType::kF32:
+      std::memcpy(p, lp, n * sizeof(float));
+      break;
+    case DType::kBF16: {
+      const uint16_t* l = static_cast<const uint16_t*>(lp);
+      for (int64_t j = 0; j < n; ++j) p[j] = math::follow_weight(p[j], float_to_bf16(p[j]), l[j], bf16_to_float(l[j]));
+      break;
+    }
+    case DType::kF16: {
+      const uint16_t* l = static_cast<const uint16_t*>(lp);
+      for (int64_t j = 0; j < n; ++j) p[j] = math::follow_weight(p[j], float_to_f16(p[j]), l[j], f16_to_float(l[j]));
+      break;
+    }
+  }
+}
+
 // ---- accumulate -----------------------------------------------------------------------------
 //
 // accumulate on the CPU: acc = alpha * grad + (0 if overwrite else acc) over many tensors,
@@ -187,7 +209,9 @@ void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const Paralle
 // and the write of the low-precision param copy, over many tensors per call.
 //
 // Per block of kBlock elements: stage the gradient as fp32 (effective_grad), stage the param as
-// fp32 when it is bf16/fp16, run the update rule on fp32 arrays, write back. Staging keeps one
+// fp32 when it is bf16/fp16, let the master follow the low-precision param where that was
+// written from outside (follow_lp: math.h's follow_weight), run the update rule on fp32
+// arrays, write back. Staging keeps one
 // update loop per rule however many dtype combinations a call mixes (grads, params and lp params
 // each bf16/fp16/fp32), at the cost of L1 traffic only.
 //
@@ -380,6 +404,9 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       float* p = p_staged;
       if (param_dtype == DType::kF32) p = at_f32(t.param, i, offset);
       else to_float(at(t.param, i, offset), param_dtype, n, p_staged);
+      // the master follows its weight where that was written from outside (in place: the update
+      // below writes every element of p)
+      if (t.lp.present()) follow_lp(p, at(t.lp, i, offset), t.lp.dtype[i], n);
       update(i, offset, n, grad, c, Fp32Param{p});
       if (param_dtype != DType::kF32) from_float(p, n, at(t.param, i, offset), param_dtype);
       if (t.lp.present()) from_float(p, n, at(t.lp, i, offset), t.lp.dtype[i]);

@@ -181,6 +181,39 @@ FA_HD void store_pack(void* p, uint8_t dt, int64_t i, int64_t n, bool vec, const
   }
 }
 
+// The masters p of elements [i, i + 8) follow the low-precision params lp (dtype dt) where
+// those were written from outside (math::follow_weight): p[k] = float(lp[k]) where lp[k]'s bits
+// are not p[k] rounded to dt as store_pack writes lp, else p[k].
+// `vec` as in load_pack: one 16-byte load of 8 bf16/fp16 values (two of fp32). Past n, p is
+// not stored, whatever it becomes.
+template <bool kBF16>
+FA_HD void follow_lp_pack_t(const uint16_t* lb, int64_t i, int64_t n, bool vec, float (&p)[kPack]) {
+  uint16_t bits[kPack];
+  if (vec) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(lb + i);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) bits[k] = static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2)));  // little-endian
+  } else {
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) bits[k] = i + k < n ? lb[i + k] : 0;  // (past n: not stored)
+  }
+#pragma unroll
+  for (int k = 0; k < kPack; ++k) {
+    const uint16_t rounded = kBF16 ? float_to_bf16_bits(p[k]) : float_to_f16_bits(p[k]);
+    const float value = kBF16 ? bf16_bits_to_float(bits[k]) : f16_bits_to_float(bits[k]);
+    p[k] = math::follow_weight(p[k], rounded, bits[k], value);
+  }
+}
+
+FA_HD void follow_lp_pack(const void* lp, uint8_t dt, int64_t i, int64_t n, bool vec, float (&p)[kPack]) {
+  switch (static_cast<DType>(dt)) {
+    case DType::kBF16: follow_lp_pack_t<true>(static_cast<const uint16_t*>(lp), i, n, vec, p); break;
+    case DType::kF16: follow_lp_pack_t<false>(static_cast<const uint16_t*>(lp), i, n, vec, p); break;
+    default: load_pack(lp, dt, i, n, vec, p);  // fp32: the rounding is the master: p takes lp's bits
+  }
+}
+
 // Exact 2-byte masters (master_weights="remainder"): the fp32 masters of elements [i, i + 8)
 // rebuilt from the bf16 weights w and the int16 remainders r (math::rebuild_master); zeros past
 // n. `vec`: both packs are 16-byte aligned and whole: one 16-byte load each, 8 elements.

@@ -2,8 +2,9 @@
 // from csrc/math.h. Each element is read and written once: the gradient from acc (plus the fused
 // last micro-batch), the fp32 state and param updated, the low-precision param written.
 //
-// Bytes per element, AdamW from acc with a bf16 param copy: read acc, master, m, v (16), write
-// master, m, v (12) and the bf16 param (2) = 30. With a 2-byte remainder instead of the fp32
+// Bytes per element, AdamW from acc with a bf16 param copy: read acc, master, m, v and the bf16
+// param (18: the master follows the param where that was written from outside,
+// math::follow_weight), write master, m, v (12) and the bf16 param (2) = 32. With a 2-byte remainder instead of the fp32
 // master (issue 28): read acc, bf16 param, remainder, m, v (16), write param, remainder, m, v
 // (12) = 28; the fused last micro-batch adds its bf16 gradient (30).
 //
@@ -163,6 +164,10 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
 #pragma unroll
     for (int u = 0; u < kStepUnroll; ++u) {
       if (idx[u] >= w.end) continue;
+      // the master follows its weight where that was written from outside (math::follow_weight).
+      // Loaded here, after the other loads are issued: with the load among them, Adam's kernel
+      // spilled 4 bytes at its bound (nvcc 13.0, sm_90); the other warps cover the latency.
+      if (has_lp) follow_lp_pack(lp, table.dtype[kStepLp][t], idx[u], w.end, lp_vec && whole[u], p[u]);
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
         const float ge = math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);

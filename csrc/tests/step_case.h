@@ -61,6 +61,41 @@ struct StepCase {
       rem.emplace_back(sizes[i] + 1);
       for (int16_t& r : rem.back()) r = static_cast<int16_t>(any16(rng));
     }
+    // kRemainder: some weights written from outside over their remainders: +-0 (pruned), +-inf,
+    // and a NaN, whose pairs rebuild to the weight itself (or a NaN)
+    const uint16_t outside[] = {0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0};
+    for (size_t i = 0; i < sizes.size() && kind == ParamKind::kRemainder; ++i)
+      for (int64_t j = 0; j < sizes[i]; j += 13) param16.half[i][j + param16.shift[i]] = outside[(j / 13) % 5];
+    // kMaster: the low-precision params are their masters' rounding but where written from
+    // outside (the master then follows the weight): a quarter of the elements keep the random
+    // value they were drawn with; some hold -0.0 over a +0.0 master, a NaN or an inf
+    std::uniform_int_distribution<int> quarter(0, 3);
+    for (size_t i = 0; i < sizes.size() && kind == ParamKind::kMaster; ++i) {
+      const bool bf16 = lp.dtype(i) == DType::kBF16;
+      for (int64_t j = 0; j < sizes[i]; ++j) {
+        uint16_t& bits = lp.half[i][j + lp.shift[i]];
+        if (j % 17 == 5) {
+          master.at(i)[j] = 0.0f;
+          bits = 0x8000;  // -0.0
+        } else if (j % 17 == 9) {
+          bits = bf16 ? 0x7FC0 : 0x7E00;  // NaN
+        } else if (j % 17 == 11) {
+          bits = bf16 ? 0xFF80 : 0xFC00;  // -inf
+        } else if (quarter(rng) != 0) {
+          bits = bf16 ? cpu::float_to_bf16(master.value(i, j)) : cpu::float_to_f16(master.value(i, j));
+        }
+      }
+    }
+  }
+
+  // The master a step updates (kMaster): the fp32 master, following the low-precision param
+  // where that is not its rounding (math::follow_weight, with the CPU's rounding: the values here
+  // are no NaNs, where the CUDA rounding differs)
+  float followed(size_t i, int64_t j) const {
+    const float m = master.value(i, j);
+    const uint16_t bits = lp.half[i][j + lp.shift[i]];
+    const bool bf16 = lp.dtype(i) == DType::kBF16;
+    return math::follow_weight(m, bf16 ? cpu::float_to_bf16(m) : cpu::float_to_f16(m), bits, lp.value(i, j));
   }
 
   uint16_t weight_bits(size_t i, int64_t j) const { return param16.half[i][j + param16.shift[i]]; }
@@ -105,6 +140,7 @@ struct StepCase {
       for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
         float p = kind == ParamKind::kBF16 ? before.param16.value(i, j) : before.master.value(i, j);
         if (kind == ParamKind::kRemainder) p = before.rebuilt(i, j);
+        if (kind == ParamKind::kMaster && !found) p = before.followed(i, j);  // (skipped: kept)
         float m = before.s1.value(i, j), v = before.s2.value(i, j), max_v = before.s3.value(i, j);
         if (!found) {
           const float g = math::effective_grad(before.acc.value(i, j),
@@ -121,13 +157,16 @@ struct StepCase {
         }
         bool ok = true;
         if (kind == ParamKind::kRemainder) {
-          // The exact master: the rebuilt new one is the update's, bit for bit (NaNs included),
-          // split as math::split_master splits it; a skipped step writes neither half.
+          // The exact master: split as math::split_master splits the update's, so the rebuilt
+          // new one is the update's bit for bit where that is finite below 3.3961e38 (+-inf
+          // above, the canonical NaN for a NaN); a skipped step writes neither half.
           const math::SplitMaster want =
               found ? math::SplitMaster{before.weight_bits(i, j), before.remainder(i, j)}
                     : math::split_master(p);
           ok &= weight_bits(i, j) == want.weight && remainder(i, j) == want.remainder;
-          ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(p);
+          if (!found) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(math::rebuild_master(want.weight, want.remainder));
+          const uint32_t m = math::float_bits(p) & 0x7FFFFFFFu;
+          if (!found && m < math::kOverflowing) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(p);
         } else if (kind == ParamKind::kBF16) {
           // Within one bf16 ulp (2^-7 relative): a 1-ulp fp32 difference may cross a rounding edge.
           ok &= found ? param16.value(i, j) == before.param16.value(i, j)
@@ -139,8 +178,13 @@ struct StepCase {
         if (has_state2()) ok &= same(s2.value(i, j), v);
         if (has_state3()) ok &= same(s3.value(i, j), max_v);
         if (kind == ParamKind::kMaster) {  // the copy is the master as written, rounded
-          ok &= found ? lp.value(i, j) == before.lp.value(i, j)
-                      : lp.value(i, j) == lp.rounded(i, master.value(i, j));
+          const uint16_t bits = lp.half[i][j + lp.shift[i]];
+          const float written = master.value(i, j);
+          // (a NaN as any NaN: CUDA's conversions write the NaN 0x7FFF, torch's and the CPU's 0x7FC0)
+          const bool nan = written != written;
+          ok &= found ? bits == before.lp.half[i][j + lp.shift[i]]
+                      : nan ? lp.value(i, j) != lp.value(i, j)
+                            : bits == (lp.dtype(i) == DType::kBF16 ? cpu::float_to_bf16(written) : cpu::float_to_f16(written));
         }
         ok &= acc.value(i, j) == before.acc.value(i, j);  // acc is read, never written
         if (!ok) ++bad;

@@ -166,39 +166,97 @@ void test_lion() {
 
 }  // namespace
 
-// Every fp32 bit pattern: split then rebuild gives it back (a bijection onto the pairs), the
-// weight is finite exactly when the master is, and it is the master rounded to the nearest bf16
-// with ties away from zero wherever that is finite (everywhere but the 2 x 32,768 finite masters
-// that round to inf, which show +-0.0); ties are where it differs from torch's ties-to-even.
+// Every fp32 bit pattern (math.h's split rule): below the overflowing magnitudes the split is
+// the master rounded to the nearest bf16 with ties away from zero, and rebuilds the master bit
+// for bit; the finite masters that round to inf, and inf, split as (+-inf, 0) and rebuild as
+// +-inf; a NaN splits as (+-0x7FC0, 0) and rebuilds as that NaN. Ties are where the weight
+// differs from torch's ties-to-even.
 #ifndef FA_PATTERN_STRIDE
 #define FA_PATTERN_STRIDE 1  // (test_math_nvcc.cu checks every 17th: the same code, once is enough)
 #endif
 void test_split_rebuild_every_pattern() {
-  long long not_back = 0, finiteness = 0, not_nearest = 0, ties = 0, overflowing = 0;
-#pragma omp parallel for reduction(+ : not_back, finiteness, not_nearest, ties, overflowing)
+  long long not_back = 0, not_nearest = 0, ties = 0, not_inf = 0, not_nan = 0, overflowing = 0;
+#pragma omp parallel for reduction(+ : not_back, not_nearest, ties, not_inf, not_nan, overflowing)
   for (long long i = 0; i < (1LL << 32); i += FA_PATTERN_STRIDE) {
     const unsigned int u = static_cast<unsigned int>(i);
-    const float master = bits_float(u);
-    const SplitMaster s = split_master(master);
-    not_back += float_bits(rebuild_master(s.weight, s.remainder)) != u;
-    const float weight = bits_float(static_cast<unsigned int>(s.weight) << 16);
-    finiteness += nonfinite(weight) != nonfinite(master);
+    const unsigned short sign = static_cast<unsigned short>((u >> 16) & 0x8000u);
+    const SplitMaster s = split_master(bits_float(u));
+    const unsigned int back = float_bits(rebuild_master(s.weight, s.remainder));
     const unsigned int m = u & 0x7FFFFFFFu;
-    if (m >= kOverflowing && m < kInfBits) {
-      overflowing += (s.weight & 0x7FFFu) == 0;
-    } else if (m < kInfBits) {
-      const unsigned int away = ((m + 0x8000u) >> 16) | ((u >> 16) & 0x8000u);
+    if (m < kOverflowing) {
+      not_back += back != u;
+      const unsigned int away = ((m + 0x8000u) >> 16) | sign;
       not_nearest += s.weight != away;
       ties += (m & 0xFFFFu) == 0x8000u;
+    } else if (m <= kInfBits) {
+      not_inf += s.weight != (sign | 0x7F80u) || s.remainder != 0 || back != ((u & 0x80000000u) | kInfBits);
+      overflowing += m < kInfBits;
+    } else {
+      not_nan += s.weight != (sign | 0x7FC0u) || s.remainder != 0 || back != ((u & 0x80000000u) | 0x7FC00000u);
     }
   }
-  CHECK(not_back == 0, "%lld patterns not rebuilt exactly", not_back);
-  CHECK(finiteness == 0, "%lld weights finite where the master is not, or the reverse", finiteness);
-  CHECK(not_nearest == 0, "%lld finite masters not shown as their nearest bf16 (ties away)", not_nearest);
+  CHECK(not_back == 0, "%lld finite masters below 0x7F7F8000 not rebuilt exactly", not_back);
+  CHECK(not_nearest == 0, "%lld finite masters not split as their nearest bf16 (ties away)", not_nearest);
+  CHECK(not_inf == 0, "%lld masters from 0x7F7F8000 to inf not split as (+-inf, 0), rebuilt as +-inf", not_inf);
+  CHECK(not_nan == 0, "%lld NaNs not split as (+-0x7FC0, 0), rebuilt as that NaN", not_nan);
   if (FA_PATTERN_STRIDE == 1) {
-    CHECK(overflowing == 2 * 32768, "%lld overflowing masters shown as +-0", overflowing);
+    CHECK(overflowing == 2 * 32768, "%lld overflowing finite masters", overflowing);
     CHECK(ties == 2LL * 0x7F7F, "%lld exact ties", ties);  // one per finite bf16 step below the top, per sign
   }
+}
+
+// Every (weight, remainder) pair: the rebuilt master rounds to its weight under the tie rule
+// (its split gives the weight back; a NaN weight may come back as the canonical NaN), it is NaN
+// exactly when the weight is, +-inf exactly when the weight is, finite exactly when the weight
+// is, with the weight's sign, and within half a bf16 ulp of it (the half ulp above the weight:
+// the distance to the tie, (W << 16 | 0x8000) - (W << 16) as fp32 values, in double, exact).
+// The bound against a weight written from outside the optimizer: the remainder left under it
+// moves the master by at most half an ulp of the new weight.
+void test_rebuild_every_pair() {
+  long long not_weight = 0, wrong_class = 0, wrong_sign = 0, too_far = 0;
+#pragma omp parallel for reduction(+ : not_weight, wrong_class, wrong_sign, too_far)
+  for (long long i = 0; i < (1LL << 32); i += FA_PATTERN_STRIDE) {
+    const unsigned short w = static_cast<unsigned short>(i >> 16);
+    const short r = static_cast<short>(static_cast<unsigned short>(i));
+    const unsigned int wm = w & 0x7FFFu;
+    const float x = rebuild_master(w, r);
+    const unsigned int xu = float_bits(x);
+    const SplitMaster s = split_master(x);
+    const bool w_nan = wm > 0x7F80u, w_inf = wm == 0x7F80u;
+    if (w_nan) {
+      not_weight += s.weight != w && s.weight != ((w & 0x8000u) | 0x7FC0u);
+    } else {
+      not_weight += s.weight != w;
+      wrong_sign += (xu >> 31) != (w >> 15u);
+    }
+    const bool x_nan = x != x, x_inf = (xu & 0x7FFFFFFFu) == kInfBits;
+    wrong_class += x_nan != w_nan || x_inf != w_inf;
+    if (!w_nan && !w_inf) {
+      const double weight = bits_float(static_cast<unsigned int>(w) << 16);
+      const double half_ulp = double(bits_float((wm << 16) | 0x8000u)) - double(bits_float(wm << 16));
+      too_far += !(std::fabs(double(x) - weight) <= half_ulp);
+    }
+  }
+  CHECK(not_weight == 0, "%lld pairs whose rebuilt master does not split back to the weight", not_weight);
+  CHECK(wrong_class == 0, "%lld pairs rebuilt as NaN/inf where the weight is not, or the reverse", wrong_class);
+  CHECK(wrong_sign == 0, "%lld pairs rebuilt with another sign than the weight's", wrong_sign);
+  CHECK(too_far == 0, "%lld pairs rebuilt more than half a bf16 ulp from the weight", too_far);
+}
+
+// fp32 masters follow the weight: a master is replaced by the weight's value exactly where the
+// weight's bits are not the master's rounding, compared as bits (kept NaN payloads, -0.0).
+void test_follow_weight() {
+  const float master = 1.0f + 0x1.0p-12f;  // rounds to bf16 1.0 (0x3F80)
+  CHECK(float_bits(follow_weight(master, 0x3F80u, 0x3F80u, 1.0f)) == float_bits(master),
+        "a weight equal to the master's rounding keeps the master's full precision");
+  CHECK(follow_weight(master, 0x3F80u, 0x0000u, 0.0f) == 0.0f, "a pruned weight restarts the master");
+  CHECK(float_bits(follow_weight(0.0f, 0x0000u, 0x8000u, -0.0f)) == 0x80000000u, "-0.0 against +0.0 differs");
+  const float payload = bits_float(0x7FC01234u);
+  CHECK(float_bits(follow_weight(payload, 0x7FC0u, 0x7FC0u, bits_float(0x7FC00000u))) == 0x7FC01234u,
+        "a NaN master whose rounding is the stored NaN is kept, payload and all");
+  CHECK(float_bits(follow_weight(2.0f, 0x4000u, 0x7FC0u, bits_float(0x7FC00000u))) == 0x7FC00000u,
+        "a NaN weight over a finite master: the NaN");
+  CHECK(follow_weight(2.0f, 0x4000u, 0xFF80u, -INFINITY) == -INFINITY, "an inf weight: inf");
 }
 
 void test_split_special_values() {
@@ -206,17 +264,29 @@ void test_split_special_values() {
   CHECK(split_master(0.0f).weight == 0x0000 && split_master(0.0f).remainder == 0, "+0");
   CHECK(split_master(-0.0f).weight == 0x8000 && split_master(-0.0f).remainder == 0, "-0");
   CHECK(split_master(INFINITY).weight == 0x7F80 && split_master(-INFINITY).weight == 0xFF80, "+-inf");
-  CHECK(split_master(nan).weight == 0x7FC0, "the quiet NaN");
-  CHECK(split_master(bits_float(0x7FFFFFFFu)).weight == 0x7F80, "NaN 0x7FFFFFFF: inf, not -0.0");
-  CHECK(split_master(bits_float(0xFFFFFFFFu)).weight == 0xFF80, "NaN 0xFFFFFFFF: -inf, not +0.0");
-  CHECK(split_master(bits_float(0x7F800001u)).weight == 0x7F80, "NaN just above inf: inf");
+  CHECK(split_master(nan).weight == 0x7FC0 && split_master(nan).remainder == 0, "the quiet NaN");
+  CHECK(split_master(bits_float(0x7FFFFFFFu)).weight == 0x7FC0, "NaN 0x7FFFFFFF: the canonical NaN");
+  CHECK(split_master(bits_float(0xFFFFFFFFu)).weight == 0xFFC0, "NaN 0xFFFFFFFF: -NaN");
+  CHECK(split_master(bits_float(0x7F800001u)).weight == 0x7FC0, "NaN just above inf: a NaN");
+  CHECK(split_master(bits_float(0x7FC01234u)).remainder == 0, "a NaN's payload is not kept");
   CHECK(split_master(1.0f + 0x1.0p-8f).weight == 0x3F81, "a tie rounds away from zero");
   CHECK(split_master(-(1.0f + 0x1.0p-8f)).weight == 0xBF81, "... on both sides");
   CHECK(split_master(bits_float(0x3F808000u - 1)).weight == 0x3F80, "one ulp below a tie: down");
   CHECK(split_master(bits_float(0x3F808000u + 1)).weight == 0x3F81, "one ulp above: up");
   CHECK(split_master(std::numeric_limits<float>::denorm_min()).weight == 0x0000, "a denormal");
-  CHECK(split_master(3.40282347e38f).weight == 0x0000, "the largest finite: +0.0 (see math.h)");
+  CHECK(split_master(bits_float(0x7F7F7FFFu)).weight == 0x7F7F, "the largest master shown finite");
+  const SplitMaster top = split_master(3.40282347e38f);
+  CHECK(top.weight == 0x7F80 && top.remainder == 0, "the largest finite: inf, as .to(bfloat16)");
+  CHECK(split_master(-3.40282347e38f).weight == 0xFF80, "... -inf for its negative");
+  // decodes of pairs no split makes: the weight itself
+  CHECK(float_bits(rebuild_master(0x0000, -1)) == 0x00000000u, "pruned: (+0, r < 0) is +0.0");
+  CHECK(float_bits(rebuild_master(0x8000, -32768)) == 0x80000000u, "(-0, r < 0) is -0.0");
+  CHECK(float_bits(rebuild_master(0x7F80, 1)) == 0x7F800000u && float_bits(rebuild_master(0xFF80, -1)) == 0xFF800000u,
+        "(+-inf, r != 0) is +-inf");
+  CHECK(rebuild_master(0x7FC0, -5) != rebuild_master(0x7FC0, -5), "a NaN weight rebuilds to a NaN");
+  CHECK(float_bits(rebuild_master(0x0000, 5)) == 5u, "(+0, r > 0): a denormal");
+  CHECK(float_bits(rebuild_master(0x3F80, -1)) == 0x3F7FFFFFu, "below 1.0");
 }
 
-TEST_MAIN(test_split_rebuild_every_pattern(); test_split_special_values(); test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_adam_eps();
+TEST_MAIN(test_split_rebuild_every_pattern(); test_rebuild_every_pair(); test_split_special_values(); test_follow_weight(); test_accumulate(); test_effective_grad(); test_sgd(); test_adam(); test_adam_eps();
           test_adam_scalars_double(); test_adam_amsgrad(); test_lerp(); test_lion())

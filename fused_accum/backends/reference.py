@@ -25,6 +25,18 @@ Conventions shared by all ops (and so by all backends):
   parameters themselves when they have no master (fp32 params, or ``master_weights=False``).
   ``lp_params``, when given, are the low-precision parameters that receive ``params`` rounded
   to their dtype after the update; an empty ``lp_params`` means there are none.
+- Masters follow the weight, element by element (values decide, not version counters): with
+  ``lp_params``, each element's master is first taken as ``float(lp)`` where the lp element's
+  *bits* differ from the bits of the master rounded to lp's dtype (the rounding the step
+  writes lp with, to nearest even), else the master as it is, and the update runs from that
+  value (:func:`follow_weight`). A weight written from outside the optimizer (``p.data[mask] =
+  0``, ``dist.broadcast(p)``, SAM's ``p.add_(e)`` then ``p.sub_(e)``, an EMA swap) moves no
+  version counter reliably, and a stale master would write its old value back over the
+  user's; only the elements whose weight no longer equals the master's rounding restart, so a
+  write that changes no value keeps the master's full precision. Bits, not values: a NaN master
+  whose rounding equals the stored NaN bits is kept, and -0.0 against +0.0 is a difference. It
+  costs 2 B/param in the step (lp is read as well as written), and applies with fused
+  micro-batches too. A skipped step writes nothing: the master stays, the next step adopts.
 - ``remainders``, when given (exact 2-byte masters, issue 28): ``params`` are the bf16
   parameters themselves (any strides, updated in place) and ``remainders`` int16 tensors of
   the same sizes (1-D contiguous views of the optimizer's remainder buffer), the low halves of
@@ -32,8 +44,11 @@ Conventions shared by all ops (and so by all backends):
   ``rebuild_master(param, remainder)``, applies exactly the fp32-master update to it, and
   writes ``split_master(new master)`` back into param and remainder (the contract and the tie
   rule: :func:`split_master`). From the same master the new master is the fp32-master mode's,
-  bit for bit; the bf16 weight differs from that mode's (``master.to(bfloat16)``) only at exact
-  ties. fp16 or fp32 params with remainders are an error.
+  bit for bit, wherever it is finite and below 3.3961e38 in magnitude (above, it becomes +-inf;
+  a NaN, the canonical NaN); the bf16 weight differs from that mode's
+  (``master.to(bfloat16)``) only at exact ties. Every (weight, remainder) pair rebuilds to a
+  master that rounds to its weight, so a weight written from outside keeps its remainder and
+  needs no reset (:func:`rebuild_master`). fp16 or fp32 params with remainders are an error.
 - Optimizer state tensors (``exp_avgs``, ``exp_avg_sqs``, ``momentum_buffers``) are fp32.
 - ``steps`` is a 1-D fp32 tensor with the step count of each tensor in the list, already
   counting this step (so 1 on the first step). ``lr`` and ``coef`` are one-element device
@@ -142,32 +157,26 @@ _INF = 0x7F800000  # the magnitude of fp32 inf
 
 def split_master(master: Tensor) -> Tuple[Tensor, Tensor]:
     """``(weight, remainder)`` of the fp32 ``master``: a bf16 tensor and an int16 tensor of its
-    shape, such that :func:`rebuild_master` gives ``master`` back bit for bit. The same map as
-    csrc/math.h's ``split_master`` (which the C++ and CUDA kernels use; csrc/tests/test_math.cpp
-    checks it on all 2**32 patterns), and the Triton kernels' ``_split_master``.
+    shape. The same map as csrc/math.h's ``split_master`` (which the C++ and CUDA kernels use;
+    csrc/tests/test_math.cpp checks it on all 2**32 patterns), and the Triton kernels'
+    ``_split_master``. On the magnitude ``m`` of the master's bits (the sign bit is the
+    weight's):
 
-    It is a bijection between the 2**32 fp32 bit patterns and the (bf16, int16) pairs. On the
-    magnitude ``m`` of the master's bits (the sign bit is the weight's):
+    - ``m < 0x7F7F8000`` (every finite master below 3.3961e38): ``weight = (m + 0x8000) >> 16``,
+      the nearest bf16, **ties away from zero** (no 16-bit remainder can be exact and keep
+      torch's round-to-nearest-even: an even bf16 value has 65,537 fp32 preimages), so
+      ``weight == master.to(torch.bfloat16)`` except at exact ties (low half 0x8000, one fp32
+      value per bf16 step: ~2**-16 of uniformly random bits), where the weight is the neighbour
+      farther from zero; ``remainder = m - (weight << 16)``, in [-32768, 32767] (negative: the
+      master is below the weight's magnitude). :func:`rebuild_master` gives the master back
+      bit for bit.
+    - ``0x7F7F8000 <= m <= 0x7F800000`` (finite masters that round to inf in bf16, and inf):
+      ``(+-inf, 0)``: they become +-inf, as ``master.to(torch.bfloat16)`` would show them.
+    - ``m > 0x7F800000`` (NaN): ``(+-NaN, 0)``, the bf16 pattern 0x7FC0 with the sign: a NaN
+      stays a NaN (its payload is not kept).
 
-    - ``weight = (m + 0x8000) >> 16``: the nearest bf16, **ties away from zero** (no 16-bit
-      remainder can be exact and keep torch's round-to-nearest-even: an even bf16 value has
-      65,537 fp32 preimages), so ``weight == master.to(torch.bfloat16)`` except at exact ties
-      (low half 0x8000, one fp32 value per bf16 step: ~2**-16 of uniformly random bits), where
-      the weight is the neighbour farther from zero;
-    - ``remainder = m - (weight << 16)``, in [-32768, 32767] (negative: the master is below the
-      weight's magnitude);
-    - two swaps, both among negative remainders, so that a non-finite master never shows as a
-      finite weight: a NaN of magnitude >= 0x7FFF8000 (0x7FFFFFFF, the low half >= 0x8000)
-      would round to the pattern 0x8000 (-0.0, a zero in the forward): it shows +-inf instead;
-      that takes the pairs of the finite masters of magnitude >= 0x7F7F8000 (>= 3.3961e38,
-      which round to inf), which show +-0.0, the only pairs left.
-
-    So: every finite master below 3.3961e38 in magnitude shows as its nearest bf16 (ties away);
-    +-0 and denormals as +-0 (or the smallest bf16 denormal, by rounding); the largest finite
-    fp32 values, from 3.3961e38, as +-0.0; +-inf as +-inf; a NaN as +-inf when its low-order
-    payload rounds out of the bf16 NaN range (magnitudes 0x7F800001-0x7F807FFF and
-    0x7FFF8000-0x7FFFFFFF), else as the bf16 NaN it rounds to. A weight is finite exactly when
-    its master is.
+    So a weight is finite exactly when its master is finite and below 3.3961e38, NaN exactly
+    when its master is NaN.
     """
     if master.dtype != torch.float32:
         raise ValueError(f"split_master: master must be float32, got {master.dtype}")
@@ -176,15 +185,29 @@ def split_master(master: Tensor) -> Tuple[Tensor, Tensor]:
     m = u & 0x7FFFFFFF
     w = (m + 0x8000) >> 16
     r = m - (w << 16)
-    w = torch.where((m >= _OVERFLOWING) & (m < _INF), 0, torch.where(w == 0x8000, 0x7F80, w))
+    shown_inf = m >= _OVERFLOWING  # and NaN, below
+    w = torch.where(m > _INF, 0x7FC0, torch.where(shown_inf, 0x7F80, w))
+    r = torch.where(shown_inf, 0, r)
     bits = sign | w  # 0..0xFFFF: as int16, the patterns from 0x8000 up are negative
     weight = (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
     return weight.view(master.shape), r.to(torch.int16).view(master.shape)
 
 
 def rebuild_master(weight: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master that :func:`split_master` split into the bf16 ``weight`` and the int16
-    ``remainder`` (same shape): ``sign | ((|weight| << 16) + remainder)``, the two swaps undone."""
+    """The fp32 master of the bf16 ``weight`` and the int16 ``remainder`` (same shape), for any
+    pair, on ``W``, the weight's magnitude bits, and ``r``, the remainder:
+
+    - ``W == 0`` and ``r < 0``: +-0.0 (the weight itself);
+    - ``W == 0x7F80`` (inf) and ``r != 0``: +-inf (the weight itself);
+    - otherwise ``sign | ((W << 16) + r)`` (a NaN weight with any remainder gives a NaN).
+
+    It inverts :func:`split_master` on every finite master below 3.3961e38. Every pair rebuilds
+    to a master that rounds to its weight under the tie rule (``split_master`` of it gives the
+    weight back; a NaN weight may come back as the canonical NaN), within half a bf16 ulp of it:
+    the remainder a weight written from outside the optimizer keeps (``w.data[mask] = 0``,
+    a broadcast) moves the master by less than half an ulp of the new weight, never to a huge
+    value or a NaN. csrc/tests/test_math.cpp checks this on all 2**32 pairs.
+    """
     if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
         raise ValueError(
             f"rebuild_master: weight must be bfloat16 and remainder int16, got {weight.dtype} and {remainder.dtype}"
@@ -193,11 +216,62 @@ def rebuild_master(weight: Tensor, remainder: Tensor) -> Tensor:
     r = remainder.reshape(weight.shape).to(torch.int64)
     sign = (wb & 0x8000) << 16
     w = wb & 0x7FFF
-    negative = r < 0
-    w = torch.where(negative & (w == 0), 0x7F80, torch.where(negative & (w == 0x7F80), 0x8000, w))
-    u = sign | ((w << 16) + r)
+    keep = ((w == 0) & (r < 0)) | ((w == _INF >> 16) & (r != 0))  # the weight itself
+    u = sign | torch.where(keep, w << 16, (w << 16) + r)
     u = u - (u >= 2**31).long() * 2**32  # as int32
     return u.to(torch.int32).view(torch.float32).view(weight.shape)
+
+
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x`` rounded to ``dtype`` as the steps write it: to nearest even, ``x.to(dtype)``, with
+    one pattern per NaN: 0x7FC0 in bf16 (csrc/cpu/convert.h's, the Triton kernels' _round;
+    torch's own ``.to(torch.bfloat16)`` writes 0xFFFF or 0x7FC0 depending on the layout: its
+    vectorised loop makes another NaN than its scalar one), the sign and 0x7E00 in fp16. (The
+    CUDA kernels' conversions make the NaN 0x7FFF, as torch's on a GPU.)"""
+    if x.dtype == dtype or dtype not in (torch.bfloat16, torch.float16):
+        return x.to(dtype)
+    if dtype == torch.bfloat16:
+        u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        bits = torch.where(torch.isnan(x.reshape(u.shape)), 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+        return (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16).view(x.shape)
+    nan = torch.tensor(float("nan"), dtype=torch.float16, device=x.device)  # 0x7E00
+    return torch.where(torch.isnan(x), torch.where(torch.signbit(x), -nan, nan), x.to(torch.float16))
+
+
+def widened(lp: Tensor) -> Tensor:
+    """A bf16/fp16 tensor's exact fp32 values, flattened, a NaN's payload kept (the bits moved
+    into place, as every kernel widens them: torch's own fp16 ``.float()`` makes 0x7FFFFFFF or
+    0x7FC00000 of the NaN 0x7E00 depending on the layout)."""
+    lp = lp.reshape(-1).contiguous()
+    if lp.dtype not in (torch.bfloat16, torch.float16):
+        return lp.float()
+    h = lp.view(torch.int16).to(torch.int64) & 0xFFFF
+    if lp.dtype == torch.bfloat16:
+        u = h << 16
+    else:  # fp16: the NaNs by hand (exponent 31 to 255, the payload shifted into place)
+        nan_bits = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
+        u = torch.where(torch.isnan(lp), nan_bits, _bits_of(lp.float()))
+    return (u - (u >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
+
+
+def _bits_of(x: Tensor) -> Tensor:
+    return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def follow_weight(master: Tensor, lp: Tensor) -> Tensor:
+    """The fp32 master a step updates when it has low-precision params: ``float(lp)`` where the
+    bits of ``lp`` differ from the bits of ``master`` rounded to lp's dtype as the step writes
+    lp (:func:`rounded`: to nearest even), else ``master`` itself (the module docstring's
+    "Masters follow the weight"). ``master``: 1-D fp32, ``lp``: as many elements, any float
+    dtype. csrc/math.h's ``follow_weight`` and the Triton kernels' ``_follow_weight`` are the
+    same rule."""
+    lp = lp.reshape(-1).contiguous()
+    ints = _INT_OF_SIZE[lp.element_size()]
+    differ = rounded(master, lp.dtype).view(ints) != lp.view(ints)
+    return torch.where(differ, widened(lp), master)
 
 
 def check_remainders(op: str, t: StepTensors) -> None:
@@ -228,10 +302,14 @@ def check_remainders(op: str, t: StepTensors) -> None:
 
 def _master(t: StepTensors, i: int) -> Tensor:
     """The fp32 value the step updates for tensor ``i``: the master rebuilt from the bf16 param
-    and its remainder, else params[i] in fp32."""
+    and its remainder, else params[i] in fp32, following lp_params[i] where it was written
+    from outside (:func:`follow_weight`)."""
     if t.remainders:
         return rebuild_master(t.params[i].reshape(-1), t.remainders[i].reshape(-1))
-    return t.params[i].reshape(-1).float()
+    master = t.params[i].reshape(-1).float()
+    if t.lp_params:
+        master = follow_weight(master, t.lp_params[i])
+    return master
 
 
 def _param_writes(t: StepTensors, i: int, new_p: Tensor) -> list:
@@ -292,10 +370,10 @@ def _lr(lr: Tensor) -> Tensor:
 
 def _commit(found_inf, pairs):
     """Write each (destination, new value) pair unless found_inf is set (no host sync). The new
-    value is rounded to the destination's dtype first, so a skipped step keeps every bit of the
-    destination (a round trip through fp32 would make a bf16 NaN the canonical 0x7FC0)."""
+    value is rounded to the destination's dtype first (:func:`rounded`), so a skipped step keeps
+    every bit of the destination (a round trip through fp32 would make a bf16 NaN 0x7FC0)."""
     for dst, new in pairs:
-        new = new.to(dst.dtype)
+        new = rounded(new, dst.dtype)
         if found_inf is not None:
             new = torch.where(found_inf > 0, dst.reshape(-1), new)
         dst.copy_(new.view_as(dst))

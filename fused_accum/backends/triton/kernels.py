@@ -162,18 +162,37 @@ def _effective_grad(row, idx, mask, coef, grad_alpha,
 
 
 @triton.jit
-def _load_param(row, idx, mask, PARAM_DTYPE: tl.constexpr, HAS_REM: tl.constexpr, ALIGNED: tl.constexpr):
+def _load_param(row, idx, mask, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, HAS_LP: tl.constexpr,
+                HAS_REM: tl.constexpr, ALIGNED: tl.constexpr):
     """The fp32 value a step updates: the param (an fp32 master, or a parameter stepped in
     place), or with HAS_REM the exact master rebuilt from the bf16 param and its int16
     remainder (the table's LP column holds the remainders: a step has lp_params or remainders,
-    never both)."""
+    never both). With HAS_LP the master follows the low-precision param (_follow_weight)."""
     param = _address(row, PARAM, PARAM_DTYPE)
     if HAS_REM:
         rem = _address(row, LP, tl.int16)
         weight = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0)
         return _rebuild_master(weight, tl.load(_at(rem, idx, ALIGNED), mask=mask, other=0))
     else:
-        return tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(_at(param, idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+        if HAS_LP:
+            lp = tl.load(_at(_address(row, LP, LP_DTYPE), idx, ALIGNED), mask=mask, other=0.0)
+            p = _follow_weight(p, lp, LP_DTYPE)
+        return p
+
+
+@triton.jit
+def _follow_weight(master, lp, LP_DTYPE: tl.constexpr):
+    """reference.follow_weight (csrc/math.h's): ``float(lp)`` where lp's bits differ from the
+    bits of ``master`` rounded to LP_DTYPE as the step writes lp (_round), else ``master``. The
+    bits are compared as integers, so a NaN master whose rounding is the stored NaN is kept
+    and -0.0 against +0.0 differs; the select is of bits too, so a NaN's payload is kept."""
+    if LP_DTYPE == tl.float32:
+        return lp  # the rounding is the master itself: lp's bits either way
+    else:
+        differ = _round(master, LP_DTYPE).to(tl.int16, bitcast=True) != lp.to(tl.int16, bitcast=True)
+        wide = lp.to(tl.float32).to(tl.uint32, bitcast=True)
+        return tl.where(differ, wide, master.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -196,10 +215,10 @@ def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.
 # Exact 2-byte masters (issue 28): reference.split_master / rebuild_master (and csrc/math.h's),
 # on the two 16-bit halves of the master's bits, in uint32 arithmetic. The remainder is the low
 # half read as a signed number; the weight's magnitude is the high half's plus one where the low
-# half is >= 0x8000 (nearest, ties away from zero), with the two swaps that keep non-finite
-# masters non-finite in the weight: rounding up from 0x7F7F (a finite master that rounds to
-# inf) shows +-0.0, from 0x7FFF (a NaN that would round to the pattern 0x8000, -0.0) shows
-# +-inf. Integer selects only: the same code compiled and interpreted.
+# half is >= 0x8000 (nearest, ties away from zero). Finite masters that round to inf (rounding
+# up from 0x7F7F), and inf, split as (+-inf, 0); NaNs as (+-0x7FC0, 0). The rebuild gives the
+# weight itself for (+-0, r < 0) and (+-inf, r != 0), so every pair rebuilds to a master that
+# rounds to its weight. Integer selects only: the same code compiled and interpreted.
 
 
 @triton.jit
@@ -210,9 +229,10 @@ def _split_master(x):
     low = u & 0xFFFF
     up = low >= 0x8000
     h = high & 0x7FFF
-    w = h + up.to(tl.uint32)
-    w = tl.where(up & (h == 0x7F7F), 0, w)
-    w = tl.where(up & (h == 0x7FFF), 0x7F80, w)
+    w = h + up.to(tl.uint32)  # 0x7F80 (inf) where a finite master rounds up from 0x7F7F
+    nan = (h > 0x7F80) | ((h == 0x7F80) & (low != 0))
+    w = tl.where(nan, 0x7FC0, w)
+    low = tl.where(nan | (up & (h == 0x7F7F)), 0, low)
     weight = ((high & 0x8000) | w).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return weight, low.to(tl.uint16).to(tl.int16, bitcast=True)
 
@@ -224,10 +244,10 @@ def _rebuild_master(weight, remainder):
     low = remainder.to(tl.uint16, bitcast=True).to(tl.uint32)
     negative = low >= 0x8000
     w0 = wb & 0x7FFF
-    w = tl.where(negative & (w0 == 0), 0x7F80, w0)
-    w = tl.where(negative & (w0 == 0x7F80), 0x8000, w)
-    high = (wb & 0x8000) | (w - negative.to(tl.uint32))  # (w << 16) + remainder, on the halves
-    return ((high << 16) | low).to(tl.float32, bitcast=True)
+    keep = (negative & (w0 == 0)) | ((w0 == 0x7F80) & (low != 0))  # the weight itself
+    high = (wb & 0x8000) | (w0 - negative.to(tl.uint32))  # (w << 16) + remainder, on the halves
+    bits = tl.where(keep, wb << 16, (high << 16) | low)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -408,7 +428,7 @@ def _sgd_block(
     buf = _address(row, STATE0, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED)
+    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
     if HAS_WEIGHT_DECAY:
         g = tl.fma(p, weight_decay, g)
     if HAS_MOMENTUM:
@@ -495,7 +515,7 @@ def _adam_block(
     exp_avg_sq = _address(row, STATE1, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED)
+    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
             p = p * decay
@@ -591,7 +611,7 @@ def _lion_block(
     exp_avg = _address(row, STATE0, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, HAS_REM, ALIGNED) * decay
+    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED) * decay
     m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
     c = tl.fma(g, one_minus_beta1, m * beta1)
     # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
