@@ -38,6 +38,12 @@ def _grad_ready(window_ref, key: int, param: Tensor) -> None:
         window.take_grad(key, param.grad)
 
 
+def _local(t: Tensor) -> Tensor:
+    """What this rank stores of ``t`` (:func:`local_tensor`) without an op: a DTensor's
+    ``_local_tensor`` (the attribute DTensor keeps it in: torch's own FSDP2 reads it so)."""
+    return getattr(t, "_local_tensor", t)
+
+
 class DTensorLayout(Layout):
     """DTensor parameters, stored and stepped by their local shard (:func:`local_tensor`, for an
     FSDP2 parameter a view of FSDP2's sharded storage): the slices, masters and state cover what
@@ -56,10 +62,15 @@ class DTensorLayout(Layout):
             )
 
     def step_lists(self, flat, active: list) -> tuple:
+        """The one-process lists, each DTensor parameter replaced by its local shard itself
+        (``_local_tensor``: FSDP2's sharded storage, or a view of it, which the step updates in
+        place), read as an attribute at each step: no op per parameter (``to_local()`` made a
+        view of each, 2 aten ops per parameter per step), and whatever FSDP2 re-shards or
+        replaces is read as it is now."""
         held, accs, params, lp_params, remainders = super().step_lists(flat, active)
         if flat.has_master:
-            return held, accs, params, [local_tensor(p) for p in lp_params], remainders
-        return held, accs, [local_tensor(p) for p in params], lp_params, remainders
+            return held, accs, params, list(map(_local, lp_params)), remainders
+        return held, accs, list(map(_local, params)), lp_params, remainders
 
     def user_grad(self, flat, slot, grad: Tensor) -> Tensor:
         """The local shard of a DTensor gradient in the parameter's placements (FSDP2's is

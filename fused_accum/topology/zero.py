@@ -72,6 +72,13 @@ class ShardedLayout(Layout):
         self.bucket_align = ALIGN * world
         self.parts: list = []  # by bucket: (start, end) of this rank's part, where it lies locally
         self.staging: Optional[Tensor] = None  # the params' all-gather buffer during a step
+        # The parameters' storage (see bind): one buffer in the accumulator's layout, in their
+        # dtype, each parameter a view of its slice; the step writes this rank's pieces and the
+        # all-gathers the others' in place. None until the first slot's views are made.
+        self.params: Optional[Tensor] = None
+        self.bound: list = []  # by slot index: the data_ptr of a bound parameter, None if loose
+        self.pieces: list = []  # by slot index: (reduced gradient piece, staged piece) 1-D views, or None
+        self._full_lists: Optional[tuple] = None  # step_lists of every slot, while the views hold
 
     def local_numel(self, total: int) -> int:
         return total // self.world
@@ -111,6 +118,46 @@ class ShardedLayout(Layout):
         slot.master = flat.master[slot.local] if flat.master is not None else None
         slot.remainder = flat.remainder[slot.local] if flat.remainder is not None else None
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
+        if self.keeps_param_copy:
+            return  # (offload: its own staging, sent from the host: see offload.ShardedOffloadLayout)
+        params = self.params
+        if params is None or (params.device, params.dtype) != (flat.device, flat.dtype):
+            self.params = torch.zeros(flat.total, dtype=flat.dtype, device=flat.device)  # (padding stays 0)
+            self.bound, self.pieces = [None] * len(flat.slots), [None] * len(flat.slots)
+        self._full_lists = None
+        self.bind(flat, slot)
+        if slot.piece is not None:
+            first, end, local = slot.piece
+            acc = flat.acc[local : local + end - first] if self.grads else slot.acc[first:end]
+            self.pieces[slot.index] = (acc, self.params[slot.offset + first : slot.offset + end])
+        else:
+            self.pieces[slot.index] = None
+
+    def bind(self, flat, slot) -> None:
+        """Make ``slot``'s parameter a view of its slice of :attr:`params` (its values copied
+        there first), as torch's ZeroRedundancyOptimizer does with
+        ``parameters_as_bucket_view=True``: the step then updates this rank's pieces in place
+        and the all-gathers write every rank's straight into the parameters, with no copy in or
+        out per parameter (O(buckets) ops per step, not O(parameters)). The parameter object,
+        its autograd node and hooks stay (``.data`` of the same dtype and device). A parameter
+        that does not own its whole storage (a view of another tensor, a tied slice) or is not
+        contiguous (channels_last: its memory order is not its elements' order) stays loose: its
+        piece is copied in and out at each step. :meth:`begin_step` binds again a parameter
+        whose ``.data`` was replaced since."""
+        p = slot.param
+        n = p.numel()
+        view = self.params[slot.offset : slot.offset + n]
+        fits = p.is_contiguous() and (p.device, p.dtype) == (view.device, view.dtype)
+        if fits and p.data_ptr() == view.data_ptr() and not p.is_meta:
+            self.bound[slot.index] = p.data_ptr()  # (bound already)
+            return
+        whole = p.untyped_storage().nbytes() == n * p.element_size() and p.storage_offset() == 0
+        if not (fits and whole):
+            self.bound[slot.index] = None
+            return
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view(p.shape)
+        self.bound[slot.index] = p.data_ptr()
 
     def param_piece(self, flat, slot) -> Tensor:
         whole = slot.param.detach().reshape(-1)
@@ -124,32 +171,43 @@ class ShardedLayout(Layout):
         """The active slots holding a piece here, with 1-D views of that piece: the reduced
         gradient, and as targets the fp32 master piece (lp target: the piece of the staging
         buffer) or, without an fp32 master, the staging piece itself (with its remainder in the
-        remainder mode). Between begin_step and finish_step."""
+        remainder mode). Between begin_step and finish_step. The views were made with the
+        slots' (set_views): no op here, and the lists of a step of every slot are kept."""
+        everyone = len(active) == len(flat.slots)
+        if everyone and self._full_lists is not None:
+            return self._full_lists
         held = [s for s in active if s.piece is not None]
-        accs, params, lps, remainders = [], [], [], []
-        for slot in held:
-            first, end, local = slot.piece
-            accs.append(flat.acc[local : local + end - first] if self.grads else slot.acc[first:end])
-            staged = self.staging[slot.offset + first : slot.offset + end]
-            if flat.has_master:
-                params.append(slot.master)
-                lps.append(staged)
-            else:  # (the remainder mode steps the staged weight with its remainder)
-                params.append(staged)
-                if flat.has_remainder:
-                    remainders.append(slot.remainder)
-        return held, accs, params, lps, remainders
+        pieces = [self.pieces[s.index] for s in held]
+        accs = [acc for acc, _ in pieces]
+        staged = [piece for _, piece in pieces]
+        if flat.has_master:
+            lists = held, accs, [s.master for s in held], staged, []
+        else:  # (the remainder mode steps the staged weight with its remainder)
+            lists = held, accs, staged, [], [s.remainder for s in held] if flat.has_remainder else []
+        if everyone:
+            self._full_lists = lists
+        return lists
 
     def begin_step(self, flat) -> None:
-        """Stage this rank's pieces of the parameters (param dtype) for the step to update in
-        place and the all-gather to spread (a skipped step leaves them as they were). Padding is
-        left uninitialised: it is gathered but never copied into a parameter."""
-        self.staging = torch.empty(flat.total, dtype=flat.dtype, device=flat.device)
-        held = [s for s in flat.slots if s.piece is not None]
-        if held:
+        """Stage the parameters for the step to update this rank's pieces in place and the
+        all-gathers to spread (a skipped step leaves them as they were): the bound parameters
+        are the staging buffer already; a loose one's piece is copied in (:meth:`bind`). A
+        parameter whose ``.data`` was replaced since it was bound is bound again (one C-level
+        pass over the parameters' data pointers; nothing else when none was)."""
+        self.staging = self.params
+        now = list(map(Tensor.data_ptr, (s.param for s in flat.slots)))
+        if now == self.bound:
+            return
+        loose = []
+        for slot, ptr, was in zip(flat.slots, now, self.bound):
+            if ptr != was:
+                self.bind(flat, slot)
+            if self.bound[slot.index] is None and slot.piece is not None:
+                loose.append(slot)
+        if loose:
             torch._foreach_copy_(
-                [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held],
-                [s.param.detach().reshape(-1)[s.piece[0] : s.piece[1]] for s in held],
+                [self.pieces[s.index][1] for s in loose],
+                [s.param.detach().reshape(-1)[s.piece[0] : s.piece[1]] for s in loose],
             )
 
     def gather_ranges(self, flat) -> list:
@@ -158,14 +216,20 @@ class ShardedLayout(Layout):
         return [(self.staging[b.start : b.end], self.staging[s:e]) for b, (s, e, _) in zip(flat.buckets, self.parts)]
 
     def finish_step(self, flat) -> None:
-        """After the all-gathers: copy the gathered parameters into the params."""
+        """After the all-gathers: the bound parameters hold them already; copy the loose ones'
+        (every one, from a staging buffer of offload's own)."""
         if self.staging is None:
             return
         staging, self.staging = self.staging, None
-        torch._foreach_copy_(
-            [s.param.detach() for s in flat.slots],
-            [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in flat.slots],
-        )
+        if staging is self.params:
+            slots = [s for s, ptr in zip(flat.slots, self.bound) if ptr is None]
+        else:
+            slots = flat.slots
+        if slots:
+            torch._foreach_copy_(
+                [s.param.detach() for s in slots],
+                [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in slots],
+            )
 
     def reduced_parts(self, flat) -> list:
         """1-D views of the reduced gradient this rank owns (one per bucket), what its share of
