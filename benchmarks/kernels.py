@@ -371,7 +371,10 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
         lr=torch.tensor(hp["lr"], device=dev),
         coef=torch.tensor(1.0, device=dev),  # torch has no such scalar: 1 keeps the math equal
     )
-    if group.op in REMAINDER_OPS:  # the random masters, split into the bf16 params and remainders
+    if group.op not in REMAINDER_OPS:  # the bf16 params are their masters' rounding, as in the optimizer
+        for p, master in zip(out.lp, out.views(out.master)):  # (the step adopts any element that is not)
+            p.copy_(master.view(p.shape))
+    else:  # the random masters, split into the bf16 params and remainders
         out.rem = torch.zeros(n, dtype=torch.int16, device=dev)
         for p, r, master in zip(out.lp, out.views(out.rem), out.views(out.master)):
             weight, remainder = reference.split_master(master)
@@ -846,7 +849,9 @@ def run_cpu_adam(
             )
             continue
         params = [p.clone() for p in init]
-        lp = [torch.empty(s, dtype=torch.bfloat16) for s in workload.shapes] if op != "adamw" else []
+        # the bf16 copies start as their masters' rounding, as in the optimizer (the step adopts
+        # any element that is not: a weight written from outside)
+        lp = [p.to(torch.bfloat16) for p in init] if op != "adamw" else []
         steps[provider] = _cpu_adam_step(provider, params, grads, lp, hp)
         steps[provider]()  # one step from the same start: the check (and lazy state creation)
         held = getattr(steps[provider], "masters", lambda: params)()  # (cpu_remainder: rebuilt)

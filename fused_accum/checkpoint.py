@@ -141,8 +141,6 @@ def load_state_dict(opt, saved: dict) -> None:
     for key, value in saved_state.items():
         if key not in id_to_param:  # not a parameter's: kept as is, as torch does
             opt.state[key] = value
-    for flat in window.flat_groups:
-        flat.masters_written()  # the masters are the checkpoint's now
     window.expose()  # the gradients the checkpoint held show in .grad, as they did when saved
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
@@ -154,7 +152,6 @@ def adopt_saved(opt, slot: Slot) -> None:
     entry = opt.state.get(slot.param)
     if entry:
         _load_param_state(opt, slot, dict(entry))
-        opt._window.flat_groups[slot.flat_index].masters_written()  # (the master is the checkpoint's)
 
 
 def _load_param_state(opt, slot: Slot, entry: dict) -> None:

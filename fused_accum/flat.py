@@ -141,7 +141,7 @@ class Layout:
     the flat group (layouts hold nothing of it)."""
 
     bucket_align = ALIGN  # each bucket's range is a multiple of this many elements
-    keeps_param_copy = False  # keeps a copy of the parameters to follow (offload's host copy)
+    keeps_param_copy = False  # keeps a copy of the parameters of its own (offload's host copy)
 
     def state_device(self, device: torch.device) -> torch.device:
         """Where the masters, the optimizer state and the step's scalars live: with the
@@ -151,10 +151,6 @@ class Layout:
     def step_backend(self, backend: str) -> str:
         """The backend that steps (offload's host kernels); the folds use the group's own."""
         return backend
-
-    def param_written(self, flat: "FlatGroup", slot: Slot) -> None:
-        """``slot``'s parameter was written from outside (its version moved): anything the
-        layout keeps of it follows (offload's host copy)."""
 
     def stored(self, param: Tensor) -> Tensor:
         """What this process stores and steps of ``param``: all of it."""
@@ -290,8 +286,6 @@ class FlatGroup:
             layout.set_views(self, slot)
             if slot.master is not None:
                 slot.master.copy_(self.param_piece(slot))
-        self._master_versions: Optional[list] = None  # the params' versions when the masters matched them
-        self.masters_written()
 
     def _set_master_mode(self, dtype) -> None:
         check_master_mode(self.master_weights, dtype, f"{self._first_name} (and its group's others on {self.device})")
@@ -318,7 +312,7 @@ class FlatGroup:
     def set_master(self, slot: Slot, value: Optional[Tensor]) -> None:
         """``slot``'s master becomes ``value`` (1-D fp32, a checkpoint's), or the parameter's
         value exactly (None); in the remainder mode the parameter is written with the split's
-        high half (the caller records the write: masters_written)."""
+        high half."""
         if self.has_master:
             slot.master.copy_(self.param_piece(slot) if value is None else value)
         elif self.has_remainder and value is None:
@@ -396,42 +390,26 @@ class FlatGroup:
             self.layout.set_views(self, slot)
             if slot.master is not None:
                 slot.master.copy_(self.param_piece(slot))
-        self.masters_written()
 
     def refresh_masters(self) -> None:
-        """Re-read the fp32 master of every low-precision parameter written from outside since
-        the optimizer last wrote it (``model.load_state_dict``, ``p.clamp_()``, ``nn.init``, an
-        EMA swap: any in-place write moves the parameter's version counter). Without this the
-        next step would write the stale master back over the user's weights. Called before
-        anything reads the masters; one list comparison when nothing changed. Edits through
-        ``p.data`` bypass the version counter, as they bypass autograd's own checks."""
-        if not (self.has_master or self.has_remainder or self.layout.keeps_param_copy):
+        """The fp32 masters follow the weights, element by element, by value: where a weight's
+        bits are no longer its master's rounding, the weight was written from outside the
+        optimizer (``model.load_state_dict``, ``clamp_``, ``nn.init``, an EMA swap, a write
+        through ``.data``, ``dist.broadcast``: no version counter sees all of them), and that
+        element's master restarts from it; every other element keeps its full precision (a write
+        of the same values changes nothing). The step kernels apply this rule themselves as they
+        step (``reference.follow_weight``: +2 B/param read, no pass of its own); this is for what
+        reads the masters outside a step (checkpoints, a torch.optim class stepping the masters).
+        The remainder mode has nothing to follow: no copy tells a weight's old value, and every
+        (weight, remainder) pair decodes to a master within half an ulp of its weight."""
+        if not self.has_master:
             return
-        versions = [s.param._version for s in self.slots]
-        if versions == self._master_versions:
-            return
-        if self._master_versions is not None:
-            for slot, now, then in zip(self.slots, versions, self._master_versions):
-                if now == then:
-                    continue
-                self.layout.param_written(self, slot)
-                if self.has_remainder:
-                    # A new weight restarts its remainder: the master is the weight, exactly (an
-                    # old remainder glued to a new high half would be neither). The same values
-                    # written back lose the remainder too: only the fp32 copy can tell them apart.
-                    slot.remainder.zero_()
-                    continue
-                # A write of the values the master already rounds to (a checkpoint of the same
-                # step, an EMA swapped back) keeps the master's precision.
-                param = self.param_piece(slot)
-                if slot.master is not None and not torch.equal(param, slot.master.to(param.device, param.dtype)):
-                    slot.master.copy_(param)
-        self._master_versions = versions
+        from .backends.reference import follow_weight
 
-    def masters_written(self) -> None:
-        """The optimizer just wrote the parameters from their masters: they agree again."""
-        if self.has_master or self.has_remainder or self.layout.keeps_param_copy:
-            self._master_versions = [s.param._version for s in self.slots]
+        for slot in self.slots:
+            weight = self.param_piece(slot)
+            if weight.numel():
+                slot.master.copy_(follow_weight(slot.master, weight.to(slot.master.device)))
 
     def ensure_state(self, key: str) -> bool:
         """Allocate an optimizer state buffer first needed after construction (momentum turned

@@ -285,5 +285,3 @@ class Folder:
         for flat in self.flat_groups:
             self.stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
         self.ledger.stepped_the_rest()
-        for flat in self.flat_groups:
-            flat.masters_written()

@@ -113,10 +113,7 @@ class OffloadLayout(Layout):
         super().set_views(flat, slot)
         if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
             self.host_params = self._host(flat.local_numel, flat.dtype)
-        self.param_written(flat, slot)
-
-    def param_written(self, flat, slot) -> None:
-        self._host_param(slot).copy_(self._device_param(flat, slot))
+        self._host_param(slot).copy_(self._device_param(flat, slot))  # (fetched again at each step)
 
     # --- what crosses, per bucket (the layout decides which elements are this process's) ---
 
@@ -502,7 +499,6 @@ class Offload(Placement):
                     continue
                 self._put_back(flat, b, record)
                 self.redone += 1
-            flat.refresh_masters()  # (after the put-backs: a weight written since wins over them)
             coef = coefs[flat.device]
             found_inf = skips[flat.device] if skips is not None else None
             for b, bucket in enumerate(flat.buckets):

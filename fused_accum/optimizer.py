@@ -311,9 +311,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # .grad, natively; they join here and step now (their later windows step in backward).
             self._members.adopt_unfrozen(self)
             for flat in window.flat_groups:
-                flat.refresh_masters()  # (a weight written since the backward stepped it)
                 self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.one)
-                flat.masters_written()
             window.after_step()
             window.expose()
             return loss
@@ -334,15 +332,13 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = norm
         if self._generic is not None:
             for flat in window.flat_groups:
-                flat.refresh_masters()  # the user may have written the params since the last step
+                flat.refresh_masters()  # (torch's step does not follow a weight written from outside)
             self._generic.step(self.param_groups, window.slots, self.state, scale, skip)
         else:
             # a speculation (offload's) is the step only without num_items or a GradScaler
             speculable = num_items is None and getattr(self, "grad_scale", None) is None
             speculable = speculable and getattr(self, "found_inf", None) is None
             window.placement.step_window(window, self._stepper, scale, skip, speculable)
-        for flat in window.flat_groups:
-            flat.masters_written()
         window.after_step()
         window.expose()
         return loss

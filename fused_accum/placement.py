@@ -52,7 +52,6 @@ class Placement:
         then the topology's after-step of the parameters (``shard=``: the all-gather).
         ``speculable``: the host placement's (whether the step may be a speculation's)."""
         for flat in window.flat_groups:
-            flat.refresh_masters()  # the user may have written the params since the last step
             active = [s for s in flat.slots if s.has_grad]
             window.topology.before_flat_step(flat, active)
             stepper.fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)

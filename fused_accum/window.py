@@ -292,9 +292,6 @@ class GradientWindow:
                 self.reconcile(before_backward=True)
             else:
                 self._exposure.take_assigned_grads()
-            if self.step_in_backward or self.placement.hands_on_buckets:  # (this backward may step)
-                for flat in self.flat_groups:
-                    flat.refresh_masters()  # the weights as the user left them
             self.ledger.checked()
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).

@@ -250,13 +250,15 @@ def test_step_check_flags_an_unwritten_bf16_param(monkeypatch):
     _fake_backend(monkeypatch, _reference_with(adam_step=no_lp))
     group = kernels.Group("adamw", kernels.many_small(20, 300), None, ("torch_fused", "torch_foreach", "fake"))
     rows = {r["provider"]: r for r in kernels.run_group(group, _ctx())}
-    # torch's AdamW (zero state, step 1) matches the reference oracle; the fake leaves the
-    # poisoned random bf16 params as they were: its masters are right, nearly none of its bf16
-    # params is its master rounded.
+    # torch's AdamW (zero state, step 1) matches the reference oracle; the fake leaves the bf16
+    # params as they were (their old masters' rounding: the step adopts any element that is
+    # not its master's rounding, so the inputs cannot be poisoned): its masters are right, and
+    # every element whose rounding the step moved is wrong.
     assert rows["torch_fused"]["ok"] and rows["torch_foreach"]["ok"]
     assert rows["fake"]["max_rel_err"] <= kernels.CHECK_TOL
     numel = kernels.many_small(20, 300).numel
-    assert not rows["fake"]["ok"] and rows["fake"]["lp_mismatch"] > 0.9 * numel
+    # (Adam's first step moves every element by about lr: 555 of the 1,417 roundings here)
+    assert not rows["fake"]["ok"] and rows["fake"]["lp_mismatch"] > 0.25 * numel
 
 
 def _adam_then(edit):

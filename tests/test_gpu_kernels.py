@@ -91,7 +91,7 @@ def test_triton_graph_replays_after_the_table_cache_is_evicted():
     params = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
     m = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
     v = [torch.rand(n, generator=gen).to(DEV) for n in sizes]
-    lp = [torch.full((n,), float("nan"), device=DEV, dtype=torch.bfloat16) for n in sizes]
+    lp = [p.to(torch.bfloat16) for p in params]  # (their masters' rounding, as the optimizer keeps them)
     steps = torch.full((len(sizes),), 4.0, device=DEV)
     lr, coef = torch.tensor(1e-3, device=DEV), torch.tensor(0.5, device=DEV)
     found_inf, sumsq = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
@@ -283,7 +283,9 @@ def test_adam_500_tensors_fused_with_misaligned_grads(name, amsgrad):
     m = [torch.randn(n, generator=gen).to(DEV) for n in sizes]
     v = [torch.rand(n, generator=gen).to(DEV) for n in sizes]
     vmax = [x + torch.rand(x.shape, generator=gen).to(DEV) * (i % 2) for i, x in enumerate(v)] if amsgrad else []
-    lp = [torch.full((n,), float("nan"), device=DEV, dtype=torch.bfloat16) for n in sizes]
+    # the bf16 copies are their masters' rounding, as the optimizer keeps them (the step reads
+    # them and restarts a master whose copy is not: a weight written from outside)
+    lp = [p.to(torch.bfloat16) for p in params]
     _, _, accs = _flat(sizes, gen)
     grads = _odd_views(sizes, gen)
     steps = torch.arange(1, len(sizes) + 1, dtype=torch.float32, device=DEV)
@@ -426,7 +428,7 @@ def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
     n_states = {"adamw": 2, "adam_amsgrad": 3, "sgd": 1, "lion": 1}[algo]
     states = [[torch.rand(n, generator=gen).to(DEV) for n in sizes] for _ in range(n_states)]
     states_r = [[x.clone() for x in s] for s in states]
-    lp = [torch.empty(n, device=DEV, dtype=torch.bfloat16) for n in sizes]
+    lp = [m.to(torch.bfloat16) for m in masters]  # (their masters' rounding, as the optimizer keeps them)
     acc_flat, _, accs = _flat(sizes, gen)
     # the fused gradients: views of one buffer refilled per step, every third at an odd element
     # offset (not 16-byte aligned), the others at 64-element (128-byte) boundaries
