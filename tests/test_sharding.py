@@ -219,6 +219,31 @@ def _worker(rank, path):
             opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
             _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
             results[f"bf16_{shard}"] = [p.detach().clone() for p in model.parameters()]
+        # the parameters as views of the sharded layout's buffer (ShardedLayout.bind): a
+        # non-contiguous weight stays loose (copied in and out at each step), a weight whose
+        # .data is replaced after the first window is bound again at the next step; both train
+        # as the replicated run does
+        for shard in (None, "state", "grads"):
+            model = Net()
+            first, last = model.body[0].weight, model.body[2].weight
+            first.data = first.data.t().contiguous().t()  # (its own storage, column-major)
+            opt = _optimizer(model, shard, "adamw", "clip", 1e-5, "accum_steps")
+            _train(model, opt, rank, "clip", "accum_steps", range(1))
+            last.data = last.data.clone()  # (the same values, another tensor)
+            _train(model, opt, rank, "clip", "accum_steps", range(1, WINDOWS))
+            layout = opt._window.flat_groups[0].layout
+            inside = None
+            if shard is not None:
+                buf = layout.params
+                inside = [
+                    buf.data_ptr() <= p.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
+                    for p in model.parameters()
+                ]
+            results[f"bound_{shard}"] = dict(
+                params=[p.detach().clone() for p in model.parameters()],
+                inside=inside,
+                first_contiguous=first.is_contiguous(),
+            )
         # offload="cpu" under process_group= and shard=: the window is reduced on the device,
         # then stepped on the host (no speculation: the last backward's buckets are not final
         # until their collective), each rank its own pieces under shard=: bit for bit the same
@@ -614,6 +639,20 @@ def test_bf16_params_match_replicated(ranks, shard):
             else:
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
         assert _rel(rank[f"bf16_{shard}"], rank["bf16_None"]) <= 1e-3
+
+
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_parameters_are_views_of_the_layouts_buffer_and_train_as_replicated(ranks, shard):
+    """shard= binds every parameter into one buffer (the all-gathers write them in place, no
+    copy per parameter); a non-contiguous one stays loose and keeps its strides, one whose
+    .data was replaced is bound again; every one trains as without sharding."""
+    for rank in ranks:
+        got, want = rank[f"bound_{shard}"], rank["bound_None"]
+        assert got["inside"] == [False, True, True, True, True, True]  # body[0].weight: loose
+        assert not got["first_contiguous"]
+        assert _rel(got["params"], want["params"]) <= REL
+        for a, b in zip(got["params"], want["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_gathered_state_dict_reshards(ranks):
