@@ -478,14 +478,12 @@ class Offload(Placement):
         else put back and stepped again; then the parameters back to the device, and the
         topology's after-step of them (``shard=``: the all-gather)."""
         self._settle(window.flat_groups)
-        unchanged = self._unchanged(window.flat_groups)  # (the window's one host sync, with the two below)
+        coefs, skips, unchanged = self._read_back(window.flat_groups, scale, skip)
         for copies in self._copies.values():  # the parameters are rewritten after what reads them
             copies.after_compute()
-        coefs = {d: c.to(_HOST) for d, c in scale.items()}  # (what the host kernels read)
-        skips = {d: f.to(_HOST) for d, f in skip.items()} if skip is not None else None
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
-        as_sent = speculable and all(bool((c == 1).all()) for c in coefs.values())
-        as_sent = as_sent and (skips is None or not any(bool(f.any()) for f in skips.values()))
+        as_sent = speculable and all(float(c) == 1.0 for c in coefs.values())
+        as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
         for flat in window.flat_groups:
             active = {s.key for s in flat.slots if s.has_grad}
             stepped = set()
@@ -521,17 +519,25 @@ class Offload(Placement):
         self.speculate = as_sent and all(unchanged.values())
         window.topology.after_step_params(window.flat_groups)
 
-    def _unchanged(self, flat_groups) -> dict:
-        """(flat index, bucket index) -> whether what each sent bucket's step read is as it was
-        sent: its fingerprint taken again and compared on the device, the answers read at once."""
-        keys = list(self.speculated)
-        if not keys:
-            return {}
-        same = [
-            (flat_groups[f].layout.fingerprint(flat_groups[f], b) == self.speculated[(f, b)].read).all().to(_HOST)
-            for f, b in keys
-        ]
-        return dict(zip(keys, torch.stack(same).tolist()))
+    def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
+        """What the host needs from the device, in one transfer per device (the window's one
+        host sync, on one GPU): the step's coefficient and skip flag (the host kernels read
+        them), and whether what each sent bucket's step read is as it was sent (its fingerprint
+        taken again and compared there). Returns (coefficient per device, skip flag per device or
+        None: 0-d host tensors; (flat index, bucket index) -> unchanged)."""
+        coefs, skips, unchanged = {}, ({} if skip is not None else None), {}
+        for device, coef in scale.items():
+            keys = [(f, b) for f, b in self.speculated if flat_groups[f].device == device]
+            parts = [coef.reshape(1).float()] + ([skip[device].reshape(1).float()] if skip is not None else [])
+            for f, b in keys:
+                now = flat_groups[f].layout.fingerprint(flat_groups[f], b)
+                parts.append((now == self.speculated[(f, b)].read).all().reshape(1).float())
+            packed = torch.cat(parts).to(_HOST)
+            coefs[device] = packed[0]
+            if skips is not None:
+                skips[device] = packed[1]
+            unchanged.update(zip(keys, (x == 1.0 for x in packed[len(parts) - len(keys) :].tolist())))
+        return coefs, skips, unchanged
 
     def _settle(self, flat_groups) -> None:
         """Wait for the speculation; a failed one is put back (and the error raised); one
