@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..arrivals import _untraced
 from ..distributed import ShardSums, is_dtensor, local_tensor
 from ..flat import Layout
 from .base import Topology
@@ -128,7 +129,7 @@ class FSDP2(Topology):
         return DTensorLayout()
 
     def attach(self, window, slot) -> None:
-        hook = functools.partial(_grad_ready, weakref.ref(window), slot.key)
+        hook = _untraced(functools.partial(_grad_ready, weakref.ref(window), slot.key))  # (see arrivals)
         window.add_handle(slot.param.register_post_accumulate_grad_hook(hook))
 
     def in_place_ok(self, ledger, flat) -> bool:
