@@ -57,7 +57,7 @@ def state_dict(opt) -> dict:
     for slot in window.slots:
         p = slot.param
         flat = window.flat_groups[slot.flat_index]
-        keeps_master = flat.has_master or flat.has_remainder
+        keeps_master = flat.masters.keeps
         if not keeps_master and not slot.has_grad:
             continue
         entry = state.setdefault(index_of[id(p)], {})

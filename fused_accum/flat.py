@@ -26,12 +26,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import masters
+from .masters import LOW_PRECISION
+
 ALIGN = 64  # elements: each slice starts 256 bytes into an fp32 buffer (16-byte vector loads, and 128-byte lines)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
-# A flat group's master_weights: True (an fp32 copy of each bf16/fp16 parameter), False (none:
-# updated in place), "remainder" (bf16 only: the parameter is the master's high half and an int16
-# remainder the rest, exactly: fused_accum.backends.reference.split_master).
 # Partial active sets whose device index a flat group keeps (FlatGroup.active_index): the few a
 # loop repeats (layers unused on some steps) stay cached; routing that picks a new set of
 # experts most steps reuses none, and would otherwise grow the cache by one tensor per step.
@@ -91,8 +90,10 @@ class Slot:
     offset: int  # where its slice of the accumulator starts
     acc: Optional[Tensor] = None  # 1-D fp32 view of the accumulator (None: the layout keeps no whole slice)
     full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param
-    master: Optional[Tensor] = None  # 1-D fp32 master copy, for low-precision params with master weights
-    remainder: Optional[Tensor] = None  # 1-D int16, master_weights="remainder": the master's low half
+    # its slice of the masters' buffer, as the masters' format views it (fused_accum.masters): an
+    # fp32 copy (master), or the int16 low half under the parameter's bf16 high half (remainder)
+    master: Optional[Tensor] = None
+    remainder: Optional[Tensor] = None
     state: dict = dataclasses.field(default_factory=dict)  # optimizer state name -> 1-D fp32 view
     local: slice = dataclasses.field(
         default_factory=lambda: slice(0, 0)
@@ -113,16 +114,6 @@ class Slot:
     grad_view = _read_only("_grad_view")
     folded_in = _read_only("_folded_in")
     stepped = _read_only("_stepped")
-
-
-def check_master_mode(master_weights, dtype, label: str) -> None:
-    """Raise where ``master_weights`` cannot keep a parameter of ``dtype``'s master."""
-    if master_weights == "remainder" and dtype == torch.float16:
-        raise TypeError(
-            f"master_weights='remainder' is exact for bfloat16 parameters only, and parameter {label} is "
-            "float16: an fp16 value is not the high half of an fp32 one (5 exponent bits, not 8), so no "
-            "16-bit remainder rebuilds its fp32 master; use master_weights=True for fp16"
-        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -172,8 +163,7 @@ class Layout:
         slot.local = slice(slot.offset, slot.offset + n)
         slot.acc = flat.acc[slot.local]
         slot._grad_view = slot.full_view = slot.acc.view(self.stored(slot.param).shape)
-        slot.master = flat.master[slot.local] if flat.master is not None else None
-        slot.remainder = flat.remainder[slot.local] if flat.remainder is not None else None
+        flat.masters.set_views(flat, slot)
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
 
     def param_piece(self, flat: "FlatGroup", slot: Slot) -> Tensor:
@@ -188,17 +178,12 @@ class Layout:
 
     def step_lists(self, flat: "FlatGroup", active: list) -> tuple:
         """(slots, accs, params, lp_params, remainders) the step op takes for ``active`` slots
-        (params: the fp32 masters, or the parameters themselves; remainders: the int16 low halves
-        of a "remainder" group's masters, whose high halves the params are): every one
+        (what the masters' format makes of the parameters: fused_accum.masters), every one
         whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
         the backends walk it in logical order, the order of its accumulator slice. Passed as is,
         not detached (the step runs under no_grad, as torch's fused optimizers pass theirs): a
         detach per parameter per step costs a microsecond each."""
-        accs = [s.acc for s in active]
-        params = [s.param for s in active]
-        if flat.has_master:
-            return active, accs, [s.master for s in active], params, []
-        return active, accs, params, [], [s.remainder for s in active] if flat.has_remainder else []
+        return active, [s.acc for s in active], *flat.masters.step_tensors(active, [s.param for s in active])
 
     def user_grad(self, flat: "FlatGroup", slot: Slot, grad: Tensor) -> Tensor:
         """A ``.grad`` the user assigned, as the slot's slice holds it."""
@@ -262,8 +247,7 @@ class FlatGroup:
         self.local_numel = layout.local_numel(total)
         self.acc = torch.zeros(layout.acc_numel(total), dtype=torch.float32, device=device)
         fp32 = dict(dtype=torch.float32, device=layout.state_device(device))
-        self.master = torch.zeros(self.local_numel, **fp32) if self.has_master else None
-        self.remainder = self._new_remainder() if self.has_remainder else None  # zero: the master is the param
+        self.master = self.masters.new_buffer(self.local_numel, fp32["device"])  # (the format's: or None)
         self.state = {key: torch.zeros(self.local_numel, **fp32) for key in state_keys}
         self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
         # float64, as torch's fused optimizers take lr: a Python float lr keeps every bit
@@ -284,57 +268,27 @@ class FlatGroup:
         layout.place_buckets(self)
         for slot in self.slots:
             layout.set_views(self, slot)
-            if slot.master is not None:
-                slot.master.copy_(self.param_piece(slot))
+            self.masters.initialise(self, slot)
 
     def _set_master_mode(self, dtype) -> None:
-        check_master_mode(self.master_weights, dtype, f"{self._first_name} (and its group's others on {self.device})")
-        self.has_master = dtype in LOW_PRECISION and self.master_weights is True
-        self.has_remainder = dtype == torch.bfloat16 and self.master_weights == "remainder"
+        label = f"{self._first_name} (and its group's others on {self.device})"
+        self.masters = masters.choose(self.master_weights, dtype, label)  # what the master is
 
-    def _new_remainder(self) -> Tensor:
-        return torch.zeros(self.local_numel, dtype=torch.int16, device=self.layout.state_device(self.device))
-
-    # --- the fp32 master, in every mode ---
+    # --- the fp32 master, whatever its format (fused_accum.masters) ---
 
     def master_of(self, slot: Slot) -> Tensor:
-        """``slot``'s fp32 master as this process holds it (1-D): the fp32 copy, the parameter
-        rebuilt with its remainder, or the parameter itself (no master)."""
-        if self.has_master:
-            return slot.master
-        piece = self.param_piece(slot)
-        if self.has_remainder:
-            from .backends.reference import rebuild_master
-
-            return rebuild_master(piece.to(slot.remainder.device), slot.remainder)  # (offload: on the host)
-        return piece.float()
+        """``slot``'s fp32 master as this process holds it (1-D)."""
+        return self.masters.master_of(self, slot)
 
     def set_master(self, slot: Slot, value: Optional[Tensor]) -> None:
         """``slot``'s master becomes ``value`` (1-D fp32, a checkpoint's), or the parameter's
-        value exactly (None); in the remainder mode the parameter is written with the split's
-        high half."""
-        if self.has_master:
-            slot.master.copy_(self.param_piece(slot) if value is None else value)
-        elif self.has_remainder and value is None:
-            slot.remainder.zero_()
-        elif self.has_remainder:
-            from .backends.reference import split_master
-
-            weight, remainder = split_master(value)
-            self.layout.write_param_piece(self, slot, weight)
-            slot.remainder.copy_(remainder)
+        value exactly (None)."""
+        self.masters.set_master(self, slot, value)
 
     def master_buffer(self) -> Optional[Tensor]:
         """The local fp32 masters as one buffer (the master buffer's layout), or None where
         the group keeps none."""
-        if self.has_master:
-            return self.master
-        if not self.has_remainder:
-            return None
-        buf = torch.zeros(self.local_numel, dtype=torch.float32, device=self.device)
-        for slot in self.slots:
-            buf[slot.local] = self.master_of(slot)
-        return buf
+        return self.masters.fp32_buffer(self)
 
     # --- what the layout decides (the flat group's callers ask here) ---
 
@@ -380,36 +334,18 @@ class FlatGroup:
         self.acc = torch.zeros_like(self.acc, device=device)
         self.state = {key: move(buf) for key, buf in self.state.items()}
         self.steps, self.lr, self.coef, self.one = (move(t) for t in (self.steps, self.lr, self.coef, self.one))
-        self.master = (
-            torch.zeros(self.local_numel, dtype=torch.float32, device=state_device) if self.has_master else None
-        )
-        self.remainder = self._new_remainder() if self.has_remainder else None
+        self.master = self.masters.new_buffer(self.local_numel, state_device)
         self._index_cache = {}
         self.plan = object()  # new buffers: a new launch plan
         for slot in self.slots:
             self.layout.set_views(self, slot)
-            if slot.master is not None:
-                slot.master.copy_(self.param_piece(slot))
+            self.masters.initialise(self, slot)
 
     def refresh_masters(self) -> None:
-        """The fp32 masters follow the weights, element by element, by value: where a weight's
-        bits are no longer its master's rounding, the weight was written from outside the
-        optimizer (``model.load_state_dict``, ``clamp_``, ``nn.init``, an EMA swap, a write
-        through ``.data``, ``dist.broadcast``: no version counter sees all of them), and that
-        element's master restarts from it; every other element keeps its full precision (a write
-        of the same values changes nothing). The step kernels apply this rule themselves as they
-        step (``reference.follow_weight``: +2 B/param read, no pass of its own); this is for what
-        reads the masters outside a step (checkpoints, a torch.optim class stepping the masters).
-        The remainder mode has nothing to follow: no copy tells a weight's old value, and every
-        (weight, remainder) pair decodes to a master within half an ulp of its weight."""
-        if not self.has_master:
-            return
-        from .backends.reference import follow_weight
-
-        for slot in self.slots:
-            weight = self.param_piece(slot)
-            if weight.numel():
-                slot.master.copy_(follow_weight(slot.master, weight.to(slot.master.device)))
+        """The masters follow the weights written from outside, by value, for what reads them
+        outside a step (checkpoints, a torch.optim class stepping them): the format decides
+        what a written weight means (fused_accum.masters)."""
+        self.masters.follow(self)
 
     def ensure_state(self, key: str) -> bool:
         """Allocate an optimizer state buffer first needed after construction (momentum turned
@@ -434,7 +370,7 @@ class FlatGroup:
         return index
 
     def nbytes(self) -> int:
-        """Bytes held by this group's buffers (accumulator, master or remainder, state, steps)."""
+        """Bytes held by this group's buffers (accumulator, masters, state, steps)."""
         buffers = [self.acc, self.steps] + list(self.state.values())
-        buffers += [b for b in (self.master, self.remainder) if b is not None]
+        buffers += [self.master] if self.master is not None else []
         return sum(b.numel() * b.element_size() for b in buffers)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, checkpoint
+from . import backends, checkpoint, masters
 from .algorithms import state_keys, validate_hyperparameters
-from .flat import SUPPORTED_DTYPES, FlatGroup, check_master_mode
+from .flat import SUPPORTED_DTYPES, FlatGroup
 
 
 def _param_label(group_index, j, param, names):
@@ -44,7 +44,7 @@ class Members:
             validate_hyperparameters(self.algorithm, group)
         names = group.get("param_names")
         for j, p in enumerate(group["params"]):  # frozen ones too (unfrozen later), before anything is built
-            check_master_mode(self.master_weights, p.dtype, _param_label(group_index, j, p, names))
+            masters.choose(self.master_weights, p.dtype, _param_label(group_index, j, p, names))  # (raises)
         seen, trainable = set(), []
         for j, p in enumerate(group["params"]):
             if id(p) in seen:  # torch warned about the duplicate; it is trained once

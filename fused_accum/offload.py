@@ -173,17 +173,14 @@ class OffloadLayout(Layout):
         held = self._held(active)
         accs = [self.host_acc[s.local] for s in held]
         copies = [self.host_params[s.local] for s in held]
-        if flat.has_master:
-            return held, accs, [s.master for s in held], copies, []
-        return held, accs, copies, [], [s.remainder for s in held] if flat.has_remainder else []
+        return held, accs, *flat.masters.step_tensors(held, copies)
 
     # --- the speculation's backup ---
 
     def _buffers(self, flat) -> dict:
         buffers = {"params": self.host_params, **flat.state}
-        for name in ("master", "remainder"):
-            if getattr(flat, name) is not None:
-                buffers[name] = getattr(flat, name)
+        if flat.master is not None:  # (the fp32 copies, or the remainders: fused_accum.masters)
+            buffers["master"] = flat.master
         return buffers
 
     def back_up(self, flat, bucket_index: int) -> None:

@@ -43,6 +43,14 @@ def test_the_core_holds_no_placement_branch():
         assert found == [], (name, found)
 
 
+def test_only_the_masters_module_asks_what_the_master_is():
+    # What the master is (an fp32 copy, none, a remainder) is one object per format, chosen once
+    # (fused_accum.masters): nothing else branches on it (issue 35).
+    formats = re.compile(r"has_master|has_remainder|master_weights\s*==|master_weights is True")
+    askers = {p.name for p in SOURCES if formats.search(p.read_text())}
+    assert askers <= {"masters.py", "optimizer.py"}, askers  # (the optimizer checks the argument)
+
+
 def test_no_class_is_over_350_lines():
     long = []
     for path in SOURCES:

@@ -68,10 +68,11 @@ class DTensorLayout(Layout):
         place), read as an attribute at each step: no op per parameter (``to_local()`` made a
         view of each, 2 aten ops per parameter per step), and whatever FSDP2 re-shards or
         replaces is read as it is now."""
-        held, accs, params, lp_params, remainders = super().step_lists(flat, active)
-        if flat.has_master:
-            return held, accs, params, list(map(_local, lp_params)), remainders
-        return held, accs, list(map(_local, params)), lp_params, remainders
+        return (
+            active,
+            [s.acc for s in active],
+            *flat.masters.step_tensors(active, list(map(_local, (s.param for s in active)))),
+        )
 
     def user_grad(self, flat, slot, grad: Tensor) -> Tensor:
         """The local shard of a DTensor gradient in the parameter's placements (FSDP2's is

@@ -115,8 +115,7 @@ class ShardedLayout(Layout):
         else:
             slot.acc = flat.acc[off : off + p.numel()]
             slot._grad_view = slot.full_view = slot.acc.view(p.shape)
-        slot.master = flat.master[slot.local] if flat.master is not None else None
-        slot.remainder = flat.remainder[slot.local] if flat.remainder is not None else None
+        flat.masters.set_views(flat, slot)
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
         if self.keeps_param_copy:
             return  # (offload: its own staging, sent from the host: see offload.ShardedOffloadLayout)
@@ -180,10 +179,7 @@ class ShardedLayout(Layout):
         pieces = [self.pieces[s.index] for s in held]
         accs = [acc for acc, _ in pieces]
         staged = [piece for _, piece in pieces]
-        if flat.has_master:
-            lists = held, accs, [s.master for s in held], staged, []
-        else:  # (the remainder mode steps the staged weight with its remainder)
-            lists = held, accs, staged, [], [s.remainder for s in held] if flat.has_remainder else []
+        lists = held, accs, *flat.masters.step_tensors(held, staged)
         if everyone:
             self._full_lists = lists
         return lists
