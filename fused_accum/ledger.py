@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import ops
 from .arrivals import FastPath
 
 HAS_GRAD, GRAD_VIEW = (
@@ -335,16 +336,36 @@ class Exposure:
             for slot in self.ledger.slots:
                 slot.param.grad = None
 
-    @torch.no_grad()
     def take_user_grad(self, slot, grad: Tensor) -> None:
         """``grad`` (a tensor the user assigned) is ``slot``'s accumulated gradient now."""
-        if grad.is_sparse:
-            raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+        self.take_user_grads([(slot, grad)])
+
+    @torch.no_grad()
+    def take_user_grads(self, pairs: list) -> None:
+        """Each ``(slot, grad)``'s ``grad`` (a tensor the user assigned, or autograd's under DDP)
+        is its slot's accumulated gradient now: copied into the slices by one accumulate call
+        per flat group (an overwrite: exact in fp32, whatever the gradients' dtype and strides),
+        not one copy per parameter (DDP hands every gradient over at every step)."""
         topology = self.folder.topology
-        if not topology.take_user_grad(self.flat_groups, slot, grad):
-            slot.acc.copy_(grad.reshape(-1))
+        by_flat: dict = {}
+        for slot, grad in pairs:
+            if grad.is_sparse:
+                raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+            if slot.acc is not None and grad.numel() != slot.acc.numel():
+                raise RuntimeError(
+                    f"parameter {slot.name} has a .grad of {grad.numel()} elements, expected {slot.acc.numel()}"
+                )
+            if not topology.take_user_grad(self.flat_groups, slot, grad):
+                by_flat.setdefault(slot.flat_index, []).append((slot, grad))
+            self.ledger.took_grad(slot)
+        for flat_index, taken in by_flat.items():
+            flat = self.flat_groups[flat_index]
+            taken.sort(key=lambda pair: pair[0].offset)  # (accumulate takes increasing offsets)
+            offsets = torch.tensor([slot.offset for slot, _ in taken], dtype=torch.int64)
+            grads = [grad for _, grad in taken]
+            ops.accumulate(flat.acc, offsets, grads, 1.0, True, None, None, flat.backend, plan=None)
+        if by_flat:
             topology.added()
-        self.ledger.took_grad(slot)
 
 
 _IS_NONE = functools.partial(operator.is_, None)  # (C-level: no Python call per gradient)

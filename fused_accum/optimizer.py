@@ -364,12 +364,15 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             moved = param.device != flat.device or param.dtype != flat.dtype
             if moved or flat.device.type == "meta" and any(s.param.grad is not None for s in flat.slots):
                 window.rehome(flat)
+        taken = []
         for slot in window.slots:
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
-                window.take_user_grad(slot, window.flat_groups[slot.flat_index].user_grad(slot, grad))
+                taken.append((slot, window.flat_groups[slot.flat_index].user_grad(slot, grad)))
             elif grad is None and window.topology.stands_aside:
                 window.ledger.cleared(slot)  # under DDP .grad is autograd's: None means no gradient
+        if taken:
+            window.take_user_grads(taken)
 
     # --- checkpoints (fused_accum.checkpoint; what each holds: the README's "Checkpoints") ---------
 

@@ -426,6 +426,9 @@ class GradientWindow:
     def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
         self._exposure.take_user_grad(slot, grad)
 
+    def take_user_grads(self, pairs: list) -> None:
+        self._exposure.take_user_grads(pairs)
+
     # --- the window's end ---------------------------------------------------------------------
 
     def after_step(self) -> None:

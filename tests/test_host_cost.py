@@ -314,11 +314,6 @@ KNOWN_GROWTH = {
         )
         for phase in ("middle backward", "last backward")
     },
-    ("ddp", "step"): (
-        "DDP's .grad is autograd's, one tensor per parameter: the step copies each into its slice "
-        "(optimizer._take_user_grads -> Exposure.take_user_grad: reshape, view and copy_ per "
-        "parameter; fused_accum/optimizer.py and ledger.py, not topology/)"
-    ),
 }
 
 
