@@ -60,6 +60,7 @@ there shows the step to come, a checkpoint (``state_dict``) puts the speculation
 from __future__ import annotations
 
 import dataclasses
+import operator
 import queue
 import threading
 import time
@@ -80,6 +81,7 @@ from .topology.zero import ShardedLayout
 # slow and its timing random with it, to show the next forward never sees half a step).
 WORKER_DELAY: Optional[Callable[[], None]] = None
 _HOST = torch.device("cpu")
+SLOT_PARAM = operator.attrgetter("param")
 
 
 class OffloadLayout(Layout):
@@ -94,6 +96,12 @@ class OffloadLayout(Layout):
         self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
         self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
         self.backup: dict = {}  # buffer name -> its copy taken before a speculative step
+        # Views made once (at set_views), so that a step and a transfer issue no view op per
+        # parameter (tests/test_host_cost.py): slot index -> (its gradient on the host, its
+        # host copy 1-D, the same shaped as the parameter); bucket index -> 1-D aliases of its
+        # parameters on the device (made again where a parameter's storage moved)
+        self._views: dict = {}
+        self._aliases: dict = {}
 
     def _host(self, numel: int, dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
@@ -113,6 +121,9 @@ class OffloadLayout(Layout):
         super().set_views(flat, slot)
         if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
             self.host_params = self._host(flat.local_numel, flat.dtype)
+        host_param = self.host_params[slot.local]
+        self._views[slot.index] = (self.host_acc[slot.local], host_param, self._shaped(host_param, slot))
+        self._aliases = {}
         self._host_param(slot).copy_(self._device_param(flat, slot))  # (fetched again at each step)
 
     # --- what crosses, per bucket (the layout decides which elements are this process's) ---
@@ -120,11 +131,15 @@ class OffloadLayout(Layout):
     def _held(self, slots: list) -> list:
         return slots
 
+    def _shaped(self, host_param: Tensor, slot) -> Tensor:
+        """A slot's host copy as the transfers take it: shaped like the parameter."""
+        return host_param.view(slot.param.shape)
+
     def _host_param(self, slot) -> Tensor:
-        return self.host_params[slot.local].view(slot.param.shape)
+        return self._views[slot.index][2]
 
     def _device_param(self, flat, slot) -> Tensor:
-        return slot.param.detach()
+        return slot.param  # (the transfers run under no_grad: no detach, an op per parameter)
 
     def local_range(self, flat, bucket_index: int) -> tuple:
         """(start, end) of a bucket's elements in the host buffers."""
@@ -150,12 +165,29 @@ class OffloadLayout(Layout):
     def fingerprint(self, flat, bucket_index: int) -> Tensor:
         """What a bucket's step reads from the device, as a fingerprint (see :func:`_fingerprint`):
         its accumulator range and its parameters' values."""
-        _, devices = self.fetch_lists(flat, bucket_index)
-        acc, weights = devices[0], devices[1:]
-        parts = [_fingerprint(acc)]
+        parts = [_fingerprint(self._device_acc(flat, bucket_index))]
+        weights = self._weights_1d(flat, bucket_index)
         if weights:
-            parts.append(_fingerprint(torch.cat([w.reshape(-1) for w in weights])))
+            parts.append(_fingerprint(torch.cat(weights)))
         return torch.cat(parts)
+
+    def _weights_1d(self, flat, bucket_index: int) -> list:
+        """1-D aliases of the device values of a bucket's parameters (what its step reads),
+        made once and made again only where a parameter's storage moved (``p.data = ...``, a
+        cast): no op per parameter per window. (Not kept where a parameter is not contiguous:
+        its flattening is a copy, taken at each use.)"""
+        held = self._held(flat.buckets[bucket_index].slots)
+        kept = self._aliases.get(bucket_index)
+        if kept is not None and all(
+            a.data_ptr() == s.param.data_ptr() and a.dtype == s.param.dtype for a, s in zip(kept, held)
+        ):
+            return kept
+        aliases = [self._device_param(flat, s).detach().reshape(-1) for s in held]
+        if self.keeps_aliases and all(s.param.is_contiguous() for s in held):
+            self._aliases[bucket_index] = aliases
+        return aliases
+
+    keeps_aliases = True
 
     def begin_send(self, flat) -> None:
         """Before the updated parameters are sent (on the main thread: what the send writes
@@ -164,16 +196,15 @@ class OffloadLayout(Layout):
     def send_lists(self, flat, stepped: list) -> tuple:
         """(device views, host views): the updated parameters to send back after a step (those
         of the ``stepped`` slots: the others are not written, as without offload)."""
-        return [s.param.detach() for s in stepped], [self._host_param(s) for s in stepped]
+        return list(map(SLOT_PARAM, stepped)), [self._host_param(s) for s in stepped]
 
     def step_lists(self, flat, active: list) -> tuple:
         """The host's: the gradient as copied, the host copy of each parameter (written by the
         step: as the rounded master, or stepped in place with its remainder, or as an fp32
         parameter's own master)."""
         held = self._held(active)
-        accs = [self.host_acc[s.local] for s in held]
-        copies = [self.host_params[s.local] for s in held]
-        return held, accs, *flat.masters.step_tensors(held, copies)
+        views = [self._views[s.index] for s in held]
+        return held, [v[0] for v in views], *flat.masters.step_tensors(held, [v[1] for v in views])
 
     # --- the speculation's backup ---
 
@@ -215,11 +246,13 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
         ShardedLayout.__init__(self, rank, world, mode)
         OffloadLayout.__init__(self, pinned)
 
+    keeps_aliases = False  # (its pieces are views made at each use)
+
     def _held(self, slots: list) -> list:
         return [s for s in slots if s.piece is not None]
 
-    def _host_param(self, slot) -> Tensor:
-        return self.host_params[slot.local]
+    def _shaped(self, host_param: Tensor, slot) -> Tensor:
+        return host_param  # (a piece: 1-D)
 
     def _device_param(self, flat, slot) -> Tensor:
         return self.param_piece(flat, slot)

@@ -21,7 +21,7 @@ The same guard runs on every data-parallel topology (``process_group=`` with and
 ``max_grad_norm``, ``shard="state"`` and ``"grads"``, DDP, FSDP2; on a 1-rank and a 2-rank gloo
 group), on ``master_weights="remainder"`` and on ``offload="cpu"``, which needs one host sync per
 window (its commit decision: ``OFFLOAD_SYNCS``); a per-parameter op planted in each topology
-fails it. What still grows is an xfail naming why (``KNOWN_GROWTH``, ``OFFLOAD_GROWTH``).
+fails it. What still grows is an xfail naming why (``KNOWN_GROWTH``).
 """
 
 from __future__ import annotations
@@ -528,17 +528,6 @@ def _reads(ops: collections.Counter) -> dict:
     return {k: n for k, n in syncs(ops).items() if k not in SYNC_WRAPPERS or "aten::_local_scalar_dense" not in ops}
 
 
-OFFLOAD_GROWTH = (
-    "offload.py steps and copies per parameter: OffloadLayout.fetch_lists/send_lists/step_lists "
-    "make host and device views of every slot at every bucket (host_params[slot.local].view(...), "
-    "param.detach()) and _Copies copies them one tensor at a time, and fingerprint() reshapes every "
-    "weight for its torch.cat: 6 ops per parameter in the step, 14 in the last backward (its "
-    "speculated host steps); views made once per layout and the parameters bound into one device "
-    "buffer per flat group (as shard= now does, zero.ShardedLayout.bind) would copy one range per "
-    "bucket"
-)
-
-
 @pytest.fixture(scope="module")
 def offload_counts():
     threads = torch.get_num_threads()
@@ -560,13 +549,7 @@ def test_offload_syncs_once_per_window_in_its_step_and_never_in_a_backward(offlo
             assert _reads(ops) == (OFFLOAD_SYNCS if phase == "step" else {}), (n, phase, syncs(ops))
 
 
-@pytest.mark.parametrize(
-    "phase",
-    [
-        pytest.param(phase, marks=[pytest.mark.xfail(strict=True, reason=OFFLOAD_GROWTH)] if phase != PHASES[0] else [])
-        for phase in PHASES
-    ],
-)
+@pytest.mark.parametrize("phase", PHASES)
 def test_offload_op_count_does_not_grow_with_the_parameters(offload_counts, phase):
     allowed = OFFLOAD_SYNCS if phase == "step" else {}
     _check_growth(offload_counts[SMALL], offload_counts[LARGE], phase, f"offload, {phase}", allowed)
