@@ -282,6 +282,6 @@ class Folder:
         """step_in_backward, at the end of the window's last backward: the slots whose gradients
         all came before it step here (the rest stepped as their buckets completed); step() then
         only ends the window."""
-        for flat in self.flat_groups:
-            self.stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.coef.fill_(1.0))
+        ones = {flat.device: flat.one for flat in self.flat_groups}
+        self.placement.step_window(self.flat_groups, self.topology, self.stepper, ones, None)
         self.ledger.stepped_the_rest()

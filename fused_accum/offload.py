@@ -503,18 +503,18 @@ class Offload(Placement):
 
     # --- at step() ---
 
-    def step_window(self, window, stepper, scale: dict, skip: Optional[dict], speculable: bool) -> None:
+    def step_window(self, flat_groups, topology, stepper, scale: dict, skip: Optional[dict], speculable: bool) -> None:
         """The host step of every flat group: the speculation committed where it is the step,
         else put back and stepped again; then the parameters back to the device, and the
         topology's after-step of them (``shard=``: the all-gather)."""
-        self._settle(window.flat_groups)
-        coefs, skips, unchanged = self._read_back(window.flat_groups, scale, skip)
+        self._settle(flat_groups)
+        coefs, skips, unchanged = self._read_back(flat_groups, scale, skip)
         for copies in self._copies.values():  # the parameters are rewritten after what reads them
             copies.after_compute()
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
         as_sent = speculable and all(float(c) == 1.0 for c in coefs.values())
         as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
-        for flat in window.flat_groups:
+        for flat in flat_groups:
             active = {s.key for s in flat.slots if s.has_grad}
             stepped = set()
             for b in range(len(flat.buckets)):
@@ -547,7 +547,7 @@ class Offload(Placement):
         # put back and stepped again: three passes over the state instead of one). A window whose
         # clip did not bind (clip_grad_norm_ multiplied by 1.0) turns it back on.
         self.speculate = as_sent and all(unchanged.values())
-        window.topology.after_step_params(window.flat_groups)
+        topology.after_step_params(flat_groups)
 
     def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
         """What the host needs from the device, in one transfer per device (the window's one
@@ -603,16 +603,11 @@ class Offload(Placement):
         """Whether what a speculation read of the optimizer is as it was (its gradients and
         weights are compared by value: :meth:`_unchanged`): the active slots, ``opt.state``'s
         entries, the hyper-parameters."""
-        stepper = self.stepper
-        group = stepper.param_groups[flat.group_index]
+        group = self.stepper.param_groups[flat.group_index]
         return (
             all(s.has_grad for s in record.slots)
             and record.hyper == _hyper_of(group)
-            and all(
-                stepper.state.get(s.param) is stepper.shown.get(s.key) and not stepper.shown[s.key].edited
-                for s in record.slots
-                if s.key in stepper.shown
-            )
+            and all(map(self.stepper.state_unchanged, record.slots))
         )
 
     def _to_device(self, flat, stepped: list) -> None:

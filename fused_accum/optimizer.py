@@ -310,8 +310,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # Parameters unfrozen during the window were not hooked: their gradients are in
             # .grad, natively; they join here and step now (their later windows step in backward).
             self._members.adopt_unfrozen(self)
-            for flat in window.flat_groups:
-                self._stepper.fused_step(flat, [s for s in flat.slots if s.has_grad], flat.one)
+            ones = {flat.device: flat.one for flat in window.flat_groups}
+            window.placement.step_window(window.flat_groups, window.topology, self._stepper, ones, None)
             window.after_step()
             window.expose()
             return loss
@@ -338,7 +338,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             # a speculation (offload's) is the step only without num_items or a GradScaler
             speculable = num_items is None and getattr(self, "grad_scale", None) is None
             speculable = speculable and getattr(self, "found_inf", None) is None
-            window.placement.step_window(window, self._stepper, scale, skip, speculable)
+            window.placement.step_window(window.flat_groups, window.topology, self._stepper, scale, skip, speculable)
         window.after_step()
         window.expose()
         return loss

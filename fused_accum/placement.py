@@ -47,12 +47,15 @@ class Placement:
     def before_checkpoint(self, flat_groups) -> None:
         pass
 
-    def step_window(self, window, stepper, scale: dict, skip: Optional[dict], speculable: bool) -> None:
-        """The one "step the window" sequence: each flat group's active slots in one fused step,
-        then the topology's after-step of the parameters (``shard=``: the all-gather).
-        ``speculable``: the host placement's (whether the step may be a speculation's)."""
-        for flat in window.flat_groups:
+    def step_window(
+        self, flat_groups, topology, stepper, scale: dict, skip: Optional[dict], speculable: bool = False
+    ) -> None:
+        """The one "step the window" sequence: each flat group's slots that hold a gradient in
+        one fused step (``scale``, ``skip``: per device), then the topology's after-step of the
+        parameters (``shard=``: the all-gather). ``speculable``: the host placement's (whether
+        the step may be a speculation's). (step_in_backward's per-bucket steps aside.)"""
+        for flat in flat_groups:
             active = [s for s in flat.slots if s.has_grad]
-            window.topology.before_flat_step(flat, active)
+            topology.before_flat_step(flat, active)
             stepper.fused_step(flat, active, scale[flat.device], skip[flat.device] if skip else None)
-        window.topology.after_step_params(window.flat_groups)
+        topology.after_step_params(flat_groups)

@@ -138,6 +138,13 @@ class Stepper:
         plan = (flat.plan, layout, tuple(map(bool, s)))
         return functools.partial(op, t, s, op.hyper.of(self.algorithm, group), flat.step_backend, plan=plan)
 
+    def state_unchanged(self, slot: Slot) -> bool:
+        """Whether ``opt.state`` of ``slot`` is still what this stepper last showed: the same
+        entry, nothing assigned into it or removed (an in-place edit of its tensors is in the
+        buffers already)."""
+        shown = self.shown.get(slot.key)
+        return shown is None or (self.state.get(slot.param) is shown and not shown.edited)
+
     def rehome(self, flat: FlatGroup) -> None:
         """Move ``flat``'s buffers to where its parameters now are (a model moved, or
         materialised with ``to_empty``, after the optimizer was built)."""

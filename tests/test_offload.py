@@ -155,9 +155,10 @@ def test_a_planted_fault_in_the_commit_logic_is_caught(fault, monkeypatch, one_t
 _real_step = offload_module.Offload.step_window
 
 
-def _step_committing_always(self, window, stepper, scale, skip, speculable):
+def _step_committing_always(self, flat_groups, topology, stepper, scale, skip, speculable):
     """A broken step that commits whatever the coefficient (as if the clip never applied)."""
-    return _real_step(self, window, stepper, {d: torch.ones_like(c) for d, c in scale.items()}, skip, speculable)
+    ones = {d: torch.ones_like(c) for d, c in scale.items()}
+    return _real_step(self, flat_groups, topology, stepper, ones, skip, speculable)
 
 
 def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(monkeypatch, one_thread):
