@@ -61,11 +61,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import queue
-import threading
-import time
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -73,13 +70,11 @@ from torch.optim import optimizer as torch_optimizer
 
 from . import backends
 from .flat import Layout
+from .host import Copies, Worker
 from .owners import _foreign_step
 from .placement import Placement
 from .topology.zero import ShardedLayout
 
-# A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
-# slow and its timing random with it, to show the next forward never sees half a step).
-WORKER_DELAY: Optional[Callable[[], None]] = None
 _HOST = torch.device("cpu")
 SLOT_PARAM = operator.attrgetter("param")
 
@@ -277,102 +272,6 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
         ]
 
 
-class _Worker:
-    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.Queue = queue.Queue()
-        self._error: Optional[BaseException] = None
-        self.busy_s = 0.0  # seconds spent running tasks (benchmarks/offload.py: how much hides)
-        self._thread = threading.Thread(target=_work, args=(self._tasks, weakref.ref(self)), daemon=True)
-        self._thread.name = "fused_accum offload"
-        self._thread.start()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
-
-    def wait(self) -> None:
-        """Wait until every submitted task has run (an error stays for :meth:`drain`)."""
-        self._tasks.join()
-
-    def drain(self) -> None:
-        """Wait until every submitted task has run; raise a task's error."""
-        self._tasks.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError("fused_accum offload: the host step failed") from error
-
-    def stop(self) -> None:
-        """End the thread and wait for it (also at interpreter exit, through the optimizer's
-        finalizer, before finalizing begins: a thread still running then would be cut off inside
-        a torch op, and that aborts the process)."""
-        self._tasks.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
-
-
-def _work(tasks: queue.Queue, worker_ref) -> None:
-    while True:
-        task = tasks.get()
-        try:
-            if task is None:
-                return
-            if WORKER_DELAY is not None:
-                WORKER_DELAY()
-            start = time.perf_counter()
-            with torch.no_grad():
-                task()
-            worker = worker_ref()
-            if worker is not None:
-                worker.busy_s += time.perf_counter() - start
-        except BaseException as error:  # (kept for drain: the main thread raises it)
-            worker = worker_ref()
-            if worker is not None and worker._error is None:
-                worker._error = error
-        finally:
-            task = None  # (let go of the task's tensors now, not at the next one)
-            tasks.task_done()
-
-
-class _Copies:
-    """Transfers between the device and the host. On a GPU each runs on a side stream, stream-
-    ordered after the device's work, and returns its event (the worker synchronizes on it); on a
-    CPU it runs on the worker, in order, with nothing to wait for."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def after_compute(self) -> None:
-        """What the side stream runs from now on waits for the compute stream's work so far."""
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def to_host(self, dsts: list, srcs: list):
-        """Start ``dsts[i].copy_(srcs[i])``: None on a CPU (the worker copies), else the copy's
-        event."""
-        if not self.cuda or not dsts:
-            return None
-        self.after_compute()  # (after the folds)
-        with torch.cuda.stream(self.stream):
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            return self.stream.record_event()
-
-    def to_device(self, dsts: list, srcs: list, pending: list) -> None:
-        """``dsts[i].copy_(srcs[i])``; on a GPU on the side stream, its event kept in ``pending``
-        (the compute stream waits on it before the next forward). Nothing to copy where a rank
-        holds none of a flat group (its part of every bucket is padding)."""
-        if not dsts:
-            return
-        if not self.cuda:
-            torch._foreach_copy_(dsts, srcs)
-            return
-        with torch.cuda.stream(self.stream):
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            pending.append((self.device, self.stream.record_event()))
-
-
 @dataclasses.dataclass(eq=False)
 class _Speculation:
     """One bucket of a window's last backward, as it was sent: what its step read (a fingerprint
@@ -397,9 +296,9 @@ class Offload(Placement):
     def __init__(self, stepper, owner) -> None:
         self.stepper = stepper
         self._owner = owner  # a weakref to the optimizer (its step pre-hooks)
-        self.worker = _Worker()
+        self.worker = Worker()
         self._finalizer = weakref.finalize(self, self.worker.stop)
-        self._copies: dict = {}  # device -> _Copies
+        self._copies: dict = {}  # device -> Copies
         self.speculate = True  # (off after a step that was not the speculation's: see step)
         self.speculated: dict = {}  # (flat index, bucket index) -> _Speculation
         # flat index -> its buffers' versions (OffloadLayout.versions) once the speculation of
@@ -427,9 +326,9 @@ class Offload(Placement):
             return ShardedOffloadLayout(base.rank, base.world, base.mode, pinned)
         return OffloadLayout(pinned)
 
-    def copies(self, device) -> _Copies:
+    def copies(self, device) -> Copies:
         if device not in self._copies:
-            self._copies[device] = _Copies(device)
+            self._copies[device] = Copies(device)
         return self._copies[device]
 
     # --- during the window's last backward ---

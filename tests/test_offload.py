@@ -4,7 +4,7 @@ The whole pipeline runs here with CPU parameters: the "device" buffers (paramete
 accumulators) and the host ones are both in CPU memory, the transfers are copies made on the
 host worker, in order, and the worker thread, the speculation, its commit, its put-back and
 re-run, and the waits are the code a GPU runs (the GPU adds only its side stream and events:
-fused_accum/offload.py, _Copies). The oracle is the same optimizer without offload on the
+fused_accum/host.py, Copies). The oracle is the same optimizer without offload on the
 ``cpu`` backend, whose kernels the host runs: parameters, masters and state must be equal bit
 for bit after every window.
 """
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import fused_accum
+from fused_accum import host as host_module
 from fused_accum import offload as offload_module
 from fused_accum.backends import ext
 from helpers import RaiseWhenArmed  # tests/helpers.py
@@ -166,7 +167,7 @@ def test_the_next_forward_never_sees_half_a_step_whatever_the_workers_timing(mon
     parameter written (equal to the run without offload), and the backwards that run while the
     worker steps are unaffected."""
     rng = random.Random(0)
-    monkeypatch.setattr(offload_module, "WORKER_DELAY", lambda: time.sleep(rng.random() * 0.004))
+    monkeypatch.setattr(host_module, "WORKER_DELAY", lambda: time.sleep(rng.random() * 0.004))
     ours, ref = net(torch.bfloat16), net(torch.bfloat16)
     # a bucket each; no clip (every speculation stands) but a skipped window (window 3, put back)
     kwargs = dict(lr=1e-2, accum_steps=4, max_grad_norm=1e6, skip_nonfinite=True, backend="cpu", bucket_cap_mb=1e-6)
@@ -322,7 +323,7 @@ def test_on_a_gpu_the_device_holds_6_bytes_per_param_and_the_forward_waits_for_t
     opt = fused_accum.AdamW(ours.parameters(), lr=1e-3, accum_steps=4, max_grad_norm=0.05, offload="cpu")
     torch.cuda.synchronize()
     after_build = torch.cuda.memory_allocated()
-    monkeypatch.setattr(offload_module, "WORKER_DELAY", lambda: time.sleep(random.uniform(0, 0.003)))
+    monkeypatch.setattr(host_module, "WORKER_DELAY", lambda: time.sleep(random.uniform(0, 0.003)))
     gen = torch.Generator(device="cuda").manual_seed(1)
     for w in range(5):
         for model, o in ((ours, opt), (ref, ref_opt)):
@@ -514,11 +515,11 @@ def test_a_failed_host_task_puts_the_speculation_back(monkeypatch, one_thread):
         if len(calls) == 3:
             raise OSError("planted")
 
-    monkeypatch.setattr(offload_module, "WORKER_DELAY", fail_the_third)
+    monkeypatch.setattr(host_module, "WORKER_DELAY", fail_the_third)
     loss_of(ours, data[1]).backward()
     with pytest.raises(RuntimeError, match="the host step failed"):
         opt.step()
-    monkeypatch.setattr(offload_module, "WORKER_DELAY", None)
+    monkeypatch.setattr(host_module, "WORKER_DELAY", None)
     opt.step()
     opt.zero_grad()
     _window(ref, ref_opt, data[1])

@@ -51,6 +51,11 @@ def test_only_the_masters_module_asks_what_the_master_is():
     assert askers <= {"masters.py", "optimizer.py"}, askers  # (the optimizer checks the argument)
 
 
+def test_no_module_is_over_600_lines():
+    long = [(p.name, n) for p in SOURCES if (n := len(p.read_text().splitlines())) > 600]
+    assert long == []
+
+
 def test_no_class_is_over_350_lines():
     long = []
     for path in SOURCES:
