@@ -52,6 +52,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .bits import _double, _follow_weight, _pow_whole, _rebuild_master, _round, _split_master
+
 # Columns of the tensor table; the launcher writes rows in this order.
 NUMEL = tl.constexpr(0)  # elements of this tensor
 INDEX = tl.constexpr(1)  # its position in the op's lists (the entry of ``steps``)
@@ -182,20 +184,6 @@ def _load_param(row, idx, mask, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexp
 
 
 @triton.jit
-def _follow_weight(master, lp, LP_DTYPE: tl.constexpr):
-    """reference.follow_weight (csrc/math.h's): ``float(lp)`` where lp's bits differ from the
-    bits of ``master`` rounded to LP_DTYPE as the step writes lp (_round), else ``master``. The
-    bits are compared as integers, so a NaN master whose rounding is the stored NaN is kept
-    and -0.0 against +0.0 differs; the select is of bits too, so a NaN's payload is kept."""
-    if LP_DTYPE == tl.float32:
-        return lp  # the rounding is the master itself: lp's bits either way
-    else:
-        differ = _round(master, LP_DTYPE).to(tl.int16, bitcast=True) != lp.to(tl.int16, bitcast=True)
-        wide = lp.to(tl.float32).to(tl.uint32, bitcast=True)
-        return tl.where(differ, wide, master.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr,
                  HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, ALIGNED: tl.constexpr):
     """Write the updated parameter, and its low-precision copy when there is one; with HAS_REM
@@ -210,88 +198,6 @@ def _store_param(row, idx, mask, new_p, PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.
         if HAS_LP:
             lp = _address(row, LP, LP_DTYPE)
             tl.store(_at(lp, idx, ALIGNED), _round(new_p, LP_DTYPE), mask=mask)
-
-
-# Exact 2-byte masters (issue 28): reference.split_master / rebuild_master (and csrc/math.h's),
-# on the two 16-bit halves of the master's bits, in uint32 arithmetic. The remainder is the low
-# half read as a signed number; the weight's magnitude is the high half's plus one where the low
-# half is >= 0x8000 (nearest, ties away from zero). Finite masters that round to inf (rounding
-# up from 0x7F7F), and inf, split as (+-inf, 0); NaNs as (+-0x7FC0, 0). The rebuild gives the
-# weight itself for (+-0, r < 0) and (+-inf, r != 0), so every pair rebuilds to a master that
-# rounds to its weight. Integer selects only: the same code compiled and interpreted.
-
-
-@triton.jit
-def _split_master(x):
-    """(bf16 weight, int16 remainder) of the fp32 ``x``, bit for bit split_master's."""
-    u = x.to(tl.uint32, bitcast=True)
-    high = u >> 16
-    low = u & 0xFFFF
-    up = low >= 0x8000
-    h = high & 0x7FFF
-    w = h + up.to(tl.uint32)  # 0x7F80 (inf) where a finite master rounds up from 0x7F7F
-    nan = (h > 0x7F80) | ((h == 0x7F80) & (low != 0))
-    w = tl.where(nan, 0x7FC0, w)
-    low = tl.where(nan | (up & (h == 0x7F7F)), 0, low)
-    weight = ((high & 0x8000) | w).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return weight, low.to(tl.uint16).to(tl.int16, bitcast=True)
-
-
-@triton.jit
-def _rebuild_master(weight, remainder):
-    """The fp32 master of the bf16 ``weight`` and int16 ``remainder``, rebuild_master's."""
-    wb = weight.to(tl.uint16, bitcast=True).to(tl.uint32)
-    low = remainder.to(tl.uint16, bitcast=True).to(tl.uint32)
-    negative = low >= 0x8000
-    w0 = wb & 0x7FFF
-    keep = (negative & (w0 == 0)) | ((w0 == 0x7F80) & (low != 0))  # the weight itself
-    high = (wb & 0x8000) | (w0 - negative.to(tl.uint32))  # (w << 16) + remainder, on the halves
-    bits = tl.where(keep, wb << 16, (high << 16) | low)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to nearest-even in DTYPE, bit for bit as torch's ``.to(DTYPE)``.
-
-    bf16 is rounded by hand (torch's own integer recipe, NaN -> 0x7FC0) rather than by
-    ``.to``: the compiled ``.to`` rounds to nearest-even, but the interpreter's truncates
-    (triton 3.9), and the interpreter is where the kernels are tested. A handful of integer ops
-    per element costs nothing in a bandwidth-bound kernel.
-    """
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        bits = tl.where(x == x, bits, 0x7FC0)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DTYPE)
-
-
-@triton.jit
-def _pow_whole(base, n):
-    """base ** n for a whole number n >= 0 stored as fp32 (a step count), by squaring, in the
-    precision of ``base`` (fp32 or fp64).
-
-    Exact for n = 1 (as pow is), within ~log2(n) roundings otherwise. Computing it as
-    exp2(n*log2(base)) instead would err by ~2 ulp even at n = 1, and 1 - beta2**n divides that
-    error by 1 - beta2 (1e-3): 2.4e-4 relative in Adam's bias correction on the first steps.
-    """
-    result = base * 0.0 + 1.0
-    square = base
-    e = n.to(tl.int32)
-    while e > 0:
-        result = tl.where((e & 1) != 0, result * square, result)
-        square = square * square
-        e = e >> 1
-    return result
-
-
-@triton.jit
-def _double(bits):
-    """The fp64 whose IEEE bits the launcher passed as an int64 (Triton passes a Python float
-    as fp32; torch computes Adam's bias corrections from the double betas)."""
-    return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 
 # --- accumulate ------------------------------------------------------------------------------
