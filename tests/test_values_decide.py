@@ -282,12 +282,15 @@ def _update_exp_avg(m, o, w):
     [_clamp_data, _prune_data, _mul_weight, _clip_binding, _assign_exp_avg, _update_exp_avg],
     ids=lambda f: f.__name__,
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offload_sees_what_the_user_did_after_the_last_backward(edit, dtype):
+@pytest.mark.parametrize(
+    "dtype, master", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, "remainder")], ids=str
+)
+def test_offload_sees_what_the_user_did_after_the_last_backward(edit, dtype, master):
     # Each edit between the last backward and step(), against the same optimizer without
     # offload. Through .data no counter moves: the committed speculation ignored the clamp
-    # (1.5e-2 from torch) and brought pruned rows back (0.41 instead of 0.061).
-    pairs = _offload_pair(dtype)
+    # (1.5e-2 from torch) and brought pruned rows back (0.41 instead of 0.061) where the weight
+    # is its own master (fp32; bf16 in the remainder mode).
+    pairs = _offload_pair(dtype, master_weights=master)
     _run(pairs, 3, between=edit, dtype=dtype)
 
 
