@@ -49,27 +49,17 @@ def _twins(**kwargs):
     return ours, opt, ref, ref_opt
 
 
-@pytest.mark.parametrize("edit", ["clamp_data", "mul_data", "index_data"])
-def test_the_clip_sees_a_grad_edited_through_data_after_the_last_backward(edit):
-    # The PyTorch DQN tutorial clips with p.grad.data.clamp_(-1, 1): no version counter moves,
-    # and the clip used the last backward's norm of the unedited gradient (2.4e-3 from torch).
+def _clipped_twins(before_step, scale=1.0):
+    """Three windows of ours (max_grad_norm) and torch's AdamW clipped by clip_grad_norm_, the
+    losses scaled by ``scale`` (a GradScaler's, for ours), ``before_step(ours, opt, ref, scaler)``
+    after each window's last backward; the parameters compared at the end."""
     ours, opt, ref, ref_opt = _twins(max_grad_norm=0.05)
-
-    def edit_grads(model):
-        for p in model.parameters():
-            if edit == "clamp_data":
-                p.grad.data.clamp_(-0.01, 0.01)
-            elif edit == "mul_data":
-                p.grad.data.mul_(3.0)
-            else:
-                p.grad.data[0] = 0.5
-
     for window in range(3):
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
         for batch in _batches(2, seed=window):
-            _loss(ours, batch).backward()
-            _loss(ref, batch).backward()
-        edit_grads(ours)
-        edit_grads(ref)
+            scaler.scale(_loss(ours, batch)).backward()
+            (_loss(ref, batch) * scale).backward()
+        before_step(ours, opt, ref, scaler)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         opt.step()
         ref_opt.step()
@@ -77,6 +67,23 @@ def test_the_clip_sees_a_grad_edited_through_data_after_the_last_backward(edit):
         ref_opt.zero_grad()
     for p, q in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **CLIP_TOL)
+
+
+@pytest.mark.parametrize("edit", ["clamp_data", "mul_data", "index_data"])
+def test_the_clip_sees_a_grad_edited_through_data_after_the_last_backward(edit):
+    # The PyTorch DQN tutorial clips with p.grad.data.clamp_(-1, 1): no version counter moves,
+    # and the clip used the last backward's norm of the unedited gradient (2.4e-3 from torch).
+    def edit_grads(ours, opt, ref, scaler):
+        for model in (ours, ref):
+            for p in model.parameters():
+                if edit == "clamp_data":
+                    p.grad.data.clamp_(-0.01, 0.01)
+                elif edit == "mul_data":
+                    p.grad.data.mul_(3.0)
+                else:
+                    p.grad.data[0] = 0.5
+
+    _clipped_twins(edit_grads)
 
 
 def test_skip_nonfinite_sees_a_nan_written_through_data():
@@ -97,23 +104,12 @@ def test_skip_nonfinite_sees_a_nan_written_through_data():
 def test_a_plain_step_after_unscale_clips_with_the_unscaled_norm():
     # scaler.unscale_(opt) then opt.step() (no scaler.step): unscale_ divides .grad with a kernel
     # that moves no version counter; the clip used the scaled norm (2.9e-3 from torch).
-    scale = 1024.0
-    ours, opt, ref, ref_opt = _twins(max_grad_norm=0.05)
-    for window in range(3):
-        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
-        for batch in _batches(2, seed=window):
-            scaler.scale(_loss(ours, batch)).backward()
-            (_loss(ref, batch) * scale).backward()
+    def unscale(ours, opt, ref, scaler):
         scaler.unscale_(opt)
         for p in ref.parameters():
-            p.grad.div_(scale)
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    for p, q in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **CLIP_TOL)
+            p.grad.div_(1024.0)
+
+    _clipped_twins(unscale, scale=1024.0)
 
 
 # --- two gloo ranks ---------------------------------------------------------------------------
