@@ -165,6 +165,14 @@ FA_HD float lerp(float a, float b, float w) {
 // max that propagates NaN from either side, as torch.maximum (amsgrad's running max).
 FA_HD float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
+// a / b, correctly rounded: the plain divide. adam_update_t takes the divide by the bias
+// correction as a functor (this one by default): the CPU's AVX-512 loops pass one that rounds
+// identically and leaves the divider free for the other divide (csrc/cpu/kernels.cpp:
+// DivideByConstant).
+struct Divide {
+  FA_HD float operator()(float a, float b) const { return a / b; }
+};
+
 // The update, with the branches that are the same for every element as template constants (so
 // CPU element loops have none and vectorise; adam_update picks the instantiation at run time):
 // kWeightDecay (weight_decay != 0), kDecoupled (AdamW), kLerpFromM (|1 - beta1| < 0.5: which end
@@ -176,9 +184,10 @@ FA_HD float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 // a rounded reciprocal rounds differently for 2-70% of elements in the first divide (by the
 // bias correction; the share depends on the step) and 27% in the second (measured on random
 // fp32 data).
-template <bool kWeightDecay, bool kDecoupled, bool kLerpFromM, bool kAmsgrad>
+template <bool kWeightDecay, bool kDecoupled, bool kLerpFromM, bool kAmsgrad, class DivideBc2 = Divide>
 FA_HD void adam_update_t(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                         float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
+                         float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s,
+                         DivideBc2 divide_bc2 = DivideBc2()) {
   float p = param;
   if (kWeightDecay) {
     if (kDecoupled) p = p * s.decay_factor;
@@ -189,7 +198,7 @@ FA_HD void adam_update_t(float g, float& param, float& exp_avg, float& exp_avg_s
   exp_avg_sq = fmaf(g * h.one_minus_beta2, g, exp_avg_sq * h.beta2);
   float v = exp_avg_sq;
   if (kAmsgrad) v = max_exp_avg_sq = max_nan(max_exp_avg_sq, v);
-  const float denom = sqrtf(v) / s.bias_correction2_sqrt + h.eps;
+  const float denom = divide_bc2(sqrtf(v), s.bias_correction2_sqrt) + h.eps;
   param = p + (s.neg_step_size * exp_avg) / denom;
 }
 
@@ -200,11 +209,12 @@ FA_HD int adam_mode(const AdamHyper& h, bool amsgrad) {
          (fabsf(h.one_minus_beta1) < 0.5f ? 2 : 0) | (amsgrad ? 1 : 0);
 }
 
-template <int kMode>
+template <int kMode, class DivideBc2 = Divide>
 FA_HD void adam_update_mode(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                            float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
-  adam_update_t<(kMode & 8) != 0, (kMode & 4) != 0, (kMode & 2) != 0, (kMode & 1) != 0>(
-      g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s);
+                            float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s,
+                            DivideBc2 divide_bc2 = DivideBc2()) {
+  adam_update_t<(kMode & 8) != 0, (kMode & 4) != 0, (kMode & 2) != 0, (kMode & 1) != 0, DivideBc2>(
+      g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s, divide_bc2);
 }
 
 FA_HD void adam_update_any(float g, float& param, float& exp_avg, float& exp_avg_sq,

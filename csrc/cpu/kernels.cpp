@@ -5,9 +5,11 @@
 // csrc/cpu/convert.h's (tested alone by csrc/tests/test_convert.cpp). The binding
 // (csrc/bindings.cpp) calls the four functions kernels.h declares.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "../kernels.h"
@@ -60,19 +62,48 @@ inline std::vector<int64_t> element_starts(const TensorLists& t) {
   return starts;
 }
 
-// Calls block(i, offset, n) for every block of at most kBlock elements of tensor i that lies in
-// the global element range [begin, end).
+// Where a step stages nothing (fp32 params or exact 2-byte masters, no fused micro-batch, no
+// low-precision copy) its element loops run on the tensors themselves, in blocks of this many:
+// a block costs a call through the clone's resolver, a switch and the loop's set-up, which at
+// 1024 elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
+constexpr int64_t kUnstagedBlock = 1 << 14;
+
+// Calls block(i, offset, n) for every block of at most block_size elements of tensor i that lies
+// in the global element range [begin, end).
 template <class Block>
-void for_each_block(const std::vector<int64_t>& starts, int64_t begin, int64_t end, Block&& block) {
+void for_each_block(const std::vector<int64_t>& starts, int64_t begin, int64_t end,
+                    int64_t block_size, Block&& block) {
   int64_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
   for (; begin < end; ++i) {
     const int64_t stop = std::min(end, starts[i + 1]);
-    for (int64_t g = begin; g < stop; g += kBlock) {
-      block(i, g - starts[i], std::min(kBlock, stop - g));
+    for (int64_t g = begin; g < stop; g += block_size) {
+      block(i, g - starts[i], std::min(block_size, stop - g));
     }
     begin = stop;
   }
 }
+
+// How many threads ran the ranges of the last call (accumulate or a step), for the tests: the
+// binding's parallel_for is at::parallel_for, whose team is the calling thread's OpenMP thread
+// count, and a Python thread that is not the main one (offload's worker) keeps the count it had
+// at its first parallel call (torch initialises it once per thread): tests/test_cpu_threads.py
+// reads this through fused_accum_cpu_last_call_threads (ctypes). One lock per range: a range is
+// at least kGrain elements, tens of microseconds; at::parallel_for gives each thread one range.
+std::atomic<int> last_call_threads{0};
+
+class ThreadCount {
+ public:
+  void add() {
+    const std::thread::id id = std::this_thread::get_id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::find(ids_.begin(), ids_.end(), id) == ids_.end()) ids_.push_back(id);
+  }
+  ~ThreadCount() { last_call_threads.store(static_cast<int>(ids_.size())); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::thread::id> ids_;
+};
 
 // ---- the conversions' loops -----------------------------------------------------------------
 //
@@ -182,11 +213,13 @@ void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const Paralle
   std::mutex mutex;
   double sumsq = 0.0;
   bool nonfinite = false;
+  ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
+    threads.add();
     float staged[kBlock];
     double range_sumsq = 0.0;
     bool range_nonfinite = false;
-    for_each_block(starts, begin, end, [&](int64_t i, int64_t offset, int64_t n) {
+    for_each_block(starts, begin, end, kBlock, [&](int64_t i, int64_t offset, int64_t n) {
       const float* g = staged;
       if (t.grad.dtype[i] == DType::kF32) g = at_f32(t.grad, i, offset);
       else to_float(at(t.grad, i, offset), t.grad.dtype[i], n, staged);
@@ -246,6 +279,7 @@ struct Fp32Param {
   float* __restrict p;
   FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
+  FA_ALWAYS_INLINE void prefetch(int64_t j) const { __builtin_prefetch(p + j, 0, 2); }
 };
 struct RemainderParam {
   uint16_t* __restrict w;  // the bf16 param's bits
@@ -256,6 +290,7 @@ struct RemainderParam {
     w[j] = s.weight;
     r[j] = s.remainder;
   }
+  FA_ALWAYS_INLINE void prefetch(int64_t) const {}  // (not measured with a prefetch)
 };
 
 // The element loops take the branches that are the same for every element as template
@@ -305,31 +340,85 @@ FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam 
   sgd_block_t(g, c, p, buf, n, h, s);
 }
 
-template <int kMode, class P>
+// sqrt(v) / bias_correction2_sqrt, rounded as the divide rounds, without the divide: the divisor
+// b is the same for a whole tensor, so its reciprocal y = RN(1/b) is formed once, and each
+// quotient is a product and two FMA corrections. q0 = a*y is within 1.5 ulp of a/b; the first
+// correction q1 = RN(q0 + RN(a - b*q0)*y) is within 1/2 ulp + 2^-45 relative of it (faithful);
+// from a faithful q1 and y within half an ulp of 1/b, a - b*q1 is exact and
+// RN(q1 + (a - b*q1)*y) = RN(a/b) (Markstein's theorem: Muller et al., Handbook of
+// Floating-Point Arithmetic, ch. 4, "Markstein's theorem"). Checked against the divide on every
+// significand of a, in the binades 2^-75, 1 and 2^63 (exponents only scale), for 7,606 divisors
+// b: the bias corrections of beta2 = 0.9, 0.95, 0.98, 0.99, 0.999, 0.9999 at steps 1..1,000,
+// the powers of two and all-ones significands from 2^-62 to 1, 1,500 random ones: no difference.
+// The theorem holds where nothing under- or overflows: a (a square root) is 0, inf, NaN or in
+// [2^-75, 2^64]; with b in [2^-62, 1] (checked per tensor, else the divide runs) every quotient
+// and residual is a normal number. 0, inf and NaN take q0 = a*y, which is a/b for them, bits
+// and sign alike (a NaN's payload too: both return the operand NaN, quieted).
+// Why: the AdamW loop was bound by the divide/sqrt unit on AVX-512 (Zen 4: sqrt and two
+// divides per 16 lanes; DeepSpeed's CPU Adam does one sqrt and one divide, in other roundings),
+// and the FMA unit had room: the step from L3 (1M elements) took 0.92x the time, from L2 0.88x
+// (one thread, /tmp microbenchmark, interleaved). On AVX2 it was 1.03x slower, so only the
+// AVX-512 clone's CPU takes this path (kExactDivideByConstant).
+struct DivideByConstant {
+  float b, y;  // y = RN(1 / b)
+  FA_ALWAYS_INLINE float operator()(float a, float) const {
+    const float q0 = a * y;
+    const float q1 = fmaf(fmaf(-q0, b, a), y, q0);
+    const float q2 = fmaf(fmaf(-q1, b, a), y, q1);
+    return (a > 0.0f && a < __builtin_inff()) ? q2 : q0;
+  }
+};
+
+// Software prefetch, for steps that stream from DRAM (see adam_step_cpu): every 64-byte line of
+// each fp32 stream, this many bytes ahead, into L2 (locality 2). The AdamW step from DRAM at
+// one thread waits on loads (the perf profile's hot spots), and the hardware prefetchers ran
+// too short for the time the sqrt/divide chain holds the reorder buffer: 1.06-1.07x at 16M
+// elements in two runs (and 0.96-0.99x for 1M elements in L3, which therefore does not
+// prefetch); 1 KB ahead gained nothing, 4 KB into L1 lost 30% (/tmp microbenchmark,
+// one thread, interleaved).
+constexpr int64_t kPrefetchBytes = 2048;
+constexpr int64_t kLine = 64 / sizeof(float);
+
+template <int kMode, class P, class D>
 inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c, P p,
                                                      float* __restrict m, float* __restrict v,
                                                      float* __restrict max_v, int64_t n,
                                                      const math::AdamHyper& h,
-                                                     const math::AdamScalars& s) {
+                                                     const math::AdamScalars& s, D divide_bc2,
+                                                     bool prefetch) {
   float unused = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
+  const auto element = [&](int64_t j) __attribute__((always_inline)) {
     float pj = p.load(j);
     math::adam_update_mode<kMode>(g[j] * c, pj, m[j], v[j], (kMode & 1) ? max_v[j] : unused, h,
-                                  s);
+                                  s, divide_bc2);
     p.store(j, pj);
+  };
+  int64_t j0 = 0;
+  if (prefetch) {
+    constexpr int64_t ahead = kPrefetchBytes / sizeof(float);
+    for (; j0 + kLine <= n; j0 += kLine) {
+      __builtin_prefetch(g + j0 + ahead, 0, 2);
+      __builtin_prefetch(m + j0 + ahead, 0, 2);
+      __builtin_prefetch(v + j0 + ahead, 0, 2);
+      if (kMode & 1) __builtin_prefetch(max_v + j0 + ahead, 0, 2);
+      p.prefetch(j0 + ahead);
+      for (int64_t j = j0; j < j0 + kLine; ++j) element(j);
+    }
   }
+  for (int64_t j = j0; j < n; ++j) element(j);
 }
 
 // max_v: amsgrad's running max, or null.
-template <class P>
+template <class P, class D>
 inline __attribute__((always_inline)) void adam_block_t(const float* __restrict g, float c, P p,
                                                         float* __restrict m, float* __restrict v,
                                                         float* __restrict max_v, int64_t n,
                                                         const math::AdamHyper& h,
-                                                        const math::AdamScalars& s) {
+                                                        const math::AdamScalars& s, D divide_bc2,
+                                                        bool prefetch) {
   switch (math::adam_mode(h, max_v != nullptr)) {
 #define FA_ADAM_CASE(k) \
-  case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s); break;
+  case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s, divide_bc2, prefetch); break;
     FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
     FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
     FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
@@ -338,15 +427,48 @@ inline __attribute__((always_inline)) void adam_block_t(const float* __restrict 
   }
 }
 
+// inv_bc2: RN(1 / s.bias_correction2_sqrt) where DivideByConstant may divide by it, else 0.
+template <class P>
+inline __attribute__((always_inline)) void adam_block_any(const float* __restrict g, float c, P p,
+                                                          float* __restrict m, float* __restrict v,
+                                                          float* __restrict max_v, int64_t n,
+                                                          const math::AdamHyper& h,
+                                                          const math::AdamScalars& s, float inv_bc2,
+                                                          bool prefetch) {
+  if (inv_bc2 != 0.0f) {
+    adam_block_t(g, c, p, m, v, max_v, n, h, s, DivideByConstant{s.bias_correction2_sqrt, inv_bc2},
+                 prefetch);
+  } else {
+    adam_block_t(g, c, p, m, v, max_v, n, h, s, math::Divide{}, prefetch);
+  }
+}
+
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s) {
-  adam_block_t(g, c, p, m, v, max_v, n, h, s);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
+                              bool prefetch) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2, prefetch);
 }
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s) {
-  adam_block_t(g, c, p, m, v, max_v, n, h, s);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
+                              bool prefetch) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2, prefetch);
+}
+
+// Whether the CPU runs the AVX-512 clones (x86-64-v4), where DivideByConstant is the faster.
+inline bool divide_by_constant_pays() {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
+  return avx512;
+#else
+  return false;
+#endif
+}
+
+// The reciprocal DivideByConstant takes for divisor b, or 0 where it must not (see its bounds).
+inline float divide_by_constant_reciprocal(float b) {
+  return divide_by_constant_pays() && b >= 0x1p-62f && b <= 1.0f ? 1.0f / b : 0.0f;
 }
 
 template <class P>
@@ -383,9 +505,14 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
                              a.maximize};
   const std::vector<int64_t> starts = element_starts(t);
   const bool has_rem = t.rem.present();
+  bool staged = gs.fused || t.lp.present();
+  for (size_t i = 0; i < t.param.dtype.size() && !has_rem; ++i) staged |= t.param.dtype[i] != DType::kF32;
+  const int64_t block_size = staged ? kBlock : kUnstagedBlock;
+  ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
+    threads.add();
     float g[kBlock], p_staged[kBlock];
-    for_each_block(starts, begin, end, [&](int64_t i, int64_t offset, int64_t n) {
+    for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -432,11 +559,21 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
   using namespace cpu;
   // Per tensor, once (two pow() in double each): not per block.
   std::vector<math::AdamScalars> scalars(t.size());
-  for (int64_t i = 0; i < t.size(); ++i) scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
+  std::vector<float> inv_bc2(t.size());
+  for (int64_t i = 0; i < t.size(); ++i) {
+    scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
+    inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
+  }
   const bool amsgrad = t.state3.present();
+  // A call over at least this many elements streams from DRAM (4M: 64 MB of param, moments and
+  // gradient, twice this machine's L3), and prefetches (kPrefetchBytes).
+  int64_t total = 0;
+  for (int64_t n : t.numel) total += n;
+  const bool prefetch = total >= (int64_t{1} << 22);
   step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
-               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i]);
+               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i],
+               prefetch);
   });
 }
 
@@ -450,3 +587,9 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
 }
 
 }  // namespace fused_accum
+
+// The test hook above, as a C symbol (tests/test_cpu_threads.py loads _C with ctypes): the
+// number of distinct threads that ran the last CPU accumulate or step call, 0 if it ran none.
+extern "C" __attribute__((visibility("default"))) int fused_accum_cpu_last_call_threads() {
+  return fused_accum::cpu::last_call_threads.load();
+}
