@@ -132,7 +132,6 @@ class Layout:
     the flat group (layouts hold nothing of it)."""
 
     bucket_align = ALIGN  # each bucket's range is a multiple of this many elements
-    keeps_param_copy = False  # keeps a copy of the parameters of its own (offload's host copy)
 
     def state_device(self, device: torch.device) -> torch.device:
         """Where the masters, the optimizer state and the step's scalars live: with the

@@ -84,8 +84,6 @@ class OffloadLayout(Layout):
     reads and writes on the host (one instance per flat group: it holds that group's host copy
     of the parameters, the window's gradient on the host, and the speculation's backup)."""
 
-    keeps_param_copy = True
-
     def __init__(self, pinned: bool) -> None:
         self.pinned = pinned
         self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
@@ -234,8 +232,11 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
     """``shard=`` under offload: this rank's part of every bucket (:class:`ShardedLayout`),
     with its masters, state, parameter pieces and gradient parts on the host. The accumulator
     stays on the device, whole ("state") or this rank's part ("grads"): bf16 AdamW keeps 2 + 4
-    (or 2 + 4/N) B/param there and 18/N on the host. After the host step the updated pieces go
-    to the device's staging buffer, which the topology all-gathers (``after_step_params``)."""
+    (or 2 + 4/N) B/param there and 18/N on the host. The parameters are bound into the sharded
+    layout's device buffer, as without offload (:meth:`ShardedLayout.bind`): after the host step
+    the pieces it updated go into it, and the topology all-gathers it in place
+    (``after_step_params``); the pieces that did not step keep what the device holds (a weight
+    written since the last step included)."""
 
     def __init__(self, rank: int, world: int, mode: str, pinned: bool) -> None:
         ShardedLayout.__init__(self, rank, world, mode)
@@ -263,13 +264,11 @@ class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
         return flat.acc[start:end]
 
     def begin_send(self, flat) -> None:
-        self.staging = torch.empty(flat.total, dtype=flat.dtype, device=flat.device)  # (see begin_step)
+        self.begin_step(flat)  # (the bound parameters are the all-gather's buffer: ShardedLayout)
 
     def send_lists(self, flat, stepped: list) -> tuple:
-        held = self._held(flat.slots)  # (every piece: the all-gather writes every parameter)
-        return [self.staging[s.offset + s.piece[0] : s.offset + s.piece[1]] for s in held], [
-            self.host_params[s.local] for s in held
-        ]
+        held = self._held(stepped)
+        return [self.pieces[s.index][1] for s in held], [self.host_params[s.local] for s in held]
 
 
 @dataclasses.dataclass(eq=False)

@@ -547,3 +547,38 @@ def test_a_broadcast_after_the_optimizer_was_built_is_followed(tmp_path):
     zero, one = _run_ranks(_broadcast_after_build, tmp_path)
     for p, q in zip(zero, one):
         assert torch.equal(p, q)
+
+
+def _sharded_edit_then_no_grad(rank, shard):
+    # shard= under offload: a weight edited between windows whose bucket then steps nothing.
+    # The host copy was refreshed only when its bucket stepped, and the whole staging buffer
+    # went out: the edit was undone (0.23 off; without offload, kept).
+    out = []
+    for offload in (None, "cpu"):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        params = list(a.parameters()) + list(b.parameters())
+        opt = fused_accum.AdamW(
+            params, lr=1e-2, process_group=dist.group.WORLD, shard=shard, accum_steps=1, offload=offload,
+            bucket_cap_mb=1e-5, backend="cpu",
+        )  # fmt: skip
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        b(a(x)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            b.weight.mul_(0.5)
+        b(a(x)).sum().backward()
+        b.weight.grad = None  # (this window does not train b.weight)
+        opt.step()
+        opt.zero_grad()
+        out.append([p.detach().clone() for p in params])
+    return out
+
+
+@needs_ext
+@pytest.mark.parametrize("shard", ["state", "grads"])
+def test_sharded_offload_keeps_a_weight_written_whose_bucket_does_not_step(shard, tmp_path):
+    for without, with_offload in _run_ranks(_sharded_edit_then_no_grad, tmp_path, shard):
+        for p, q in zip(without, with_offload):
+            assert torch.equal(p, q)

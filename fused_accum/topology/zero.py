@@ -117,8 +117,6 @@ class ShardedLayout(Layout):
             slot._grad_view = slot.full_view = slot.acc.view(p.shape)
         flat.masters.set_views(flat, slot)
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
-        if self.keeps_param_copy:
-            return  # (offload: its own staging, sent from the host: see offload.ShardedOffloadLayout)
         params = self.params
         if params is None or (params.device, params.dtype) != (flat.device, flat.dtype):
             self.params = torch.zeros(flat.total, dtype=flat.dtype, device=flat.device)  # (padding stays 0)
