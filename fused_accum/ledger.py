@@ -355,17 +355,23 @@ class Exposure:
                 raise RuntimeError(
                     f"parameter {slot.name} has a .grad of {grad.numel()} elements, expected {slot.acc.numel()}"
                 )
+            if grad.dtype not in _FOLDED_DTYPES:  # (torch accepts any float .grad on a bf16/fp16 parameter)
+                grad = grad.float()
             if not topology.take_user_grad(self.flat_groups, slot, grad):
                 by_flat.setdefault(slot.flat_index, []).append((slot, grad))
-            self.ledger.took_grad(slot)
+            else:
+                self.ledger.took_grad(slot)
         for flat_index, taken in by_flat.items():
             flat = self.flat_groups[flat_index]
             taken.sort(key=lambda pair: pair[0].offset)  # (accumulate takes increasing offsets)
             offsets = torch.tensor([slot.offset for slot, _ in taken], dtype=torch.int64)
             grads = [grad for _, grad in taken]
             ops.accumulate(flat.acc, offsets, grads, 1.0, True, None, None, flat.backend, plan=None)
+            for slot, _ in taken:  # (recorded once its slice holds it)
+                self.ledger.took_grad(slot)
         if by_flat:
             topology.added()
 
 
+_FOLDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the accumulate kernels read
 _IS_NONE = functools.partial(operator.is_, None)  # (C-level: no Python call per gradient)

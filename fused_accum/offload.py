@@ -412,30 +412,17 @@ class Offload(Placement):
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
         as_sent = speculable and all(float(c) == 1.0 for c in coefs.values())
         as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
-        for flat in flat_groups:
-            active = {s.key for s in flat.slots if s.has_grad}
-            stepped = set()
-            for b in range(len(flat.buckets)):
-                record = self.speculated.pop((flat.index, b), None)
-                if record is None or record.steps is None:
-                    continue
-                if as_sent and unchanged[(flat.index, b)] and self._still_valid(flat, record):
-                    stepped.update(s.key for s in record.slots)
-                    self.committed += 1
-                    continue
-                self._put_back(flat, b, record)
-                self.redone += 1
-            coef = coefs[flat.device]
-            found_inf = skips[flat.device] if skips is not None else None
-            for b, bucket in enumerate(flat.buckets):
-                slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
-                call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
-                if call is not None:
-                    self._submit_step(flat, b, call)
-            if active:
-                self._to_device(flat, [s for s in flat.slots if s.key in active])
+        try:
+            for flat in flat_groups:
+                self._step_flat(flat, coefs, skips, unchanged, as_sent)
+            self.worker.drain()
+        except BaseException:
+            # Nothing of a step that raised stands, as without offload: what was committed is
+            # put back too (its backup is there), and the window steps at the next step().
+            self.discarded(flat_groups)
+            raise
+        self.committed += len(self.speculated)  # (what is left of the speculation is the step)
         self.speculated.clear()
-        self.worker.drain()
         for device, event in self.pending_h2d:  # the next forward waits on these copies, no more
             torch.cuda.current_stream(device).wait_event(event)
         self.pending_h2d = []
@@ -446,6 +433,33 @@ class Offload(Placement):
         # clip did not bind (clip_grad_norm_ multiplied by 1.0) turns it back on.
         self.speculate = as_sent and all(unchanged.values())
         topology.after_step_params(flat_groups)
+
+    def _step_flat(self, flat, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> None:
+        """One flat group's host step: each speculated bucket committed (left in ``speculated``
+        until the whole step stands) or put back, the rest stepped on the worker, and the
+        updated parameters sent back."""
+        active = {s.key for s in flat.slots if s.has_grad}
+        stepped = set()
+        for b in range(len(flat.buckets)):
+            record = self.speculated.get((flat.index, b))
+            if record is None:
+                continue
+            if record.steps is not None and as_sent and unchanged[(flat.index, b)] and self._still_valid(flat, record):
+                stepped.update(s.key for s in record.slots)
+                continue
+            del self.speculated[(flat.index, b)]
+            if record.steps is not None:
+                self._put_back(flat, b, record)
+                self.redone += 1
+        coef = coefs[flat.device]
+        found_inf = skips[flat.device] if skips is not None else None
+        for b, bucket in enumerate(flat.buckets):
+            slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
+            call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
+            if call is not None:
+                self._submit_step(flat, b, call)
+        if active:
+            self._to_device(flat, [s for s in flat.slots if s.key in active])
 
     def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
         """What the host needs from the device, in one transfer per device (the window's one
@@ -522,12 +536,14 @@ class Offload(Placement):
     def discarded(self, flat_groups) -> None:
         """Put back what was speculated (the window was discarded, a backward of it raised, or
         its state is about to be read whole: a checkpoint); its step then runs at ``step()``."""
-        self.worker.drain()
-        for (flat_index, b), record in self.speculated.items():
-            if record.steps is not None:
-                self._put_back(flat_groups[flat_index], b, record)
-        self.speculated.clear()
-        self._expected = {}
+        try:
+            self.worker.drain()
+        finally:  # (a task that failed is raised, after everything is put back)
+            for (flat_index, b), record in self.speculated.items():
+                if record.steps is not None:
+                    self._put_back(flat_groups[flat_index], b, record)
+            self.speculated.clear()
+            self._expected = {}
 
     before_checkpoint = discarded  # (a checkpoint holds the state before this window's step)
 

@@ -694,3 +694,20 @@ def test_under_ddp_a_branch_left_unused_after_model_zero_grad_is_not_stepped_aga
         assert float(opt.state[ours.branch.weight]["step"]) == float(ref_opt.state[ref.branch.weight]["step"]) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_a_float64_grad_assigned_to_a_bf16_parameter_steps_as_its_float32_value():
+    # torch accepts any float .grad on a bf16 parameter whose grad_dtype is None (ours are); the
+    # step takes every assigned .grad of a flat group in one accumulate call, whose kernels read
+    # fp32, bf16 and fp16: a float64 one is widened first (it raised "must be float32...").
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 6).to(torch.bfloat16))
+    ref = torch.nn.Parameter(p.detach().float().clone())
+    opt = fused_accum.SGD([p], lr=0.1, master_weights=True)
+    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    grad = torch.randn(6, 4, dtype=torch.float64).t()  # (not contiguous either)
+    p.grad = grad
+    ref.grad = grad.float()
+    opt.step()
+    ref_opt.step()
+    assert torch.equal(p, ref.detach().to(torch.bfloat16))

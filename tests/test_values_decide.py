@@ -582,3 +582,32 @@ def test_sharded_offload_keeps_a_weight_written_whose_bucket_does_not_step(shard
     for without, with_offload in _run_ranks(_sharded_edit_then_no_grad, tmp_path, shard):
         for p, q in zip(without, with_offload):
             assert torch.equal(p, q)
+
+
+@needs_ext
+def test_offload_a_step_that_raises_leaves_nothing_committed():
+    # A step() that raised after committing some buckets' speculation (here: an opt.state entry
+    # of the wrong shape, found at the next bucket) kept those commits, and the retry stepped
+    # them twice (step count 3 instead of 2). Without offload a step that raises steps nothing.
+    runs = []
+    for offload, bad in ((None, False), (None, True), ("cpu", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+        opt = fused_accum.AdamW(
+            model.parameters(), lr=1e-2, accum_steps=1, offload=offload, bucket_cap_mb=1e-5, backend="cpu"
+        )
+        x = torch.randn(2, 4)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        model(x).sum().backward()
+        p = model[1].weight
+        if bad:
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
+            with pytest.raises(RuntimeError):
+                opt.step()
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 4), "exp_avg_sq": torch.zeros(3, 4)}
+        opt.step()
+        runs.append([q.detach().clone() for q in model.parameters()] + [opt.state[model[0].weight]["step"]])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
