@@ -62,8 +62,8 @@ inline std::vector<int64_t> element_starts(const TensorLists& t) {
   return starts;
 }
 
-// Where a step stages nothing (fp32 params or exact 2-byte masters, no fused micro-batch, no
-// low-precision copy) its element loops run on the tensors themselves, in blocks of this many:
+// Where a step stages nothing (fp32 params, no fused micro-batch, no low-precision copy, no
+// remainders: unstaged_fp32) its element loops run on the tensors themselves, in blocks of this many:
 // a block costs a call through the clone's resolver, a switch and the loop's set-up, which at
 // 1024 elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
 constexpr int64_t kUnstagedBlock = 1 << 14;
@@ -494,6 +494,16 @@ FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam
   lion_loop(g, c, p, m, n, h, s);
 }
 
+// Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
+// low-precision copy, no remainders, every param fp32 (nothing staged).
+inline bool unstaged_fp32(const TensorLists& t) {
+  if (t.grad.present() || t.lp.present() || t.rem.present()) return false;
+  for (const DType dt : t.param.dtype) {
+    if (dt != DType::kF32) return false;
+  }
+  return true;
+}
+
 // The loop every step shares. update(i, offset, n, g, c, p) applies the rule to tensor i's
 // block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam. Without a fused micro-batch, g is acc itself and c the
 // signed coef (math::effective_grad's product, so the same bits) and no staging pass runs; with
@@ -505,9 +515,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
                              a.maximize};
   const std::vector<int64_t> starts = element_starts(t);
   const bool has_rem = t.rem.present();
-  bool staged = gs.fused || t.lp.present();
-  for (size_t i = 0; i < t.param.dtype.size() && !has_rem; ++i) staged |= t.param.dtype[i] != DType::kF32;
-  const int64_t block_size = staged ? kBlock : kUnstagedBlock;
+  const int64_t block_size = unstaged_fp32(t) ? kUnstagedBlock : kBlock;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
@@ -569,7 +577,7 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
   // gradient, twice this machine's L3), and prefetches (kPrefetchBytes).
   int64_t total = 0;
   for (int64_t n : t.numel) total += n;
-  const bool prefetch = total >= (int64_t{1} << 22);
+  const bool prefetch = total >= (int64_t{1} << 22) && unstaged_fp32(t);
   step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
                amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i],
