@@ -214,10 +214,10 @@ def test_adam_divide_by_the_bias_correction_matches_the_reference_bit_for_bit(be
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_adam_over_4m_elements_prefetches_and_matches_the_reference_bit_for_bit(amsgrad):
-    """A call over 2^22 elements or more runs the loops that prefetch (csrc/cpu/kernels.cpp:
-    kPrefetchBytes): the same bits as the reference, on two threads, across tensors whose sizes
-    are not multiples of a cache line, with a tensor smaller than the prefetch distance."""
+def test_adam_over_4m_elements_on_two_threads_matches_the_reference_bit_for_bit(amsgrad):
+    """A large call (16K-element blocks: csrc/cpu/kernels.cpp's kUnstagedBlock) on two threads:
+    the same bits as the reference, across tensors whose sizes are not multiples of a block or a
+    vector, with tensors smaller than one."""
     torch.set_num_threads(2)
     gen = torch.Generator().manual_seed(3)
     sizes = ((1 << 22) - 1000, 1013, 77)

@@ -279,7 +279,6 @@ struct Fp32Param {
   float* __restrict p;
   FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
-  FA_ALWAYS_INLINE void prefetch(int64_t j) const { __builtin_prefetch(p + j, 0, 2); }
 };
 struct RemainderParam {
   uint16_t* __restrict w;  // the bf16 param's bits
@@ -290,7 +289,6 @@ struct RemainderParam {
     w[j] = s.weight;
     r[j] = s.remainder;
   }
-  FA_ALWAYS_INLINE void prefetch(int64_t) const {}  // (not measured with a prefetch)
 };
 
 // The element loops take the branches that are the same for every element as template
@@ -369,43 +367,19 @@ struct DivideByConstant {
   }
 };
 
-// Software prefetch, for steps that stream from DRAM (see adam_step_cpu): every 64-byte line of
-// each fp32 stream, this many bytes ahead, into L2 (locality 2). The AdamW step from DRAM at
-// one thread waits on loads (the perf profile's hot spots), and the hardware prefetchers ran
-// too short for the time the sqrt/divide chain holds the reorder buffer: 1.06-1.07x at 16M
-// elements in two runs (and 0.96-0.99x for 1M elements in L3, which therefore does not
-// prefetch); 1 KB ahead gained nothing, 4 KB into L1 lost 30% (/tmp microbenchmark,
-// one thread, interleaved).
-constexpr int64_t kPrefetchBytes = 2048;
-constexpr int64_t kLine = 64 / sizeof(float);
-
 template <int kMode, class P, class D>
 inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c, P p,
                                                      float* __restrict m, float* __restrict v,
                                                      float* __restrict max_v, int64_t n,
                                                      const math::AdamHyper& h,
-                                                     const math::AdamScalars& s, D divide_bc2,
-                                                     bool prefetch) {
+                                                     const math::AdamScalars& s, D divide_bc2) {
   float unused = 0.0f;
-  const auto element = [&](int64_t j) __attribute__((always_inline)) {
+  for (int64_t j = 0; j < n; ++j) {
     float pj = p.load(j);
     math::adam_update_mode<kMode>(g[j] * c, pj, m[j], v[j], (kMode & 1) ? max_v[j] : unused, h,
                                   s, divide_bc2);
     p.store(j, pj);
-  };
-  int64_t j0 = 0;
-  if (prefetch) {
-    constexpr int64_t ahead = kPrefetchBytes / sizeof(float);
-    for (; j0 + kLine <= n; j0 += kLine) {
-      __builtin_prefetch(g + j0 + ahead, 0, 2);
-      __builtin_prefetch(m + j0 + ahead, 0, 2);
-      __builtin_prefetch(v + j0 + ahead, 0, 2);
-      if (kMode & 1) __builtin_prefetch(max_v + j0 + ahead, 0, 2);
-      p.prefetch(j0 + ahead);
-      for (int64_t j = j0; j < j0 + kLine; ++j) element(j);
-    }
   }
-  for (int64_t j = j0; j < n; ++j) element(j);
 }
 
 // max_v: amsgrad's running max, or null.
@@ -414,11 +388,10 @@ inline __attribute__((always_inline)) void adam_block_t(const float* __restrict 
                                                         float* __restrict m, float* __restrict v,
                                                         float* __restrict max_v, int64_t n,
                                                         const math::AdamHyper& h,
-                                                        const math::AdamScalars& s, D divide_bc2,
-                                                        bool prefetch) {
+                                                        const math::AdamScalars& s, D divide_bc2) {
   switch (math::adam_mode(h, max_v != nullptr)) {
 #define FA_ADAM_CASE(k) \
-  case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s, divide_bc2, prefetch); break;
+  case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s, divide_bc2); break;
     FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
     FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
     FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
@@ -433,27 +406,26 @@ inline __attribute__((always_inline)) void adam_block_any(const float* __restric
                                                           float* __restrict m, float* __restrict v,
                                                           float* __restrict max_v, int64_t n,
                                                           const math::AdamHyper& h,
-                                                          const math::AdamScalars& s, float inv_bc2,
-                                                          bool prefetch) {
+                                                          const math::AdamScalars& s, float inv_bc2) {
   if (inv_bc2 != 0.0f) {
-    adam_block_t(g, c, p, m, v, max_v, n, h, s, DivideByConstant{s.bias_correction2_sqrt, inv_bc2},
-                 prefetch);
+    adam_block_t(g, c, p, m, v, max_v, n, h, s, DivideByConstant{s.bias_correction2_sqrt, inv_bc2});
   } else {
-    adam_block_t(g, c, p, m, v, max_v, n, h, s, math::Divide{}, prefetch);
+    adam_block_t(g, c, p, m, v, max_v, n, h, s, math::Divide{});
   }
 }
 
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
-                              bool prefetch) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2, prefetch);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
 }
+// The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
+// and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
+// DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x -> 0.71-0.72x, one thread).
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
-                              bool prefetch) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2, prefetch);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
 }
 
 // Whether the CPU runs the AVX-512 clones (x86-64-v4), where DivideByConstant is the faster.
@@ -573,15 +545,9 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
     inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
   }
   const bool amsgrad = t.state3.present();
-  // A call over at least this many elements streams from DRAM (4M: 64 MB of param, moments and
-  // gradient, twice this machine's L3), and prefetches (kPrefetchBytes).
-  int64_t total = 0;
-  for (int64_t n : t.numel) total += n;
-  const bool prefetch = total >= (int64_t{1} << 22) && unstaged_fp32(t);
   step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
     adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
-               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i],
-               prefetch);
+               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i]);
   });
 }
 
