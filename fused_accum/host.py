@@ -33,7 +33,10 @@ class Worker:
         self._thread.start()
 
     def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
+        # The submitter's intra-op thread count goes with the task: torch fixes a thread's OpenMP
+        # count at its first parallel call, so the worker would keep the count it first ran with
+        # (after a later torch.set_num_threads(2), one thread: tests/test_cpu_threads.py).
+        self._tasks.put((task, torch.get_num_threads()))
 
     def wait(self) -> None:
         """Wait until every submitted task has run (an error stays for :meth:`drain`)."""
@@ -57,10 +60,14 @@ class Worker:
 
 def _work(tasks: queue.Queue, worker_ref) -> None:
     while True:
-        task = tasks.get()
+        item = tasks.get()
+        task = None
         try:
-            if task is None:
+            if item is None:
                 return
+            task, threads = item
+            if torch.get_num_threads() != threads:  # (only on a change: it also clears oneDNN's cache)
+                torch.set_num_threads(threads)
             if WORKER_DELAY is not None:
                 WORKER_DELAY()
             start = time.perf_counter()
@@ -74,7 +81,7 @@ def _work(tasks: queue.Queue, worker_ref) -> None:
             if worker is not None and worker._error is None:
                 worker._error = error
         finally:
-            task = None  # (let go of the task's tensors now, not at the next one)
+            task = item = None  # (let go of the task's tensors now, not at the next one)
             tasks.task_done()
 
 

@@ -241,3 +241,25 @@ def test_adam_over_4m_elements_on_two_threads_matches_the_reference_bit_for_bit(
         outs.append([*t.params, *states.exp_avgs, *states.exp_avg_sqs, *states.max_exp_avg_sqs])
     for got, want in zip(*outs):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_offloads_worker_runs_with_the_submitters_thread_count():
+    # fused_accum.host.Worker (offload's host steps): each task carries the intra-op thread
+    # count of the thread that submitted it, so a torch.set_num_threads after the worker's first
+    # task still reaches the host step (it kept its first count: the persistent worker above).
+    from fused_accum.host import Worker
+
+    before = torch.get_num_threads()
+    worker = Worker()
+    seen = []
+    try:
+        torch.set_num_threads(1)
+        worker.submit(lambda: seen.append(torch.get_num_threads()))
+        worker.drain()
+        torch.set_num_threads(2)
+        worker.submit(lambda: seen.append(torch.get_num_threads()))
+        worker.drain()
+    finally:
+        worker.stop()
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
