@@ -22,6 +22,7 @@ import zlib
 import pytest
 import torch
 from helpers import CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS, device_cases, flat_layout
+from test_kernels import ALGOS  # (the algorithms and hyper-parameters every kernel test steps)
 
 from fused_accum import backends, ops
 from fused_accum.backends import reference
@@ -34,14 +35,6 @@ MANY = 130  # tensors in one call: past where a kernel-argument table typically 
 LOW = [torch.bfloat16, torch.float16]
 STEP_TOL = dict(rtol=1e-5, atol=1e-6, equal_nan=True)  # tests/test_kernels.py's, NaN-aware
 
-ALGOS = {
-    "sgd": dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True, maximize=False),
-    "sgd_plain": dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=True),
-    "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False),
-    "adamw": dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True, maximize=True),
-    "adam_amsgrad": dict(beta1=0.3, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True, maximize=False),
-    "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
-}
 N_STATES = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}
 NAN_PAYLOAD = 0x7FC01234  # a quiet NaN master with a payload the bf16/fp16 rounding drops
 
