@@ -5,6 +5,8 @@ Adding an algorithm: the checklist is at the top of :mod:`fused_accum.algorithms
 **The declarations.** An op's arguments are written once, as typed records (``NamedTuple`` classes):
 
 - ``accumulate``: :class:`Accumulate`;
+- ``fold_pieces``: :class:`FoldPieces` (several same-sized pieces summed into one accumulator,
+  in order: the receive side of issue 38's reduce-scatter);
 - every step op: :class:`StepTensors` (the tensor lists and device scalars all steps take),
   then its own state lists (:class:`SgdStates`, :class:`AdamStates`, :class:`LionStates`), then
   its hyper-parameter record (:class:`~fused_accum.algorithms.SgdHyper`, ``AdamHyper``,
@@ -160,6 +162,40 @@ def accumulate(
     if torch.compiler.is_compiling():
         return accumulate_(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, backend)
     backends.get(backend).accumulate(acc, offsets, grads, alpha, overwrite, found_inf, sumsq, **_hint(backend, plan))
+
+
+# --- fold_pieces -----------------------------------------------------------------------------
+
+
+class FoldPieces(NamedTuple):
+    """fold_pieces' arguments: ``acc = (((acc + f32(pieces[0])) + f32(pieces[1])) + ...)``, one
+    fp32 add per piece in list order, or with ``overwrite`` ``acc = ((f32(pieces[0]) +
+    f32(pieces[1])) + ...)``, starting from ``pieces[0]`` itself (a -0.0 stays -0.0). The
+    receive side of a reduce-scatter by all-to-all: the pieces are the ranks' contributions to
+    this rank's shard, in rank order, so every backend gives the same bits (issue 38; contract:
+    ``reference.fold_pieces``)."""
+
+    acc: WrittenTensor  # 1-D contiguous fp32
+    pieces: Lists  # >= 1 tensors of acc's numel, all bf16, all fp16 or all fp32
+    overwrite: bool
+
+
+def _fold_pieces(*args) -> None:  # the custom op's body: FoldPieces' fields, then the backend
+    *args, backend = args
+    backends.get(backend).fold_pieces(*args)
+
+
+fold_pieces_ = _custom_op("fold_pieces_", arguments(FoldPieces), _fold_pieces)
+
+
+def fold_pieces(acc: Tensor, pieces: List[Tensor], overwrite: bool, backend: str) -> None:
+    """Run fold_pieces_: the custom op under torch.compile, the backend directly otherwise (the
+    arguments of :class:`FoldPieces`, then the backend's name). One kernel launch on the GPU
+    backends when the pieces are the rows of one [N, n] buffer (see each backend's
+    ``fold_pieces``)."""
+    if torch.compiler.is_compiling():
+        return fold_pieces_(acc, pieces, overwrite, backend)
+    backends.get(backend).fold_pieces(acc, pieces, overwrite)
 
 
 # --- the steps -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ them mutate their arguments in place and return nothing), and exposes the backen
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import List, Optional
 
@@ -88,6 +89,29 @@ def accumulate(
     sumsq: Optional[Tensor] = None,
 ) -> None:
     torch.ops.fused_accum_ext.accumulate_(acc, offsets, grads, float(alpha), bool(overwrite), found_inf, sumsq)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_fold_kernel(key: str) -> bool:
+    """Whether _C registered a fold_pieces_ kernel for dispatch key ``key`` (a _C built before
+    the op was declared has none: then the reference runs it, on any device, in the same bits)."""
+    if _LIB is None:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("fused_accum_ext::fold_pieces_", key)
+    except RuntimeError:  # the operator is not defined
+        return False
+
+
+def fold_pieces(acc: Tensor, pieces: List[Tensor], overwrite: bool) -> None:
+    """reference.fold_pieces in C++ (CPU: one pass over acc) or CUDA (one launch per 128 pieces):
+    fused_accum_ext::fold_pieces_, or the reference where _C predates it."""
+    if _has_fold_kernel("CUDA" if acc.is_cuda else "CPU"):
+        torch.ops.fused_accum_ext.fold_pieces_(acc, pieces, bool(overwrite))
+    else:
+        from . import reference
+
+        reference.fold_pieces(acc, pieces, overwrite)
 
 
 def _step_function(op: ops.StepOp):

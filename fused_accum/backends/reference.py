@@ -7,6 +7,7 @@ for any device, any float dtype, and any strides.
 
 Conventions shared by all ops (and so by all backends):
 
+- ``fold_pieces`` (:func:`fold_pieces`) sums same-sized pieces into one accumulator, in order.
 - ``accumulate`` takes the flat accumulator itself, ``acc`` (1-D contiguous fp32), and the
   ``offsets`` (1-D int64 CPU tensor) where each gradient's slice starts: ``grads[i]`` goes to
   ``acc[offsets[i] : offsets[i] + grads[i].numel()]``. The slices are in increasing order and do
@@ -147,6 +148,54 @@ def accumulate(
             found_inf.copy_(torch.maximum(found_inf, (~torch.isfinite(view)).any().float()))
         if sumsq is not None:
             sumsq.add_(torch.dot(view, view))
+
+
+# --- fold_pieces: several pieces summed into one accumulator, in order (issue 38) -------------
+
+_PIECE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_fold_pieces(acc: Tensor, pieces: Sequence[Tensor]) -> None:
+    """The layout ``fold_pieces`` takes, with the messages every backend gives (the C++
+    binding's prepare_fold_pieces, the triton launcher's): ``acc`` 1-D contiguous fp32; at
+    least one piece; each piece on acc's device with acc's numel (any shape and strides), all of
+    one dtype among bf16, fp16 and fp32."""
+    if acc.dtype != torch.float32 or acc.dim() != 1 or not acc.is_contiguous():
+        raise ValueError(
+            f"fold_pieces: acc must be a 1-D contiguous float32 tensor, got {acc.dtype} of shape "
+            f"{tuple(acc.shape)} and strides {acc.stride()}"
+        )
+    if len(pieces) == 0:
+        raise ValueError("fold_pieces: pieces is empty (at least one piece is needed)")
+    dtype = pieces[0].dtype
+    for i, piece in enumerate(pieces):
+        if piece.dtype not in _PIECE_DTYPES:
+            raise ValueError(f"fold_pieces: pieces[{i}] must be bfloat16, float16 or float32, got {piece.dtype}")
+        if piece.dtype != dtype:
+            raise ValueError(
+                f"fold_pieces: pieces[{i}] is {piece.dtype} but pieces[0] is {dtype} (all pieces must have one dtype)"
+            )
+        if piece.device != acc.device:
+            raise ValueError(
+                f"fold_pieces: pieces[{i}] is on {piece.device}, expected {acc.device} (the device of acc)"
+            )
+        if piece.numel() != acc.numel():
+            raise ValueError(f"fold_pieces: pieces[{i}] has {piece.numel()} elements but acc has {acc.numel()}")
+
+
+def fold_pieces(acc: Tensor, pieces: List[Tensor], overwrite: bool) -> None:
+    """``acc = (((acc + f32(pieces[0])) + f32(pieces[1])) + ...)``: one fp32 add per piece, in
+    list order (the ranks' order), per element; with ``overwrite``, the sum starts from
+    ``f32(pieces[0])`` itself rather than from acc (not from 0 + pieces[0]: a -0.0 stays -0.0).
+    ``f32`` widens exactly (:func:`widened`). The order of the adds is fixed, so every backend
+    gives these bits, except that which NaN a NaN result is (its payload, when both operands of
+    an add are NaN; the CUDA kernels' canonical NaN) is not part of the contract. The pieces must
+    not overlap acc."""
+    check_fold_pieces(acc, pieces)
+    total = widened(pieces[0]).clone() if overwrite else acc.clone()
+    for piece in pieces[1:] if overwrite else pieces:
+        total = total + widened(piece)
+    acc.copy_(total)
 
 
 # --- exact 2-byte masters: the bf16 weight plus an int16 remainder (issue 28) ----------------

@@ -58,6 +58,7 @@ from torch import Tensor
 import triton  # an ImportError here makes the backend unavailable (see backends._load)
 
 from . import kernels, plans, tables  # noqa: F401  (kernels: tests and benchmarks reach it here)
+from .fold import fold_pieces  # noqa: F401  (the op)
 from .launch import _step, accumulate, adam_step, lion_step, sgd_step  # noqa: F401  (the ops)
 from .tables import chunk_table  # noqa: F401  (part of this backend's face: tests, benchmarks)
 
