@@ -127,6 +127,38 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
   return call;
 }
 
+Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool overwrite,
+                         FoldArgs& args) {
+  const char* op = "fold_pieces";
+  Call call;
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 1 && acc.is_contiguous(), op,
+              ": acc must be a 1-D contiguous float32 tensor, got ", acc.scalar_type(),
+              " of shape ", acc.sizes(), " and strides ", acc.strides());
+  TORCH_CHECK(!pieces.empty(), op, ": pieces is empty (at least one piece is needed)");
+  call.device = acc.device();
+  const at::ScalarType dtype = pieces[0].scalar_type();
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const at::Tensor& piece = pieces[i];
+    TORCH_CHECK(piece.defined(), op, ": pieces[", i, "] is undefined");
+    TORCH_CHECK(piece.scalar_type() == at::kFloat || piece.scalar_type() == at::kBFloat16 ||
+                    piece.scalar_type() == at::kHalf,
+                op, ": pieces[", i, "] must be bfloat16, float16 or float32, got ",
+                piece.scalar_type());
+    TORCH_CHECK(piece.scalar_type() == dtype, op, ": pieces[", i, "] is ", piece.scalar_type(),
+                " but pieces[0] is ", dtype, " (all pieces must have one dtype)");
+    TORCH_CHECK(piece.device() == call.device, op, ": pieces[", i, "] is on ", piece.device(),
+                ", expected ", call.device, " (the device of acc)");
+    TORCH_CHECK(piece.numel() == acc.numel(), op, ": pieces[", i, "] has ", piece.numel(),
+                " elements but acc has ", acc.numel());
+  }
+  args.acc = acc.data_ptr<float>();
+  args.numel = acc.numel();
+  args.dtype = dtype_code(pieces[0], op, "pieces", 0);
+  args.overwrite = overwrite;
+  for (const at::Tensor& piece : pieces) args.pieces.push_back(readable(call, piece));
+  return call;
+}
+
 Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args) {
   const char* op = t.op;
   Call call;
@@ -244,6 +276,7 @@ struct CpuBackend {
   static void accumulate(const Call& c, const AccumulateArgs& a) {
     accumulate_cpu(c.lists, a, parallel_for);
   }
+  static void fold_pieces(const Call&, const FoldArgs& f) { fold_pieces_cpu(f, parallel_for); }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
     sgd_step_cpu(c.lists, a, h, parallel_for);
   }

@@ -31,6 +31,11 @@ Call prepare_accumulate(const at::Tensor& acc, const at::Tensor& offsets, at::Te
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& sumsq, AccumulateArgs& args);
 
+// fused_accum.ops.FoldPieces: the same checks, in the same words, as
+// reference.check_fold_pieces; strided pieces are read through contiguous copies.
+Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool overwrite,
+                         FoldArgs& args);
+
 // ---- the step ops' arguments --------------------------------------------------------------------
 //
 // Declared once, in fused_accum/ops.py: each step op's schema is StepTensors' fields, then the
@@ -83,6 +88,7 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
 
 // The operator implementations, one per operator of fused_accum/ops.py, for a Backend with
 //   static void accumulate(const Call&, const AccumulateArgs&);
+//   static void fold_pieces(const Call&, const FoldArgs&);
 //   static void step(const Call&, const StepArgs&, const math::{Sgd,Adam,Lion}Hyper&);
 // (CpuBackend in bindings.cpp, CudaBackend in bindings_cuda.cpp).
 
@@ -95,6 +101,14 @@ void accumulate_impl(const at::Tensor& acc, const at::Tensor& offsets, at::Tenso
   Call call = prepare_accumulate(acc, offsets, grads, found_inf, sumsq, args);
   if (call.lists.size() > 0) Backend::accumulate(call, args);
   call.finish();
+}
+
+// fused_accum.ops.fold_pieces.
+template <class Backend>
+void fold_pieces_impl(const at::Tensor& acc, at::TensorList pieces, bool overwrite) {
+  FoldArgs args;
+  Call call = prepare_fold_pieces(acc, pieces, overwrite, args);
+  if (args.numel > 0) Backend::fold_pieces(call, args);
 }
 
 template <class Backend, class Hyper>
@@ -144,6 +158,7 @@ void lion_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs, double
 template <class Backend>
 void register_impls(torch::Library& m) {
   m.impl("accumulate_", &accumulate_impl<Backend>);
+  m.impl("fold_pieces_", &fold_pieces_impl<Backend>);
   m.impl("sgd_step_", &sgd_step_impl<Backend>);
   m.impl("adam_step_", &adam_step_impl<Backend>);
   m.impl("lion_step_", &lion_step_impl<Backend>);

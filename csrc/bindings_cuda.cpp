@@ -37,6 +37,9 @@ struct CudaBackend {
     float* partials = n > 0 ? workspace.data_ptr<float>() : nullptr;
     launch_on(c, "accumulate_", [&](void* s) { return accumulate_cuda_into(c.lists, a, partials, s); });
   }
+  static void fold_pieces(const Call& c, const FoldArgs& f) {
+    launch_on(c, "fold_pieces_", [&](void* s) { return fold_pieces_cuda(f, s); });
+  }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
     launch_on(c, "sgd_step_", [&](void* s) { return sgd_step_cuda(c.lists, a, h, s); });
   }

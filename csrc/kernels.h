@@ -54,6 +54,18 @@ struct AccumulateArgs {
   float* sumsq;
 };
 
+// fold_pieces (fused_accum.ops.FoldPieces): acc[j] = (((acc[j] + p0[j]) + p1[j]) + ...), one fp32
+// add per piece in order, or with overwrite (((p0[j] + p1[j]) + ...) starting from p0[j] itself.
+// Every piece is contiguous, numel elements of `dtype`; acc is numel contiguous fp32 on the same
+// device, overlapping no piece.
+struct FoldArgs {
+  float* acc = nullptr;
+  int64_t numel = 0;
+  std::vector<const void*> pieces;  // at least one
+  DType dtype = DType::kF32;
+  bool overwrite = false;
+};
+
 // Device scalars of every step: read where the kernel runs, so a new lr or coef neither syncs
 // the host nor recompiles a captured graph. lr is a double, as torch's fused optimizers take it
 // (math.h: the per-tensor scalars start from it); the binding widens a float32 lr tensor.
@@ -75,6 +87,7 @@ using ParallelFor =
     std::function<void(int64_t, int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
 
 void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const ParallelFor& pf);
+void fold_pieces_cpu(const FoldArgs& f, const ParallelFor& pf);
 void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
                   const ParallelFor& pf);
 void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
@@ -87,6 +100,8 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
 // Launch on `stream` (a cudaStream_t) on the current device. Return nullptr, or the CUDA error
 // message of a failed launch.
 const char* accumulate_cuda(const TensorLists& t, const AccumulateArgs& a, void* stream);
+// One launch per kMaxFoldPieces pieces (csrc/cuda/fold.cu): one for any all-to-all up to 256 ranks.
+const char* fold_pieces_cuda(const FoldArgs& f, void* stream);
 const char* sgd_step_cuda(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
                           void* stream);
 const char* adam_step_cuda(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,

@@ -314,7 +314,11 @@ def step_op(algorithm: str) -> StepOp:
 def ext_schemas() -> dict:
     """The schemas of the C++ extension's operators (``fused_accum_ext::<name>``): the
     declarations, without the backend's name."""
-    declared = {"accumulate_": arguments(Accumulate), **{f"{op.name}_": op.arguments for op in STEP_OPS.values()}}
+    declared = {
+        "accumulate_": arguments(Accumulate),
+        "fold_pieces_": arguments(FoldPieces),
+        **{f"{op.name}_": op.arguments for op in STEP_OPS.values()},
+    }
     return {name: schema(name, args) for name, args in declared.items()}
 
 

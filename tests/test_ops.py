@@ -141,8 +141,9 @@ def test_schemas_follow_the_declarations():
     """Each step op's schema is StepTensors' fields, its states' and its hyper-parameters', in
     that order, each written list with an alias set of its own; accumulate's is pinned."""
     declared = ops.ext_schemas()
-    assert set(declared) == {"accumulate_", "sgd_step_", "adam_step_", "lion_step_"}
+    assert set(declared) == {"accumulate_", "fold_pieces_", "sgd_step_", "adam_step_", "lion_step_"}
     assert declared["accumulate_"] == ACCUMULATE_SCHEMA
+    assert declared["fold_pieces_"] == "fold_pieces_(Tensor(a!) acc, Tensor[] pieces, bool overwrite) -> ()"
     for op in ops.STEP_OPS.values():
         fields = (*ops.StepTensors._fields, *op.states._fields, *op.hyper._fields)
         assert tuple(a.name for a in op.arguments) == fields
@@ -230,6 +231,15 @@ def test_accumulate_signatures_follow_the_declaration():
     for name, module in _backend_modules().items():
         plan = ["plan"] if backends.takes_plan(name) else []
         assert list(inspect.signature(module.accumulate).parameters) == [*fields, *plan], name
+
+
+def test_fold_pieces_signatures_follow_the_declaration():
+    """fold_pieces takes FoldPieces' fields flat: ops.fold_pieces then the backend, each backend's
+    function the fields alone (no plan=: nothing of a call is cached)."""
+    fields = list(ops.FoldPieces._fields)
+    assert list(inspect.signature(ops.fold_pieces).parameters) == [*fields, "backend"]
+    for name, module in _backend_modules().items():
+        assert list(inspect.signature(module.fold_pieces).parameters) == fields, name
 
 
 def test_backends_take_the_step_records():

@@ -235,6 +235,64 @@ void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const Paralle
   if (a.found_inf && nonfinite) *a.found_inf = 1.0f;  // OR-ed over calls: never reset here
 }
 
+// ---- fold_pieces ----------------------------------------------------------------------------
+//
+// acc = acc (or the first piece) + each piece in order, fp32 adds (kernels.h's FoldArgs). One
+// pass over acc: each range of elements is walked in blocks of kFoldBlock, a block of acc stays in
+// L1 while every piece's block is added to it in turn, so each element gets its N adds in list
+// order and acc is read and written once however many pieces there are.
+
+namespace cpu {
+namespace {
+
+constexpr int64_t kFoldBlock = 2048;  // 8 KB of acc in L1, plus one piece's block at a time
+
+// acc[j] = acc[j] + float(piece[j]) for j < n (the add itself in the loop: vectorised per dtype).
+FA_CPU_CLONES void add_block(float* __restrict acc, const void* __restrict piece, DType dt,
+                             int64_t n) {
+  switch (dt) {
+    case DType::kF32: {
+      const float* p = static_cast<const float*>(piece);
+      for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + p[j];
+      break;
+    }
+    case DType::kBF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(piece);
+      for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + bf16_to_float(p[j]);
+      break;
+    }
+    case DType::kF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(piece);
+      for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + f16_to_float(p[j]);
+      break;
+    }
+    default: break;  // the binding admits no other dtype
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+
+void fold_pieces_cpu(const FoldArgs& f, const ParallelFor& pf) {
+  using namespace cpu;
+  const int64_t elsize = element_size(f.dtype);
+  const size_t count = f.pieces.size();
+  ThreadCount threads;
+  pf(0, f.numel, kGrain, [&](int64_t begin, int64_t end) {
+    threads.add();
+    for (int64_t b = begin; b < end; b += kFoldBlock) {
+      const int64_t n = std::min(kFoldBlock, end - b);
+      float* acc = f.acc + b;
+      size_t k = 0;
+      if (f.overwrite) {  // start from the first piece itself (exact: a -0.0 stays -0.0)
+        to_float(static_cast<const char*>(f.pieces[0]) + b * elsize, f.dtype, n, acc);
+        k = 1;
+      }
+      for (; k < count; ++k) add_block(acc, static_cast<const char*>(f.pieces[k]) + b * elsize, f.dtype, n);
+    }
+  });
+}
+
 // ---- the steps ------------------------------------------------------------------------------
 //
 // The optimizer steps on the CPU (SGD, Adam/AdamW, Lion), each fusing: the gradient from the

@@ -10,6 +10,7 @@
 // packs of 8 bf16 params and 8 int16 remainders where both are aligned, element by element
 // where either is not (every fourth param, a different every fourth remainder).
 #include "../cuda/accumulate.cu"
+#include "../cuda/fold.cu"
 #include "../cuda/step.cu"
 #include "check.h"
 #include "data.h"
@@ -127,6 +128,68 @@ void test_steps() {
   CHECK(launches == 2, "launches %d", launches);
 }
 
+// fold_pieces: every block and thread of each launch emulated, against the adds done here in
+// list order, bit for bit (finite data, -0.0 planted). 300 pieces take two launches; an offset
+// of one element makes the pieces unaligned (the element-by-element path).
+void test_fold_pieces() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int64_t n : {int64_t{1}, int64_t{7}, int64_t{9}, kChunk + 1, 3 * kChunk + 5}) {
+    for (const DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (const int count : {1, 2, 5, 300}) {
+        for (const int skew : {0, 1}) {
+          for (const bool overwrite : {false, true}) {
+            const int64_t es = dt == DType::kF32 ? 4 : 2;
+            std::vector<std::vector<uint8_t>> pieces(count, std::vector<uint8_t>((n + skew) * es));
+            std::vector<float> acc(n), want(n);
+            for (auto& a : acc) a = normal(rng) * 100.0f;
+            acc[0] = -0.0f;
+            FoldArgs f;
+            f.acc = acc.data();
+            f.numel = n;
+            f.dtype = dt;
+            f.overwrite = overwrite;
+            for (int k = 0; k < count; ++k) {
+              uint8_t* p = pieces[k].data() + skew * es;
+              for (int64_t j = 0; j < n; ++j) {
+                const float v = j == 0 && k < 2 ? -0.0f : normal(rng) * float(1 << (k % 8));
+                if (dt == DType::kF32) memcpy(p + j * 4, &v, 4);
+                else {
+                  const uint16_t h = dt == DType::kBF16 ? cuda::float_to_bf16_bits(v) : cuda::float_to_f16_bits(v);
+                  memcpy(p + j * 2, &h, 2);
+                }
+              }
+              f.pieces.push_back(p);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              float a = overwrite ? cuda::load_one(f.pieces[0], uint8_t(dt), j) : acc[j];
+              for (int k = overwrite ? 1 : 0; k < count; ++k) a = a + cuda::load_one(f.pieces[k], uint8_t(dt), j);
+              want[j] = a;
+            }
+            launches = 0;
+            const int chunks = static_cast<int>(cuda::fold_chunks(f));
+            const char* err = cuda::for_each_fold_table(f, [&](const cuda::FoldTable& table) {
+              ++launches;
+              for (int chunk = 0; chunk < chunks; ++chunk)
+                for (int thread = 0; thread < cuda::kThreads; ++thread) cuda::fold_thread(f.acc, n, table, chunk, thread);
+              return static_cast<const char*>(nullptr);
+            });
+            CHECK(err == nullptr && launches == (count + cuda::kMaxFoldPieces - 1) / cuda::kMaxFoldPieces,
+                  "launches %d for %d pieces", launches, count);
+            int bad = 0;
+            for (int64_t j = 0; j < n && bad < 5; ++j) {
+              const bool ok = memcmp(&acc[j], &want[j], 4) == 0;
+              bad += !ok;
+              CHECK(ok, "fold_pieces n=%lld dtype %d pieces %d skew %d overwrite %d [%lld]: %g want %g",
+                    (long long)n, int(dt), count, skew, int(overwrite), (long long)j, acc[j], want[j]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
-TEST_MAIN(test_accumulate(false); test_accumulate(true); test_steps())
+TEST_MAIN(test_accumulate(false); test_accumulate(true); test_steps(); test_fold_pieces())

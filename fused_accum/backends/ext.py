@@ -29,7 +29,7 @@ from ..extension import REBUILD
 from ..extension import WHY_NOT as _WHY_NOT
 from ..extension import _C
 
-OPS = tuple(ops.ext_schemas())  # the operator names: accumulate_, sgd_step_, adam_step_, lion_step_
+OPS = tuple(ops.ext_schemas())  # the operator names: accumulate_, fold_pieces_, sgd_step_, ...
 
 
 def _dispatcher_says(err: Exception) -> str:
