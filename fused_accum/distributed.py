@@ -18,6 +18,13 @@ Sharded modes (``shard=``; their layout: :class:`fused_accum.topology.zero.Shard
   all-reduce's 8 x (N-1)/N.
 - ``"grads"`` (ZeRO-2): every backward's buckets are reduce-scattered as they complete (in
   ``reduce_dtype``, fp32 by default) and folded into the 1/N accumulator when the backward ends.
+- ``"grads"`` with ``reduce_dtype="exact"``: every backward's buckets go on the wire in the
+  gradients' own dtype (bf16, fp16 or fp32) by an all-to-all, each rank receiving every rank's
+  piece of its own part, and are folded into the fp32 shard accumulator in rank order by one
+  ``ops.fold_pieces`` call per bucket (see :meth:`WindowReducer.stage`). The accumulators so hold
+  the group's sum, added in the order one process would add the N x k micro-batches (micro-batch
+  j, rank r); the step divides by N (``Topology.step_divisor``) and the norm is summed over
+  fixed chunks (fused_accum.topology.base): the result does not depend on the world size.
 
 The window's norm and non-finite flag are then sums of per-rank parts: one all-reduce of a
 2-element tensor, on the device (no host sync).
@@ -42,9 +49,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import ops
+
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# reduce_dtype="exact": how many buckets' all-to-alls may be in flight before the oldest is
+# waited for and folded (each holds its send buffer and its receive buffer, both the bucket's
+# size in the wire dtype: with bf16 and 25 MB buckets of fp32-sized elements, 12.5 MB each)
+EXACT_IN_FLIGHT = 2
+
+
+def _all_to_all(output: Tensor, input: Tensor, group=None, async_op: bool = False):
+    """Equal splits: ``input``'s i-th 1/N goes to rank i, rank j's lands in ``output``'s j-th."""
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
 def is_dtensor(t) -> bool:
@@ -235,7 +254,14 @@ class WindowReducer:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shard = shard  # None, "state" or "grads" (checked by the constructor's topology.check_arguments)
-        self.reduce_dtype = reduce_dtype or torch.float32
+        self.exact = reduce_dtype == "exact"  # shard="grads": all-to-all in the gradients' dtype, rank-ordered fold
+        self.reduce_dtype = torch.float32 if self.exact or reduce_dtype is None else reduce_dtype
+        # reduce_dtype="exact": buckets staged in fp32 for good (a slot of theirs took two
+        # gradients in one backward, or a gradient of another dtype than the parameters')
+        self._fp32_buckets: set = set()
+        # reduce_dtype="exact": bytes of the all-to-alls' buffers in flight now and at most
+        # (send + receive), and bytes sent to other ranks ((N-1)/N of each send buffer)
+        self.wire = {"in_flight": 0, "peak_in_flight": 0, "sent": 0}
         self._pending: list = []  # shard="grads": this backward's reduce-scatters, folded at its end
         self._staged: dict = {}  # shard="grads": id(bucket) -> this backward's staged gradients
         self._holds: set = set()  # shard="grads": buckets whose accumulator part holds this window's sum
@@ -260,6 +286,8 @@ class WindowReducer:
         works, self._works = self._works, []
         self.handoff.settle(works)
         for flat in flat_groups:
+            if self.exact:
+                continue  # the accumulators keep the group's sum: the step divides (step_divisor)
             if self.shard == "grads":  # every backward's reduce-scatter was a sum (AVG would round each)
                 flat.acc.div_(self.world)
             elif self._avg_op is None and self.shard is not None:
@@ -322,19 +350,71 @@ class WindowReducer:
 
     # --- shard="grads": every backward --------------------------------------------------------
 
-    def staging_for(self, flat, bucket) -> Tensor:
-        """shard="grads": the fp32 buffer (the bucket's whole range, zeros where no gradient
-        arrives) this backward's gradients of ``bucket`` are folded into before its
-        reduce-scatter. Freed once the reduce-scatter is done."""
+    def staging_for(self, flat, bucket, dtype=torch.float32) -> Tensor:
+        """shard="grads": the buffer (the bucket's whole range, zeros where no gradient arrives)
+        this backward's gradients of ``bucket`` are staged in before its collective, in
+        ``dtype`` when new (reduce_dtype="exact": the wire's; -0.0 there, the additive identity:
+        a rank without a gradient adds exactly nothing, not even to a -0.0). Freed once the
+        collective is done."""
         if not self._staged and not self._launched:
             # This backward's first bucket: what the backend still held of the last backward's
             # staging buffers (NCCL: until the device ran it) can go before allocating anew
             self.handoff.release()
         staged = self._staged.get(id(bucket))
         if staged is None:
-            staged = torch.zeros(bucket.end - bucket.start, dtype=torch.float32, device=flat.device)
+            numel = bucket.end - bucket.start
+            if self.exact:
+                staged = (torch.full((numel,), -0.0, dtype=dtype, device=flat.device), set())
+            else:
+                staged = torch.zeros(numel, dtype=torch.float32, device=flat.device)
             self._staged[id(bucket)] = staged
         return staged
+
+    def wire_dtype(self, flat, bucket) -> torch.dtype:
+        """reduce_dtype="exact": the dtype ``bucket`` goes on the wire in: its parameters' (what
+        autograd produces for them), fp32 for a bucket staged in fp32 once (see :meth:`stage`)."""
+        if id(bucket) in self._fp32_buckets or flat.dtype not in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return flat.dtype
+
+    @torch.no_grad()
+    def stage(self, flat, bucket, slots: list, grads: list, plan=None) -> None:
+        """shard="grads": stage this backward's ``grads`` of ``slots`` (in bucket order) for
+        ``bucket``'s collective.
+
+        fp32 reduce-scatter (``reduce_dtype`` a dtype): summed into an fp32 staging buffer.
+
+        reduce_dtype="exact": copied as they are into a staging buffer in the wire dtype (bf16
+        gradients into a bf16 buffer: nothing is rounded, each element holds one gradient). A
+        slot whose gradient arrives a second time in one backward (a parameter inside and
+        outside a reentrant checkpoint), or a gradient of another dtype, cannot be held exactly
+        in bf16: the buffer is widened to fp32 (exact) and the gradients summed there, and the
+        bucket goes on the wire in fp32 from then on (every backward of it, for good: every rank
+        must see such a gradient in the same backward, running the same graph, since the
+        all-to-all's buffers must agree in size). Such a parameter's sum is exact in fp32 but
+        not the one-process sum bit for bit (one process adds its two gradients to the running
+        sum one after the other; here their sum is added)."""
+        relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
+        if not self.exact:
+            staged = self.staging_for(flat, bucket)
+            ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend, plan=plan)
+            return
+        staged, seen = self.staging_for(flat, bucket, self.wire_dtype(flat, bucket))
+        keys = [s.index for s in slots]
+        if staged.dtype != torch.float32 and (
+            any(g.dtype != staged.dtype for g in grads) or any(k in seen for k in keys)
+        ):
+            staged = staged.float()  # (exact: every element holds one gradient or -0.0)
+            self._staged[id(bucket)] = (staged, seen)
+            self._fp32_buckets.add(id(bucket))
+        seen.update(keys)
+        if staged.dtype == torch.float32:
+            ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend)
+        else:
+            starts = relative.tolist()
+            torch._foreach_copy_(
+                [staged[o : o + g.numel()] for o, g in zip(starts, grads)], [g.reshape(-1) for g in grads]
+            )
 
     def bucket_staged(self, flat_groups, bucket) -> None:
         """``bucket`` received all of this backward's gradients: reduce-scatter it and any
@@ -346,20 +426,33 @@ class WindowReducer:
         """End of a backward: reduce-scatter every bucket not yet launched (zeros where this rank
         had no gradient: every rank issues one collective per bucket, in order), wait, and fold
         this rank's parts into the sharded accumulators (sums over ranks; :meth:`finish`
-        averages at the window's end)."""
+        averages at the window's end, or with reduce_dtype="exact" the step)."""
         self._scatter(flat_groups, only_ready=False)
-        pending, self._pending = self._pending, []
-        for launched, part, flat, b in pending:
-            self.handoff.settle([launched])
-            local_start = flat.layout.parts[b][2]
-            target = flat.acc[local_start : local_start + part.numel()]
-            bucket = flat.buckets[b]
-            if id(bucket) in self._holds:
-                target.add_(part)
-            else:
-                target.copy_(part)  # the window's first: overwrite what the last window left
-                self._holds.add(id(bucket))
+        while self._pending:
+            self._fold_oldest()
         self._ready, self._launched = set(), set()
+
+    def _fold_oldest(self) -> None:
+        """Wait for the oldest collective of this backward and fold its result into this
+        rank's part of the accumulator: the window's first overwrites (what the last window
+        left), later ones add."""
+        launched, part, flat, b = self._pending.pop(0)
+        self.handoff.settle([launched])
+        local_start = flat.layout.parts[b][2]
+        bucket = flat.buckets[b]
+        overwrite = id(bucket) not in self._holds
+        self._holds.add(id(bucket))
+        if self.exact:
+            # part: [world, part] in the wire dtype, row r rank r's piece: summed in rank order
+            target = flat.acc[local_start : local_start + part.shape[1]]
+            ops.fold_pieces(target, list(part.unbind(0)), overwrite, flat.backend)
+            self.wire["in_flight"] -= 2 * part.numel() * part.element_size()
+            return
+        target = flat.acc[local_start : local_start + part.numel()]
+        if overwrite:
+            target.copy_(part)  # the window's first: overwrite what the last window left
+        else:
+            target.add_(part)
 
     def new_window(self) -> None:
         """The window ended (stepped or discarded): the next reduce-scatter overwrites."""
@@ -374,6 +467,9 @@ class WindowReducer:
                     continue
                 if only_ready and id(bucket) not in self._ready:
                     return  # keep the fixed order
+                if self.exact:
+                    self._exchange(flat, b, bucket)
+                    continue
                 staged = self._staged.pop(id(bucket), None)
                 if staged is None:
                     staged = torch.zeros(bucket.end - bucket.start, dtype=self.reduce_dtype, device=flat.device)
@@ -383,10 +479,39 @@ class WindowReducer:
                 self._pending.append((self.handoff.launch(_reduce_scatter, part, staged), part, flat, b))
                 self._launched.add(id(bucket))
 
+    def _exchange(self, flat, b: int, bucket) -> None:
+        """reduce_dtype="exact": launch ``bucket``'s all-to-all (its staging buffer as it is,
+        -0.0 where this rank had no gradient), and fold the oldest one in flight once more than
+        EXACT_IN_FLIGHT are."""
+        staged = self._staged.pop(id(bucket), None)
+        if staged is None:
+            send = torch.full(
+                (bucket.end - bucket.start,), -0.0, dtype=self.wire_dtype(flat, bucket), device=flat.device
+            )
+        else:
+            send = staged[0]
+        recv = torch.empty(self.world, send.numel() // self.world, dtype=send.dtype, device=send.device)
+        self._pending.append((self.handoff.launch(_all_to_all, recv.view(-1), send), recv, flat, b))
+        self._launched.add(id(bucket))
+        size = send.numel() * send.element_size()
+        self.wire["sent"] += size * (self.world - 1) // self.world
+        self.wire["in_flight"] += 2 * size
+        self.wire["peak_in_flight"] = max(self.wire["peak_in_flight"], self.wire["in_flight"])
+        while len(self._pending) > EXACT_IN_FLIGHT:
+            self._fold_oldest()
+
+    def sum_chunks(self, flat, sums: Tensor) -> Tensor:
+        """reduce_dtype="exact": every rank's chunk sums (``sums``: this rank's, in its local
+        buffer order), all-gathered: [world, local chunks] (a collective)."""
+        out = torch.empty(self.world, sums.numel(), dtype=sums.dtype, device=sums.device)
+        self.handoff.settle([self.handoff.launch(_all_gather, out.view(-1), sums)])
+        return out
+
     def average_(self, value: Tensor) -> Tensor:
-        """``value`` (a 0-d device tensor) replaced by its mean over the group, in place."""
+        """``value`` (a 0-d device tensor) replaced by its mean over the group, in place; with
+        reduce_dtype="exact" its sum (the accumulators hold the group's sum, not its mean)."""
         self.handoff.settle([self.handoff.launch(dist.all_reduce, value)])
-        return value.div_(self.world)
+        return value if self.exact else value.div_(self.world)
 
     def reset(self) -> None:
         """Forget a window discarded mid-reduction (its collectives still complete first)."""
@@ -394,6 +519,7 @@ class WindowReducer:
         self.handoff.settle(works + [entry[0] for entry in self._pending])
         self._pending, self._staged, self._holds = [], {}, set()
         self._ready, self._launched = set(), set()
+        self.wire["in_flight"] = 0
 
     def _launch(self, flat_groups, only_ready: bool) -> None:
         if self.shard == "grads":

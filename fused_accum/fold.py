@@ -231,10 +231,7 @@ class Folder:
                     )
                 self.stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
-            staged = self.topology.staging_for(flat, bucket)
-            if staged is not None:  # (shard="grads": reduce-scattered after the backward)
-                relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
-                ops.accumulate(staged, relative, kind_grads, 1.0, False, None, None, flat.backend, plan=plan)
+            if self.topology.stage(flat, bucket, slots, kind_grads, plan):  # (shard="grads": staged for its collective)
                 self._folded(slots)
                 continue
             if len(slots) == len(bucket.slots):

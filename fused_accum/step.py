@@ -252,6 +252,8 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
         window.topology.average_(items)  # (data parallel: gradients are the group's mean, so the counts)
         bad = (~((items > 0) & torch.isfinite(items))).float()
         coef = coef / items
+    elif window.topology.step_divisor != 1:  # (the window holds the group's sum: its mean, as num_items=N)
+        coef = coef / torch.full((), float(window.topology.step_divisor), **fp32)
     if grad_scale is not None:
         coef = coef / grad_scale.to(home)
     if isinstance(found_inf, Tensor):

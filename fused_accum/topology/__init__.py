@@ -15,7 +15,12 @@ from typing import Optional
 from .base import Topology
 
 SHARD_MODES = (None, "state", "grads")
-__all__ = ["SHARD_MODES", "Local", "Topology", "check_arguments", "choose"]
+# reduce_dtype="exact" (shard="grads"): each micro-batch's gradients go on the wire in their own
+# dtype by an all-to-all, and each rank folds the ranks' pieces of its shard in rank order
+# (fused_accum.distributed.WindowReducer); without a process group, one process whose results
+# every world size's exact wire equals bit for bit (its norm is computed the same way).
+EXACT = "exact"
+__all__ = ["EXACT", "SHARD_MODES", "Local", "Topology", "check_arguments", "choose"]
 
 
 def check_arguments(process_group, shard, reduce_dtype, *, fused: bool, step_in_backward: bool) -> None:
@@ -33,6 +38,15 @@ def check_arguments(process_group, shard, reduce_dtype, *, fused: bool, step_in_
         raise ValueError(
             "shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim class steps whole parameters"
         )
+    if isinstance(reduce_dtype, str):
+        if reduce_dtype != EXACT:
+            raise ValueError(f"reduce_dtype must be a torch dtype or {EXACT!r}, got {reduce_dtype!r}")
+        if shard != "grads" and (shard is not None or process_group is not None):
+            raise ValueError(
+                "reduce_dtype='exact' applies to shard='grads' (or to one process without a "
+                "process_group, as the reference every world size equals)"
+            )
+        return
     if reduce_dtype is not None and shard != "grads":
         raise ValueError("reduce_dtype= applies to shard='grads' only (the window-level reductions are fp32)")
 
@@ -41,7 +55,7 @@ def choose(process_group=None, shard: Optional[str] = None, reduce_dtype=None) -
     """The topology an optimizer's constructor arguments ask for (checked there). FSDP2 is
     chosen when DTensor parameters join (:meth:`Local.join`)."""
     if process_group is None:
-        return Local()
+        return Local(exact_norm=reduce_dtype == EXACT)
     if shard is None:
         from .replicated import Replicated
 
@@ -57,6 +71,9 @@ class Local(Topology):
 
     name = "local"
     decided = False
+
+    def __init__(self, exact_norm: bool = False) -> None:
+        self.exact_norm = exact_norm  # reduce_dtype="exact": the norm of every world size's exact wire
 
     def join(self, ledger, params) -> Topology:
         """DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) are FSDP2's,

@@ -13,6 +13,8 @@ methods are how it changes it.
                              reduce after a fold)
 ``sharded``                  no full gradient survives the window's reduction
 ``picklable``                the optimizer may be pickled (a process group cannot)
+``exact_norm``               the norm is the world-size invariant one (reduce_dtype="exact"
+                             without a process group: :func:`one_process_chunk_sums`)
 ``decided``                  the topology is final (else ``resolve`` is asked at the first
                              backward)
 ``join``                     parameters join: the topology from now on (DTensors: FSDP2's)
@@ -23,7 +25,7 @@ methods are how it changes it.
 ``attach``                   a slot is hooked (FSDP2 adds a hook of its own)
 ``add``                      a flat group joins the window
 ``before_backward``          a backward starts (zero: none may follow the window's reduction)
-``staging_for``              where a bucket's gradients are folded instead of the accumulator
+``stage``                    fold a bucket's gradients somewhere else than the accumulator
                              (shard="grads": a buffer reduce-scattered after the backward)
 ``in_place_ok``              a gradient may be written straight into its slice (fused wgrad)
 ``added``                    gradients were folded (so a reduction is owed)
@@ -35,6 +37,8 @@ methods are how it changes it.
 ``finish``                   complete the reduction owed (the window's last backward, the step)
 ``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
 ``norm_terms``               the window's sum of squares and non-finite count, over every rank
+``step_divisor``             what the window's gradient is divided by when no ``num_items`` is
+                             given (shard="grads" with reduce_dtype="exact": the world size)
 ``average_``                 the window's item count, as the group's mean (``num_items``)
 ``before_flat_step``         a flat group is about to step
 ``after_step_params``        every flat group stepped (sharded: gather the parameters)
@@ -59,7 +63,82 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..flat import FlatGroup, Layout, Slot
+from ..flat import ALIGN, FlatGroup, Layout, Slot
+
+# --- the world-size invariant norm (reduce_dtype="exact") ----------------------------------------
+#
+# The window's sum of squares, computed so that it does not depend on how many ranks hold the
+# accumulator: every bucket's range is cut into chunks of CHUNK elements from the bucket's start
+# (the slots' offsets within a bucket, and so the chunks' contents, do not depend on the world
+# size; the sharded layout pads each bucket to CHUNK x world, so every rank's part is whole
+# chunks). Each chunk's sum of squares is a halving tree of element-wise adds over a [rows, CHUNK]
+# view (row i's sum: s[i, :h] + s[i, h:] until one column is left): every output element is one
+# fp32 add of two fixed inputs, so the result depends neither on how many rows one call has, nor
+# on the thread count (torch's CPU reductions split a reduction of more than 32,768 elements
+# between threads), nor on the device's reduction kernel. The chunk sums of the buckets' content
+# (ceil(content / CHUNK) per bucket: a sharded bucket's padding chunks are left out) are put in
+# buffer order and added by the same halving tree, zero padded to a power of two. A zero added
+# to a sum is exact, so a chunk's zero padding (past the content, in either layout) changes
+# nothing. One process (reduce_dtype="exact" without a process group) and N ranks so compute the
+# same bits. About 2 log2(CHUNK) + log2(chunks) element-wise ops per flat group, whatever the
+# number of parameters.
+
+CHUNK = 4096  # elements (a multiple of ALIGN; a power of two)
+
+
+def chunk_sums(rows: Tensor) -> Tensor:
+    """The sums of squares of the rows of a [rows, CHUNK] fp32 tensor, by a halving tree."""
+    s = rows * rows
+    while s.shape[1] > 1:
+        half = s.shape[1] // 2
+        s = s[:, :half] + s[:, half:]
+    return s.reshape(-1)
+
+
+def tree_sum(values: Tensor) -> Tensor:
+    """The sum of a 1-D fp32 tensor by a halving tree over it zero padded to a power of two (0-d)."""
+    n = values.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=values.device)
+    width = 1 << (n - 1).bit_length()
+    s = torch.nn.functional.pad(values, (0, width - n)) if width != n else values
+    while s.numel() > 1:
+        half = s.numel() // 2
+        s = s[:half] + s[half:]
+    return s.reshape(())
+
+
+def content(bucket) -> int:
+    """Elements of ``bucket``'s range its slots cover (each padded to ALIGN), from its start:
+    the same at every world size (the layouts differ only in the padding after it)."""
+    last = bucket.slots[-1]
+    return last.offset + -(-last.param.numel() // ALIGN) * ALIGN - bucket.start
+
+
+def buffer_order(flat) -> list:
+    """``flat``'s bucket indices in the order their ranges lie in the buffer."""
+    return sorted(range(len(flat.buckets)), key=lambda b: flat.buckets[b].start)
+
+
+def one_process_chunk_sums(flat) -> Tensor:
+    """The chunk sums of squares of a whole (one-process) accumulator in buffer order, a slot
+    holding no gradient of this window counting as zeros."""
+    acc = flat.acc
+    if not all(s.has_grad for s in flat.slots):
+        acc = acc.clone()
+        for s in flat.slots:
+            if not s.has_grad:
+                acc[s.offset : s.offset + s.param.numel()] = 0
+    rows = []
+    for b in buffer_order(flat):
+        bucket = flat.buckets[b]
+        n = content(bucket)
+        width = -(-n // CHUNK) * CHUNK
+        seg = acc[bucket.start : bucket.start + n]
+        rows.append(torch.nn.functional.pad(seg, (0, width - n)) if width != n else seg)
+    if not rows:
+        return acc.new_zeros(0)
+    return chunk_sums(torch.cat(rows).view(-1, CHUNK))
 
 
 class Topology:
@@ -71,6 +150,9 @@ class Topology:
     sharded = False
     picklable = True
     decided = True
+    # the window's norm by :func:`one_process_chunk_sums` (reduce_dtype="exact" in one process:
+    # the norm of every world size's exact wire, bit for bit)
+    exact_norm = False
 
     # --- construction ---
 
@@ -104,8 +186,10 @@ class Topology:
     def before_backward(self, ledger) -> None:
         pass
 
-    def staging_for(self, flat: FlatGroup, bucket) -> Optional[Tensor]:
-        return None
+    def stage(self, flat: FlatGroup, bucket, slots: list, grads: list, plan) -> bool:
+        """Fold ``grads`` (of ``slots``, in bucket order) somewhere of the topology's own
+        instead of the accumulator: True when done here."""
+        return False
 
     def in_place_ok(self, ledger, flat: FlatGroup) -> bool:
         return True
@@ -142,6 +226,10 @@ class Topology:
         did to the version counters, which miss the last three. (A non-finite value makes the
         sum non-finite: the flag follows from it.)"""
         total = torch.zeros((), dtype=torch.float32, device=home)
+        if self.exact_norm:
+            for flat in flat_groups:
+                total.add_(tree_sum(one_process_chunk_sums(flat)).to(home))
+            return total, torch.zeros_like(total)
         for flat in flat_groups:
             accs = [s.acc for s in flat.slots if s.has_grad]
             if len(accs) == len(flat.slots):
@@ -155,6 +243,10 @@ class Topology:
 
     def average_(self, value: Tensor) -> Tensor:
         return value
+
+    # the window's gradient is divided by this when the step is given no ``num_items``: 1, or
+    # the world size where the accumulators hold the group's sum (reduce_dtype="exact")
+    step_divisor = 1
 
     def before_flat_step(self, flat: FlatGroup, active: list) -> None:
         pass

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..distributed import is_dtensor, local_tensor
 from ..flat import ALIGN, Layout
+from .base import CHUNK, buffer_order, chunk_sums, content, tree_sum
 from .replicated import Replicated
 
 
@@ -66,10 +67,12 @@ class ShardedLayout(Layout):
     """One rank's part of every bucket (see the module): the layout of ``shard=``'s flat groups.
     One per flat group: it keeps each bucket's part, and the step's staging buffer."""
 
-    def __init__(self, rank: int, world: int, mode: str) -> None:
+    def __init__(self, rank: int, world: int, mode: str, exact: bool = False) -> None:
         self.rank, self.world, self.mode = rank, world, mode
         self.grads = mode == "grads"  # the accumulator is sharded too
-        self.bucket_align = ALIGN * world
+        # reduce_dtype="exact": every part is whole chunks of the world-size invariant norm
+        self.bucket_align = (CHUNK if exact else ALIGN) * world
+        self._chunk_order: Optional[Tensor] = None  # (exact) see chunk_order
         self.parts: list = []  # by bucket: (start, end) of this rank's part, where it lies locally
         self.staging: Optional[Tensor] = None  # the params' all-gather buffer during a step
         # The parameters' storage (see bind): one buffer in the accumulator's layout, in their
@@ -225,6 +228,22 @@ class ShardedLayout(Layout):
                 [staging[s.offset : s.offset + s.param.numel()].view(s.param.shape) for s in slots],
             )
 
+    def chunk_order(self, flat) -> Tensor:
+        """reduce_dtype="exact": where, in the all-gathered [world, local chunks] chunk sums
+        (flattened), each chunk of the buckets' content lies, in buffer order (the one-process
+        chunk order: fused_accum.topology.base; a bucket's padding chunks are left out)."""
+        if self._chunk_order is None:
+            per_rank = flat.acc.numel() // CHUNK
+            index = []
+            for b in buffer_order(flat):
+                bucket, (start, end, local_start) = flat.buckets[b], self.parts[b]
+                per_part = (end - start) // CHUNK
+                for j in range(-(-content(bucket) // CHUNK)):
+                    rank, i = divmod(j, per_part)
+                    index.append(rank * per_rank + local_start // CHUNK + i)
+            self._chunk_order = torch.tensor(index, dtype=torch.int64, device=flat.device)
+        return self._chunk_order
+
     def reduced_parts(self, flat) -> list:
         """1-D views of the reduced gradient this rank owns (one per bucket), what its share of
         the window's norm and non-finite flag is computed from."""
@@ -262,11 +281,18 @@ class Zero(Replicated):
         self.name = f"zero ({shard})"
         self.mode = shard
         self.grads = shard == "grads"
+        # reduce_dtype="exact" (see fused_accum.distributed): the accumulators hold the group's
+        # sum; the step divides it by the world size unless num_items is given (whose count is
+        # then summed, not averaged: WindowReducer.average_)
+        self.exact = self.reducer.exact
+        self.step_divisor = self.reducer.world if self.exact else 1
+        if self.exact:
+            self.name = "zero (grads, exact wire)"
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
 
     def layout(self) -> ShardedLayout:
-        return ShardedLayout(self.reducer.rank, self.reducer.world, self.mode)
+        return ShardedLayout(self.reducer.rank, self.reducer.world, self.mode, self.exact)
 
     def _reduced_error(self, ledger):
         raise RuntimeError(
@@ -293,8 +319,11 @@ class Zero(Replicated):
     def final_at_bucket(self, ledger) -> bool:
         return False  # reduced at the window's end ("state") or the backward's ("grads")
 
-    def staging_for(self, flat, bucket):
-        return self.reducer.staging_for(flat, bucket) if self.grads else None
+    def stage(self, flat, bucket, slots: list, grads: list, plan) -> bool:
+        if not self.grads:
+            return False
+        self.reducer.stage(flat, bucket, slots, grads, plan)  # (reduce-scattered after the backward)
+        return True
 
     def in_place_ok(self, ledger, flat) -> bool:
         if self.grads:
@@ -340,19 +369,24 @@ class Zero(Replicated):
         # "grads": this rank's gradient, staged in its bucket and reduce-scattered with the rest
         # of the bucket when the step reduces (every rank must assign its .grad, as every rank
         # runs every backward)
-        from .. import ops
-
         flat = flat_groups[slot.flat_index]
-        bucket = flat.buckets[slot.bucket_index]
-        staged = self.reducer.staging_for(flat, bucket)
-        relative = torch.tensor([slot.offset - bucket.start], dtype=torch.int64)
-        ops.accumulate(staged, relative, [grad.detach()], 1.0, False, None, None, flat.backend)
+        self.reducer.stage(flat, flat.buckets[slot.bucket_index], [slot], [grad.detach()])
         self._unreduced = self._user_staged = True
         return True
 
     def norm_terms(self, ledger, flat_groups, home) -> tuple:
         """The sum of squares of this rank's reduced parts, summed over the group with one
-        all-reduce (the non-finite flag follows from a non-finite sum)."""
+        all-reduce (the non-finite flag follows from a non-finite sum). With reduce_dtype="exact"
+        the world-size invariant one (fused_accum.topology.base): this rank's chunk sums,
+        all-gathered (4 B per CHUNK elements), put in the one-process chunk order and added by a
+        halving tree, the same bits on every rank and at every world size."""
+        if self.exact:
+            total = torch.zeros((), dtype=torch.float32, device=home)
+            for flat in flat_groups:
+                sums = chunk_sums(flat.acc.view(-1, CHUNK))
+                gathered = self.reducer.sum_chunks(flat, sums).view(-1)
+                total.add_(tree_sum(gathered[flat.layout.chunk_order(flat)]).to(home))
+            return total, torch.zeros_like(total)
         sumsq = torch.zeros((), dtype=torch.float32, device=home)  # (one device: the group's)
         for flat in flat_groups:
             parts = [part for part in flat.layout.reduced_parts(flat) if part.numel()]

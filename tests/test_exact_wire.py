@@ -1,0 +1,280 @@
+"""shard="grads" with reduce_dtype="exact" (issue 38): the gradients go on the wire in their own
+dtype and each rank folds the ranks' pieces of its shard in rank order, so N gloo ranks running
+k micro-batches each train bit for bit as one process running the N x k micro-batches in the
+order (micro-batch j, rank r) and stepping with ``num_items=N`` (the ranks' mean), or with the
+ranks' summed ``num_items``.
+
+One spawn of 4 processes runs every world size: groups of ranks [0], [0, 1], [0, 1, 2] and
+[0, 1, 2, 3] (spawning costs seconds each). Each group trains every case (every fused algorithm;
+clipping with a skipped non-finite window; ``num_items`` with the remainder mode), saves the
+weights, the gathered state (masters, remainders, moments, step counts) and the norms; the parent
+runs the one process (``reduce_dtype="exact"`` without a process group: the same norm) and
+compares the bits. The same spawn counts the collectives' bytes (through the module's
+``_all_to_all`` and ``_reduce_scatter``) and resumes, at N = 2, from a gathered checkpoint taken
+at N = 4.
+
+The model is bf16, its inputs spread over 2^-8 .. 2^8 (so the order of the fp32 adds shows), one
+parameter only receives gradients from rank 0's micro-batches (the others send -0.0, the additive
+identity), the sizes divide by nothing, and buckets are small (several per flat group).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fused_accum
+import fused_accum.distributed as fd
+
+K, WINDOWS, SIZES = 2, 3, (1, 2, 3, 4)
+CAP = 2e-3  # MB: a few buckets per flat group
+ALGORITHMS = {
+    "sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    "adam": dict(lr=1e-2, weight_decay=1e-2),
+    "adamw": dict(lr=1e-2, weight_decay=1e-2),
+    "lion": dict(lr=1e-3, weight_decay=1e-2),
+}
+# name: (algorithm, optimizer keywords, loss reduction, step's num_items)
+CASES = {
+    **{f"{name}_clip_skip": (name, dict(max_grad_norm=0.5, skip_nonfinite=True), "mean", False) for name in ALGORITHMS},
+    **{
+        f"{name}_items_remainder": (name, dict(master_weights="remainder", max_grad_norm=50.0), "sum", True)
+        for name in ALGORITHMS
+    },
+}
+NONFINITE = (1, 0)  # (window, micro-batch): the last rank's input holds an inf there (clip_skip)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(29, 67), nn.GELU(), nn.Linear(67, 5))
+        self.rank0_only = nn.Linear(29, 5)  # only rank 0's micro-batches use it
+        self.to(torch.bfloat16)
+
+    def forward(self, x, rank):
+        out = self.body(x)
+        return out + self.rank0_only(x) if rank == 0 else out
+
+
+def data(rank, window, micro, world, inject):
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * window + micro)
+    n = 3 + rank
+    scale = 2.0 ** torch.randint(-8, 9, (1, 29), generator=gen).float()
+    x = torch.randn(n, 29, generator=gen) * scale
+    if inject and (window, micro) == NONFINITE and rank == world - 1:
+        x[0, 0] = math.inf
+    return x.bfloat16(), torch.randn(n, 5, generator=gen)
+
+
+def items(rank):
+    return K * (3 + rank)
+
+
+def loss_of(model, rank, window, micro, world, reduction, inject):
+    x, y = data(rank, window, micro, world, inject)
+    err = ((model(x, rank).float() - y) ** 2).sum(dim=1)
+    return err.mean() if reduction == "mean" else err.sum()
+
+
+def make(case, **extra):
+    algorithm, keywords, _, _ = CASES[case]
+    model = Net()
+    opt = fused_accum.FusedAccumOptimizer(
+        model.parameters(), algorithm, bucket_cap_mb=CAP, **ALGORITHMS[algorithm], **keywords, **extra
+    )
+    return model, opt
+
+
+def inject_of(case):
+    return "skip" in case
+
+
+def run_window(model, opt, case, window, rank, world, group_items):
+    _, _, reduction, with_items = CASES[case]
+    for micro in range(K):
+        loss_of(model, rank, window, micro, world, reduction, inject_of(case)).backward()
+    opt.step(num_items=torch.tensor(float(items(rank))) if with_items else None)
+    opt.zero_grad()
+
+
+def one_process(case, worlds):
+    """One process, reduce_dtype="exact": window w runs the micro-batches of ``worlds[w]`` ranks
+    in the order (micro-batch j, rank r) and steps with num_items = the ranks' mean's count."""
+    _, _, reduction, with_items = CASES[case]
+    model, opt = make(case, reduce_dtype="exact")
+    norms = []
+    for window, world in enumerate(worlds):
+        for micro in range(K):
+            for rank in range(world):
+                loss_of(model, rank, window, micro, world, reduction, inject_of(case)).backward()
+        n = sum(items(r) for r in range(world)) if with_items else world
+        opt.step(num_items=n)
+        norms.append(opt.last_grad_norm.clone())
+        opt.zero_grad()
+    return dict(params=[p.detach().clone() for p in model.parameters()], state=opt.state_dict(), norms=norms)
+
+
+def _bits(t):
+    if t.is_floating_point():
+        return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def same(a, b, where="") -> list:
+    """Where ``a`` and ``b`` (nested dicts/lists of tensors and values) differ, bit for bit."""
+    if isinstance(a, dict):
+        keys = set(a) | set(b)
+        return [d for k in sorted(keys, key=str) for d in same(a.get(k), b.get(k), f"{where}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: lengths {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in same(x, y, f"{where}[{i}]")]
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return [f"{where}: {a!r:.60} vs {b!r:.60}"]
+        if not torch.equal(_bits(a), _bits(b)):
+            diff = (a.double() - b.double()).abs().nan_to_num(0).max().item() if a.is_floating_point() else "?"
+            return [f"{where}: differs (max abs {diff})"]
+        return []
+    return [] if a == b or (a is None and b is None) else [f"{where}: {a!r} vs {b!r}"]
+
+
+# --- the ranks ---------------------------------------------------------------------------------
+
+
+def _count(counts):
+    """Wrap the module's collectives: bytes each rank sends to the others ((N-1)/N of the input)."""
+    all_to_all, reduce_scatter = fd._all_to_all, fd._reduce_scatter
+
+    def counted(kind, collective):
+        def run(output, input, group=None, **kwargs):
+            n = dist.get_world_size(group)
+            counts[kind] = counts.get(kind, 0) + input.numel() * input.element_size() * (n - 1) // n
+            return collective(output, input, group=group, **kwargs)
+
+        return run
+
+    fd._all_to_all = counted("all_to_all", all_to_all)
+    fd._reduce_scatter = counted("reduce_scatter", reduce_scatter)
+
+
+def _worker(rank, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=max(SIZES))
+    torch.set_num_threads(1)
+    try:
+        groups = {n: dist.new_group(list(range(n))) for n in SIZES}  # (every rank makes every group)
+        counts: dict = {}
+        _count(counts)
+        results = {}
+        for world in SIZES:
+            if rank >= world:
+                continue
+            group = groups[world]
+            for case in CASES:
+                model, opt = make(case, process_group=group, shard="grads", reduce_dtype="exact")
+                norms = []
+                for window in range(WINDOWS):
+                    run_window(model, opt, case, window, rank, world, None)
+                    norms.append(opt.last_grad_norm.clone())
+                results[(world, case)] = dict(
+                    params=[p.detach().clone() for p in model.parameters()],
+                    state=opt.gathered_state_dict(),
+                    norms=norms,
+                )
+        # bytes per micro-batch per element, and the receive buffers' peak, at every N > 1
+        for world in SIZES[1:]:
+            if rank >= world:
+                continue
+            for wire in ("exact", torch.float32, torch.bfloat16):
+                counts.clear()
+                model, opt = make("adamw_clip_skip", process_group=groups[world], shard="grads", reduce_dtype=wire)
+                run_window(model, opt, "adamw_clip_skip", 0, rank, world, None)
+                reducer = opt._window.topology.reducer
+                elements = sum(flat.total for flat in opt._window.flat_groups)
+                results[("bytes", world, str(wire))] = dict(
+                    sent=sum(counts.values()) / (K * elements),
+                    peak=reducer.wire["peak_in_flight"],
+                    bucket_bytes=max(b.end - b.start for f in opt._window.flat_groups for b in f.buckets) * 2,
+                )
+        # resume at N = 2 from a gathered checkpoint of a window at N = 4
+        case = "adamw_items_remainder"
+        state, weights = None, None
+        model, opt = make(case, process_group=groups[4], shard="grads", reduce_dtype="exact")
+        run_window(model, opt, case, 0, rank, 4, None)
+        state = opt.gathered_state_dict()
+        weights = [p.detach().clone() for p in model.parameters()]
+        if rank < 2:
+            model, opt = make(case, process_group=groups[2], shard="grads", reduce_dtype="exact")
+            with torch.no_grad():
+                for p, w in zip(model.parameters(), weights):
+                    p.copy_(w)
+            opt.load_state_dict(state)
+            for window in (1, 2):
+                run_window(model, opt, case, window, rank, 2, None)
+            results["resume"] = dict(
+                params=[p.detach().clone() for p in model.parameters()], state=opt.gathered_state_dict()
+            )
+        torch.save(results, f"{path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("exact") / "run")
+    mp.spawn(_worker, args=(path,), nprocs=max(SIZES), join=True)
+    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(max(SIZES))]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_world_size_equals_one_process_bit_for_bit(ranks, case):
+    for world in SIZES:
+        want = one_process(case, [world] * WINDOWS)
+        for rank in range(world):
+            got = ranks[rank][(world, case)]
+            assert not same(got["params"], want["params"]), (world, rank, same(got["params"], want["params"]))
+            assert not same(got["norms"], want["norms"]) or all(
+                torch.isnan(a) and torch.isnan(b) for a, b in zip(got["norms"], want["norms"]) if not torch.equal(a, b)
+            ), (world, got["norms"], want["norms"])
+            diff = same(got["state"]["state"], want["state"]["state"], "state")
+            diff += same(got["state"].get("master"), want["state"].get("master"), "master")
+            assert not diff, (world, rank, diff[:5])
+    if "skip" in case:  # the non-finite window was skipped (its norm is not finite), the others stepped
+        norms = ranks[0][(2, case)]["norms"]
+        assert not torch.isfinite(norms[NONFINITE[0]]) and torch.isfinite(norms[0]) and torch.isfinite(norms[2])
+
+
+def test_bytes_on_the_wire_are_half_the_fp32_reduce_scatter(ranks):
+    for world in SIZES[1:]:
+        for rank in range(world):
+            exact = ranks[rank][("bytes", world, "exact")]
+            fp32 = ranks[rank][("bytes", world, str(torch.float32))]
+            bf16 = ranks[rank][("bytes", world, str(torch.bfloat16))]
+            # per element of the (padded) buffers, per micro-batch: 2 (N-1)/N for bf16 gradients
+            assert exact["sent"] == pytest.approx(2 * (world - 1) / world), exact
+            assert fp32["sent"] == pytest.approx(4 * (world - 1) / world), fp32
+            assert bf16["sent"] == pytest.approx(2 * (world - 1) / world), bf16
+            # at most EXACT_IN_FLIGHT + 1 buckets' send and receive buffers at once
+            assert 0 < exact["peak"] <= (fd.EXACT_IN_FLIGHT + 1) * 2 * exact["bucket_bytes"], exact
+
+
+def test_resume_at_another_world_size(ranks):
+    case = "adamw_items_remainder"
+    want = one_process(case, [4, 2, 2])
+    for rank in range(2):
+        got = ranks[rank]["resume"]
+        assert not same(got["params"], want["params"])
+        assert not same(got["state"]["state"], want["state"]["state"])
+
+
+def test_exact_is_checked():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="exact"):
+        fused_accum.AdamW(model.parameters(), reduce_dtype="exactly")
