@@ -49,7 +49,7 @@ def host_step_rows(sizes, threads, repeats=5, out=None) -> list:
         master, m, v, acc = (torch.randn(numel) for _ in range(4))
         v.abs_()
         lp = torch.empty(numel, dtype=torch.bfloat16)
-        # what offload's speculation copies aside (OffloadLayout.back_up): the master, the
+        # what offload's speculation copies aside (HostLayout.back_up): the master, the
         # moments and the host copy of the weight, 14 B/param (the gradient is not changed)
         aside = [(buf, torch.empty_like(buf)) for buf in (master, m, v, lp)]
         steps = torch.ones(1)
@@ -93,10 +93,10 @@ class _HostWork:
     optimizer's ``prepare_step`` (its returned call is the host step) while installed."""
 
     def __init__(self, opt) -> None:
-        from fused_accum import offload as offload_module
+        from fused_accum import host
 
         self.seconds = 0.0
-        self._layout_cls = offload_module.OffloadLayout
+        self._layout_cls = host.HostLayout
         self._back_up = self._layout_cls.back_up
         self._stepper = opt._window.placement.stepper
         self._own = vars(self._stepper).get("prepare_step")  # (an instance attribute already there)

@@ -1,5 +1,6 @@
 """The host side's machinery of ``offload="cpu"`` (fused_accum.offload): one worker thread that
-runs the host steps in order, and the transfers between the device and the host.
+runs the host steps in order, the transfers between the device and the host, and each flat
+group's host buffers (:class:`HostLayout`, over the topology's layout).
 
 On a GPU each transfer runs on a side stream, stream-ordered after the device's work, and
 returns its event (the worker synchronizes on it); on a CPU it runs on the worker, in order,
@@ -15,6 +16,7 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch import Tensor
 
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
 # slow and its timing random with it, to show the next forward never sees half a step).
@@ -122,3 +124,206 @@ class Copies:
         with torch.cuda.stream(self.stream):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             pending.append((self.device, self.stream.record_event()))
+
+
+_HOST = torch.device("cpu")
+
+
+class HostLayout:
+    """A flat group's buffers under offload, over the topology's layout (``base``: one
+    process's, a rank's part of each bucket under ``shard=``, the local shards of DTensor
+    parameters under FSDP2). The base decides what this process stores and steps of each
+    parameter and where its slices lie, and keeps the accumulator on the device where it puts
+    it; this layout puts everything the step reads and writes on the host (the masters, the
+    state, a copy of what the step writes of each parameter, the window's gradient as it
+    arrives, the speculation's backup) and says what crosses per bucket. One instance per flat
+    group.
+
+    It asks the base through the layout's own methods, never by its kind: ``step_lists`` for
+    what of each slot the step reads and writes on the device (the slots held here, their
+    gradient and weight views: a parameter, a DTensor's local shard, a ZeRO piece of the
+    staging buffer), ``part`` for a bucket's part where the base splits buckets (``shard=``).
+    Every other attribute is the base's (:meth:`__getattr__`): the layout's protocol it does
+    not change (``stored``, ``local_numel``, ``acc_numel``, ``bucket_align``, ``param_piece``,
+    ``loaded``, ``state_view`` ...) and what the topology asks of its own layout
+    (``shard=``'s ``begin_step``, ``staging``, ``gather_ranges``, ``finish_step``, ...)."""
+
+    def __init__(self, base, pinned: bool) -> None:
+        self.base = base
+        self.pinned = pinned
+        self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
+        self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
+        self.backup: dict = {}  # buffer name -> its copy taken before a speculative step
+        # Views made once (at set_views), so that a step and a transfer issue no view op per
+        # parameter (tests/test_host_cost.py): slot index -> (its gradient on the host, its host
+        # copy 1-D, the same shaped as the base's device view), for the slots held here; bucket
+        # index -> 1-D aliases of its device weights (made again where one's storage moved)
+        self._views: dict = {}
+        self._aliases: dict = {}
+
+    def __getattr__(self, name: str):
+        if name == "base" or name.startswith("__"):  # (not set yet: unpickling, copying)
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _host(self, numel: int, dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
+
+    def state_device(self, device) -> torch.device:
+        return _HOST
+
+    def step_backend(self, backend: str) -> str:
+        from . import backends
+
+        return backends.resolve("auto", _HOST)  # the C++ CPU kernels (the reference without them)
+
+    def place_buckets(self, flat) -> None:
+        self.base.place_buckets(flat)  # (then local_numel is what this process holds)
+        self.host_params = self._host(flat.local_numel, flat.dtype)
+        self.host_acc = self._host(flat.local_numel, torch.float32)
+
+    def set_views(self, flat, slot) -> None:
+        self.base.set_views(flat, slot)
+        if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
+            self.host_params = self._host(flat.local_numel, flat.dtype)
+        self._aliases = {}
+        held, _, weights = self._device_lists(flat, [slot])
+        if not held:  # (shard=: this rank holds none of it)
+            self._views.pop(slot.index, None)
+            return
+        host = self.host_params[slot.local]
+        self._views[slot.index] = (self.host_acc[slot.local], host, host.view(weights[0].shape))
+        host.copy_(self.base.param_piece(flat, slot))  # (fetched again at each step)
+
+    def _device_lists(self, flat, slots: list) -> tuple:
+        """(held, accumulator views, weights): what the step would read and write of ``slots`` on
+        the device (the base's step lists: the slots held here, and where a step writes each
+        one's weight: its low-precision copy beside an fp32 master, else the parameter itself,
+        the master)."""
+        held, accs, params, lp_params, _ = self.base.step_lists(flat, slots)
+        return held, accs, lp_params or params
+
+    # --- what crosses, per bucket ---
+
+    def local_range(self, flat, bucket_index: int) -> tuple:
+        """(start, end) of a bucket's elements in the host buffers: its part where the base
+        splits buckets (``shard=``), else all of it."""
+        part = getattr(self.base, "part", None)
+        if part is None:
+            bucket = flat.buckets[bucket_index]
+            return bucket.start, bucket.end
+        start, end, local = part(flat, bucket_index)
+        return local, local + end - start
+
+    def _device_acc(self, flat, bucket_index: int) -> Tensor:
+        """The bucket's accumulator range this process steps: in the host buffers' layout where
+        the accumulator has it, else (whole, beside a part: ``shard="state"``) the part's."""
+        if flat.acc.numel() == flat.local_numel:
+            start, end = self.local_range(flat, bucket_index)
+        else:
+            start, end, _ = self.base.part(flat, bucket_index)
+        return flat.acc[start:end]
+
+    def fetch_lists(self, flat, bucket_index: int) -> tuple:
+        """(host views, device views) to copy in before a bucket's step: its gradient, and the
+        weights as the device has them (the step reads them: as the master itself, where there
+        is no fp32 copy, or to follow a weight written from outside, where there is; an edit
+        through ``.data`` or a collective moves no version counter, and the step without
+        offload would read it): 4 + 2 B/param from the device for bf16 weights."""
+        start, end = self.local_range(flat, bucket_index)
+        held, _, weights = self._device_lists(flat, flat.buckets[bucket_index].slots)
+        hosts = [self.host_acc[start:end]] + [self._views[s.index][2] for s in held]
+        return hosts, [self._device_acc(flat, bucket_index)] + weights
+
+    def fingerprint(self, flat, bucket_index: int) -> Tensor:
+        """What a bucket's step reads from the device, as a fingerprint (see :func:`fingerprint`):
+        its accumulator range and its weights."""
+        parts = [fingerprint(self._device_acc(flat, bucket_index))]
+        weights = self._weights_1d(flat, bucket_index)
+        if weights:
+            parts.append(fingerprint(torch.cat(weights)))
+        return torch.cat(parts)
+
+    def _weights_1d(self, flat, bucket_index: int) -> list:
+        """1-D aliases of a bucket's device weights (what its step reads), made once and made
+        again only where one's storage moved (``p.data = ...``, a cast, FSDP2's new local
+        shard): no op per parameter per window. (Not kept where a weight is not contiguous: its
+        flattening is a copy, taken at each use.)"""
+        _, _, weights = self._device_lists(flat, flat.buckets[bucket_index].slots)
+        kept = self._aliases.get(bucket_index)
+        if kept is not None and len(kept) == len(weights) and all(map(_aliases, kept, weights)):
+            return kept
+        aliases = [w.detach().reshape(-1) for w in weights]
+        if all(w.is_contiguous() for w in weights):
+            self._aliases[bucket_index] = aliases
+        return aliases
+
+    def send_lists(self, flat, stepped: list) -> tuple:
+        """(device views, host views): the updated weights to send back after a step, of the
+        ``stepped`` slots (the others are not written, as without offload), into what the base's
+        step would have written (``shard=``: its staging buffer, between the topology's
+        ``before_flat_step`` and its all-gathers)."""
+        held, _, weights = self._device_lists(flat, stepped)
+        return weights, [self._views[s.index][2] for s in held]
+
+    def step_lists(self, flat, active: list) -> tuple:
+        """The host's: the held slots, the gradient as copied, the host copy of each weight
+        (written by the step: as the rounded master, or stepped in place with its remainder,
+        or as an fp32 parameter's own master)."""
+        views = self._views
+        held = [s for s in active if s.index in views]
+        if len(held) == len(active):
+            held = active  # (the same list: the stepper indexes nothing more)
+        pairs = [views[s.index] for s in held]
+        return held, [v[0] for v in pairs], *flat.masters.step_tensors(held, [v[1] for v in pairs])
+
+    # --- the speculation's backup ---
+
+    def _buffers(self, flat) -> dict:
+        buffers = {"params": self.host_params, **flat.state}
+        if flat.master is not None:  # (the fp32 copies, or the remainders: fused_accum.masters)
+            buffers["master"] = flat.master
+        return buffers
+
+    def back_up(self, flat, bucket_index: int) -> None:
+        """Copy aside a bucket's elements of everything a step changes."""
+        start, end = self.local_range(flat, bucket_index)
+        for name, buf in self._buffers(flat).items():
+            kept = self.backup.get(name)
+            if kept is None or kept.numel() != buf.numel() or kept.dtype != buf.dtype:
+                self.backup[name] = torch.empty_like(buf)
+            self.backup[name][start:end] = buf[start:end]
+
+    def restore(self, flat, bucket_index: int) -> None:
+        start, end = self.local_range(flat, bucket_index)
+        for name, buf in self._buffers(flat).items():
+            buf[start:end] = self.backup[name][start:end]
+
+    def versions(self, flat) -> tuple:
+        """The version counters of what a step changes and the user can reach: ``opt.state``'s
+        views of the step counts (written by the main thread) and of the state buffers (by the
+        worker's steps). (The masters and the host copies are the optimizer's own.)"""
+        return tuple(buf._version for buf in (flat.steps, *flat.state.values()))
+
+
+def _aliases(alias: Tensor, weight: Tensor) -> bool:
+    """Whether a kept 1-D ``alias`` still reads ``weight``'s elements in order."""
+    return (
+        alias.data_ptr() == weight.data_ptr()
+        and alias.dtype == weight.dtype
+        and alias.numel() == weight.numel()
+        and weight.is_contiguous()
+    )
+
+
+# Each dtype's bits as an integer type of its width (a fingerprint sums bits, not values).
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def fingerprint(values: Tensor) -> Tensor:
+    """Three int64 sums of the bits of 1-D ``values``: plain, squared and weighted by position
+    (a cumulative sum), in exact wrap-around integer arithmetic on their device, so that the
+    same values give the same fingerprint whatever the order of the additions, and a changed
+    value, a swap of two values or a sign flip almost surely do not. ``mul_(1.0)`` keeps it."""
+    bits = values.view(_BITS[values.dtype]).to(torch.int64)
+    return torch.stack([bits.sum(), bits.square().sum(), bits.cumsum(0).sum()])

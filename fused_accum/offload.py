@@ -1,13 +1,15 @@
 """``offload="cpu"``: the optimizer's state on the host, the step on the host's CPU kernels, exact.
 
 On the device stay the parameters and the fp32 accumulators (bf16 AdamW: 2 + 4 = 6 B/param;
-with ``shard="grads"`` over N ranks 2 + 4/N); the middle micro-batches fold there exactly as
-without offload. On the host live the fp32 masters (or, with ``master_weights="remainder"``,
-the int16 remainders), the optimizer state and the step counts, a host copy of every parameter
-(what the step writes, and what goes back to the device), the window's gradient as it arrives
-from the device, and a backup of what a speculative step changes (:class:`OffloadLayout`; under
-``shard=`` each rank's part of them, :class:`ShardedOffloadLayout`). The two that cross, the
-gradient and the parameter copy, are pinned where the device is a GPU; the rest never does.
+with ``shard="grads"`` over N ranks 2 + 4/N; under FSDP2 each rank's shards of both, 6/N); the
+middle micro-batches fold there exactly as without offload. On the host live the fp32 masters
+(or, with ``master_weights="remainder"``, the int16 remainders), the optimizer state and the
+step counts, a host copy of every parameter (what the step writes, and what goes back to the
+device), the window's gradient as it arrives from the device, and a backup of what a
+speculative step changes: :class:`fused_accum.host.HostLayout`, over the topology's layout,
+which says what this process holds of each parameter (all of it; under ``shard=`` its part of
+each bucket; under FSDP2 its local shards). The two that cross, the gradient and the parameter
+copy, are pinned where the device is a GPU; the rest never does.
 
 One transfer per window. When the window's last backward completes a bucket, its fp32 sum is
 final: it goes device-to-host once (on a side stream), and a host worker thread steps that
@@ -44,7 +46,8 @@ step) until one would have committed; the window after it speculates again. Ever
 ``step()``, still bucket by bucket, each bucket's copy to the host overlapping the step of the
 one before; so does every window under ``process_group=`` (and ``shard=``), whose last
 backward's buckets are final only after their collective, which the step waits for
-(``fold.bucket_complete`` asks the topology: ``final_at_bucket``), and under DDP, which owns
+(``fold.bucket_complete`` asks the topology: ``final_at_bucket``), under FSDP2, whose
+reduce-scatters add into ``.grad`` until the last backward ends, and under DDP, which owns
 ``.grad``. A bucket holding a parameter with a post-accumulate-grad hook does not speculate (the
 hook may edit ``.grad`` after the fold), nor does any bucket of an optimizer with step pre-hooks
 (they run before the step and may edit ``opt.state``).
@@ -60,7 +63,6 @@ there shows the step to come, a checkpoint (``state_dict``) puts the speculation
 from __future__ import annotations
 
 import dataclasses
-import operator
 import weakref
 from typing import Optional
 
@@ -68,207 +70,12 @@ import torch
 from torch import Tensor
 from torch.optim import optimizer as torch_optimizer
 
-from . import backends
 from .flat import Layout
-from .host import Copies, Worker
+from .host import Copies, HostLayout, Worker
 from .owners import _foreign_step
 from .placement import Placement
-from .topology.zero import ShardedLayout
 
 _HOST = torch.device("cpu")
-SLOT_PARAM = operator.attrgetter("param")
-
-
-class OffloadLayout(Layout):
-    """A flat group's buffers under offload: the accumulator on the device, everything the step
-    reads and writes on the host (one instance per flat group: it holds that group's host copy
-    of the parameters, the window's gradient on the host, and the speculation's backup)."""
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
-        self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
-        self.backup: dict = {}  # buffer name -> its copy taken before a speculative step
-        # Views made once (at set_views), so that a step and a transfer issue no view op per
-        # parameter (tests/test_host_cost.py): slot index -> (its gradient on the host, its
-        # host copy 1-D, the same shaped as the parameter); bucket index -> 1-D aliases of its
-        # parameters on the device (made again where a parameter's storage moved)
-        self._views: dict = {}
-        self._aliases: dict = {}
-
-    def _host(self, numel: int, dtype) -> Tensor:
-        return torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=self.pinned)
-
-    def state_device(self, device) -> torch.device:
-        return _HOST
-
-    def step_backend(self, backend: str) -> str:
-        return backends.resolve("auto", _HOST)  # the C++ CPU kernels (the reference without them)
-
-    def place_buckets(self, flat) -> None:
-        super().place_buckets(flat)  # (under shard=, the parts: then local_numel is this rank's)
-        self.host_params = self._host(flat.local_numel, flat.dtype)
-        self.host_acc = self._host(flat.local_numel, torch.float32)
-
-    def set_views(self, flat, slot) -> None:
-        super().set_views(flat, slot)
-        if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
-            self.host_params = self._host(flat.local_numel, flat.dtype)
-        host_param = self.host_params[slot.local]
-        self._views[slot.index] = (self.host_acc[slot.local], host_param, self._shaped(host_param, slot))
-        self._aliases = {}
-        self._host_param(slot).copy_(self._device_param(flat, slot))  # (fetched again at each step)
-
-    # --- what crosses, per bucket (the layout decides which elements are this process's) ---
-
-    def _held(self, slots: list) -> list:
-        return slots
-
-    def _shaped(self, host_param: Tensor, slot) -> Tensor:
-        """A slot's host copy as the transfers take it: shaped like the parameter."""
-        return host_param.view(slot.param.shape)
-
-    def _host_param(self, slot) -> Tensor:
-        return self._views[slot.index][2]
-
-    def _device_param(self, flat, slot) -> Tensor:
-        return slot.param  # (the transfers run under no_grad: no detach, an op per parameter)
-
-    def local_range(self, flat, bucket_index: int) -> tuple:
-        """(start, end) of a bucket's elements in the host buffers."""
-        bucket = flat.buckets[bucket_index]
-        return bucket.start, bucket.end
-
-    def _device_acc(self, flat, bucket_index: int) -> Tensor:
-        start, end = self.local_range(flat, bucket_index)
-        return flat.acc[start:end]
-
-    def fetch_lists(self, flat, bucket_index: int) -> tuple:
-        """(host views, device views) to copy in before a bucket's step: its gradient, and the
-        parameters' values as the device has them (the step reads them: as the master itself,
-        where there is no fp32 copy, or to follow a weight written from outside, where there is;
-        an edit through ``.data`` or a collective moves no version counter, and the step without
-        offload would read it): 4 + 2 B/param from the device for bf16 weights."""
-        start, end = self.local_range(flat, bucket_index)
-        held = self._held(flat.buckets[bucket_index].slots)
-        hosts = [self.host_acc[start:end]] + [self._host_param(s) for s in held]
-        devices = [self._device_acc(flat, bucket_index)] + [self._device_param(flat, s) for s in held]
-        return hosts, devices
-
-    def fingerprint(self, flat, bucket_index: int) -> Tensor:
-        """What a bucket's step reads from the device, as a fingerprint (see :func:`_fingerprint`):
-        its accumulator range and its parameters' values."""
-        parts = [_fingerprint(self._device_acc(flat, bucket_index))]
-        weights = self._weights_1d(flat, bucket_index)
-        if weights:
-            parts.append(_fingerprint(torch.cat(weights)))
-        return torch.cat(parts)
-
-    def _weights_1d(self, flat, bucket_index: int) -> list:
-        """1-D aliases of the device values of a bucket's parameters (what its step reads),
-        made once and made again only where a parameter's storage moved (``p.data = ...``, a
-        cast): no op per parameter per window. (Not kept where a parameter is not contiguous:
-        its flattening is a copy, taken at each use.)"""
-        held = self._held(flat.buckets[bucket_index].slots)
-        kept = self._aliases.get(bucket_index)
-        if kept is not None and all(
-            a.data_ptr() == s.param.data_ptr() and a.dtype == s.param.dtype for a, s in zip(kept, held)
-        ):
-            return kept
-        aliases = [self._device_param(flat, s).detach().reshape(-1) for s in held]
-        if self.keeps_aliases and all(s.param.is_contiguous() for s in held):
-            self._aliases[bucket_index] = aliases
-        return aliases
-
-    keeps_aliases = True
-
-    def begin_send(self, flat) -> None:
-        """Before the updated parameters are sent (on the main thread: what the send writes
-        into is allocated on the compute stream)."""
-
-    def send_lists(self, flat, stepped: list) -> tuple:
-        """(device views, host views): the updated parameters to send back after a step (those
-        of the ``stepped`` slots: the others are not written, as without offload)."""
-        return list(map(SLOT_PARAM, stepped)), [self._host_param(s) for s in stepped]
-
-    def step_lists(self, flat, active: list) -> tuple:
-        """The host's: the gradient as copied, the host copy of each parameter (written by the
-        step: as the rounded master, or stepped in place with its remainder, or as an fp32
-        parameter's own master)."""
-        held = self._held(active)
-        views = [self._views[s.index] for s in held]
-        return held, [v[0] for v in views], *flat.masters.step_tensors(held, [v[1] for v in views])
-
-    # --- the speculation's backup ---
-
-    def _buffers(self, flat) -> dict:
-        buffers = {"params": self.host_params, **flat.state}
-        if flat.master is not None:  # (the fp32 copies, or the remainders: fused_accum.masters)
-            buffers["master"] = flat.master
-        return buffers
-
-    def back_up(self, flat, bucket_index: int) -> None:
-        """Copy aside a bucket's elements of everything a step changes."""
-        start, end = self.local_range(flat, bucket_index)
-        for name, buf in self._buffers(flat).items():
-            kept = self.backup.get(name)
-            if kept is None or kept.numel() != buf.numel() or kept.dtype != buf.dtype:
-                self.backup[name] = torch.empty_like(buf)
-            self.backup[name][start:end] = buf[start:end]
-
-    def restore(self, flat, bucket_index: int) -> None:
-        start, end = self.local_range(flat, bucket_index)
-        for name, buf in self._buffers(flat).items():
-            buf[start:end] = self.backup[name][start:end]
-
-    def versions(self, flat) -> tuple:
-        """The version counters of what a step changes and the user can reach: ``opt.state``'s
-        views of the step counts (written by the main thread) and of the state buffers (by the
-        worker's steps). (The masters and the host copies are the optimizer's own.)"""
-        return tuple(buf._version for buf in (flat.steps, *flat.state.values()))
-
-
-class ShardedOffloadLayout(OffloadLayout, ShardedLayout):
-    """``shard=`` under offload: this rank's part of every bucket (:class:`ShardedLayout`),
-    with its masters, state, parameter pieces and gradient parts on the host. The accumulator
-    stays on the device, whole ("state") or this rank's part ("grads"): bf16 AdamW keeps 2 + 4
-    (or 2 + 4/N) B/param there and 18/N on the host. The parameters are bound into the sharded
-    layout's device buffer, as without offload (:meth:`ShardedLayout.bind`): after the host step
-    the pieces it updated go into it, and the topology all-gathers it in place
-    (``after_step_params``); the pieces that did not step keep what the device holds (a weight
-    written since the last step included)."""
-
-    def __init__(self, rank: int, world: int, mode: str, pinned: bool) -> None:
-        ShardedLayout.__init__(self, rank, world, mode)
-        OffloadLayout.__init__(self, pinned)
-
-    keeps_aliases = False  # (its pieces are views made at each use)
-
-    def _held(self, slots: list) -> list:
-        return [s for s in slots if s.piece is not None]
-
-    def _shaped(self, host_param: Tensor, slot) -> Tensor:
-        return host_param  # (a piece: 1-D)
-
-    def _device_param(self, flat, slot) -> Tensor:
-        return self.param_piece(flat, slot)
-
-    def local_range(self, flat, bucket_index: int) -> tuple:
-        start, end, local = self.parts[bucket_index]
-        return local, local + end - start
-
-    def _device_acc(self, flat, bucket_index: int) -> Tensor:
-        if self.grads:  # (the accumulator is this rank's parts, in the local order)
-            return super()._device_acc(flat, bucket_index)
-        start, end, _ = self.parts[bucket_index]
-        return flat.acc[start:end]
-
-    def begin_send(self, flat) -> None:
-        self.begin_step(flat)  # (the bound parameters are the all-gather's buffer: ShardedLayout)
-
-    def send_lists(self, flat, stepped: list) -> tuple:
-        held = self._held(stepped)
-        return [self.pieces[s.index][1] for s in held], [self.host_params[s.local] for s in held]
 
 
 @dataclasses.dataclass(eq=False)
@@ -278,7 +85,7 @@ class _Speculation:
     to put back (``steps``: the step counts the step began from)."""
 
     slots: list
-    read: Tensor  # the bucket's fingerprint when it was sent (OffloadLayout.fingerprint)
+    read: Tensor  # the bucket's fingerprint when it was sent (HostLayout.fingerprint)
     hyper: tuple
     index: Optional[Tensor] = None  # the slots' indices in the flat group's step counts
     steps: Optional[Tensor] = None  # their step counts after prepare_step; None: only watched
@@ -300,17 +107,17 @@ class Offload(Placement):
         self._copies: dict = {}  # device -> Copies
         self.speculate = True  # (off after a step that was not the speculation's: see step)
         self.speculated: dict = {}  # (flat index, bucket index) -> _Speculation
-        # flat index -> its buffers' versions (OffloadLayout.versions) once the speculation of
+        # flat index -> its buffers' versions (HostLayout.versions) once the speculation of
         # the window's last backward is done: what the user edits after moves them
         self._expected: dict = {}
         self.pending_h2d: list = []  # events the compute stream waits on after a step
         # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
         self.committed = self.redone = 0
 
-    def layout(self, device, base: Layout) -> OffloadLayout:
-        """A new flat group's layout, over the topology's ``base`` (one process's, or a rank's
-        part of each bucket under ``shard=``): host buffers pinned where the parameters are on a
-        GPU."""
+    def layout(self, device, base) -> HostLayout:
+        """A new flat group's layout, over the topology's ``base`` (one process's, a rank's part
+        of each bucket under ``shard=``, the local shards under FSDP2): host buffers pinned where
+        the parameters are on a GPU."""
         if type(base).stored is not Layout.stored:  # (the buffers hold DTensor parameters' local shards)
             raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
         pinned = torch.device(device).type == "cuda"
@@ -321,9 +128,7 @@ class Offload(Placement):
                 raise RuntimeError(
                     f"offload='cpu' keeps the optimizer state in pinned host memory, which this machine cannot give ({err})"
                 ) from None
-        if isinstance(base, ShardedLayout):
-            return ShardedOffloadLayout(base.rank, base.world, base.mode, pinned)
-        return OffloadLayout(pinned)
+        return HostLayout(base, pinned)
 
     def copies(self, device) -> Copies:
         if device not in self._copies:
@@ -414,7 +219,7 @@ class Offload(Placement):
         as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
         try:
             for flat in flat_groups:
-                self._step_flat(flat, coefs, skips, unchanged, as_sent)
+                self._step_flat(flat, topology, coefs, skips, unchanged, as_sent)
             self.worker.drain()
         except BaseException:
             # Nothing of a step that raised stands, as without offload: what was committed is
@@ -434,11 +239,14 @@ class Offload(Placement):
         self.speculate = as_sent and all(unchanged.values())
         topology.after_step_params(flat_groups)
 
-    def _step_flat(self, flat, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> None:
+    def _step_flat(self, flat, topology, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> None:
         """One flat group's host step: each speculated bucket committed (left in ``speculated``
         until the whole step stands) or put back, the rest stepped on the worker, and the
-        updated parameters sent back."""
-        active = {s.key for s in flat.slots if s.has_grad}
+        updated parameters sent back (into what the topology's before-step staged: ``shard=``'s
+        buffer that its all-gathers spread)."""
+        with_grad = [s for s in flat.slots if s.has_grad]
+        active = {s.key for s in with_grad}
+        topology.before_flat_step(flat, with_grad)
         stepped = set()
         for b in range(len(flat.buckets)):
             record = self.speculated.get((flat.index, b))
@@ -459,7 +267,7 @@ class Offload(Placement):
             if call is not None:
                 self._submit_step(flat, b, call)
         if active:
-            self._to_device(flat, [s for s in flat.slots if s.key in active])
+            self._to_device(flat, with_grad)
 
     def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
         """What the host needs from the device, in one transfer per device (the window's one
@@ -525,8 +333,7 @@ class Offload(Placement):
     def _to_device(self, flat, stepped: list) -> None:
         """The updated parameters back to the device (on the worker, after its steps)."""
         copies, layout = self.copies(flat.device), flat.layout
-        layout.begin_send(flat)
-        copies.after_compute()  # (the side stream writes the staging buffer allocated on the compute stream)
+        copies.after_compute()  # (after the compute stream's staging of what the sends write into)
 
         def task() -> None:
             copies.to_device(*layout.send_lists(flat, stepped), self.pending_h2d)
@@ -546,19 +353,6 @@ class Offload(Placement):
             self._expected = {}
 
     before_checkpoint = discarded  # (a checkpoint holds the state before this window's step)
-
-
-# Each dtype's bits as an integer type of its width (a fingerprint sums bits, not values).
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _fingerprint(values: Tensor) -> Tensor:
-    """Three int64 sums of the bits of 1-D ``values``: plain, squared and weighted by position
-    (a cumulative sum), in exact wrap-around integer arithmetic on their device, so that the
-    same values give the same fingerprint whatever the order of the additions, and a changed
-    value, a swap of two values or a sign flip almost surely do not. ``mul_(1.0)`` keeps it."""
-    bits = values.view(_BITS[values.dtype]).to(torch.int64)
-    return torch.stack([bits.sum(), bits.square().sum(), bits.cumsum(0).sum()])
 
 
 def _global_step_pre_hooks() -> bool:

@@ -998,10 +998,10 @@ def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
     the buckets committed or redone; the timing patches are gone after."""
     from benchmarks import offload
     from benchmarks.end_to_end import E2EConfig
-    from fused_accum import offload as offload_module
+    from fused_accum import host
     from fused_accum.step import Stepper
 
-    back_up, prepare = offload_module.OffloadLayout.back_up, Stepper.prepare_step
+    back_up, prepare = host.HostLayout.back_up, Stepper.prepare_step
     cfg = E2EConfig(d_model=32, n_layers=1, n_heads=2, vocab=64, seq_len=16, micro_batch=2, accum_steps=8, windows=5)
     seen = []
     base, ours = offload.window_rows(torch.device("cpu"), cfg=cfg, out=seen.append)
@@ -1010,7 +1010,7 @@ def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
     assert ours["host_work_ms"] > 0 and 0.0 <= ours["hidden_fraction"] <= 1.0
     assert ours["speculated_windows"] == 3 and ours["committed_buckets"] >= 3 and ours["redone_buckets"] == 0
     assert base["host_work_ms"] == "" and base["speculated_windows"] == ""
-    assert offload_module.OffloadLayout.back_up is back_up and Stepper.prepare_step is prepare
+    assert host.HostLayout.back_up is back_up and Stepper.prepare_step is prepare
 
 
 def test_the_offload_benchmark_writes_each_row_as_it_comes(tmp_path, monkeypatch):
