@@ -70,7 +70,6 @@ import torch
 from torch import Tensor
 from torch.optim import optimizer as torch_optimizer
 
-from .flat import Layout
 from .host import Copies, HostLayout, Worker
 from .owners import _foreign_step
 from .placement import Placement
@@ -118,8 +117,6 @@ class Offload(Placement):
         """A new flat group's layout, over the topology's ``base`` (one process's, a rank's part
         of each bucket under ``shard=``, the local shards under FSDP2): host buffers pinned where
         the parameters are on a GPU."""
-        if type(base).stored is not Layout.stored:  # (the buffers hold DTensor parameters' local shards)
-            raise NotImplementedError("offload='cpu' does not support DTensor parameters (FSDP2) yet")
         pinned = torch.device(device).type == "cuda"
         if pinned:
             try:

@@ -43,7 +43,7 @@ from .window import GradientWindow
 
 
 def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None:
-    """``offload=``'s own checks (what it needs; FSDP2 is refused as its parameters join)."""
+    """``offload=``'s own checks (what it needs)."""
     if offload is None:
         return
     if offload != "cpu":

@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 import fused_accum
 
@@ -234,7 +233,6 @@ def _worker(rank, path):
             "mixed_clip": lambda: fused_accum.AdamW(
                 [*mine.parameters(), nn.Parameter(torch.ones(2))], max_grad_norm=1.0
             ),
-            "offload": lambda: fused_accum.AdamW(mine.parameters(), offload="cpu"),
         }
         for key, attempt in attempts.items():
             try:
@@ -357,7 +355,6 @@ def test_refusals_say_why(ranks):
         assert "FSDP2 reduces" in errors["process_group"]
         assert "local shards as whole parameters" in errors["generic"]
         assert "one device mesh" in errors["mixed_clip"]
-        assert "offload='cpu' does not support DTensor parameters (FSDP2) yet" in errors["offload"]
 
 
 def _worker_hsdp(rank, path):

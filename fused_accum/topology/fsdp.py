@@ -11,6 +11,10 @@ window's statistics are summed over the mesh (:class:`fused_accum.distributed.Sh
 when the first DTensor parameters join (a step may come before any backward:
 torch.distributed.checkpoint's ``set_optimizer_state_dict`` steps with zero gradients to make
 state).
+
+Under ``offload="cpu"`` the host layout (:class:`fused_accum.host.HostLayout`) wraps
+:class:`DTensorLayout`: the local shards and their fp32 accumulator slices stay on the device,
+their masters, state and host copies are on the host, where every window steps at ``step()``.
 """
 
 from __future__ import annotations
@@ -135,6 +139,9 @@ class FSDP2(Topology):
 
     def in_place_ok(self, ledger, flat) -> bool:
         return False
+
+    def final_at_bucket(self, ledger) -> bool:
+        return False  # FSDP2 adds into .grad until the window's last backward ends (offload steps at step())
 
     def check_optimizer(self, ledger, generic: Optional[str]) -> None:
         if generic is not None:
