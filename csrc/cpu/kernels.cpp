@@ -12,6 +12,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>  // the backups' streaming stores (SSE2: every x86-64)
+#endif
+
 #include "../kernels.h"
 #include "../math.h"
 #include "convert.h"
@@ -534,16 +538,74 @@ inline bool unstaged_fp32(const TensorLists& t) {
   return true;
 }
 
+// ---- backups (issue 37) ----------------------------------------------------------------------
+//
+// A step with backups copies each block of every operand it writes to that operand's backup
+// just before the block's update reads it: the copy brings the block into L1/L2 and the update
+// finds it there, so memory sees the step's traffic plus the backups' writes, in one pass. The
+// backups are written with streaming (non-temporal) stores: they are not read again by this
+// call, and a normal store would first read each backup line from memory (read for ownership),
+// as much traffic again.
+
+// dst[0, bytes) = src[0, bytes): 16-byte streaming stores from dst's first 16-byte boundary,
+// ordinary ones before and after it. The caller fences (stream_fence) before the data is used.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__x86_64__) || defined(__SSE2__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  int64_t head = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  head = std::min(head, bytes);
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  const int64_t body = bytes & ~int64_t{15};
+  for (int64_t k = 0; k < body; k += 64) {  // a cache line per iteration where it can
+    const int64_t stop = std::min(body, k + 64);
+    for (int64_t q = k; q < stop; q += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + q),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + q)));
+    }
+  }
+  std::memcpy(d + body, s + body, bytes - body);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__) || defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Tensor i's elements [offset, offset + n) of every written operand into its backup.
+inline void back_up_block(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
+  for (int k = 0; k < TensorLists::kWritten; ++k) {
+    const Operand& b = t.backup[k];
+    if (!b.present()) continue;
+    stream_copy(at(b, i, offset), at(t.written(k), i, offset), n * element_size(b.dtype[i]));
+  }
+}
+
 // The loop every step shares. update(i, offset, n, g, c, p) applies the rule to tensor i's
 // block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam. Without a fused micro-batch, g is acc itself and c the
 // signed coef (math::effective_grad's product, so the same bits) and no staging pass runs; with
 // one, g is staged by grad_block and c = 1 (exact).
 template <class Update>
 void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
-  if (a.found_inf && *a.found_inf != 0.0f) return;  // skip-all: nothing is written
+  const std::vector<int64_t> starts = element_starts(t);
+  const bool backs_up = t.backs_up();
+  if (a.found_inf && *a.found_inf != 0.0f) {  // skip-all: nothing is written but the backups
+    if (backs_up) {
+      pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
+        for_each_block(starts, begin, end, kUnstagedBlock,
+                       [&](int64_t i, int64_t offset, int64_t n) { back_up_block(t, i, offset, n); });
+        stream_fence();
+      });
+    }
+    return;
+  }
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
-  const std::vector<int64_t> starts = element_starts(t);
   const bool has_rem = t.rem.present();
   const int64_t block_size = unstaged_fp32(t) ? kUnstagedBlock : kBlock;
   ThreadCount threads;
@@ -551,6 +613,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
     threads.add();
     float g[kBlock], p_staged[kBlock];
     for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
+      if (backs_up) back_up_block(t, i, offset, n);
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -576,6 +639,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       if (param_dtype != DType::kF32) from_float(p, n, at(t.param, i, offset), param_dtype);
       if (t.lp.present()) from_float(p, n, at(t.lp, i, offset), t.lp.dtype[i]);
     });
+    if (backs_up) stream_fence();
   });
 }
 

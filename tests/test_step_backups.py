@@ -1,0 +1,169 @@
+"""Step backups (issue 37): ``StepTensors.backups`` receive the old values of everything a step
+writes, in the same pass, so offload's speculative host step is undone by copying them back.
+
+For every algorithm and parameter format, on the reference (the contract) and the C++ CPU
+backend: after a step with backups, each backup holds its tensor's pre-step bits, and every
+stepped tensor holds the bits a step without backups gives. The kernel backends that do not step
+on the host refuse backups.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from fused_accum import ops
+from fused_accum.algorithms import AdamHyper, LionHyper, SgdHyper
+from helpers import CPU_KERNEL_BACKENDS  # tests/helpers.py
+
+HOST = ["reference"] + [b for b in CPU_KERNEL_BACKENDS if b == "cpu"]
+SIZES = [1, 7, 1000, 20_000]  # 20,000: past one 16K-element block of the C++ loop
+
+ALGOS = {
+    "sgd_momentum": (ops.sgd_step, SgdHyper(0.9, 0.1, 0.01, True, False)),
+    "sgd_plain": (ops.sgd_step, SgdHyper(0.0, 0.0, 0.01, False, False)),
+    "adam": (ops.adam_step, AdamHyper(0.9, 0.99, 1e-8, 0.01, False, False)),
+    "adamw": (ops.adam_step, AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)),
+    "adamw_amsgrad": (ops.adam_step, AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)),  # amsgrad: max_exp_avg_sqs
+    "lion": (ops.lion_step, LionHyper(0.9, 0.99, 0.1, False)),
+}
+# fp32 params; fp32 masters with bf16 copies; bf16 params stepped in place; bf16 params with
+# int16 remainders (exact 2-byte masters)
+FORMATS = ["fp32", "master_bf16", "bf16", "remainder"]
+
+
+def _seed(*case) -> int:
+    return zlib.crc32(repr(case).encode())
+
+
+def _records(algo, fmt, fused, skip, gen):
+    op, hyper = ALGOS[algo]
+    n = len(SIZES)
+    randn = lambda size: torch.randn(size, generator=gen)  # noqa: E731
+    accs = [randn(s) for s in SIZES]
+    if fmt in ("bf16", "remainder"):
+        params = [randn(s).bfloat16() for s in SIZES]
+    else:
+        params = [randn(s) for s in SIZES]
+    lp = [p.bfloat16() for p in params] if fmt == "master_bf16" else []
+    if lp:  # some weights written from outside: the master follows them
+        lp[2][:10] = 0
+    rem = (
+        [torch.randint(-(2**15), 2**15, (s,), generator=gen, dtype=torch.int16) for s in SIZES]
+        if fmt == "remainder"
+        else []
+    )
+    states = {
+        "momentum_buffers": [randn(s) for s in SIZES] if hyper.__class__ is SgdHyper and hyper.momentum else [],
+        "exp_avgs": [randn(s) for s in SIZES],
+        "exp_avg_sqs": [randn(s).abs() for s in SIZES],
+        "max_exp_avg_sqs": [randn(s).abs() + 1 for s in SIZES] if algo == "adamw_amsgrad" else [],
+    }
+    s = op.states(*(states[f] for f in op.states._fields))
+    t = ops.StepTensors(
+        params,
+        accs,
+        torch.tensor([1.0, 2.0, 3.0, 4.0][:n]),
+        torch.tensor(1e-3, dtype=torch.float64),
+        torch.tensor(0.5),
+        lp_params=lp,
+        remainders=rem,
+        grads=[randn(sz).bfloat16() for sz in SIZES] if fused else [],
+        found_inf=torch.tensor(1.0 if skip else 0.0),
+    )
+    return op, t, s, hyper
+
+
+def _written(op, t, s, hyper):
+    """The lists the step writes, in the backups' order (ops.StepTensors.backups)."""
+    states = [x for x in s if len(x)]
+    if op is ops.sgd_step and hyper.momentum == 0:
+        states = []
+    return [t.params, *(x for x in (t.lp_params, t.remainders) if x), *states]
+
+
+def _clone(records):
+    op, t, s, h = records
+    c = lambda xs: [x.clone() for x in xs]  # noqa: E731
+    t2 = t._replace(params=c(t.params), lp_params=c(t.lp_params), remainders=c(t.remainders))
+    return op, t2, op.states(*map(c, s)), h
+
+
+def _bits(x):
+    return x.reshape(-1).view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("backend", HOST)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_backups_hold_the_old_values_and_change_nothing_else(backend, algo, fmt):
+    for fused, skip in [(False, False), (True, False), (False, True)]:
+        gen = torch.Generator().manual_seed(_seed(algo, fmt, fused, skip))
+        records = _records(algo, fmt, fused, skip, gen)
+        op, t, s, h = records
+        plain = _clone(records)
+        before = [[x.clone() for x in lst] for lst in _written(op, t, s, h)]
+        # backups of other shapes (same numel) and poisoned: every element must be written
+        backups = [torch.full((x.numel(), 1), -7, dtype=x.dtype) for lst in before for x in lst]
+        op(t._replace(backups=backups), s, h, backend)
+        plain[0](plain[1], plain[2], plain[3], backend)
+        n = len(t.params)
+        for k, lst in enumerate(before):
+            for i, old in enumerate(lst):
+                assert torch.equal(_bits(backups[k * n + i]), _bits(old)), (fused, skip, k, i)
+        for got, want in zip(_written(op, t, s, h), _written(*plain)):
+            for g, w in zip(got, want):
+                assert torch.equal(_bits(g), _bits(w)), (fused, skip)
+        if skip:  # nothing stepped
+            for lst, old in zip(_written(op, t, s, h), before):
+                assert all(torch.equal(_bits(g), _bits(o)) for g, o in zip(lst, old))
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_backups_are_checked(backend):
+    gen = torch.Generator().manual_seed(1)
+    op, t, s, h = _records("adamw", "master_bf16", False, False, gen)
+    n = len(t.params)  # params, lp_params, exp_avgs, exp_avg_sqs: 4 lists
+    good = [torch.empty_like(x) for lst in _written(op, t, s, h) for x in lst]
+    with pytest.raises(
+        (ValueError, RuntimeError), match=f"backups has {3 * n} tensors, expected 0 \\(none\\) or {4 * n}"
+    ):
+        op(t._replace(backups=good[: 3 * n]), s, h, backend)
+    wrong = list(good)
+    wrong[n + 1] = torch.empty(SIZES[1], dtype=torch.float32)  # lp_params[1] is bf16
+    with pytest.raises((ValueError, RuntimeError), match=rf"backups\[{n + 1}\] must be .*(bfloat16|BFloat16)"):
+        op(t._replace(backups=wrong), s, h, backend)
+
+
+def test_device_backends_refuse_backups():
+    """triton (under the interpreter here) refuses them; cuda's refusal is in its binding
+    (csrc/bindings_cuda.cpp), checked by -m gpu runs of this file on a GPU machine."""
+    import os
+
+    if "triton" not in CPU_KERNEL_BACKENDS or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton runs on CPU tensors under TRITON_INTERPRET=1 only")
+    gen = torch.Generator().manual_seed(2)
+    op, t, s, h = _records("adamw", "fp32", False, False, gen)
+    backups = [torch.empty_like(x) for lst in _written(op, t, s, h) for x in lst]
+    with pytest.raises(ValueError, match="backups are for host"):
+        op(t._replace(backups=backups), s, h, "triton")
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_backups():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    from helpers import GPU_KERNEL_BACKENDS
+
+    if "cuda" not in GPU_KERNEL_BACKENDS:
+        pytest.skip("the cuda backend is not built")
+    x = torch.randn(8, device="cuda")
+    t = ops.StepTensors(
+        [x.clone()], [x.clone()], torch.ones(1, device="cuda"), torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
+        torch.ones((), device="cuda"), backups=[torch.empty_like(x)] * 3,
+    )  # fmt: skip
+    s = ops.AdamStates([x.clone()], [x.abs()])
+    with pytest.raises(RuntimeError, match="backups are for host"):
+        ops.adam_step(t, s, ALGOS["adamw"][1], "cuda")
