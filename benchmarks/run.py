@@ -26,7 +26,9 @@ change to the plots, or for a folder written with ``--no-plot``).
 The benchmarks that are not suites run through here too, as ``python -m fused_accum bench TOOL
 [args]`` (each also runs as a script; ``TOOL --help`` says what it takes): ``phases`` (a window's
 time backward by backward, benchmarks/window_phases.py), ``distributed`` (the data-parallel and
-sharded modes on gloo ranks, benchmarks/distributed.py), ``wgrad`` (the fused weight-gradient
+sharded modes on gloo ranks, benchmarks/distributed.py), ``wire`` (shard="grads"'s exact wire
+against the fp32 and bf16 reduce-scatters: distance from one process, bus bandwidth, the fold's
+share; benchmarks/wire.py), ``wgrad`` (the fused weight-gradient
 GEMM, benchmarks/wgrad.py), ``triton-sweep`` and ``triton-host`` (the Triton launch shape on a
 GPU and the launcher's host time, benchmarks/triton_sweep.py and triton_host.py; both run by
 benchmarks/device_check.sh), ``offload`` (offload="cpu": the host step per bucket, and on a GPU
@@ -414,6 +416,7 @@ def replot(folder: Path) -> List[Path]:
 TOOLS = {  # name -> module of benchmarks/ with a main(argv)
     "phases": "window_phases",
     "distributed": "distributed",
+    "wire": "wire",
     "wgrad": "wgrad",
     "triton-sweep": "triton_sweep",
     "triton-host": "triton_host",
