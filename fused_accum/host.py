@@ -9,6 +9,7 @@ with nothing to wait for.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -153,7 +154,9 @@ class HostLayout:
         self.pinned = pinned
         self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
         self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
-        self.backup: dict = {}  # buffer name -> its copy taken before a speculative step
+        self.backup: dict = {}  # buffer name -> the old values a speculative step wrote there
+        self._backups: dict = {}  # (see _backup_views)
+        self._backup_key: Optional[tuple] = None
         # Views made once (at set_views), so that a step and a transfer issue no view op per
         # parameter (tests/test_host_cost.py): slot index -> (its gradient on the host, its host
         # copy 1-D, the same shaped as the base's device view), for the slots held here; bucket
@@ -186,7 +189,7 @@ class HostLayout:
         self.base.set_views(flat, slot)
         if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
             self.host_params = self._host(flat.local_numel, flat.dtype)
-        self._aliases = {}
+        self._aliases, self._backup_key = {}, None
         held, _, weights = self._device_lists(flat, [slot])
         if not held:  # (shard=: this rank holds none of it)
             self._views.pop(slot.index, None)
@@ -277,7 +280,7 @@ class HostLayout:
         pairs = [views[s.index] for s in held]
         return held, [v[0] for v in pairs], *flat.masters.step_tensors(held, [v[1] for v in pairs])
 
-    # --- the speculation's backup ---
+    # --- the speculation's backup: written by the step itself, in its own pass ---
 
     def _buffers(self, flat) -> dict:
         buffers = {"params": self.host_params, **flat.state}
@@ -285,19 +288,49 @@ class HostLayout:
             buffers["master"] = flat.master
         return buffers
 
-    def back_up(self, flat, bucket_index: int) -> None:
-        """Copy aside a bucket's elements of everything a step changes."""
-        start, end = self.local_range(flat, bucket_index)
-        for name, buf in self._buffers(flat).items():
-            kept = self.backup.get(name)
-            if kept is None or kept.numel() != buf.numel() or kept.dtype != buf.dtype:
-                self.backup[name] = torch.empty_like(buf)
-            self.backup[name][start:end] = buf[start:end]
+    def _backup_views(self, flat) -> dict:
+        """buffer name -> slot index -> (the slot's view of the buffer, of its backup), for the
+        slots held here: made at the first speculation (the backups zeros: their padding is the
+        buffers'), and again where a buffer was replaced (a cast, a momentum turned on, a move)."""
+        buffers = self._buffers(flat)
+        key = tuple((name, buf.data_ptr(), buf.numel(), buf.dtype) for name, buf in buffers.items())
+        if key != self._backup_key:
+            held = [s for s in flat.slots if s.index in self._views]
+            self.backup = {name: torch.zeros_like(buf) for name, buf in buffers.items()}
+            self._backups = {
+                name: {s.index: (buf[s.local], self.backup[name][s.local]) for s in held}
+                for name, buf in buffers.items()
+            }
+            self._backup_key = key
+        return self._backups
 
-    def restore(self, flat, bucket_index: int) -> None:
-        start, end = self.local_range(flat, bucket_index)
-        for name, buf in self._buffers(flat).items():
-            buf[start:end] = self.backup[name][start:end]
+    def back_up(self, flat, slots: list, call) -> tuple:
+        """(``call`` with its backups, the names of the buffers they back up): the step of
+        ``slots`` that :meth:`Stepper.prepare_step` returned (``functools.partial(op, t, states,
+        hyper, backend, plan=...)``), made to write the old values of everything it changes
+        into the backups as it reads them (``ops.StepTensors.backups``: no pass of its own).
+        The written lists, in the op's order: params, lp_params, remainders (each the host copy
+        of the weights or the masters' buffer), then the state lists it writes."""
+        t, states = call.args[0], call.args[1]
+        views = self._backup_views(flat)
+        held = [s.index for s in slots if s.index in self._views]
+        weights = self.host_params.untyped_storage().data_ptr()
+        names = [
+            "params" if written[0].untyped_storage().data_ptr() == weights else "master"
+            for written in (t.params, t.lp_params, t.remainders)
+            if written
+        ]
+        names += [field[:-1] for field, written in zip(type(states)._fields, states) if written]  # (exp_avgs: exp_avg)
+        backups = [views[name][i][1] for name in names for i in held]
+        return functools.partial(call.func, t._replace(backups=backups), *call.args[1:], **call.keywords), names
+
+    def restore(self, flat, slots: list, names: list) -> None:
+        """Put back what :meth:`back_up`'s step of ``slots`` changed (the buffers ``names``)."""
+        views = self._backups
+        held = [s.index for s in slots if s.index in self._views]
+        for name in names:
+            pairs = [views[name][i] for i in held]
+            torch._foreach_copy_([buf for buf, _ in pairs], [kept for _, kept in pairs])
 
     def versions(self, flat) -> tuple:
         """The version counters of what a step changes and the user can reach: ``opt.state``'s

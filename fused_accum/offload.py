@@ -19,8 +19,9 @@ exactly those copies (the compute stream waits on their events).
 
 Speculation, and why it stays exact. Clipping and non-finite skips need the whole window's norm,
 known only at its end, and ``num_items`` and a GradScaler's scale only at ``step()``. So the
-worker steps each bucket *speculatively*, with the coefficient 1, after copying aside (backup)
-everything the step will change of it. At ``step()``, where the step's real coefficient is 1 and
+worker steps each bucket *speculatively*, with the coefficient 1, and the step itself copies
+aside (backup) the old value of everything it changes, in its own pass, as it reads it
+(``ops.StepTensors.backups``: no pass of its own over the state). At ``step()``, where the step's real coefficient is 1 and
 nothing skips, and nothing the speculation read has changed since (the gradients, the weights,
 ``opt.state``, the hyper-parameters), the speculation is the step: it is committed as it is.
 Whether the gradients and the weights changed is decided from their values, never from version
@@ -88,7 +89,8 @@ class _Speculation:
     hyper: tuple
     index: Optional[Tensor] = None  # the slots' indices in the flat group's step counts
     steps: Optional[Tensor] = None  # their step counts after prepare_step; None: only watched
-    backed_up: bool = False  # (set by the worker: a task that failed first has nothing to restore)
+    written: list = dataclasses.field(default_factory=list)  # the buffers its step backs up (HostLayout.back_up)
+    backed_up: bool = False  # (set by the worker once its step ran: a task that failed first has nothing to restore)
 
 
 class Offload(Placement):
@@ -167,6 +169,7 @@ class Offload(Placement):
         # their step counts after prepare_step took any user's entry (as the backup will see the
         # state) and added one to each
         record.steps = flat.steps[record.index]
+        call, record.written = flat.layout.back_up(flat, slots, call)  # (the step writes the backup)
         self._submit_step(flat, bucket_index, call, record)
 
     def backward_ended(self, flat_groups) -> None:
@@ -184,7 +187,7 @@ class Offload(Placement):
 
     def _submit_step(self, flat, bucket_index: int, call, record: Optional[_Speculation] = None) -> None:
         """Queue a bucket's step on the worker, after its copies to the host (started here on a
-        GPU; on a CPU the worker copies); with a speculation's ``record``, after its backup."""
+        GPU; on a CPU the worker copies); a speculation's ``record`` is told when it ran."""
         layout = flat.layout
         hosts, devices = layout.fetch_lists(flat, bucket_index)
         event = self.copies(flat.device).to_host(hosts, devices)
@@ -194,10 +197,9 @@ class Offload(Placement):
                 torch._foreach_copy_(hosts, devices)
             else:
                 event.synchronize()
-            if record is not None:
-                layout.back_up(flat, bucket_index)
-                record.backed_up = True
             call()
+            if record is not None:
+                record.backed_up = True
 
         self.worker.submit(task)
 
@@ -313,7 +315,7 @@ class Offload(Placement):
     def _put_back(flat, bucket_index: int, record: _Speculation) -> None:
         """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
         if record.backed_up:
-            flat.layout.restore(flat, bucket_index)
+            flat.layout.restore(flat, record.slots, record.written)
         flat.steps[record.index] = record.steps - 1
 
     def _still_valid(self, flat, record: _Speculation) -> bool:

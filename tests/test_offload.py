@@ -540,3 +540,43 @@ def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
             o.zero_grad()
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
     assert opt._window.placement.committed > 0
+
+
+def test_a_speculated_step_backs_up_in_its_own_pass_and_puts_back_only_its_slots(monkeypatch, one_thread):
+    """The speculation's backup is written by the host step itself (ops.StepTensors.backups:
+    the master, the weight copy and both moments of each stepped slot; no copy pass of its own).
+    A window that used some of the parameters speculates on their buckets (one parameter per
+    bucket here): when the step redoes them (num_items), only they are put back; the others keep
+    what the window before committed. Against the same optimizer without offload, bit for bit."""
+    from fused_accum import ops
+
+    def model():
+        torch.manual_seed(0)
+        return nn.ModuleDict(dict(a=nn.Linear(6, 3), b=nn.Linear(6, 3))).to(torch.bfloat16)
+
+    ours, ref = model(), model()
+    keywords = dict(lr=1e-2, accum_steps=2, backend="cpu", bucket_cap_mb=1e-5)
+    opt = fused_accum.AdamW(ours.parameters(), offload="cpu", **keywords)
+    ref_opt = fused_accum.AdamW(ref.parameters(), **keywords)
+    assert len(opt._window.flat_groups[0].buckets) == 4
+    backed_up = []
+    real_call = ops.StepOp.__call__
+
+    def call(op, t, *args, **kwargs):
+        if t.backups:
+            backed_up.append((len(t.backups), len(t.params)))
+        return real_call(op, t, *args, **kwargs)
+
+    monkeypatch.setattr(ops.StepOp, "__call__", call)
+    data = batches(6, torch.bfloat16)
+    for w, (used, num_items) in enumerate([("ab", None), ("a", 4.0), ("ab", None)]):
+        for m, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                x, y = data[2 * w + j]
+                (sum(m[name](x) for name in used).float() - y).square().mean().backward()
+            o.step(num_items=num_items)
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    offload = opt._window.placement
+    assert (offload.committed, offload.redone) == (4, 2)  # window 0's 4 buckets committed, window 1's 2 redone
+    assert backed_up == [(4, 1)] * 6  # (master, weight, exp_avg, exp_avg_sq) of its one slot, per bucket
