@@ -430,6 +430,18 @@ class WindowReducer:
         self._scatter(flat_groups, only_ready=False)
         while self._pending:
             self._fold_oldest()
+        # Gradients staged after their bucket's collective was launched in this backward (a
+        # second completion of the bucket: a parameter inside and outside a reentrant
+        # checkpoint, whose inner backward runs after the outer one completed the bucket): one
+        # more collective for those buckets, in the fixed order, added like the first. Every
+        # rank must have them for the same buckets (the same graph on every rank), as every
+        # rank issues the same collectives.
+        while self._staged:
+            everything = {id(b) for flat in flat_groups for b in flat.buckets}
+            self._launched = everything - set(self._staged)
+            self._scatter(flat_groups, only_ready=False)
+            while self._pending:
+                self._fold_oldest()
         self._ready, self._launched = set(), set()
 
     def _fold_oldest(self) -> None:

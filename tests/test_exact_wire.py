@@ -39,28 +39,58 @@ ALGORITHMS = {
     "adamw": dict(lr=1e-2, weight_decay=1e-2),
     "lion": dict(lr=1e-3, weight_decay=1e-2),
 }
-# name: (algorithm, optimizer keywords, loss reduction, step's num_items)
+# name: (algorithm, optimizer keywords, loss reduction, step's num_items, parameters' dtype)
+CLIP_SKIP = dict(max_grad_norm=0.5, skip_nonfinite=True)
+ITEMS_REMAINDER = dict(master_weights="remainder", max_grad_norm=50.0)
 CASES = {
-    **{f"{name}_clip_skip": (name, dict(max_grad_norm=0.5, skip_nonfinite=True), "mean", False) for name in ALGORITHMS},
-    **{
-        f"{name}_items_remainder": (name, dict(master_weights="remainder", max_grad_norm=50.0), "sum", True)
-        for name in ALGORITHMS
-    },
+    **{f"{name}_clip_skip": (name, CLIP_SKIP, "mean", False, torch.bfloat16) for name in ALGORITHMS},
+    **{f"{name}_items_remainder": (name, ITEMS_REMAINDER, "sum", True, torch.bfloat16) for name in ALGORITHMS},
+    # fp32 gradients go on the wire in fp32
+    "adamw_fp32_clip": ("adamw", dict(max_grad_norm=0.5), "mean", False, torch.float32),
 }
 NONFINITE = (1, 0)  # (window, micro-batch): the last rank's input holds an inf there (clip_skip)
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, dtype=torch.bfloat16):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(29, 67), nn.GELU(), nn.Linear(67, 5))
         self.rank0_only = nn.Linear(29, 5)  # only rank 0's micro-batches use it
-        self.to(torch.bfloat16)
+        self.to(dtype)
 
     def forward(self, x, rank):
         out = self.body(x)
         return out + self.rank0_only(x) if rank == 0 else out
+
+
+class Reentrant(nn.Module):
+    """``inner`` runs inside and outside a reentrant checkpoint: its gradient arrives twice in a
+    backward, the second time after its bucket's collective was launched."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: self.inner(t).tanh(), x, use_reentrant=True)
+        return self.inner(h) + self.outer(h)
+
+
+def reentrant_run(rank, world, **extra):
+    model = Reentrant()
+    opt = fused_accum.SGD(model.parameters(), lr=1e-2, bucket_cap_mb=25.0, **extra)
+    for micro in range(K):
+        ranks = range(world) if "process_group" not in extra else [rank]
+        for r in ranks:
+            gen = torch.Generator().manual_seed(10 * r + micro)
+            x = torch.randn(4, 8, generator=gen).requires_grad_()
+            model(x).pow(2).sum().backward()
+    opt.step(num_items=world if "process_group" not in extra else None)
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def data(rank, window, micro, world, inject):
@@ -70,7 +100,7 @@ def data(rank, window, micro, world, inject):
     x = torch.randn(n, 29, generator=gen) * scale
     if inject and (window, micro) == NONFINITE and rank == world - 1:
         x[0, 0] = math.inf
-    return x.bfloat16(), torch.randn(n, 5, generator=gen)
+    return x, torch.randn(n, 5, generator=gen)
 
 
 def items(rank):
@@ -79,13 +109,13 @@ def items(rank):
 
 def loss_of(model, rank, window, micro, world, reduction, inject):
     x, y = data(rank, window, micro, world, inject)
-    err = ((model(x, rank).float() - y) ** 2).sum(dim=1)
+    err = ((model(x.to(model.rank0_only.weight.dtype), rank).float() - y) ** 2).sum(dim=1)
     return err.mean() if reduction == "mean" else err.sum()
 
 
 def make(case, **extra):
-    algorithm, keywords, _, _ = CASES[case]
-    model = Net()
+    algorithm, keywords, _, _, dtype = CASES[case]
+    model = Net(dtype)
     opt = fused_accum.FusedAccumOptimizer(
         model.parameters(), algorithm, bucket_cap_mb=CAP, **ALGORITHMS[algorithm], **keywords, **extra
     )
@@ -97,7 +127,7 @@ def inject_of(case):
 
 
 def run_window(model, opt, case, window, rank, world, group_items):
-    _, _, reduction, with_items = CASES[case]
+    _, _, reduction, with_items, _ = CASES[case]
     for micro in range(K):
         loss_of(model, rank, window, micro, world, reduction, inject_of(case)).backward()
     opt.step(num_items=torch.tensor(float(items(rank))) if with_items else None)
@@ -106,8 +136,19 @@ def run_window(model, opt, case, window, rank, world, group_items):
 
 def one_process(case, worlds):
     """One process, reduce_dtype="exact": window w runs the micro-batches of ``worlds[w]`` ranks
-    in the order (micro-batch j, rank r) and steps with num_items = the ranks' mean's count."""
-    _, _, reduction, with_items = CASES[case]
+    in the order (micro-batch j, rank r) and steps with num_items = the ranks' mean's count. One
+    thread, as the ranks: the backward's fp32 matmuls (not ours) sum in an order that depends on
+    the thread count (bf16 ones showed no difference here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process(case, worlds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(case, worlds):
+    _, _, reduction, with_items, _ = CASES[case]
     model, opt = make(case, reduce_dtype="exact")
     norms = []
     for window, world in enumerate(worlds):
@@ -203,6 +244,12 @@ def _worker(rank, path):
                     peak=reducer.wire["peak_in_flight"],
                     bucket_bytes=max(b.end - b.start for f in opt._window.flat_groups for b in f.buckets) * 2,
                 )
+        # a gradient arriving twice in a backward (reentrant checkpoint), at N = 2
+        if rank < 2:
+            for wire in ("exact", None):
+                results[("reentrant", wire)] = reentrant_run(
+                    rank, 2, process_group=groups[2], shard="grads", reduce_dtype=wire
+                )
         # resume at N = 2 from a gathered checkpoint of a window at N = 4
         case = "adamw_items_remainder"
         state, weights = None, None
@@ -265,6 +312,17 @@ def test_bytes_on_the_wire_are_half_the_fp32_reduce_scatter(ranks):
             assert 0 < exact["peak"] <= (fd.EXACT_IN_FLIGHT + 1) * 2 * exact["bucket_bytes"], exact
 
 
+def test_a_gradient_arriving_twice_in_a_backward_is_summed(ranks):
+    # The second arrival comes after its bucket's all-to-all was launched: a second round of
+    # collectives for that bucket, added after the first (exact in fp32, in another order than
+    # one process's: equal to rounding, not bit for bit). It was lost before (0.03 off here).
+    want = reentrant_run(0, 2, reduce_dtype="exact")
+    for rank in range(2):
+        for wire in ("exact", None):
+            for got, w in zip(ranks[rank][("reentrant", wire)], want):
+                torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
+
+
 def test_resume_at_another_world_size(ranks):
     case = "adamw_items_remainder"
     want = one_process(case, [4, 2, 2])
@@ -278,3 +336,24 @@ def test_exact_is_checked():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="exact"):
         fused_accum.AdamW(model.parameters(), reduce_dtype="exactly")
+
+
+def test_the_chunked_norm_depends_neither_on_rows_per_call_nor_on_threads():
+    from fused_accum.topology.base import CHUNK, chunk_sums, tree_sum
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(37, CHUNK, generator=gen) * 2.0 ** torch.randint(-20, 20, (37, 1), generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            whole = chunk_sums(rows)
+            parts = torch.cat([chunk_sums(rows[:1]), chunk_sums(rows[1:9]), chunk_sums(rows[9:])])
+            results += [whole, parts, tree_sum(whole).reshape(1)]
+            assert torch.equal(_bits(whole), _bits(parts))
+        assert torch.equal(_bits(results[0]), _bits(results[3]))
+        assert torch.equal(_bits(results[2]), _bits(results[5]))
+    finally:
+        torch.set_num_threads(threads)
+    # (torch's own sum of a 37 x 4096 tensor is split between threads: the reason for the tree)

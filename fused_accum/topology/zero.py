@@ -17,6 +17,13 @@ master and optimizer-state buffers then hold only the owned parts, concatenated 
 (``local_numel = total / world`` elements), and each slot's ``piece`` says which elements of its
 parameter fall in them (a parameter split across ranks gets a partial piece, one that lies
 elsewhere gets none). ``shard="grads"`` shards the accumulator the same way.
+
+``reduce_dtype="exact"`` (``"grads"`` only; :class:`fused_accum.distributed.WindowReducer`): the
+gradients go on the wire in their own dtype by an all-to-all and are folded in rank order, the
+accumulators keep the group's sum (``step_divisor``: the step divides by N), buckets are padded
+to ``CHUNK x world`` so that every part is whole chunks of the world-size invariant norm
+(:func:`fused_accum.topology.base.chunk_sums`), gathered in the one-process chunk order
+(:meth:`ShardedLayout.chunk_order`).
 """
 
 from __future__ import annotations
