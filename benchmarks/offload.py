@@ -45,7 +45,7 @@ from fused_accum import ops  # noqa: E402
 from fused_accum.algorithms import AdamHyper  # noqa: E402
 
 
-def host_step_rows(sizes, threads, repeats=5, out=None) -> list:
+def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
     """``out``: called with each row as it is measured."""
     rows = []
     for numel in sizes:

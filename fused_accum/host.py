@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from . import backends
+
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
 # slow and its timing random with it, to show the next forward never sees half a step).
 WORKER_DELAY: Optional[Callable[[], None]] = None
@@ -176,8 +178,6 @@ class HostLayout:
         return _HOST
 
     def step_backend(self, backend: str) -> str:
-        from . import backends
-
         return backends.resolve("auto", _HOST)  # the C++ CPU kernels (the reference without them)
 
     def place_buckets(self, flat) -> None:
