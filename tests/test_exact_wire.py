@@ -356,4 +356,4 @@ def test_the_chunked_norm_depends_neither_on_rows_per_call_nor_on_threads():
         assert torch.equal(_bits(results[2]), _bits(results[5]))
     finally:
         torch.set_num_threads(threads)
-    # (torch's own sum of a 37 x 4096 tensor is split between threads: the reason for the tree)
+    # (torch's x.square().sum() of these 37 x 1024 elements differs between 1 and 2 threads here)

@@ -83,7 +83,7 @@ from ..flat import ALIGN, FlatGroup, Layout, Slot
 # same bits. About 2 log2(CHUNK) + log2(chunks) element-wise ops per flat group, whatever the
 # number of parameters.
 
-CHUNK = 4096  # elements (a multiple of ALIGN; a power of two)
+CHUNK = 1024  # elements (a multiple of ALIGN; a power of two): buckets pad to CHUNK x world in the exact mode
 
 
 def chunk_sums(rows: Tensor) -> Tensor:
