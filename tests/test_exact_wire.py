@@ -244,6 +244,15 @@ def _worker(rank, path):
                     peak=reducer.wire["peak_in_flight"],
                     bucket_bytes=max(b.end - b.start for f in opt._window.flat_groups for b in f.buckets) * 2,
                 )
+        # offload="cpu" (its speculation, with the coefficient 1, is not the step: stepped again)
+        # and accum_steps, at N = 2
+        if rank < 2:
+            for name, extra in (("offload", dict(offload="cpu")), ("accum_steps", dict(accum_steps=K))):
+                case = "adamw_clip_skip"
+                model, opt = make(case, process_group=groups[2], shard="grads", reduce_dtype="exact", **extra)
+                for window in range(WINDOWS):
+                    run_window(model, opt, case, window, rank, 2, None)
+                results[name] = [p.detach().clone() for p in model.parameters()]
         # a gradient arriving twice in a backward (reentrant checkpoint), at N = 2
         if rank < 2:
             for wire in ("exact", None):
@@ -310,6 +319,13 @@ def test_bytes_on_the_wire_are_half_the_fp32_reduce_scatter(ranks):
             assert bf16["sent"] == pytest.approx(2 * (world - 1) / world), bf16
             # at most EXACT_IN_FLIGHT + 1 buckets' send and receive buffers at once
             assert 0 < exact["peak"] <= (fd.EXACT_IN_FLIGHT + 1) * 2 * exact["bucket_bytes"], exact
+
+
+@pytest.mark.parametrize("name", ["offload", "accum_steps"])
+def test_offload_and_accum_steps_equal_one_process_bit_for_bit(ranks, name):
+    want = one_process("adamw_clip_skip", [2] * WINDOWS)
+    for rank in range(2):
+        assert not same(ranks[rank][name], want["params"])
 
 
 def test_a_gradient_arriving_twice_in_a_backward_is_summed(ranks):
