@@ -259,6 +259,7 @@ class WindowReducer:
         # reduce_dtype="exact": buckets staged in fp32 for good (a slot of theirs took two
         # gradients in one backward, or a gradient of another dtype than the parameters')
         self._fp32_buckets: set = set()
+        self._seen: dict = {}  # reduce_dtype="exact": id(bucket) -> slot indices staged this backward
         # reduce_dtype="exact": bytes of the all-to-alls' buffers in flight now and at most
         # (send + receive), and bytes sent to other ranks ((N-1)/N of each send buffer)
         self.wire = {"in_flight": 0, "peak_in_flight": 0, "sent": 0}
@@ -350,71 +351,58 @@ class WindowReducer:
 
     # --- shard="grads": every backward --------------------------------------------------------
 
-    def staging_for(self, flat, bucket, dtype=torch.float32) -> Tensor:
-        """shard="grads": the buffer (the bucket's whole range, zeros where no gradient arrives)
-        this backward's gradients of ``bucket`` are staged in before its collective, in
-        ``dtype`` when new (reduce_dtype="exact": the wire's; -0.0 there, the additive identity:
-        a rank without a gradient adds exactly nothing, not even to a -0.0). Freed once the
-        collective is done."""
+    def staging_for(self, flat, bucket) -> Tensor:
+        """shard="grads": the fp32 buffer (the bucket's whole range) this backward's gradients
+        of ``bucket`` are folded into before its collective: zeros where no gradient arrives, or
+        with reduce_dtype="exact" -0.0, the additive identity (a rank without a gradient adds
+        exactly nothing, not even to a -0.0). Freed once the collective is launched ("exact":
+        its wire copy is) or done."""
         if not self._staged and not self._launched:
             # This backward's first bucket: what the backend still held of the last backward's
             # staging buffers (NCCL: until the device ran it) can go before allocating anew
             self.handoff.release()
         staged = self._staged.get(id(bucket))
         if staged is None:
-            numel = bucket.end - bucket.start
-            if self.exact:
-                staged = (torch.full((numel,), -0.0, dtype=dtype, device=flat.device), set())
-            else:
-                staged = torch.zeros(numel, dtype=torch.float32, device=flat.device)
+            fill = -0.0 if self.exact else 0.0
+            staged = torch.full((bucket.end - bucket.start,), fill, dtype=torch.float32, device=flat.device)
             self._staged[id(bucket)] = staged
+            if self.exact:
+                self._seen[id(bucket)] = set()
         return staged
 
     def wire_dtype(self, flat, bucket) -> torch.dtype:
         """reduce_dtype="exact": the dtype ``bucket`` goes on the wire in: its parameters' (what
-        autograd produces for them), fp32 for a bucket staged in fp32 once (see :meth:`stage`)."""
+        autograd produces for them), fp32 for fp32 parameters and for a bucket that once took
+        a gradient its parameters' dtype cannot hold exactly (see :meth:`stage`)."""
         if id(bucket) in self._fp32_buckets or flat.dtype not in (torch.bfloat16, torch.float16):
             return torch.float32
         return flat.dtype
 
     @torch.no_grad()
     def stage(self, flat, bucket, slots: list, grads: list, plan=None) -> None:
-        """shard="grads": stage this backward's ``grads`` of ``slots`` (in bucket order) for
-        ``bucket``'s collective.
+        """shard="grads": fold this backward's ``grads`` of ``slots`` (in bucket order) into
+        ``bucket``'s fp32 staging buffer (one ``ops.accumulate`` call), for its collective.
 
-        fp32 reduce-scatter (``reduce_dtype`` a dtype): summed into an fp32 staging buffer.
-
-        reduce_dtype="exact": copied as they are into a staging buffer in the wire dtype (bf16
-        gradients into a bf16 buffer: nothing is rounded, each element holds one gradient). A
-        slot whose gradient arrives a second time in one backward (a parameter inside and
-        outside a reentrant checkpoint), or a gradient of another dtype, cannot be held exactly
-        in bf16: the buffer is widened to fp32 (exact) and the gradients summed there, and the
-        bucket goes on the wire in fp32 from then on (every backward of it, for good: every rank
-        must see such a gradient in the same backward, running the same graph, since the
-        all-to-all's buffers must agree in size). Such a parameter's sum is exact in fp32 but
-        not the one-process sum bit for bit (one process adds its two gradients to the running
-        sum one after the other; here their sum is added)."""
+        reduce_dtype="exact": each element of the buffer so holds one gradient (or -0.0), a
+        value of the gradient's dtype: the all-to-all sends the buffer in that dtype (one cast
+        at launch, exact). Host ops stay per bucket, not per parameter: a staging buffer in
+        bf16 would need a view per parameter to copy into (5 aten ops per parameter per
+        backward, measured). A slot whose gradient arrives a second time into the same buffer,
+        or a gradient of another dtype than its parameter's, makes a value the parameters'
+        dtype cannot hold: that bucket goes on the wire in fp32 from then on (every backward of
+        it, for good: every rank must see such a gradient in the same backward, running the
+        same graph, since the all-to-all's buffers must agree in size). Such a parameter's sum
+        is exact in fp32 but not the one-process sum bit for bit (one process adds its two
+        gradients to the running sum one after the other; here their sum is added)."""
         relative = torch.tensor([s.offset - bucket.start for s in slots], dtype=torch.int64)
-        if not self.exact:
-            staged = self.staging_for(flat, bucket)
-            ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend, plan=plan)
-            return
-        staged, seen = self.staging_for(flat, bucket, self.wire_dtype(flat, bucket))
-        keys = [s.index for s in slots]
-        if staged.dtype != torch.float32 and (
-            any(g.dtype != staged.dtype for g in grads) or any(k in seen for k in keys)
-        ):
-            staged = staged.float()  # (exact: every element holds one gradient or -0.0)
-            self._staged[id(bucket)] = (staged, seen)
-            self._fp32_buckets.add(id(bucket))
-        seen.update(keys)
-        if staged.dtype == torch.float32:
-            ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend)
-        else:
-            starts = relative.tolist()
-            torch._foreach_copy_(
-                [staged[o : o + g.numel()] for o, g in zip(starts, grads)], [g.reshape(-1) for g in grads]
-            )
+        staged = self.staging_for(flat, bucket)
+        if self.exact and id(bucket) not in self._fp32_buckets:
+            seen = self._seen[id(bucket)]
+            keys = [s.index for s in slots]
+            if any(k in seen for k in keys) or any(g.dtype != flat.dtype for g in grads):
+                self._fp32_buckets.add(id(bucket))
+            seen.update(keys)
+        ops.accumulate(staged, relative, grads, 1.0, False, None, None, flat.backend, plan=plan)
 
     def bucket_staged(self, flat_groups, bucket) -> None:
         """``bucket`` received all of this backward's gradients: reduce-scatter it and any
@@ -496,12 +484,12 @@ class WindowReducer:
         -0.0 where this rank had no gradient), and fold the oldest one in flight once more than
         EXACT_IN_FLIGHT are."""
         staged = self._staged.pop(id(bucket), None)
+        self._seen.pop(id(bucket), None)
+        wire = self.wire_dtype(flat, bucket)
         if staged is None:
-            send = torch.full(
-                (bucket.end - bucket.start,), -0.0, dtype=self.wire_dtype(flat, bucket), device=flat.device
-            )
+            send = torch.full((bucket.end - bucket.start,), -0.0, dtype=wire, device=flat.device)
         else:
-            send = staged[0]
+            send = staged.to(wire)  # (exact: every element is a value of the wire's dtype)
         recv = torch.empty(self.world, send.numel() // self.world, dtype=send.dtype, device=send.device)
         self._pending.append((self.handoff.launch(_all_to_all, recv.view(-1), send), recv, flat, b))
         self._launched.add(id(bucket))
@@ -529,7 +517,7 @@ class WindowReducer:
         """Forget a window discarded mid-reduction (its collectives still complete first)."""
         works, self._works = self._works, []
         self.handoff.settle(works + [entry[0] for entry in self._pending])
-        self._pending, self._staged, self._holds = [], {}, set()
+        self._pending, self._staged, self._holds, self._seen = [], {}, set(), {}
         self._ready, self._launched = set(), set()
         self.wire["in_flight"] = 0
 
