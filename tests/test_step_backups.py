@@ -105,8 +105,14 @@ def test_backups_hold_the_old_values_and_change_nothing_else(backend, algo, fmt)
         op, t, s, h = records
         plain = _clone(records)
         before = [[x.clone() for x in lst] for lst in _written(op, t, s, h)]
-        # backups of other shapes (same numel) and poisoned: every element must be written
-        backups = [torch.full((x.numel(), 1), -7, dtype=x.dtype) for lst in before for x in lst]
+        # poisoned backups (every element must be written): some of another shape (same numel),
+        # some one element past an allocation's start (the streaming stores' unaligned head)
+        backups = [
+            torch.full((x.numel(), 1), -7, dtype=x.dtype)
+            if j % 2
+            else torch.full((x.numel() + 1,), -7, dtype=x.dtype)[1:]
+            for j, x in enumerate(x for lst in before for x in lst)
+        ]
         op(t._replace(backups=backups), s, h, backend)
         plain[0](plain[1], plain[2], plain[3], backend)
         n = len(t.params)

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__SSE2__)
-#include <emmintrin.h>  // the backups' streaming stores (SSE2: every x86-64)
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // the backups' streaming stores
 #endif
 
 #include "../kernels.h"
@@ -332,6 +332,105 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
   }
 }
 
+#ifndef FA_BACKUP_BLOCK
+#define FA_BACKUP_BLOCK 128
+#endif
+// ---- backups (issue 37) ----------------------------------------------------------------------
+//
+// A step with backups copies each block of every operand it writes to that operand's backup
+// just before the block's update reads it: the copy brings the block into L1/L2 and the update
+// finds it there, so memory sees the step's traffic plus the backups' writes, in one pass. The
+// backups are written with streaming (non-temporal) stores: they are not read again by this
+// call, and a normal store would first read each backup line from memory (read for ownership),
+// as much traffic again.
+
+// The body of stream_copy: `bytes` (a multiple of 64) from src to the 64-byte aligned dst with
+// streaming stores as wide as the CPU has (a whole cache line per store on AVX-512), picked once.
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) void stream_lines_512(char* d, const char* s, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
+  }
+}
+__attribute__((target("avx2"))) void stream_lines_256(char* d, const char* s, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + k), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + k + 32), b);
+  }
+}
+void stream_lines_128(char* d, const char* s, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + k),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
+  }
+}
+using StreamLines = void (*)(char*, const char*, int64_t);
+StreamLines pick_stream_lines() {
+  if (__builtin_cpu_supports("avx512f")) return stream_lines_512;
+  if (__builtin_cpu_supports("avx2")) return stream_lines_256;
+  return stream_lines_128;
+}
+#endif
+
+// dst[0, bytes) = src[0, bytes): streaming stores from dst's first 64-byte boundary on, whole
+// lines, ordinary ones before and after them. The caller fences (stream_fence) before the data
+// is used.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const StreamLines stream_lines = pick_stream_lines();
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const int64_t head = std::min(bytes, static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(d) % 64) % 64));
+  if (head > 0) std::memcpy(d, s, head);  // (sub-blocks start on lines where tensors do: none)
+  d += head, s += head, bytes -= head;
+  const int64_t body = bytes & ~int64_t{63};
+  stream_lines(d, s, body);
+  if (bytes > body) std::memcpy(d + body, s + body, bytes - body);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  _mm_sfence();
+#endif
+}
+
+// Elements per sub-block of a step with backups: each is copied to the backups (streaming
+// stores), then updated from L1. Small, so that the copy's loads and stores overlap the updates
+// around them rather than stall a long copy: a /tmp microbenchmark of an AVX-512 AdamW loop
+// (6.5M elements from memory, one thread) took 1.35x the step without backups at 256-element
+// blocks, 1.67x at 1K, 2.1x at 4K and 16K, and 1.29x with the stores inside the element loop
+// itself (which GCC's vectorised loops cannot make streaming). Where nothing is staged the
+// sub-blocks are cut inside the block functions (one clone call and one switch per 16K
+// elements); staged blocks are this long. benchmarks/step_backups.py --cold, one thread, AdamW
+// with backups over without: 1.31-1.45x at 128, 1.55-1.63x at 256, 1.52-1.71x at 64 (fp32 and
+// bf16+master, 4 and 25 MB; 2.3-2.7x for copying aside first).
+constexpr int64_t kBackupBlock = FA_BACKUP_BLOCK;
+
+// Tensor i's elements [offset, offset + n) of every written operand into its backup.
+inline void back_up_block(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
+  for (int k = 0; k < TensorLists::kWritten; ++k) {
+    const Operand& b = t.backup[k];
+    if (!b.present()) continue;
+    stream_copy(at(b, i, offset), at(t.written(k), i, offset), n * element_size(b.dtype[i]));
+  }
+}
+
+// Which block a block function is stepping, for its backups: null t, none.
+struct BlockBackup {
+  const TensorLists* t = nullptr;
+  int64_t i = 0, offset = 0;
+};
+
+// The first element of each sub-block of a block of n elements with backups, and its size.
+// (The block functions below write the loop out, without a lambda: the pointers a lambda
+// captures lose their __restrict, and the element loops their vectorisation.)
+inline int64_t sub_block(int64_t n, int64_t o) { return std::min(kBackupBlock, n - o); }
+
 // Where an element loop reads and writes the param: fp32 values (the master, or a staged
 // block), or an exact master's two halves, rebuilt and split in the loop.
 // (always_inline, as math.h's split_master and rebuild_master: a call left in an Adam loop keeps
@@ -341,6 +440,7 @@ struct Fp32Param {
   float* __restrict p;
   FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
+  FA_ALWAYS_INLINE Fp32Param at(int64_t o) const { return {p + o}; }
 };
 struct RemainderParam {
   uint16_t* __restrict w;  // the bf16 param's bits
@@ -351,6 +451,7 @@ struct RemainderParam {
     w[j] = s.weight;
     r[j] = s.remainder;
   }
+  FA_ALWAYS_INLINE RemainderParam at(int64_t o) const { return {w + o, r + o}; }
 };
 
 // The element loops take the branches that are the same for every element as template
@@ -391,13 +492,23 @@ inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g
 
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
+                             math::SgdScalars s, BlockBackup b) {
+  if (b.t == nullptr) return sgd_block_t(g, c, p, buf, n, h, s);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    sgd_block_t(g + o, c, p.at(o), buf ? buf + o : nullptr, k, h, s);
+  }
 }
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
+                             math::SgdScalars s, BlockBackup b) {
+  if (b.t == nullptr) return sgd_block_t(g, c, p, buf, n, h, s);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    sgd_block_t(g + o, c, p.at(o), buf ? buf + o : nullptr, k, h, s);
+  }
 }
 
 // sqrt(v) / bias_correction2_sqrt, rounded as the divide rounds, without the divide: the divisor
@@ -478,16 +589,28 @@ inline __attribute__((always_inline)) void adam_block_any(const float* __restric
 
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
+                              BlockBackup b) {
+  if (b.t == nullptr) return adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    adam_block_any(g + o, c, p.at(o), m + o, v + o, max_v ? max_v + o : nullptr, k, h, s, inv_bc2);
+  }
 }
 // The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
 // and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
 // DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x -> 0.71-0.72x, one thread).
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float,
+                              BlockBackup b) {
+  if (b.t == nullptr) return adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    adam_block_any(g + o, c, p.at(o), m + o, v + o, max_v ? max_v + o : nullptr, k, h, s, 0.0f);
+  }
 }
 
 // Whether the CPU runs the AVX-512 clones (x86-64-v4), where DivideByConstant is the faster.
@@ -519,13 +642,23 @@ inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, 
 
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
+                              math::LionScalars s, BlockBackup b) {
+  if (b.t == nullptr) return lion_loop(g, c, p, m, n, h, s);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    lion_loop(g + o, c, p.at(o), m + o, k, h, s);
+  }
 }
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
+                              math::LionScalars s, BlockBackup b) {
+  if (b.t == nullptr) return lion_loop(g, c, p, m, n, h, s);
+  for (int64_t o = 0; o < n; o += kBackupBlock) {
+    const int64_t k = sub_block(n, o);
+    back_up_block(*b.t, b.i, b.offset + o, k);
+    lion_loop(g + o, c, p.at(o), m + o, k, h, s);
+  }
 }
 
 // Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
@@ -538,55 +671,7 @@ inline bool unstaged_fp32(const TensorLists& t) {
   return true;
 }
 
-// ---- backups (issue 37) ----------------------------------------------------------------------
-//
-// A step with backups copies each block of every operand it writes to that operand's backup
-// just before the block's update reads it: the copy brings the block into L1/L2 and the update
-// finds it there, so memory sees the step's traffic plus the backups' writes, in one pass. The
-// backups are written with streaming (non-temporal) stores: they are not read again by this
-// call, and a normal store would first read each backup line from memory (read for ownership),
-// as much traffic again.
-
-// dst[0, bytes) = src[0, bytes): 16-byte streaming stores from dst's first 16-byte boundary,
-// ordinary ones before and after it. The caller fences (stream_fence) before the data is used.
-inline void stream_copy(void* dst, const void* src, int64_t bytes) {
-#if defined(__x86_64__) || defined(__SSE2__)
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  int64_t head = static_cast<int64_t>((16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
-  head = std::min(head, bytes);
-  std::memcpy(d, s, head);
-  d += head, s += head, bytes -= head;
-  const int64_t body = bytes & ~int64_t{15};
-  for (int64_t k = 0; k < body; k += 64) {  // a cache line per iteration where it can
-    const int64_t stop = std::min(body, k + 64);
-    for (int64_t q = k; q < stop; q += 16) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d + q),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + q)));
-    }
-  }
-  std::memcpy(d + body, s + body, bytes - body);
-#else
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-inline void stream_fence() {
-#if defined(__x86_64__) || defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
-
-// Tensor i's elements [offset, offset + n) of every written operand into its backup.
-inline void back_up_block(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
-  for (int k = 0; k < TensorLists::kWritten; ++k) {
-    const Operand& b = t.backup[k];
-    if (!b.present()) continue;
-    stream_copy(at(b, i, offset), at(t.written(k), i, offset), n * element_size(b.dtype[i]));
-  }
-}
-
-// The loop every step shares. update(i, offset, n, g, c, p) applies the rule to tensor i's
+// The loop every step shares. update(i, offset, n, g, c, p, bk) applies the rule to tensor i's
 // block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam. Without a fused micro-batch, g is acc itself and c the
 // signed coef (math::effective_grad's product, so the same bits) and no staging pass runs; with
 // one, g is staged by grad_block and c = 1 (exact).
@@ -607,13 +692,19 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   const bool has_rem = t.rem.present();
-  const int64_t block_size = unstaged_fp32(t) ? kUnstagedBlock : kBlock;
+  // Backups: in the block functions' sub-blocks where nothing is staged (one clone call per 16K
+  // elements); where a block is staged, copied per block, blocks then kBackupBlock elements long
+  // (before staging: follow_lp writes an fp32 master in place).
+  const bool unstaged = unstaged_fp32(t);
+  const bool back_up_blocks = backs_up && !unstaged;
+  const int64_t block_size = unstaged ? kUnstagedBlock : back_up_blocks ? kBackupBlock : kBlock;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
     float g[kBlock], p_staged[kBlock];
     for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
-      if (backs_up) back_up_block(t, i, offset, n);
+      if (back_up_blocks) back_up_block(t, i, offset, n);
+      const BlockBackup bk = backs_up && unstaged ? BlockBackup{&t, i, offset} : BlockBackup{};
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -625,7 +716,8 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
         update(i, offset, n, grad, c,
                RemainderParam{static_cast<uint16_t*>(at(t.param, i, offset)),
-                              static_cast<int16_t*>(at(t.rem, i, offset))});
+                              static_cast<int16_t*>(at(t.rem, i, offset))},
+               bk);
         return;
       }
       const DType param_dtype = t.param.dtype[i];
@@ -635,7 +727,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       // the master follows its weight where that was written from outside (in place: the update
       // below writes every element of p)
       if (t.lp.present()) follow_lp(p, at(t.lp, i, offset), t.lp.dtype[i], n);
-      update(i, offset, n, grad, c, Fp32Param{p});
+      update(i, offset, n, grad, c, Fp32Param{p}, bk);
       if (param_dtype != DType::kF32) from_float(p, n, at(t.param, i, offset), param_dtype);
       if (t.lp.present()) from_float(p, n, at(t.lp, i, offset), t.lp.dtype[i]);
     });
@@ -650,9 +742,10 @@ void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper&
                   const ParallelFor& pf) {
   using namespace cpu;
   const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
+                            const BlockBackup& bk) {
     float* buf = t.state1.present() ? at_f32(t.state1, i, offset) : nullptr;
-    sgd_block(g, c, p, buf, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
+    sgd_block(g, c, p, buf, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]), bk);
   });
 }
 
@@ -667,9 +760,10 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
     inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
   }
   const bool amsgrad = t.state3.present();
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
+                            const BlockBackup& bk) {
     adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
-               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i]);
+               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i], bk);
   });
 }
 
@@ -677,8 +771,9 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
                    const ParallelFor& pf) {
   using namespace cpu;
   const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p) {
-    lion_block(g, c, p, at_f32(t.state1, i, offset), n, h, s);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
+                            const BlockBackup& bk) {
+    lion_block(g, c, p, at_f32(t.state1, i, offset), n, h, s, bk);
   });
 }
 
