@@ -1,11 +1,11 @@
 """shard="grads"'s wire modes (issue 38): the exact wire (``reduce_dtype="exact"``: an all-to-all of
 the gradients in their own dtype, folded in rank order) against the fp32 and bf16 reduce-scatters.
 
-    python -m fused_accum bench wire ring [--worlds 2 3 4]
+    python -m fused_accum bench wire ring [--worlds 2 3 4] [--clip 1.0 (0: none)]
     python -m fused_accum bench wire bandwidth [--world 2] [--backend gloo|nccl] [--sizes 1048576 ...]
 
 ``ring``: a 2-layer bf16 MLP, k = 4 micro-batches per rank, 3 AdamW windows with
-``max_grad_norm=1.0``, inputs spread over 2^-8 .. 2^8, trained on N gloo ranks with each wire;
+``max_grad_norm=1.0`` (``--clip``), inputs spread over 2^-8 .. 2^8, trained on N gloo ranks with each wire;
 each run's largest absolute distance from one process running the N x k micro-batches in the
 order (micro-batch j, rank r) (``reduce_dtype="exact"`` without a group, ``num_items=N``), over
 the weights, the fp32 masters and the AdamW moments (gathered). The exact wire's is 0.
@@ -59,8 +59,11 @@ def _loss(model, rank, window, micro):
     return ((model(x).float() - y) ** 2).mean()
 
 
+CLIP = [1.0]  # max_grad_norm (None: no clipping); set by --clip
+
+
 def _optimizer(model, **extra):
-    return fused_accum.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2, max_grad_norm=1.0, **extra)
+    return fused_accum.AdamW(model.parameters(), lr=1e-2, weight_decay=1e-2, max_grad_norm=CLIP[0], **extra)
 
 
 def _flatten(model, state) -> torch.Tensor:
@@ -75,7 +78,8 @@ def _flatten(model, state) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _ring_worker(rank, world, path):
+def _ring_worker(rank, world, path, clip):
+    CLIP[0] = clip
     dist.init_process_group("gloo", init_method=f"file://{path}.init", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
@@ -108,16 +112,21 @@ def _one_process(world) -> torch.Tensor:
     return _flatten(model, opt.state_dict())
 
 
-def ring(worlds) -> dict:
-    """{world: {wire: max abs distance from one process}}."""
+def ring(worlds, clip=1.0) -> dict:
+    """{world: {wire: (max abs distance from one process, the same over the bf16 weights alone)}}."""
+    CLIP[0] = clip
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in worlds:
             path = os.path.join(tmp, f"ring{world}")
-            mp.spawn(_ring_worker, args=(world, path), nprocs=world, join=True)
+            mp.spawn(_ring_worker, args=(world, path, clip), nprocs=world, join=True)
             got = torch.load(f"{path}.out", weights_only=True)
             want = _one_process(world)
-            rows[world] = {wire: (got[wire] - want).abs().max().item() for wire in WIRES}
+            weights = sum(p.numel() for p in _Mlp().parameters())  # (the vector's first entries)
+            rows[world] = {
+                wire: ((got[wire] - want).abs().max().item(), (got[wire] - want)[:weights].abs().max().item())
+                for wire in WIRES
+            }
     return rows
 
 
@@ -183,16 +192,19 @@ def main(argv=None):
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 16, 1 << 20])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--clip", type=float, default=1.0, help="ring: max_grad_norm (0: no clipping)")
     args = parser.parse_args(argv)
     if args.what == "ring":
-        rows = ring(args.worlds)
+        clip = args.clip or None
+        rows = ring(args.worlds, clip)
         print(
             "largest |difference| from one process (weights, fp32 masters, AdamW moments), 2-layer bf16 MLP, "
-            f"k = {K}, {WINDOWS} AdamW windows, max_grad_norm=1.0"
+            f"k = {K}, {WINDOWS} AdamW windows, max_grad_norm={clip}"
         )
-        print(f"{'N':>3}" + "".join(f"{w:>14}" for w in WIRES))
+        print("(all: weights, masters and moments / the bf16 weights alone)")
+        print(f"{'N':>3}" + "".join(f"{w:>22}" for w in WIRES))
         for world, row in rows.items():
-            print(f"{world:>3}" + "".join(f"{row[w]:>14.3g}" for w in WIRES))
+            print(f"{world:>3}" + "".join(f"{row[w][0]:>12.3g} /{row[w][1]:>8.3g}" for w in WIRES))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_bandwidth_worker, args=(args, os.path.join(tmp, "init")), nprocs=args.world, join=True)
