@@ -305,12 +305,13 @@ class HostLayout:
         return self._backups
 
     def back_up(self, flat, slots: list, call) -> tuple:
-        """(``call`` with its backups, the names of the buffers they back up): the step of
-        ``slots`` that :meth:`Stepper.prepare_step` returned (``functools.partial(op, t, states,
-        hyper, backend, plan=...)``), made to write the old values of everything it changes
-        into the backups as it reads them (``ops.StepTensors.backups``: no pass of its own).
-        The written lists, in the op's order: params, lp_params, remainders (each the host copy
-        of the weights or the masters' buffer), then the state lists it writes."""
+        """(``call`` with its backups, what puts them back: (buffer views, backup views) per
+        buffer, for :meth:`restore`): the step of ``slots`` that :meth:`Stepper.prepare_step`
+        returned (``functools.partial(op, t, states, hyper, backend, plan=...)``), made to write
+        the old values of everything it changes into the backups as it reads them
+        (``ops.StepTensors.backups``: no pass of its own). The written lists, in the op's order:
+        params, lp_params, remainders (each the host copy of the weights or the masters'
+        buffer), then the state lists it writes."""
         t, states = call.args[0], call.args[1]
         views = self._backup_views(flat)
         held = [s.index for s in slots if s.index in self._views]
@@ -321,16 +322,15 @@ class HostLayout:
             if written
         ]
         names += [field[:-1] for field, written in zip(type(states)._fields, states) if written]  # (exp_avgs: exp_avg)
-        backups = [views[name][i][1] for name in names for i in held]
-        return functools.partial(call.func, t._replace(backups=backups), *call.args[1:], **call.keywords), names
+        undo = [([views[name][i][0] for i in held], [views[name][i][1] for i in held]) for name in names]
+        backups = [kept for _, kept_list in undo for kept in kept_list]
+        return functools.partial(call.func, t._replace(backups=backups), *call.args[1:], **call.keywords), undo
 
-    def restore(self, flat, slots: list, names: list) -> None:
-        """Put back what :meth:`back_up`'s step of ``slots`` changed (the buffers ``names``)."""
-        views = self._backups
-        held = [s.index for s in slots if s.index in self._views]
-        for name in names:
-            pairs = [views[name][i] for i in held]
-            torch._foreach_copy_([buf for buf, _ in pairs], [kept for _, kept in pairs])
+    @staticmethod
+    def restore(undo: list) -> None:
+        """Put back what a step given :meth:`back_up`'s backups changed."""
+        for buffers, kept in undo:
+            torch._foreach_copy_(buffers, kept)
 
     def versions(self, flat) -> tuple:
         """The version counters of what a step changes and the user can reach: ``opt.state``'s

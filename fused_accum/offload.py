@@ -89,7 +89,7 @@ class _Speculation:
     hyper: tuple
     index: Optional[Tensor] = None  # the slots' indices in the flat group's step counts
     steps: Optional[Tensor] = None  # their step counts after prepare_step; None: only watched
-    written: list = dataclasses.field(default_factory=list)  # the buffers its step backs up (HostLayout.back_up)
+    undo: list = dataclasses.field(default_factory=list)  # what puts its step's backups back (HostLayout.back_up)
     backed_up: bool = False  # (set by the worker once its step ran: a task that failed first has nothing to restore)
 
 
@@ -169,7 +169,7 @@ class Offload(Placement):
         # their step counts after prepare_step took any user's entry (as the backup will see the
         # state) and added one to each
         record.steps = flat.steps[record.index]
-        call, record.written = flat.layout.back_up(flat, slots, call)  # (the step writes the backup)
+        call, record.undo = flat.layout.back_up(flat, slots, call)  # (the step writes the backup)
         self._submit_step(flat, bucket_index, call, record)
 
     def backward_ended(self, flat_groups) -> None:
@@ -315,7 +315,7 @@ class Offload(Placement):
     def _put_back(flat, bucket_index: int, record: _Speculation) -> None:
         """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
         if record.backed_up:
-            flat.layout.restore(flat, record.slots, record.written)
+            flat.layout.restore(record.undo)
         flat.steps[record.index] = record.steps - 1
 
     def _still_valid(self, flat, record: _Speculation) -> bool:
