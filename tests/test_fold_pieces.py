@@ -187,3 +187,38 @@ def test_one_launch_on_the_gpu(backend):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, kernels
+
+
+@pytest.mark.skipif("triton" not in CPU_KERNEL_BACKENDS, reason="triton runs on CPU tensors under TRITON_INTERPRET=1")
+def test_triton_launches_once(monkeypatch):
+    """One launch per call: the rows of one [N, n] buffer are found from the first row's address
+    and the spacing (no table); separate pieces through an address table, still one launch."""
+    from fused_accum.backends.triton import fold
+
+    launches = []
+    kernel = fold.fold_pieces_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["FROM_TABLE"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(fold, "fold_pieces_kernel", Counting())
+    gen = torch.Generator().manual_seed(6)
+    acc = torch.randn(3000, generator=gen)
+    rows = list(torch.randn(5, 3000, generator=gen).bfloat16().unbind(0))
+    want = acc.clone()
+    reference.fold_pieces(want, rows, False)
+    ops.fold_pieces(acc, rows, False, "triton")
+    assert launches == [False]
+    assert_same_bits(acc, want)
+    shuffled = [rows[2], rows[0], rows[4], rows[1], rows[3]]  # not equally spaced
+    want = acc.clone()
+    reference.fold_pieces(want, shuffled, True)
+    ops.fold_pieces(acc, shuffled, True, "triton")
+    assert launches == [False, True]
+    assert_same_bits(acc, want)
+    assert fold.row_stride(rows) == 3000 and fold.row_stride(shuffled) is None
