@@ -286,12 +286,22 @@ TOPOLOGIES = {
     "process_group-clip": dict(max_grad_norm=1.0),
     "shard-state": dict(shard="state"),
     "shard-grads": dict(shard="grads"),
+    # the exact wire (issue 38): all-to-all in the gradients' dtype, the chunked norm's trees
+    "shard-grads-exact-clip": dict(shard="grads", reduce_dtype="exact", max_grad_norm=1.0),
     "shard-state-remainder": dict(shard="state", master_weights="remainder"),
     "ddp": None,
     "fsdp2": None,
     "fsdp2-fp32-stored": None,  # (FSDP2's usual mixed precision: fp32 storage, bf16 compute)
 }
-ONE_RANK = ["process_group", "process_group-clip", "shard-state", "shard-grads", "ddp", "fsdp2"]
+ONE_RANK = [
+    "process_group",
+    "process_group-clip",
+    "shard-state",
+    "shard-grads",
+    "shard-grads-exact-clip",
+    "ddp",
+    "fsdp2",
+]
 PHASES = ("middle backward", "last backward", "step")
 # A per-parameter op planted into one fixed point of each topology's class (the guard must see
 # it): (topology module, class, method, the phase it runs in, the case planted).
