@@ -11,7 +11,7 @@ weights, the gathered state (masters, remainders, moments, step counts) and the 
 runs the one process (``reduce_dtype="exact"`` without a process group: the same norm) and
 compares the bits. The same spawn counts the collectives' bytes (through the module's
 ``_all_to_all`` and ``_reduce_scatter``) and resumes, at N = 2, from a gathered checkpoint taken
-at N = 4.
+at N = 4 and passed through torch.distributed.checkpoint's storage.
 
 The model is bf16, its inputs spread over 2^-8 .. 2^8 (so the order of the fp32 adds shows), one
 parameter only receives gradients from rank 0's micro-batches (the others send -0.0, the additive
@@ -25,6 +25,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -259,19 +260,20 @@ def _worker(rank, path):
                 results[("reentrant", wire)] = reentrant_run(
                     rank, 2, process_group=groups[2], shard="grads", reduce_dtype=wire
                 )
-        # resume at N = 2 from a gathered checkpoint of a window at N = 4
+        # resume at N = 2 from a gathered checkpoint of a window at N = 4, through
+        # torch.distributed.checkpoint's storage (saved by the 4 ranks, loaded by 2 of them)
         case = "adamw_items_remainder"
-        state, weights = None, None
         model, opt = make(case, process_group=groups[4], shard="grads", reduce_dtype="exact")
         run_window(model, opt, case, 0, rank, 4, None)
-        state = opt.gathered_state_dict()
-        weights = [p.detach().clone() for p in model.parameters()]
+        saved = {"model": dict(model.state_dict()), "optim": opt.gathered_state_dict()}
+        dcp.save(saved, checkpoint_id=f"{path}.dcp", process_group=groups[4])
         if rank < 2:
             model, opt = make(case, process_group=groups[2], shard="grads", reduce_dtype="exact")
-            with torch.no_grad():
-                for p, w in zip(model.parameters(), weights):
-                    p.copy_(w)
-            opt.load_state_dict(state)
+            # what dcp.load fills: tensors of the saved shapes holding nothing of the checkpoint
+            template = torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: torch.full_like(t, 7), saved)
+            dcp.load(template, checkpoint_id=f"{path}.dcp", process_group=groups[2])
+            model.load_state_dict(template["model"])
+            opt.load_state_dict(template["optim"])
             for window in (1, 2):
                 run_window(model, opt, case, window, rank, 2, None)
             results["resume"] = dict(
