@@ -61,7 +61,7 @@ def state_dict(opt) -> dict:
         if not keeps_master and not slot.has_grad:
             continue
         entry = state.setdefault(index_of[id(p)], {})
-        if keeps_master:  # (the remainder mode's rebuilt: a checkpoint holds fp32 masters only)
+        if keeps_master:  # (as fp32, whatever the format keeps: fused_accum.masters)
             entry["master"] = flat.state_view(slot, flat.master_of(slot)).clone()
         if slot.has_grad and flat.layout.saves_accum(slot):
             entry["accum"] = slot.grad_view.clone()

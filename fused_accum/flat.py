@@ -90,10 +90,9 @@ class Slot:
     offset: int  # where its slice of the accumulator starts
     acc: Optional[Tensor] = None  # 1-D fp32 view of the accumulator (None: the layout keeps no whole slice)
     full_view: Optional[Tensor] = None  # the accumulator slice shaped like the param
-    # its slice of the masters' buffer, as the masters' format views it (fused_accum.masters): an
-    # fp32 copy (master), or the int16 low half under the parameter's bf16 high half (remainder)
+    # its slice of the masters' buffer (flat.master), as the masters' format keeps it
+    # (fused_accum.masters: an fp32 copy, or the low halves under a bf16 parameter); None: none kept
     master: Optional[Tensor] = None
-    remainder: Optional[Tensor] = None
     state: dict = dataclasses.field(default_factory=dict)  # optimizer state name -> 1-D fp32 view
     local: slice = dataclasses.field(
         default_factory=lambda: slice(0, 0)
@@ -135,11 +134,11 @@ class Layout:
 
     def state_device(self, device: torch.device) -> torch.device:
         """Where the masters, the optimizer state and the step's scalars live: with the
-        parameters (offload keeps them on the host)."""
+        parameters (the host placement keeps them on the host: fused_accum.placement)."""
         return device
 
     def step_backend(self, backend: str) -> str:
-        """The backend that steps (offload's host kernels); the folds use the group's own."""
+        """The backend that steps (the host placement's CPU kernels); the folds use the group's own."""
         return backend
 
     def stored(self, param: Tensor) -> Tensor:
@@ -176,13 +175,13 @@ class Layout:
         stored.copy_(values.view(stored.shape))
 
     def step_lists(self, flat: "FlatGroup", active: list) -> tuple:
-        """(slots, accs, params, lp_params, remainders) the step op takes for ``active`` slots
-        (what the masters' format makes of the parameters: fused_accum.masters), every one
-        whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
+        """(slots, accs, weights) the step op takes for ``active`` slots (the weights' lists as
+        the masters' format makes them of the parameters: fused_accum.masters.StepWeights),
+        every one whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
         the backends walk it in logical order, the order of its accumulator slice. Passed as is,
         not detached (the step runs under no_grad, as torch's fused optimizers pass theirs): a
         detach per parameter per step costs a microsecond each."""
-        return active, [s.acc for s in active], *flat.masters.step_tensors(active, [s.param for s in active])
+        return active, [s.acc for s in active], flat.masters.step_tensors(active, [s.param for s in active])
 
     def user_grad(self, flat: "FlatGroup", slot: Slot, grad: Tensor) -> Tensor:
         """A ``.grad`` the user assigned, as the slot's slice holds it."""

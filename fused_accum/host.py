@@ -203,8 +203,8 @@ class HostLayout:
         the device (the base's step lists: the slots held here, and where a step writes each
         one's weight: its low-precision copy beside an fp32 master, else the parameter itself,
         the master)."""
-        held, accs, params, lp_params, _ = self.base.step_lists(flat, slots)
-        return held, accs, lp_params or params
+        held, accs, weights = self.base.step_lists(flat, slots)
+        return held, accs, weights.lp_params or weights.params
 
     # --- what crosses, per bucket ---
 
@@ -278,7 +278,7 @@ class HostLayout:
         if len(held) == len(active):
             held = active  # (the same list: the stepper indexes nothing more)
         pairs = [views[s.index] for s in held]
-        return held, [v[0] for v in pairs], *flat.masters.step_tensors(held, [v[1] for v in pairs])
+        return held, [v[0] for v in pairs], flat.masters.step_tensors(held, [v[1] for v in pairs])
 
     # --- the speculation's backup: written by the step itself, in its own pass ---
 

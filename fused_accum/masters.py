@@ -21,12 +21,23 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class StepWeights(NamedTuple):
+    """What a step op writes of the weights, by the names of its fields in
+    :class:`fused_accum.ops.StepTensors`: ``params`` (the fp32 masters, or the parameters
+    themselves), the low-precision copies the masters are rounded into, and the int16 low
+    halves under bf16 parameters that are their own masters' high halves."""
+
+    params: list
+    lp_params: list = ()
+    remainders: list = ()
 
 
 class WeightIsMaster:
@@ -39,16 +50,16 @@ class WeightIsMaster:
         return torch.zeros(numel, dtype=self.dtype, device=device) if self.dtype is not None else None
 
     def set_views(self, flat, slot) -> None:
-        """Point ``slot.master``/``slot.remainder`` at its slice of ``flat.master`` (or None)."""
-        slot.master = slot.remainder = None
+        """Point ``slot.master`` at its slice of ``flat.master`` (None: no buffer)."""
+        slot.master = None
 
     def initialise(self, flat, slot) -> None:
         """A new slot, or one that moved: its master from the parameter's value."""
 
-    def step_tensors(self, slots: list, weights: list) -> tuple:
-        """(params, lp_params, remainders) of the step op (fused_accum.ops.StepTensors) for
-        ``slots`` whose parameters (or the pieces of them this process steps) are ``weights``."""
-        return weights, [], []
+    def step_tensors(self, slots: list, weights: list) -> StepWeights:
+        """What the step op writes for ``slots`` whose parameters (or the pieces of them this
+        process steps) are ``weights``."""
+        return StepWeights(weights)
 
     def master_of(self, flat, slot) -> Tensor:
         """``slot``'s fp32 master as this process holds it (1-D)."""
@@ -74,13 +85,13 @@ class Fp32Copy(WeightIsMaster):
     dtype = torch.float32
 
     def set_views(self, flat, slot) -> None:
-        slot.master, slot.remainder = flat.master[slot.local], None
+        slot.master = flat.master[slot.local]
 
     def initialise(self, flat, slot) -> None:
         slot.master.copy_(flat.param_piece(slot))
 
-    def step_tensors(self, slots: list, weights: list) -> tuple:
-        return [s.master for s in slots], weights, []
+    def step_tensors(self, slots: list, weights: list) -> StepWeights:
+        return StepWeights([s.master for s in slots], lp_params=weights)
 
     def master_of(self, flat, slot) -> Tensor:
         return slot.master
@@ -115,29 +126,27 @@ class Remainder(WeightIsMaster):
     dtype = torch.int16
 
     def set_views(self, flat, slot) -> None:
-        slot.master, slot.remainder = None, flat.master[slot.local]
+        slot.master = flat.master[slot.local]  # (int16: the low halves)
 
-    def step_tensors(self, slots: list, weights: list) -> tuple:
-        return weights, [], [s.remainder for s in slots]
+    def step_tensors(self, slots: list, weights: list) -> StepWeights:
+        return StepWeights(weights, remainders=[s.master for s in slots])
 
     def master_of(self, flat, slot) -> Tensor:
         from .backends.reference import rebuild_master
 
-        return rebuild_master(
-            flat.param_piece(slot).to(slot.remainder.device), slot.remainder
-        )  # (offload: on the host)
+        return rebuild_master(flat.param_piece(slot).to(slot.master.device), slot.master)  # (offload: on the host)
 
     def set_master(self, flat, slot, value: Optional[Tensor]) -> None:
         """(None: the remainder restarts at zero, so the master is the weight exactly; a value:
         the weight is written with the split's high half.)"""
         if value is None:
-            slot.remainder.zero_()
+            slot.master.zero_()
             return
         from .backends.reference import split_master
 
         weight, remainder = split_master(value)
         flat.layout.write_param_piece(flat, slot, weight)
-        slot.remainder.copy_(remainder)
+        slot.master.copy_(remainder)
 
     def fp32_buffer(self, flat) -> Optional[Tensor]:
         buf = torch.zeros(flat.local_numel, dtype=torch.float32, device=flat.device)

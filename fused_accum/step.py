@@ -86,8 +86,8 @@ class Stepper:
         self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
     ) -> Optional[Callable[[], None]]:
         """Everything of a step but the kernel: the device scalars, ``opt.state`` taken back, the
-        step counts; returns the op call, or None where nothing steps (an offloaded step calls
-        it on its host worker: fused_accum.offload)."""
+        step counts; returns the op call, or None where nothing steps (the host placement
+        calls it on its worker thread: fused_accum.placement)."""
         if not active:
             return None
         group = self.param_groups[flat.group_index]
@@ -109,7 +109,7 @@ class Stepper:
             index = flat.active_index(tuple(s.index for s in active))
             flat.steps.index_add_(0, index, increment.expand(len(active)))
             steps = flat.steps.index_select(0, index)
-        held, accs, params, lp_params, remainders = flat.step_lists(active)  # sharded: this rank's pieces
+        held, accs, weights = flat.step_lists(active)  # sharded: this rank's pieces
         if held is not active:
             if not held:
                 return None
@@ -119,15 +119,7 @@ class Stepper:
         op = ops.step_op(self.algorithm)
         fused = dict(grads=list(grads), grads_overwrite=grads_overwrite)  # the last micro-batch, if any
         t = ops.StepTensors(
-            params,
-            accs,
-            steps,
-            flat.lr,
-            flat.coef,
-            lp_params=lp_params,
-            remainders=remainders,
-            found_inf=found_inf,
-            **fused,
+            accs=accs, steps=steps, lr=flat.lr, coef=flat.coef, found_inf=found_inf, **weights._asdict(), **fused
         )
         s = op.states_of([slot.state for slot in active], state_keys(self.algorithm, group))
         # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places

@@ -91,7 +91,7 @@ def _checkpoint_without_master(source: str, model, opt) -> dict:
 
 
 # guards: FlatGroup.set_master(slot, None) in the remainder mode leaving the old remainder in place
-# (its `slot.remainder.zero_()` dropped): the master would be the weight plus a stale low half,
+# (its `slot.master.zero_()` dropped): the master would be the weight plus a stale low half,
 # not the weight, and the run would then differ from the fp32-master twin.
 @pytest.mark.parametrize("source", ["torch", "ours"], ids=["torch-adamw-state_dict", "ours-without-master"])
 def test_a_checkpoint_without_master_restarts_the_remainder_from_the_weight(source, one_thread):
@@ -102,7 +102,7 @@ def test_a_checkpoint_without_master_restarts_the_remainder_from_the_weight(sour
     run_bf16(ours, ours_opt, 3, twin=False, seed=3)
     run_bf16(twin, twin_opt, 3, twin=True, seed=3)
     # (the precondition: remainders to lose, and the twin where ours is, bit for bit)
-    assert any(s.remainder.any() for s in ours_opt._window.slots)
+    assert any(s.master.any() for s in ours_opt._window.slots)
     for p, q in zip(ours.parameters(), twin.parameters()):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
     saved = _checkpoint_without_master(source, ours, ours_opt)
@@ -113,7 +113,7 @@ def test_a_checkpoint_without_master_restarts_the_remainder_from_the_weight(sour
             weight = slot.param.detach().float().reshape(-1)
             same = torch.equal(flat.master_of(slot).view(torch.int32), weight.view(torch.int32))
             assert same, f"remainder mode: master of {slot.name} is not its weight"
-            assert not slot.remainder.any(), slot.name
+            assert not slot.master.any(), slot.name
     for slot in twin_opt._window.slots:
         assert torch.equal(slot.master, slot.param.detach().float().reshape(-1)), f"fp32 master of {slot.name}"
     # and both step on from there alike: every weight and master bit for bit after 2 windows
@@ -174,7 +174,7 @@ def _refused_message(edit: str) -> str:
     return str(raised.value)
 
 
-# guards: OffloadLayout.versions reading only the state buffers, not flat.steps (whose 0-d views
+# guards: HostLayout.versions reading only the state buffers, not flat.steps (whose 0-d views
 # are opt.state[p]["step"]): an edit of the step count after the host stepped it speculatively
 # would be silently overwritten (committed) instead of refused.
 @pytest.mark.skipif(ext._C is None, reason="the offloaded host step runs the C++ CPU kernels")

@@ -27,8 +27,9 @@ def test_only_the_ledger_writes_a_slots_window_fields():
     assert writers == {"ledger.py"}, writers
 
 
-def test_the_one_process_modules_hold_no_sharded_or_dtensor_branch():
-    mode_words = re.compile(r"sharding|Sharding|is_dtensor|staging|shards_grads|_sharded")
+def test_the_one_process_modules_hold_no_sharded_dtensor_offload_or_remainder_branch():
+    # (nor a word of them: a mode is its own module's, issues 27 and 35)
+    mode_words = re.compile(r"sharding|Sharding|is_dtensor|staging|shards_grads|_sharded|offload|remainder", re.I)
     for name in ("flat.py", "step.py", "checkpoint.py"):
         found = mode_words.findall((PACKAGE / name).read_text())
         assert found == [], (name, found)
@@ -41,6 +42,16 @@ def test_the_core_holds_no_placement_branch():
     for name in ("window.py", "fold.py", "checkpoint.py", "members.py", "ledger.py", "optimizer.py"):
         found = branch.findall((PACKAGE / name).read_text())
         assert found == [], (name, found)
+
+
+def test_the_window_steps_in_one_sequence():
+    # "Step the window" is written once per placement: the device's (placement.py) and the
+    # host's (offload.py), each a step_window; the rest call it. Only the device placement and
+    # the folder (step_in_backward's per-bucket step) call the stepper's fused step (issue 35).
+    callers = {p.name for p in SOURCES if re.search(r"\.fused_step\(", p.read_text())}
+    assert callers == {"placement.py", "fold.py"}, callers
+    sequences = {p.name for p in SOURCES if re.search(r"def step_window\(", p.read_text())}
+    assert sequences == {"placement.py", "offload.py"}, sequences
 
 
 def test_only_the_masters_module_asks_what_the_master_is():

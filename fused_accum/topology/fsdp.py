@@ -75,7 +75,7 @@ class DTensorLayout(Layout):
         return (
             active,
             [s.acc for s in active],
-            *flat.masters.step_tensors(active, list(map(_local, (s.param for s in active)))),
+            flat.masters.step_tensors(active, list(map(_local, (s.param for s in active)))),
         )
 
     def user_grad(self, flat, slot, grad: Tensor) -> Tensor:

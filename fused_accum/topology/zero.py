@@ -187,7 +187,7 @@ class ShardedLayout(Layout):
         pieces = [self.pieces[s.index] for s in held]
         accs = [acc for acc, _ in pieces]
         staged = [piece for _, piece in pieces]
-        lists = held, accs, *flat.masters.step_tensors(held, staged)
+        lists = held, accs, flat.masters.step_tensors(held, staged)
         if everyone:
             self._full_lists = lists
         return lists
