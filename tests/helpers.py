@@ -194,3 +194,13 @@ class RaiseWhenArmed(torch.autograd.Function):
         if RaiseWhenArmed.armed:
             raise RuntimeError("planted error in backward")
         return g
+
+
+def spawn_ranks(worker, path: str, world: int, *args, weights_only: bool = False) -> list:
+    """Run ``worker(rank, path, *args)`` in ``world`` spawned processes, each of which saves its
+    results with ``torch.save`` to ``f"{path}.rank{rank}"``, and return what they saved, in rank
+    order."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(path, *args), nprocs=world, join=True)
+    return [torch.load(f"{path}.rank{r}", weights_only=weights_only) for r in range(world)]

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fused_accum
+from helpers import spawn_ranks  # tests/helpers.py
 
 WORLD, K, WINDOWS = 2, 3, 2
 # fp32 after 2 steps: the collective sums the ranks' fp32 accumulators in another order than
@@ -181,8 +182,7 @@ def _reference(scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_two_ranks_equal_one_process(tmp_path, scenario):
     path = str(tmp_path / "run")
-    mp.spawn(_worker, args=(path, scenario), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(WORLD)]
+    ranks = spawn_ranks(_worker, path, WORLD, scenario, weights_only=True)
     params, grads, norm = _reference(scenario)
     for rank in ranks:
         for got, want in zip(rank["params"], params):

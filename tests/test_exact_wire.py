@@ -26,11 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 
 import fused_accum
 import fused_accum.distributed as fd
+from helpers import spawn_ranks  # tests/helpers.py
 
 K, WINDOWS, SIZES = 2, 3, (1, 2, 3, 4)
 CAP = 2e-3  # MB: a few buckets per flat group
@@ -287,8 +287,7 @@ def _worker(rank, path):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("exact") / "run")
-    mp.spawn(_worker, args=(path,), nprocs=max(SIZES), join=True)
-    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(max(SIZES))]
+    return spawn_ranks(_worker, path, max(SIZES))
 
 
 @pytest.mark.parametrize("case", list(CASES))

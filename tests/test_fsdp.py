@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import fused_accum
+from helpers import spawn_ranks  # tests/helpers.py
 
 WORLD, K, WINDOWS, CLIP = 2, 3, 3, 0.05
 HYPER = dict(lr=1e-2, weight_decay=0.1)
@@ -248,8 +249,7 @@ def _worker(rank, path):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("fsdp") / "run")
-    mp.spawn(_worker, args=(path,), nprocs=WORLD, join=True)
-    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, path, WORLD)
 
 
 def rel(got, want):

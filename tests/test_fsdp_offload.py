@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from test_fsdp import BF16_COMPUTE, CLIP, K, WORLD, Net, data, full, shard
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 import fused_accum
 from fused_accum.backends import ext
+from helpers import spawn_ranks  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(ext._C is None, reason="the offloaded host step runs the C++ CPU kernels")
 
@@ -168,8 +168,7 @@ def _worker(rank, path):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("fsdp_offload") / "run")
-    mp.spawn(_worker, args=(path,), nprocs=WORLD, join=True)
-    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, path, WORLD)
 
 
 def _equal(got, want) -> bool:

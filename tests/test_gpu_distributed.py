@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fused_accum
+from helpers import spawn_ranks  # tests/helpers.py
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,8 +58,7 @@ def _worker(rank, path):
 
 def test_every_backward_under_no_sync_clips_by_the_averaged_gradients_norm(tmp_path):
     path = str(tmp_path / "run")
-    mp.spawn(_worker, args=(path,), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(WORLD)]
+    ranks = spawn_ranks(_worker, path, WORLD, weights_only=True)
     model = _model("cpu")
     ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for rank in range(WORLD):
@@ -129,8 +128,7 @@ def _exact_worker(rank, path):
 
 def test_exact_wire_on_nccl_equals_one_process_bit_for_bit(tmp_path):
     path = str(tmp_path / "exact")
-    mp.spawn(_exact_worker, args=(path,), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(WORLD)]
+    ranks = spawn_ranks(_exact_worker, path, WORLD, weights_only=True)
     device = torch.device("cuda", 0)
     model = _bf16_model(device)
     opt = _exact_optimizer(model, reduce_dtype="exact")  # one process, the same norm

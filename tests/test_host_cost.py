@@ -34,6 +34,7 @@ import torch
 
 import fused_accum
 from fused_accum.backends import ext
+from helpers import spawn_ranks  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(
     ext._C is None or not hasattr(ext._C, "Arrivals"), reason="the host-cost promises are the extension's"
@@ -465,11 +466,8 @@ class _planted:
 
 @pytest.fixture(scope="module")
 def topology_counts(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     path = str(tmp_path_factory.mktemp("host_cost") / "run")
-    mp.spawn(_topology_worker, args=(path,), nprocs=2, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(2)]
+    ranks = spawn_ranks(_topology_worker, path, 2)
     return {**ranks[1], **ranks[0]}  # (the 2-rank cases: rank 0's; the 1-rank ones: each rank's own)
 
 

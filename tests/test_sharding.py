@@ -17,7 +17,6 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fused_accum
@@ -25,6 +24,7 @@ from fused_accum.topology.zero import ShardedGrad
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from helpers import spawn_ranks  # tests/helpers.py
 
 WORLD, K, WINDOWS, CLIP = 2, 3, 3, 0.5
 # Relative error of the parameters, as a whole (||got - want|| / ||want||): the collectives sum
@@ -521,8 +521,7 @@ def _worker_four(rank, path):
 
 def test_four_ranks_equal_one_process(tmp_path):
     path = str(tmp_path / "run4")
-    mp.spawn(_worker_four, args=(path,), nprocs=4, join=True)
-    ranks = [torch.load(f"{path}.rank{r}", weights_only=True) for r in range(4)]
+    ranks = spawn_ranks(_worker_four, path, 4, weights_only=True)
     for name in FOUR:
         shard, algorithm, kind, cap, ends = SCENARIOS[name]
         params, _ = _reference(algorithm, kind, world=4)
@@ -540,8 +539,7 @@ def _rel(got, want):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("sharding") / "run")
-    mp.spawn(_worker, args=(path,), nprocs=WORLD, join=True)
-    return [torch.load(f"{path}.rank{r}", weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, path, WORLD)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
