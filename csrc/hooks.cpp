@@ -1,13 +1,13 @@
 // The per-parameter autograd hooks of a gradient window in C++: fused_accum._C.Arrivals (declared
-// in hooks.h, bound in module.cpp). What they do for the window, and when they call it, is the
-// contract in fused_accum/arrivals.py (HookTable and FastPath), which the Python twin there keeps
-// too; the comments here say how this table does it.
+// in hooks.h, bound here: bind_arrivals). What they do for the window, and when they call it, is
+// the contract in fused_accum/arrivals.py (HookTable, Plan and Report), which the Python twin
+// there keeps too; the comments here say how this table does it.
 //
 // Why C++: the hooks run once per parameter per backward. As Python callables each costs the
 // autograd engine a GIL acquisition and two tensor wraps, several microseconds per parameter, more
 // than torch's own `.grad += g`. Here each is a few pointer operations; Python is called once per
 // complete bucket and once per backward, and not at all in the middle backwards of a window
-// (quiet backwards: arm_quiet).
+// (quiet backwards: the plan's quiet_until).
 //
 // The hooks are node hooks on each parameter's AccumulateGrad node (which the table keeps alive):
 // unlike tensor hooks they live beside, not instead of, the hooks users register from Python
@@ -22,6 +22,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <tuple>
 
 namespace fused_accum {
 namespace {
@@ -131,7 +132,8 @@ Arrivals::Arrivals(py::object before_backward, py::object queue_end, py::object 
 // needs. The hooks are not removed here (this may be inside one of them): they go inert.
 Arrivals::~Arrivals() {
   py::gil_scoped_acquire gil;
-  changes_object_ = py::object();
+  counters_object_ = py::object();
+  types_ = py::object();
   before_backward_ = py::object();
   queue_end_ = py::object();
   bucket_complete_ = py::object();
@@ -324,15 +326,6 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
   }
 }
 
-std::vector<std::pair<int64_t, std::vector<at::Tensor>>> Arrivals::take_partial() {
-  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> out;
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].count) out.emplace_back(b, take(buckets_[b]));
-  }
-  return out;
-}
-
 void Arrivals::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& bucket : buckets_) {
@@ -342,7 +335,8 @@ void Arrivals::clear() {
   for (auto& grad : hidden_) grad.reset();
   overwritten_.clear();
   last_task_ = -1;
-  quiet_left_ = 0;
+  armed_ = false;
+  quiet_until_ = 0;
   quiet_clean_ = false;  // (a quiet backward still running hands its end to Python)
 }
 
@@ -408,60 +402,119 @@ const at::Tensor& Arrivals::param_of(size_t key) const {
   return static_cast<const AccumulateGrad*>(nodes_[key].get())->variable;
 }
 
-// --- FastPath: fast folds ---
+// --- the plan and the report ---
 
-void Arrivals::grant_fast(const std::vector<int64_t>& buckets, const std::vector<at::Tensor>& accs,
-                          const std::vector<at::Tensor>& offsets, const std::vector<bool>& overwrite) {
-  TORCH_CHECK(buckets.size() == accs.size() && accs.size() == offsets.size() && offsets.size() == overwrite.size(),
-              "Arrivals.grant_fast: lists differ in length");
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < buckets.size(); ++i) {
-    TORCH_CHECK(buckets[i] >= 0 && buckets[i] < (int64_t)buckets_.size(), "Arrivals.grant_fast: no bucket ",
-                buckets[i]);
-    BucketArrivals& bucket = buckets_[buckets[i]];
-    bucket.fast = true;
-    bucket.overwrite = overwrite[i];
-    bucket.acc = accs[i];
-    bucket.offsets = offsets[i];
+// The plan's fields, read from fused_accum.arrivals.Plan (and its Grant tuples), then set under
+// the lock: the grants replace every bucket's (the backward a grant last folded is kept: a second
+// completion in that backward stays Python's); seen, a backward the window now ends itself, is not
+// quiet; `slow` is applied where it changed (a backward running quietly keeps the pre-hook fast).
+void Arrivals::hand(const py::object& plan) {
+  const bool stands_aside = plan.attr("stands_aside").cast<bool>();
+  const bool slow = plan.attr("slow").cast<bool>();
+  const bool hide = plan.attr("hide").cast<bool>();
+  const int seen = plan.attr("seen").cast<int>();
+  const int64_t quiet_until = plan.attr("quiet_until").cast<int64_t>();
+  const int64_t at = plan.attr("at").cast<int64_t>();
+  std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, bool>> grants;
+  for (const py::handle grant : plan.attr("grants")) {
+    const auto fields = py::reinterpret_borrow<py::tuple>(grant);
+    TORCH_CHECK(fields.size() == 4, "Arrivals.hand: a grant is (bucket, acc, offsets, overwrite)");
+    grants.emplace_back(fields[0].cast<int64_t>(), fields[1].cast<at::Tensor>(), fields[2].cast<at::Tensor>(),
+                        fields[3].cast<bool>());
   }
-}
-
-void Arrivals::revoke_fast() {
+  py::object counters_object = plan.attr("counters");
+  int64_t* counters = nullptr;
+  if (!counters_object.is_none()) {
+    const py::buffer_info info = counters_object.cast<py::buffer>().request(true);
+    TORCH_CHECK(info.itemsize == sizeof(int64_t) && info.size == 2 &&
+                    info.format == py::format_descriptor<int64_t>::format(),
+                "Arrivals.hand: counters must be two int64 (array('q'))");
+    counters = static_cast<int64_t*>(info.ptr);
+  }
+  TORCH_CHECK(quiet_until <= 0 || counters != nullptr, "Arrivals.hand: quiet backwards need the counters");
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& bucket : buckets_) revoke(bucket);
+  for (const auto& grant : grants) {
+    const int64_t b = std::get<0>(grant);
+    TORCH_CHECK(b >= 0 && b < (int64_t)buckets_.size(), "Arrivals.hand: no bucket ", b);
+  }
+  for (auto& bucket : buckets_) {
+    bucket.fast = bucket.overwrite = false;
+    bucket.acc.reset();
+    bucket.offsets.reset();
+  }
+  for (auto& grant : grants) {
+    BucketArrivals& bucket = buckets_[std::get<0>(grant)];
+    bucket.fast = true;
+    bucket.acc = std::move(std::get<1>(grant));
+    bucket.offsets = std::move(std::get<2>(grant));
+    bucket.overwrite = std::get<3>(grant);
+  }
+  stands_aside_ = stands_aside;
+  hide_ = hide;
+  if (seen != python_task_) {
+    python_task_ = seen;
+    quiet_clean_ = false;  // (the window queued that backward's end: it is not quiet)
+  }
+  if (slow != slow_planned_) {
+    slow_planned_ = slow;
+    slow_ = slow;
+  }
+  counters_object_ = std::move(counters_object);  // (keeps the buffer alive)
+  counters_ = counters;
+  at_ = at;
+  quiet_until_ = quiet_until;
+  armed_ = counters_ != nullptr && counters_[1] < quiet_until_;
 }
 
-std::vector<int64_t> Arrivals::take_overwritten() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<int64_t> out;
-  out.swap(overwritten_);
-  return out;
+// The plan in force, as a fused_accum.arrivals.Plan: the last one handed, less the overwrite
+// grants used since and the quiet backwards a failed check called off.
+py::object Arrivals::plan() {
+  if (!types_) types_ = py::module_::import("fused_accum.arrivals");
+  py::list grants;
+  bool armed;
+  int seen;
+  int64_t quiet_until, at;
+  py::object counters;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const BucketArrivals& bucket = buckets_[b];
+      if (bucket.fast) grants.append(types_.attr("Grant")(b, bucket.acc, bucket.offsets, bucket.overwrite));
+    }
+    armed = armed_;
+    seen = python_task_;
+    quiet_until = quiet_until_;
+    at = at_;
+    counters = counters_object_ ? counters_object_ : py::none();
+  }
+  return types_.attr("Plan")(stands_aside_.load(), slow_planned_, hide_.load(), seen, py::tuple(grants),
+                             armed ? quiet_until : 0, counters, at);
 }
 
-// --- FastPath: quiet backwards ---
-
-// `changes` is read in place at each backward's start: an int64 buffer (array("q")), kept alive.
-void Arrivals::arm_quiet(int64_t budget, const py::buffer& changes) {
-  const py::buffer_info info = changes.request();
-  TORCH_CHECK(info.itemsize == sizeof(int64_t) && info.size == 1 && info.format == py::format_descriptor<int64_t>::format(),
-              "Arrivals.arm_quiet: changes must be one int64");
-  std::lock_guard<std::mutex> lock(mutex_);
-  changes_object_ = changes;  // (keeps the buffer alive)
-  changes_ = static_cast<const int64_t*>(info.ptr);
-  armed_at_ = *changes_;
-  quiet_left_ = budget;
+// What the hooks did since the last report, as a fused_accum.arrivals.Report.
+py::object Arrivals::report(bool end) {
+  if (!types_) types_ = py::module_::import("fused_accum.arrivals");
+  std::vector<int64_t> overwritten;
+  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> partial;
+  int64_t quiet;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    overwritten.swap(overwritten_);
+    if (end) {
+      for (size_t b = 0; b < buckets_.size(); ++b) {
+        if (buckets_[b].count) partial.emplace_back(b, take(buckets_[b]));
+      }
+    }
+    quiet = counters_ ? counters_[1] : 0;
+  }
+  py::tuple partial_out(partial.size());
+  for (size_t i = 0; i < partial.size(); ++i) {
+    partial_out[i] = py::make_tuple(partial[i].first, py::cast(std::move(partial[i].second)));
+  }
+  return types_.attr("Report")(py::tuple(py::cast(overwritten)), partial_out, quiet);
 }
 
-int64_t Arrivals::quiet_backwards() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return quiet_done_;
-}
-
-void Arrivals::python_seen() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  quiet_clean_ = false;
-  python_task_ = torch::autograd::get_current_graph_task_id();
-}
+// --- the fast path: quiet backwards ---
 
 // Holds the end callback of a quiet backward: destroyed unrun, the backward raised.
 struct Arrivals::QuietEnd {
@@ -480,15 +533,15 @@ struct Arrivals::QuietEnd {
 // the user changed, nothing left over from a backward that raised, not a double backward); it
 // then sees its own end (end_quietly). False: the window's before_backward is to run.
 bool Arrivals::start_quietly() {
-  if (quiet_left_ <= 0 || at::GradMode::is_enabled()) return false;
+  if (!armed_ || at::GradMode::is_enabled()) return false;
   const int task = torch::autograd::get_current_graph_task_id();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!slow_) return true;  // (another device's thread started this backward quietly)
-    const bool ready = quiet_left_ > 0 && *changes_ == armed_at_ && task != python_task_ && overwritten_.empty() &&
+    const bool ready = armed_ && counters_[0] == at_ && task != python_task_ && overwritten_.empty() &&
                        !any_arrivals(buckets_) && changed_locked(true).empty();
     if (!ready) {
-      quiet_left_ = 0;  // (the window arms again at the end of the backward it runs)
+      armed_ = false;  // (the window plans again at the end of the backward it runs)
       return false;
     }
     quiet_task_ = task;
@@ -513,7 +566,7 @@ void Arrivals::raised_quietly(int task) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (task != quiet_task_) return;
     quiet_task_ = -1;
-    quiet_left_ = 0;
+    armed_ = false;
     slow_ = true;
     if (task == python_task_) return;
   }
@@ -534,17 +587,37 @@ void Arrivals::end_quietly(int task) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (standing_aside() || task != quiet_task_) return;
     quiet_task_ = -1;
+    slow_ = slow_planned_;  // (false while the backward ran quietly: the plan's again)
     if (task == python_task_) return;  // the window's own end callback ends it
     const bool quiet = quiet_clean_ && !torch::autograd::get_current_node() && !any_arrivals(buckets_);
     if (quiet) {
-      ++quiet_done_;
-      --quiet_left_;
-      slow_ = true;
+      ++counters_[1];
+      armed_ = counters_[1] < quiet_until_;
       return;
     }
-    quiet_left_ = 0;
+    armed_ = false;
   }
   call(queue_end_);
+}
+
+void bind_arrivals(py::module_& m) {
+  py::class_<Arrivals, std::shared_ptr<Arrivals>>(m, "Arrivals")
+      .def(py::init<py::object, py::object, py::object, py::object, py::object>(), py::arg("before_backward"),
+           py::arg("queue_end"), py::arg("bucket_complete"), py::arg("fold_hooked"), py::arg("backward_raised"))
+      .def_property_readonly_static("fast", [](py::object) { return true; })
+      .def("hand", &Arrivals::hand, py::arg("plan"))
+      .def_property_readonly("plan", &Arrivals::plan)
+      .def("report", &Arrivals::report, py::arg("end"))
+      .def("extend", &Arrivals::extend)
+      .def("attach", &Arrivals::attach)
+      .def("rehook", &Arrivals::rehook)
+      .def("detach_all", &Arrivals::detach_all)
+      .def("arrive_in_place", &Arrivals::arrive_in_place)
+      .def("clear", &Arrivals::clear)
+      .def("has_arrivals", &Arrivals::has_arrivals)
+      .def("expose", &Arrivals::expose)
+      .def("changed", &Arrivals::changed)
+      .def("clear_grads", &Arrivals::clear_grads);
 }
 
 }  // namespace fused_accum

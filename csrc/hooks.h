@@ -1,7 +1,9 @@
 // fused_accum._C.Arrivals: the table of a gradient window's per-parameter autograd hooks, declared
-// here for csrc/module.cpp, which binds it, and defined in csrc/hooks.cpp. Its members are the
-// contract's, written once in fused_accum/arrivals.py: HookTable (every table has them) and
-// FastPath (the fast folds and quiet backwards, which only this table has).
+// here and defined and bound (bind_arrivals, called by csrc/module.cpp) in csrc/hooks.cpp. Its
+// members are the contract's, written once in fused_accum/arrivals.py: HookTable, and the two
+// values the window and the table exchange once each way per backward, the Plan handed in (hand)
+// and the Report taken back (report). This table acts on the whole plan, its fast path included
+// (the fast folds and quiet backwards): the plan's fields are members here, below.
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -27,10 +29,10 @@ struct BucketArrivals {
   std::vector<at::Tensor> grads;  // undefined: nothing arrived as a tensor
   std::vector<char> arrived;      // as a tensor or written in place
   int64_t count = 0;              // how many positions have arrived
-  // Set by grant_fast for this backward: when complete (every gradient a tensor, on acc's
+  // Set by the plan's grants (Grant): when complete (every gradient a tensor, on acc's
   // device), fold here with accumulate_(acc, offsets, grads, 1, overwrite) and do not call Python.
   bool fast = false;
-  bool overwrite = false;  // (the window's first gradients: copied, and listed for take_overwritten)
+  bool overwrite = false;  // (the window's first gradients: copied, and reported as overwritten)
   at::Tensor acc, offsets;
   int folded_task = -1;  // the backward (graph task) whose gradients the grant last folded
 };
@@ -44,31 +46,23 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
            py::object backward_raised);
   ~Arrivals();
 
-  // --- HookTable ---
+  // --- HookTable: the plan and the report (fused_accum/arrivals.py Plan and Report) ---
+  void hand(const py::object& plan);
+  py::object plan();
+  py::object report(bool end);
+
+  // --- HookTable: the slots and their .grad ---
   void extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
               const std::vector<int64_t>& slot_position, const std::vector<std::string>& names);
   void attach(int64_t key, const at::Tensor& param);
   std::vector<int64_t> rehook(const std::vector<at::Tensor>& params);
   void detach_all();
   void arrive_in_place(int64_t key);
-  std::vector<std::pair<int64_t, std::vector<at::Tensor>>> take_partial();
   void clear();
   void expose(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& show);
   bool clear_grads();
   std::vector<int64_t> changed();
   bool has_arrivals();
-  // The flags, set from Python: the hooks stand aside (DDP or FSDP2 owns .grad); the pre-hook
-  // asks Python first; the pre-hook hides a defined .grad. (module.cpp binds them as properties.)
-  std::atomic<bool> stands_aside_{false}, slow_{true}, hide_{false};
-
-  // --- FastPath ---
-  void grant_fast(const std::vector<int64_t>& buckets, const std::vector<at::Tensor>& accs,
-                  const std::vector<at::Tensor>& offsets, const std::vector<bool>& overwrite);
-  void revoke_fast();
-  std::vector<int64_t> take_overwritten();
-  void arm_quiet(int64_t budget, const py::buffer& changes);
-  int64_t quiet_backwards();
-  void python_seen();
 
   // --- the hooks on each AccumulateGrad node (hooks.cpp's TakeGradBefore and TakeGradAfter) ---
   torch::autograd::variable_list before_accumulate(int64_t key, torch::autograd::AccumulateGrad& node,
@@ -90,6 +84,11 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   void end_quietly(int task);
   void arrive(int64_t key, at::Tensor grad);
 
+  // The plan's flags: the hooks stand aside (DDP or FSDP2 owns .grad); the pre-hook asks Python
+  // first (slow_: the plan's, or false while a backward runs quietly; slow_planned_: the plan's);
+  // the pre-hook hides a defined .grad.
+  std::atomic<bool> stands_aside_{false}, slow_{true}, hide_{false};
+  bool slow_planned_ = true;
   std::atomic<bool> detached_{false};
   std::vector<int64_t> slot_bucket_, slot_position_;
   std::vector<std::string> names_;
@@ -101,18 +100,23 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   std::vector<const void*> shown_data_;  // by slot: where that view's memory was when shown
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
-  std::vector<int64_t> overwritten_;  // see take_overwritten
-  // Quiet backwards: how many more may run; the backward running quietly (-1: none) and whether
-  // it still needs nothing of Python; the last backward the window queued its own end for; how
-  // many ended quietly, ever; the window's counter and its value at arming.
-  std::atomic<int64_t> quiet_left_{0};
+  std::vector<int64_t> overwritten_;  // the buckets an overwrite grant filled (the next report's)
+  // Quiet backwards: whether one may start (the plan's quiet_until above counters_[1], and no
+  // check failed since); the backward running quietly (-1: none) and whether it still needs
+  // nothing of Python; the plan's seen, quiet_until, counters (the window's change counter and
+  // the count of quiet backwards, read and written in place) and at.
+  std::atomic<bool> armed_{false};
   int quiet_task_ = -1;
   bool quiet_clean_ = false;
   int python_task_ = -1;
-  int64_t quiet_done_ = 0;
-  py::object changes_object_;
-  const int64_t* changes_ = nullptr;
-  int64_t armed_at_ = 0;
+  int64_t quiet_until_ = 0;
+  py::object counters_object_;
+  int64_t* counters_ = nullptr;
+  int64_t at_ = 0;
+  py::object types_;  // fused_accum.arrivals, for its Plan, Grant and Report
 };
+
+// Binds Arrivals as fused_accum._C.Arrivals (module.cpp calls it).
+void bind_arrivals(py::module_& m);
 
 }  // namespace fused_accum

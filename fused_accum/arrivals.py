@@ -1,11 +1,12 @@
 """Which gradients have arrived in the backward now running: the per-parameter autograd hooks,
-and their contract, written once here as two protocols: :class:`HookTable`, what every table
-of hooks has, and :class:`FastPath`, folds and whole backwards without Python, which only the
-C++ table has.
+and their contract, written once here: the protocol :class:`HookTable`, and the two values the
+window and the table exchange once each way per backward, a :class:`Plan` handed to the hooks
+(their flags, and the fast path: folds and whole backwards without Python, which only the C++
+table acts on) and a :class:`Report` taken back (what the hooks did that the window records).
 
 Two hooks sit on each parameter's AccumulateGrad node (the node that stores a leaf's ``.grad``):
 
-* a pre-hook, before the node runs. While ``slow`` is set it first calls ``before_backward()``
+* a pre-hook, before the node runs. While the plan's ``slow`` is set it first calls ``before_backward()``
   (the window's once-per-backward checks). It then usually takes the gradient into the
   parameter's place in its bucket itself and hands the node an undefined gradient, which
   AccumulateGrad skips: ``.grad`` is left alone (it keeps showing the window's fp32 running sum)
@@ -14,7 +15,7 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   ``.grad`` shows; AccumulateGrad, handed an undefined gradient, still runs the user's hooks,
   which so see the sum as natively. Where AccumulateGrad must run (a double backward keeps the
   gradient's graph; a sparse or zero tensor; a parameter that no longer requires grad; a hooked
-  one the window declined) the pre-hook leaves it the gradient, and while ``hide`` is set (the
+  one the window declined) the pre-hook leaves it the gradient, and while the plan's ``hide`` is set (the
   running sums are showing) hides a defined ``.grad``: else autograd would add the new gradient
   into the running sum itself, and it would be folded twice.
 * a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
@@ -28,7 +29,7 @@ When every parameter of a bucket has arrived the hooks call ``bucket_complete(bu
 grads in bucket order (None for one written in place). The first arrival of a backward calls
 ``queue_end()``, so the window sees the backward end. A backward that raises never ends: the
 engine drops its final callbacks unrun. The window's callback notices that as it is dropped; a
-quiet backward's (:class:`FastPath`) calls ``backward_raised()``. The hooks call the window
+quiet backward's (:class:`Plan`) calls ``backward_raised()``. The hooks call the window
 with the GIL and without the table's lock held (it may call back: ``arrive_in_place``,
 ``clear``); an exception raised there reaches the caller of ``backward()`` unchanged.
 
@@ -40,13 +41,13 @@ weakly, and a node no graph references is rebuilt, without the hooks, by the nex
 
 There are two implementations. ``fused_accum._C.Arrivals`` (csrc/hooks.cpp) runs the hooks in
 C++: a few pointer operations per parameter, Python at most once per bucket and per backward,
-and not at all in a quiet one; it is a :class:`FastPath`. :class:`PythonArrivals` is its twin in
-Python, a :class:`HookTable` only, used without the extension or when
+and not at all in a quiet one; it acts on the whole plan (``fast``). :class:`PythonArrivals` is its
+twin in Python, which acts on the plan's flags only, used without the extension or when
 ``FUSED_ACCUM_PYTHON_HOOKS=1`` (several microseconds per parameter: the engine takes the GIL and
 wraps tensors for each call; a fold called from Python saves nothing by skipping the window).
-Only a :class:`FastPath` is granted folds or armed: the window checks ``isinstance(table,
-FastPath)``, once per table (the check looks up every member). tests/test_hooks.py holds both
-implementations to these protocols, member by member.
+The window plans grants and quiet backwards only for a table whose ``fast`` is set.
+tests/test_hooks.py holds both implementations to the protocol, member by member, and to the plan
+and the report.
 
 Every callback into Python that the autograd engine or the hooks make is :func:`_untraced`
 (``torch.compiler.disable``): a ``torch.compile``d function that calls ``loss.backward()``
@@ -62,7 +63,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -82,21 +83,106 @@ _current_graph_task_id = torch._C._current_graph_task_id
 _untraced = torch.compiler.disable
 
 
+def _brief(value) -> str:
+    """A tensor as its dtype, shape and device (a plan or report prints on one line)."""
+    if isinstance(value, torch.Tensor):
+        return f"<{str(value.dtype).removeprefix('torch.')}{list(value.shape)} {value.device.type}>"
+    return repr(value)
+
+
+class Grant(NamedTuple):
+    """A fast fold (see :class:`Plan`): bucket ``bucket``, when complete, is folded by the hooks
+    into ``acc`` at ``offsets``, overwriting where ``overwrite`` (the window's first gradients:
+    used once) else adding."""
+
+    bucket: int
+    acc: torch.Tensor
+    offsets: torch.Tensor
+    overwrite: bool
+
+    def __repr__(self) -> str:
+        return f"Grant({self.bucket}, {_brief(self.acc)}, offsets={self.offsets.tolist()}, overwrite={self.overwrite})"
+
+
+class Plan(NamedTuple):
+    """What the window lets its hooks do, handed whole (``HookTable.hand``) at the start of each
+    backward the window sees and at its end (for the next ones), and after an event between
+    backwards that changes a flag. The table holds it until the next one (``HookTable.plan``).
+
+    The flags: ``stands_aside`` (another engine fills ``.grad``: DDP, FSDP2, the topology's
+    ``stands_aside``; both hooks do nothing, and for good after ``detach_all()``); ``slow``
+    (the pre-hook first calls ``before_backward()``, the window's once-per-backward checks);
+    ``hide`` (the running sums show in ``.grad``: a gradient left to AccumulateGrad has the
+    parameter's defined ``.grad`` hidden from it, shown again by the post-hook); ``seen`` (the
+    graph task whose end the window queued itself: that backward ends there, it is not quiet).
+
+    The fast path (acted on only by a table whose ``fast`` is set, the C++ one; the window
+    plans none for the Python twin). ``grants``: the buckets the hooks fold themselves when
+    complete (:class:`Grant`), without calling ``bucket_complete``; a second completion in one
+    backward is the window's; an overwrite is used once, an add stays while the plan does.
+    ``quiet_until``: backwards may run quietly, without calling Python at all, while the
+    table's count of quiet backwards (``counters[1]``) is below it (0: none); each checks at
+    its first gradient what ``before_backward`` would (``counters[0]``, the window's change
+    counter, still holds ``at``, the value the plan was decided at; no ``.grad`` changed since
+    it was exposed; nothing is left over from a backward that raised; not ``seen``; not a
+    double backward) and queues its own end. One that stays quiet (every bucket folded by its
+    grant, no backward nested in it, Python not called) is only counted, in ``counters[1]``;
+    one that does not hands its end to the window (``queue_end()``), and one that raises calls
+    ``backward_raised()`` unless the window saw it. ``counters``: the window's two int64 (an
+    ``array("q")``, read and written in place: its change counter, and the table's count of
+    quiet backwards, never reset)."""
+
+    stands_aside: bool = False
+    slow: bool = True
+    hide: bool = False
+    seen: int = -1
+    grants: Tuple[Grant, ...] = ()
+    quiet_until: int = 0
+    counters: Optional[object] = None
+    at: int = 0
+
+
+class Report(NamedTuple):
+    """What the hooks did that the window records, taken whole (``HookTable.report``) at the end
+    of each backward and in any Python callback while an overwrite grant is out: the buckets an
+    overwrite grant filled since the last report (their slots now hold the window's first
+    gradient, which cannot be recorded from inside a hook), the partly arrived buckets, emptied
+    (``[(bucket, grads)]``, taken only at the end), and the count of quiet backwards so far
+    (``counters[1]``)."""
+
+    overwritten: Tuple[int, ...] = ()
+    partial: Tuple[Tuple[int, list], ...] = ()
+    quiet: int = 0
+
+    def __repr__(self) -> str:
+        partial = ", ".join(f"({b}, [{', '.join(map(_brief, grads))}])" for b, grads in self.partial)
+        return f"Report(overwritten={self.overwritten}, partial=[{partial}], quiet={self.quiet})"
+
+
 @runtime_checkable
 class HookTable(Protocol):
     """The hooks of one gradient window, by slot (a parameter's key, numbered from 0 in the
     order ``extend`` adds them, at a position of a bucket), and the window's per-parameter
     ``.grad`` work, which runs once per backward and would otherwise be a Python loop over every
-    parameter. Made by :func:`make_arrivals` with the window's callbacks (see the module)."""
+    parameter. Made by :func:`make_arrivals` with the window's callbacks (see the module). The
+    window talks to it once each way per backward: a :class:`Plan` handed, a :class:`Report`
+    taken."""
 
-    # While set (another engine fills .grad: DDP, FSDP2, the topology's ``stands_aside``), and
-    # for good after detach_all(), both hooks do nothing and autograd accumulates .grad as usual.
-    stands_aside: bool
-    # While set, the pre-hook first calls before_backward() (the window's once-per-backward checks).
-    slow: bool
-    # While set (the running sums show in .grad), a gradient left to AccumulateGrad has the
-    # parameter's defined .grad hidden from it, and shown again by the post-hook.
-    hide: bool
+    # Whether the table acts on a plan's fast path (grants, quiet backwards): the C++ table.
+    fast: bool
+
+    def hand(self, plan: Plan) -> None:
+        """The window's plan (see :class:`Plan`), in force until the next; it replaces the last
+        one whole (grants not in it are revoked). A table without the fast path takes only
+        the flags (a plan with grants or quiet backwards is an error there)."""
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force: the last one handed, less the overwrite grants used since."""
+
+    def report(self, end: bool) -> Report:
+        """What the hooks did since the last report (see :class:`Report`); with ``end`` (a
+        backward ended, or raised) also the partly arrived buckets, emptied."""
 
     def extend(
         self,
@@ -129,13 +215,10 @@ class HookTable(Protocol):
         gradient): it counts as arrived, with None for its gradient. The caller has told the
         window of the backward itself (no ``queue_end()``)."""
 
-    def take_partial(self) -> List[Tuple[int, list]]:
-        """The partly arrived buckets, emptied: ``[(bucket, grads)]`` (at the end of a
-        backward, or after one that raised)."""
-
     def clear(self) -> None:
-        """Forgets every arrival (and the fast path's grants and arming), every hidden
-        ``.grad``, and which backward was last seen (a backward that raised never ends)."""
+        """Forgets every arrival, the plan's grants and quiet backwards (the plan in force keeps
+        its flags), every hidden ``.grad``, and which backward was last seen (a backward that
+        raised never ends)."""
 
     def expose(self, views: Sequence[Optional[torch.Tensor]], show: Sequence[bool]) -> None:
         """The window's ``.grad`` exposure: ``.grad`` = ``views[key]`` where ``show[key]``, else
@@ -155,61 +238,6 @@ class HookTable(Protocol):
         raised)."""
 
 
-@runtime_checkable
-class FastPath(HookTable, Protocol):
-    """A :class:`HookTable` that also folds buckets and runs whole backwards without Python.
-
-    Fast folds: a fold that needs nothing of Python (no norm, no reduction, no fused step, the
-    extension's backend; an add where every slot of the bucket holds this window's gradient, an
-    overwrite where none does) is granted per bucket by the window for the backward about to
-    run. A granted bucket, when complete (every gradient a tensor, on its accumulator's device),
-    is folded by the hooks with ``accumulate_(acc, offsets, grads, 1, overwrite)`` instead of
-    calling ``bucket_complete``; a second completion in one backward (reentrant pieces) is the
-    window's. An add grant stays until revoked; an overwrite is used once.
-
-    Quiet backwards: once armed, a backward may run without calling Python at all. At its first
-    gradient (instead of ``before_backward()``) the table checks what the window would: the
-    window's change counter still holds the value it had at arming, no ``.grad`` changed since it
-    was exposed, nothing is left over from a backward that raised, the window has not seen this
-    backward, it is not a double backward; it then queues its own end callback. A backward that
-    stays quiet (every bucket folded by its grant, no backward nested in it, Python not called)
-    is only counted. One that does not hands its end to the window (``queue_end()``), as though
-    its first gradient had asked; one that raises calls ``backward_raised()`` unless the window
-    saw it. The grants stay for the next quiet backward. The window arms at the end of each
-    backward it ends, for the middle micro-batches of a window."""
-
-    def grant_fast(
-        self,
-        buckets: Sequence[int],
-        accs: Sequence[torch.Tensor],
-        offsets: Sequence[torch.Tensor],
-        overwrite: Sequence[bool],
-    ) -> None:
-        """Lets each listed bucket fold itself into ``accs[i]`` at ``offsets[i]`` when complete,
-        overwriting where ``overwrite[i]`` (the window's first gradients) else adding."""
-
-    def revoke_fast(self) -> None:
-        """Every bucket goes through ``bucket_complete`` again."""
-
-    def take_overwritten(self) -> List[int]:
-        """The buckets an overwrite grant filled since the last call: their slots now hold the
-        window's first gradient, which the window records (it cannot be told from inside a
-        hook)."""
-
-    def arm_quiet(self, budget: int, changes) -> None:
-        """The next ``budget`` backwards may run quietly while ``changes`` (the window's int64
-        counter of what its decisions depend on, one int64 in a buffer, e.g. ``array("q")``,
-        read in place) keeps the value it has now. ``budget`` 0 disarms."""
-
-    def quiet_backwards(self) -> int:
-        """How many backwards have ended quietly, ever (never reset: the window adds the
-        difference to its count)."""
-
-    def python_seen(self) -> None:
-        """The window queued its own end callback for the backward now running, which then ends
-        there (it is not quiet)."""
-
-
 def make_arrivals(
     before_backward: Callable,
     queue_end: Callable,
@@ -217,7 +245,7 @@ def make_arrivals(
     fold_hooked: Callable,
     backward_raised: Callable,
 ) -> HookTable:
-    """The C++ hooks (a :class:`FastPath`) where the extension is built, else the Python ones."""
+    """The C++ hooks (``fast``) where the extension is built, else the Python ones."""
     callbacks = tuple(_untraced(c) for c in (before_backward, queue_end, bucket_complete, fold_hooked, backward_raised))
     if os.environ.get("FUSED_ACCUM_PYTHON_HOOKS") == "1":
         return PythonArrivals(*callbacks)
@@ -277,9 +305,7 @@ class PythonArrivals:
         self._fold_hooked = fold_hooked
         # (never called here: no backward runs quietly, so the window sees every one that raised)
         self._backward_raised = backward_raised
-        self.stands_aside = False
-        self.slow = True
-        self.hide = False
+        self._plan = Plan()  # (only its flags are acted on here: no fast path)
         self._detached = False
         self._buckets: list = []
         self._slot_bucket: list = []
@@ -291,6 +317,24 @@ class PythonArrivals:
         self._handles: list = []
         self._lock = threading.Lock()
         self._last_task = -1  # the graph task whose end the window was last asked to see
+
+    fast = False
+
+    def hand(self, plan: Plan) -> None:
+        if plan.grants or plan.quiet_until > (plan.counters[1] if plan.counters is not None else 0):
+            raise ValueError(f"PythonArrivals has no fast path: {plan}")
+        self._plan = plan
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def report(self, end: bool) -> Report:
+        partial = ()
+        if end:
+            with self._lock:
+                partial = tuple((i, b.take()) for i, b in enumerate(self._buckets) if b.count)
+        return Report((), partial, 0)
 
     def extend(self, bucket_sizes, slot_bucket, slot_position, names) -> None:
         with self._lock:
@@ -334,12 +378,12 @@ class PythonArrivals:
         self._nodes.clear()
 
     def _standing_aside(self) -> bool:
-        return self._detached or self.stands_aside
+        return self._detached or self._plan.stands_aside
 
     def _before_accumulate(self, key: int, param, grads):
         if self._standing_aside():
             return None
-        if self.slow:
+        if self._plan.slow:
             self._before_backward()
             if self._standing_aside():
                 return None
@@ -357,7 +401,7 @@ class PythonArrivals:
             return (None,)
         if plain and self._fold_hooked(key, grad):
             return (None,)
-        if self.hide and param.grad is not None:
+        if self._plan.hide and param.grad is not None:
             with self._lock:
                 self._hidden[key] = param.grad
             param.grad = None
@@ -405,10 +449,6 @@ class PythonArrivals:
                 return
             self._last_task = task
         self._queue_end()
-
-    def take_partial(self) -> list:
-        with self._lock:
-            return [(i, b.take()) for i, b in enumerate(self._buckets) if b.count]
 
     def clear(self) -> None:
         with self._lock:

@@ -9,8 +9,11 @@ fold is the fused step instead. What each fold changes in the window's state is 
 
 The fast path. Where a fold needs nothing of Python (nothing to reduce, no fused step, no
 offloaded step, an extension backend) the window's hooks may fold a complete bucket themselves
-(``grant_fast``), and may run whole middle backwards without calling Python at all
-(``arm_quiet``). Such a grant is decided from every slot's ``has_grad`` and ``grad_view``, and holds while the ledger's change counter keeps the value it had then.
+(the plan's grants, fused_accum.arrivals.Plan), and may run whole middle backwards without
+calling Python at all (its quiet backwards). Such a grant is decided from every slot's
+``has_grad`` and ``grad_view``, and holds while the ledger's change counter keeps the value it
+had then. What the hooks did comes back in their report (fused_accum.arrivals.Report), taken
+here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
+from .arrivals import Grant
 from .flat import Bucket, FlatGroup
 from .ledger import _IS_NONE, HAS_GRAD, Ledger
 
@@ -70,7 +74,7 @@ class Folder:
         self.plans: list = []
         # the change count when the fast folds were last decided, and what was decided
         self._granted_at: Optional[int] = None
-        self._granted: tuple = ([], [], [], [])
+        self._granted: tuple = ()  # of arrivals.Grant
 
     def add(self, flat: FlatGroup) -> None:
         """A flat group joins: its buckets get the hooks' next bucket numbers, and the hooks'
@@ -91,8 +95,8 @@ class Folder:
 
     def revoke_fast(self) -> None:
         """The grants were for the backward that ended (or raised)."""
-        if self.fast is not None:
-            self.fast.revoke_fast()
+        if self.ledger.plan.grants:
+            self.ledger.granted(())
 
     def forget_grants(self) -> None:
         self._granted_at = None  # new slots, views or nodes: decide again
@@ -100,23 +104,24 @@ class Folder:
     # --- the fast path ------------------------------------------------------------------------
 
     def grant_fast_folds(self) -> bool:
-        """Let the hooks fold, without calling back, the buckets of the backward about to run
-        whose fold needs nothing of Python (see fused_accum.arrivals): an add where every slot
-        holds this window's gradient (the middle micro-batches, and the last unless offload
-        steps it as it goes), an overwrite where none does (the first). No reduction or fused
-        step may read what the fold writes. An add records
-        nothing in Python; the slots an overwrite fills are recorded after it (see
-        take_fast_overwrites). True when every bucket is granted an add."""
+        """Plan the hooks' fast folds for the backward about to run (handed with the rest of
+        the plan): the buckets whose fold needs nothing of Python (see fused_accum.arrivals),
+        an add where every slot holds this window's gradient (the middle micro-batches, and the
+        last unless offload steps it as it goes), an overwrite where none does (the first). No
+        reduction or fused step may read what the fold writes. An add records nothing in
+        Python; the slots an overwrite fills are recorded after it (see take_report). True
+        when every bucket is granted an add."""
         if self.fast is None:
             return False
-        self.fast.revoke_fast()
         ledger = self.ledger
         if not self.topology.fast_folds or self.step_in_backward:
+            self.revoke_fast()
             return False
         if ledger.last_backward() and ledger.last_needs_python:
+            self.revoke_fast()
             return False  # the placement takes its buckets as they complete (offload)
         if self._granted_at != ledger.changes[0]:  # (else no slot's has_grad/view changed)
-            buckets, accs, offsets, overwrite = [], [], [], []
+            grants = []
             for bucket_id, (flat_index, bucket_index) in enumerate(self.bucket_ids):
                 flat = self.flat_groups[flat_index]
                 bucket = flat.buckets[bucket_index]
@@ -124,26 +129,26 @@ class Folder:
                     continue
                 held = list(map(HAS_GRAD, bucket.slots))
                 if all(held) or not any(held):
-                    buckets.append(bucket_id)
-                    accs.append(flat.acc)
-                    offsets.append(bucket.offsets)
-                    overwrite.append(not held[0])
-            self._granted = (buckets, accs, offsets, overwrite)
+                    grants.append(Grant(bucket_id, flat.acc, bucket.offsets, not held[0]))
+            self._granted = tuple(grants)
             self._granted_at = ledger.changes[0]
-        buckets, _, _, overwrite = self._granted
-        if buckets:
-            self.fast.grant_fast(*self._granted)
-        return len(buckets) == len(self.bucket_ids) and not any(overwrite)
+        ledger.granted(self._granted)
+        return len(self._granted) == len(self.bucket_ids) and not any(g.overwrite for g in self._granted)
 
-    def take_fast_overwrites(self) -> None:
-        """Record what the hooks' granted overwrites filled: first of all in every Python
-        callback of a backward (a later gradient of those slots must be added, not written
-        over) and at its end."""
-        if self.fast is None:
-            return
-        for bucket_id in self.fast.take_overwritten():
+    def take_report(self, end: bool = False) -> tuple:
+        """Take the hooks' report (fused_accum.arrivals.Report) and record what their granted
+        overwrites filled: at the end of a backward (``end``: the partly arrived buckets are
+        returned too), and first of all in every Python callback of a backward while an
+        overwrite grant is out (a later gradient of those slots must be added, not written
+        over)."""
+        if not end and not any(g.overwrite for g in self.ledger.plan.grants):
+            return ()  # (nothing the hooks did needs recording now)
+        report = self.table.report(end)
+        self.ledger.reported(report)
+        for bucket_id in report.overwritten:
             flat_index, bucket_index = self.bucket_ids[bucket_id]
             self._folded(self.flat_groups[flat_index].buckets[bucket_index].slots)
+        return report.partial
 
     def arm_quiet(self) -> None:
         """At the end of a backward: let the C++ hooks run the next ones without calling Python
@@ -164,7 +169,7 @@ class Folder:
 
     def bucket_complete(self, bucket_id: int, grads: list) -> None:
         """Every slot of a bucket has arrived in this backward: fold them."""
-        self.take_fast_overwrites()
+        self.take_report()
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)
@@ -174,8 +179,7 @@ class Folder:
 
     def flush(self) -> None:
         """Fold what arrived for buckets this backward did not complete."""
-        self.take_fast_overwrites()
-        for bucket_id, grads in self.table.take_partial():
+        for bucket_id, grads in self.take_report(end=True):
             flat_index, bucket_index = self.bucket_ids[bucket_id]
             flat = self.flat_groups[flat_index]
             self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id])
@@ -253,7 +257,7 @@ class Folder:
 
     def in_place_target(self, slot) -> WgradTarget:
         """Where ``slot``'s gradient is to be written in place in the backward now running."""
-        self.take_fast_overwrites()
+        self.take_report()
         # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
         # folded later with add: has_grad is set by done() before that can happen.
         overwrite = not slot.has_grad

@@ -13,9 +13,11 @@ stepped, ended, moved); everywhere else they are read (the slot's fields have no
 Every change of a slot's ``has_grad`` or ``grad_view`` adds one to the window's
 change counter, an int64 the C++ hooks read too: a decision taken at a count (the fast-fold
 grants, a quiet backward, the ``.grad`` exposure) holds while the count keeps its value. The
-hooks' table flags (``slow``, ``hide``, ``stands_aside``) are set here, as consequences of
-events. Reading a count never acts: the backwards the C++ hooks ran quietly are a running total
-of theirs that reads add in.
+plan the hooks' table holds (fused_accum.arrivals.Plan: its flags, grants, quiet backwards) is
+kept here, each field set as the consequence of an event, and handed to the table at once, or
+once at the end of a :meth:`Ledger.planning` block (the window's start and end of a backward).
+Reading a count never acts: the backwards the C++ hooks ran quietly are a running total of
+theirs, in the counters' second int64, that reads add in.
 
 :class:`Exposure` shows the window in ``.grad`` and takes back what the user did to it.
 """
@@ -23,6 +25,7 @@ of theirs that reads add in.
 from __future__ import annotations
 
 import array
+import contextlib
 import functools
 import operator
 from typing import Optional
@@ -31,7 +34,7 @@ import torch
 from torch import Tensor
 
 from . import ops
-from .arrivals import FastPath
+from .arrivals import Plan, Report
 
 HAS_GRAD, GRAD_VIEW = (
     operator.attrgetter(f"_{n}") for n in ("has_grad", "grad_view")
@@ -52,13 +55,16 @@ class Ledger:
         last_needs_python: bool = False,
     ):
         self.table = table  # the hooks' table (fused_accum.arrivals)
-        self.fast = table if isinstance(table, FastPath) else None  # ... where it has the fast path
+        self.fast = table if table.fast else None  # ... where it acts on a plan's fast path
         self.label = label  # how errors name the optimizer
         self.wants_stats = wants_stats  # max_grad_norm or skip_nonfinite: the step takes the norm
         # the window's last backward needs Python (the placement takes each bucket: offload)
         self.last_needs_python = last_needs_python
         self.slots: list = []  # the window's, by key
-        self.changes = array.array("q", [0])  # (read by the C++ hooks at a backward's start)
+        # [the change counter, the quiet backwards' total] (read and written by the C++ hooks)
+        self.changes = array.array("q", [0, 0])
+        self.plan = Plan(counters=self.changes)  # what the table holds, or will at the block's end
+        self._planning = 0  # the depth of planning() blocks: the plan is handed at the outermost end
         self.accum_steps = accum_steps
         self.step_in_backward = step_in_backward
         self._microbatches = 0  # backwards in this window the window itself counted
@@ -85,7 +91,7 @@ class Ledger:
     # --- counts ----------------------------------------------------------------------------
 
     def _quiet(self) -> int:
-        return self.fast.quiet_backwards() - self._quiet_seen if self.fast is not None else 0
+        return self.changes[1] - self._quiet_seen
 
     @property
     def microbatches(self) -> int:
@@ -116,8 +122,8 @@ class Ledger:
     def _restart_count(self, microbatches: int = 0) -> None:
         self._take_quiet()
         self._microbatches = microbatches
-        if self.fast is not None:
-            self.fast.arm_quiet(0, self.changes)  # (which backward is the last may have moved)
+        if self.plan.quiet_until:
+            self._plan(quiet_until=0)  # (which backward is the last may have moved)
 
     def resumed(self, microbatches: int) -> None:
         """A checkpoint's window was loaded: its count of backwards."""
@@ -125,11 +131,12 @@ class Ledger:
 
     def arm_quiet(self) -> None:
         """Let the C++ hooks run the coming backwards quietly, up to the window's last where
-        offload steps it as it goes (the caller decided every bucket is granted an add)."""
+        offload steps it as it goes (the caller decided every bucket is granted an add), while
+        the change counter keeps the value it has now."""
         steps = self.accum_steps
         budget = steps - 1 - self.microbatches if self.last_needs_python and steps is not None else _UNLIMITED
         if budget > 0:
-            self.fast.arm_quiet(budget, self.changes)
+            self._plan(quiet_until=self.changes[1] + budget, at=self.changes[0])
 
     # --- folds ---------------------------------------------------------------------------
 
@@ -213,31 +220,70 @@ class Ledger:
     def discarded(self) -> None:
         """Every gradient of the window is gone and no ``.grad`` shows a view: a new window."""
         self.shown = False
-        self.table.hide = False  # a .grad the user sets now is added to by the next backward
+        self._plan(hide=False)  # a .grad the user sets now is added to by the next backward
         for slot in self.slots:
             slot._has_grad = False
         self._changed()
         self.window_started()
 
-    # --- the hooks' table flags ----------------------------------------------------------------
+    # --- the hooks' plan (fused_accum.arrivals.Plan) -------------------------------------------
+
+    def _plan(self, **fields) -> None:
+        self.plan = self.plan._replace(**fields)
+        if not self._planning:
+            self.table.hand(self.plan)
+
+    @contextlib.contextmanager
+    def planning(self):
+        """The plan's changes in the block are handed to the table once, at its end (the
+        window's start and end of a backward: one call each)."""
+        self._planning += 1
+        try:
+            yield
+        finally:
+            self._planning -= 1
+            if not self._planning:
+                self.table.hand(self.plan)
+
+    def reported(self, report: Report) -> None:
+        """The table reported (fused_accum.arrivals.Report): the overwrite grants it used are
+        no longer in its plan, nor here (the caller records what they filled)."""
+        if report.overwritten:
+            used = set(report.overwritten)
+            self.plan = self.plan._replace(grants=tuple(g for g in self.plan.grants if g.bucket not in used))
+
+    def clear_table(self) -> None:
+        """The table forgets every arrival, and its plan its grants and quiet backwards
+        (``HookTable.clear``)."""
+        self.table.clear()
+        self.plan = self.plan._replace(grants=(), quiet_until=0)
+
+    def granted(self, grants: tuple) -> None:
+        """The fast folds the coming backward may do (the folder decided them)."""
+        self._plan(grants=grants)
+
+    def seen(self, task: int) -> None:
+        """The window queued its own end callback for the backward now running (``task``),
+        which then ends there (it is not quiet)."""
+        self._plan(seen=task)
 
     def showing(self) -> None:
         """``.grad`` shows the window: the next backward first takes what the user did to it
         (the window's checks), and its hooks hide the views before autograd could add into them."""
         self.shown = True
-        self.table.slow = self.table.hide = True
+        self._plan(slow=True, hide=True)
 
     def needs_checks(self) -> None:
         """The next backward calls the window's before_backward (its checks), whatever was armed."""
-        self.table.slow = True
+        self._plan(slow=True)
 
     def checked(self) -> None:
         """The window's checks ran for the backward about to take gradients."""
-        self.table.slow = False
+        self._plan(slow=False)
 
     def set_stands_aside(self, value: bool) -> None:
         """Another engine fills ``.grad`` (DDP, FSDP2): the hooks do nothing."""
-        self.table.stands_aside = value
+        self._plan(stands_aside=value)
 
     def pending(self) -> bool:
         return any(map(HAS_GRAD, self.slots)) or self.table.has_arrivals()

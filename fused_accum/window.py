@@ -237,7 +237,7 @@ class GradientWindow:
                 if slot.has_grad and p.grad is slot.grad_view and slot.grad_view is not slot.placeholder:
                     p.grad = slot.grad_view.to(p.dtype, copy=True)
                     self.ledger.cleared(slot)
-            self._arrivals.clear()
+            self.ledger.clear_table()
             self.detach(reason)
 
     def check_attached(self) -> None:
@@ -279,14 +279,14 @@ class GradientWindow:
         self.ledger.moved(flat.slots)
 
     def _before_backward(self) -> None:
-        """The hooks' once-per-backward checks (while ``arrivals.slow`` is set, before the first
-        gradient is taken): DDP, a reduce-scattered window, and what the user did to an exposed
-        ``.grad``."""
-        with self.lock:
+        """The hooks' once-per-backward checks (while the plan's ``slow`` is set, before the
+        first gradient is taken): DDP, a reduce-scattered window, and what the user did to an
+        exposed ``.grad``; what they decide goes to the hooks as one plan."""
+        with self.lock, self.ledger.planning():
             if self.resolve_topology().stands_aside:
                 return
             self.follow_moved_params()
-            self._folder.take_fast_overwrites()  # (of a backward that raised before its end)
+            self._folder.take_report()  # (of a backward that raised before its end)
             self.topology.before_backward(self.ledger)
             if self.ledger.shown:
                 self.reconcile(before_backward=True)
@@ -338,7 +338,7 @@ class GradientWindow:
         ran for those parameters): fold the buckets it left partly filled and show the window
         again, so a clip or a ``zero_grad()`` that follows sees it, as with torch. It does not
         count as a micro-batch (a retried backward is the one that counts)."""
-        with self.lock:
+        with self.lock, self.ledger.planning():  # (one report taken, in flush; one plan handed)
             if task is not None:
                 self._tasks.pop(task, None)
             if self.detached_because is not None:
@@ -358,7 +358,7 @@ class GradientWindow:
             torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(weakref.ref(self), task))
             self._tasks[task] = arrived
             if self.ledger.fast is not None:
-                self.ledger.fast.python_seen()  # (this backward is not quiet: this callback ends it)
+                self.ledger.seen(task)  # (this backward is not quiet: this callback ends it)
         elif arrived and not seen:
             self._tasks[task] = True
 
@@ -378,7 +378,7 @@ class GradientWindow:
     # --- end of a backward ----------------------------------------------------------------------
 
     def _end_of_backward(self, task: int) -> None:
-        with self.lock:
+        with self.lock, self.ledger.planning():  # (one report taken, in flush; one plan handed, at the end)
             arrived = self._tasks.pop(task, False)
             self._folder.revoke_fast()  # granted for this backward only
             self.flush()
@@ -461,7 +461,7 @@ class GradientWindow:
 
     def discard(self) -> None:
         """Forget every gradient of the window (also any left in buckets by a raised backward)."""
-        self._arrivals.clear()
+        self.ledger.clear_table()
         self._tasks.clear()  # those of a backward that raised: they will never run
         self._forget_all()
         self._exposure.clear_all()

@@ -62,35 +62,135 @@ def _table(kind: str):
     return cls(noop, noop, noop, noop, noop)
 
 
-def test_the_fast_path_protocol_adds_members_to_the_core_one():
-    core, fast = _members(arrivals.HookTable), _members(arrivals.FastPath)
-    assert {"stands_aside", "slow", "hide", "extend", "attach", "expose", "changed"} <= core
-    assert fast - core == {
-        "grant_fast",
-        "revoke_fast",
-        "take_overwritten",
-        "arm_quiet",
-        "quiet_backwards",
-        "python_seen",
-    }
+def test_the_window_and_the_table_exchange_one_plan_and_one_report():
+    # The contract: the table's flags and fast path are one value handed in (Plan), what the
+    # hooks did one value taken back (Report); no per-flag or per-grant member is left.
+    members = _members(arrivals.HookTable)
+    assert {"fast", "hand", "plan", "report", "extend", "attach", "expose", "changed"} <= members
+    gone = {"slow", "hide", "stands_aside", "take_partial", "grant_fast", "revoke_fast", "take_overwritten"}
+    assert not members & (gone | {"arm_quiet", "quiet_backwards", "python_seen"})
+    assert arrivals.Plan._fields == ("stands_aside", "slow", "hide", "seen", "grants", "quiet_until", "counters", "at")
+    assert arrivals.Report._fields == ("overwritten", "partial", "quiet")
+    assert arrivals.Grant._fields == ("bucket", "acc", "offsets", "overwrite")
 
 
 def test_each_implementation_has_exactly_the_members_of_its_protocol(hooks):
-    # One contract: the C++ table is a FastPath, the Python twin a HookTable without the fast
-    # path (the window checks for it), and neither has a public member its protocol lacks.
+    # One contract: both tables are HookTables, the C++ one acting on the whole plan (fast),
+    # the Python twin on its flags only, and neither has a public member the protocol lacks.
     table = _table(hooks)
-    protocol = arrivals.FastPath if hooks == "cpp" else arrivals.HookTable
+    protocol = arrivals.HookTable
     assert sorted(_members(protocol) - _public(table)) == [], "members of the protocol the table lacks"
     assert sorted(_public(table) - _members(protocol)) == [], "members of the table the protocol lacks"
     assert isinstance(table, arrivals.HookTable)
-    assert isinstance(table, arrivals.FastPath) == (hooks == "cpp")
+    assert table.fast == (hooks == "cpp")
 
 
-def test_the_tables_flags_are_read_and_set_by_name(hooks):
+def _flag_plans():
+    return [
+        arrivals.Plan(),
+        arrivals.Plan(stands_aside=True, slow=False, hide=True, seen=7),
+        arrivals.Plan(slow=True, hide=True, seen=3),
+    ]
+
+
+def test_a_plan_handed_is_the_plan_in_force_and_prints(hooks):
     table = _table(hooks)
-    assert (table.stands_aside, table.slow, table.hide) == (False, True, False)
-    table.stands_aside, table.slow, table.hide = True, False, True
-    assert (table.stands_aside, table.slow, table.hide) == (True, False, True)
+    assert table.plan == arrivals.Plan()  # a new table: slow, nothing hidden or granted
+    for plan in _flag_plans():
+        table.hand(plan)
+        assert table.plan == plan
+        assert repr(table.plan) == repr(plan) and repr(plan).startswith("Plan(stands_aside=")
+
+
+def test_a_plan_with_grants_and_quiet_backwards_round_trips_and_prints(cpp_hooks):
+    import array
+
+    table = _table("cpp")
+    table.extend([2, 1], [0, 0, 1], [0, 1, 0], ["a", "b", "c"])
+    acc, offsets = torch.zeros(12), torch.tensor([0, 4])
+    counters = array.array("q", [5, 2])
+    grants = (arrivals.Grant(0, acc, offsets, True), arrivals.Grant(1, acc, torch.tensor([8]), False))
+    plan = arrivals.Plan(slow=True, hide=True, seen=4, grants=grants, quiet_until=9, counters=counters, at=5)
+    table.hand(plan)
+    assert table.plan == plan
+    text = repr(table.plan)
+    assert "Grant(0, <float32[12] cpu>, offsets=[0, 4], overwrite=True)" in text and "quiet_until=9" in text
+    table.hand(plan._replace(grants=grants[1:], quiet_until=0))  # a grant left out is revoked
+    assert table.plan == plan._replace(grants=grants[1:], quiet_until=0)
+    table.clear()  # the grants and quiet backwards go; the flags stay
+    assert table.plan == plan._replace(grants=(), quiet_until=0)
+    with pytest.raises(RuntimeError, match="no bucket"):
+        table.hand(arrivals.Plan(grants=(arrivals.Grant(2, acc, offsets, False),)))
+
+
+def test_the_python_twin_takes_no_fast_path():
+    table = _table("python")
+    acc = torch.zeros(4)
+    with pytest.raises(ValueError, match="no fast path"):
+        table.hand(arrivals.Plan(grants=(arrivals.Grant(0, acc, torch.tensor([0]), False),)))
+
+
+def test_a_report_holds_what_arrived_and_prints(hooks):
+    table = _table(hooks)
+    table.extend([2], [0, 0], [0, 1], ["a", "b"])
+    assert table.report(True) == arrivals.Report((), (), 0)
+    table.arrive_in_place(1)
+    assert table.has_arrivals()
+    mid = table.report(False)  # (partial buckets only at the end)
+    assert mid.partial == () and table.has_arrivals()
+    report = table.report(True)
+    assert report.overwritten == () and report.quiet == 0
+    assert [(b, grads) for b, grads in report.partial] == [(0, [None, None])]
+    assert repr(report) == "Report(overwritten=(), partial=[(0, [None, None])], quiet=0)"
+    assert not table.has_arrivals()
+    grads = arrivals.Report((1,), ((0, [torch.ones(3, dtype=torch.bfloat16), None]),), 4)
+    assert repr(grads) == "Report(overwritten=(1,), partial=[(0, [<bfloat16[3] cpu>, None])], quiet=4)"
+
+
+class _CountingTable:
+    """A table whose calls are counted by name (the window's side of the contract)."""
+
+    def __init__(self, table, calls: list):
+        self._table, self._calls = table, calls
+
+    def __getattr__(self, name):
+        value = getattr(self._table, name)
+        if not callable(value):
+            return value
+
+        def call(*args, **kwargs):
+            self._calls.append(name)
+            return value(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_the_window_hands_one_plan_and_takes_one_report_per_backward(hooks, monkeypatch, clip):
+    # Per backward the window hands the table one plan at its start (the checks' decisions)
+    # and one at its end (for the next ones), and takes one report, at the end; the C++
+    # hooks run the middle backwards without a call. Besides, only the per-parameter passes:
+    # rehook and changed at the start, expose at the end.
+    from fused_accum import window as window_module
+
+    calls: list = []
+    make = window_module.make_arrivals
+    monkeypatch.setattr(window_module, "make_arrivals", lambda *c: _CountingTable(make(*c), calls))
+    a, _ = _pair()
+    opt = fused_accum.SGD(
+        a.parameters(), lr=0.1, accum_steps=4, max_grad_norm=1.0 if clip else None, bucket_cap_mb=50 * 4 / 2**20
+    )
+    per_backward = []
+    for window in range(2):
+        for x in _batches(4, seed=window):
+            del calls[:]
+            a(x).square().mean().backward()
+            per_backward.append(sorted(calls))
+        opt.step()
+        opt.zero_grad()
+    python = sorted(["rehook", "changed", "hand", "report", "expose", "hand"])
+    quiet = [] if hooks == "cpp" else python
+    assert per_backward == [python, quiet, quiet, quiet] * 2
 
 
 def test_make_arrivals_gives_the_table_asked_for(hooks):
