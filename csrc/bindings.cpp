@@ -324,6 +324,35 @@ struct CpuBackend {
 }  // namespace
 }  // namespace fused_accum
 
+// fused_accum._C.swap_storages (registered in module.cpp; fused_accum.extension.swap_storages):
+// swap the memory of two same-sized CPU buffers in O(1) by exchanging their StorageImpls'
+// DataPtrs, so that every view of either (opt.state's tensors, cached slot views) sees the
+// other's memory without an op per view. Each DataPtr keeps its deleter, so each block is freed
+// once, by whichever storage holds it last. Version counters are the tensors' (untouched).
+namespace fused_accum {
+void swap_storages(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.defined() && b.defined(), "swap_storages: both tensors must be defined");
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "swap_storages: both tensors must be on the CPU, got ",
+              a.device(), " and ", b.device());
+  const c10::Storage& sa = a.storage();
+  const c10::Storage& sb = b.storage();
+  TORCH_CHECK(!sa.is_alias_of(sb) && sa.unsafeGetStorageImpl() != sb.unsafeGetStorageImpl(),
+              "swap_storages: the two tensors share their storage");
+  TORCH_CHECK(a.storage_offset() == 0 && b.storage_offset() == 0 && a.is_contiguous() && b.is_contiguous() &&
+                  static_cast<size_t>(a.nbytes()) == sa.nbytes() && static_cast<size_t>(b.nbytes()) == sb.nbytes(),
+              "swap_storages: each tensor must be the whole of its storage (contiguous, offset 0, all its bytes)");
+  TORCH_CHECK(sa.nbytes() == sb.nbytes(), "swap_storages: the storages differ in size (", sa.nbytes(), " and ",
+              sb.nbytes(), " bytes)");
+  TORCH_CHECK(sa.allocator() == sb.allocator(),
+              "swap_storages: the storages come from different allocators (pinned and pageable memory)");
+  c10::StorageImpl* ia = sa.unsafeGetStorageImpl();
+  c10::StorageImpl* ib = sb.unsafeGetStorageImpl();
+  at::DataPtr from_a = ia->set_data_ptr(at::DataPtr(nullptr, a.device()));
+  at::DataPtr from_b = ib->set_data_ptr(std::move(from_a));
+  ia->set_data_ptr(std::move(from_b));
+}
+}  // namespace fused_accum
+
 // No TORCH_LIBRARY here: the schemas are defined from Python, from the declarations in
 // fused_accum/ops.py (fused_accum/backends/ext.py defines them once _C is loaded), and the
 // dispatcher checks the kernels' parameter types (bindings.h) against them.

@@ -11,6 +11,7 @@
 
 namespace fused_accum {
 py::bytes addresses_and_dtypes(const std::vector<at::Tensor>& tensors);  // triton_plans.cpp
+void swap_storages(const at::Tensor& a, const at::Tensor& b);            // bindings.cpp
 }  // namespace fused_accum
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,5 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_accum's C++/CUDA kernels (as torch.ops.fused_accum_ext.*) and C++ autograd hooks";
   m.attr("built_with_cuda") = FA_WITH_CUDA;
   m.def("addresses_and_dtypes", &fused_accum::addresses_and_dtypes, py::arg("tensors"));
+  m.def("swap_storages", &fused_accum::swap_storages, py::arg("a"), py::arg("b"));
   fused_accum::bind_arrivals(m);  // (hooks.cpp)
 }

@@ -73,3 +73,37 @@ def _load():
 
 
 _C, WHY_NOT = _load()
+
+
+def swap_storages(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Swap the memory of two same-sized CPU buffers, each the whole of its storage (offset 0,
+    contiguous, all its bytes; not the same storage), so that every view of either (offload's
+    ``opt.state`` tensors, its cached slot views) sees the other's values.
+
+    With ``_C``: in O(1), by exchanging the two StorageImpls' memory (their DataPtrs, each with
+    its deleter: each block is freed once, by the storage holding it last); no element moves,
+    and no version counter moves (a view's ``_version`` is its tensor's, not its memory's).
+    Without it (``FUSED_ACCUM_NO_EXT=1``, a failed build): an honest swap of the values through
+    a temporary, three copies of the buffer, which do move ``a``'s and ``b``'s version counters;
+    the same checks first."""
+    if _C is not None:
+        _C.swap_storages(a, b)
+        return
+    for x in (a, b):
+        if x.device.type != "cpu":
+            raise RuntimeError(f"swap_storages: both tensors must be on the CPU, got {a.device} and {b.device}")
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    if sa._cdata == sb._cdata:
+        raise RuntimeError("swap_storages: the two tensors share their storage")
+    for x, st in ((a, sa), (b, sb)):
+        if x.storage_offset() != 0 or not x.is_contiguous() or x.nbytes != st.nbytes():
+            raise RuntimeError(
+                "swap_storages: each tensor must be the whole of its storage (contiguous, offset 0, all its bytes)"
+            )
+    if sa.nbytes() != sb.nbytes():
+        raise RuntimeError(f"swap_storages: the storages differ in size ({sa.nbytes()} and {sb.nbytes()} bytes)")
+    with torch.no_grad():
+        a_bytes, b_bytes = a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)
+        kept = a_bytes.clone()
+        a_bytes.copy_(b_bytes)
+        b_bytes.copy_(kept)
