@@ -928,16 +928,18 @@ def format_cpu_adam_row(r: Dict) -> str:
     )
 
 
-# --- step backups (issue 37) -----------------------------------------------------------------
+# --- out-of-place steps (issue 37) ----------------------------------------------------------
 #
-# The host step with backups (issue 37): what offload's speculative step costs over a plain one.
+# The host step out of place (issue 37): what offload's double-buffered step costs over a plain one.
 #
 # For one bucket of B MB of parameters, AdamW on the C++ CPU backend, three ways, interleaved:
 #
-# - ``plain``: the step alone;
-# - ``backups``: the step writing the old values of everything it changes into ``backups``
-#   (ops.StepTensors.backups: the kernel copies each block just before updating it);
-# - ``copy+step``: the old way, each written buffer copied aside (``copy_``) and then the step.
+# - ``plain``: the step in place;
+# - ``sources``: the step out of place, reading the old values of everything it changes from
+#   ``sources`` (ops.StepTensors.sources: offload's live buffers) and writing the new ones into
+#   the written lists (their twins);
+# - ``copy+step``: the naive way, each written buffer copied over from its source (``copy_``) and
+#   then the step in place.
 #
 # Formats: ``fp32`` (fp32 params stepped in place: params, exp_avg, exp_avg_sq written; B MB of
 # fp32 params) and ``bf16+master`` (fp32 masters with bf16 copies: masters, bf16 copy, exp_avg,
@@ -947,11 +949,11 @@ def format_cpu_adam_row(r: Dict) -> str:
 #     .venv/bin/python -m benchmarks.kernels [--sizes-mb 4 25] [--threads 1 2] [--repeats 15] [--cold]
 
 
-STEP_BACKUPS_HYPER = ops.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+STEP_SOURCES_HYPER = ops.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
 
 
-def _backups_bucket(fmt: str, mb: float):
-    """(StepTensors without backups, AdamStates, the written tensors in the backups' order)."""
+def _sources_bucket(fmt: str, mb: float):
+    """(StepTensors in place, AdamStates, the written tensors in the sources' order)."""
     elsize = 4 if fmt == "fp32" else 2
     n = int(mb * 2**20) // elsize
     gen = torch.Generator().manual_seed(0)
@@ -966,7 +968,7 @@ def _backups_bucket(fmt: str, mb: float):
     return n, t, ops.AdamStates([m], [v]), written
 
 
-def run_step_backups(sizes_mb, threads, repeats: int, backend: str = "cpu", cold: bool = False) -> list:
+def run_step_sources(sizes_mb, threads, repeats: int, backend: str = "cpu", cold: bool = False) -> list:
     """Median seconds per way. ``cold``: a 128 MB buffer is written between calls (not timed),
     so a bucket's buffers come from memory, as in offload, where the other buckets' steps have
     passed through the caches since this one's last step; else the bucket steps again and again,
@@ -975,23 +977,22 @@ def run_step_backups(sizes_mb, threads, repeats: int, backend: str = "cpu", cold
     scratch = torch.empty(32 * 2**20) if cold else None
     for fmt in ("fp32", "bf16+master"):
         for mb in sizes_mb:
-            n, t, s, written = _backups_bucket(fmt, mb)
-            backups = [torch.empty_like(x) for x in written]
-            aside = [torch.empty_like(x) for x in written]
-            with_backups = t._replace(backups=backups)
+            n, t, s, written = _sources_bucket(fmt, mb)
+            sources = [x.clone() for x in written]  # (the live buffers: read, never written)
+            out_of_place = t._replace(sources=sources)
 
             def plain():
-                ops.adam_step(t, s, STEP_BACKUPS_HYPER, backend)
+                ops.adam_step(t, s, STEP_SOURCES_HYPER, backend)
 
-            def backed_up():
-                ops.adam_step(with_backups, s, STEP_BACKUPS_HYPER, backend)
+            def sourced():
+                ops.adam_step(out_of_place, s, STEP_SOURCES_HYPER, backend)
 
             def copy_then_step():
-                for dst, src in zip(aside, written):
+                for dst, src in zip(written, sources):
                     dst.copy_(src)
-                ops.adam_step(t, s, STEP_BACKUPS_HYPER, backend)
+                ops.adam_step(t, s, STEP_SOURCES_HYPER, backend)
 
-            ways = {"plain": plain, "backups": backed_up, "copy+step": copy_then_step}
+            ways = {"plain": plain, "sources": sourced, "copy+step": copy_then_step}
             for n_threads in threads:
                 torch.set_num_threads(n_threads)
                 times = {name: [] for name in ways}
@@ -1012,8 +1013,8 @@ def run_step_backups(sizes_mb, threads, repeats: int, backend: str = "cpu", cold
     return rows
 
 
-def step_backups_main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="the host step with backups against without (issue 37)")
+def step_sources_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="the host step out of place against in place (issue 37)")
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 25])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
@@ -1026,18 +1027,18 @@ def step_backups_main(argv=None) -> None:
     )
     print("wall: median wall-clock ms; cpu: median process CPU ms (all threads; on a shared machine the")
     print("one-thread cpu ratios leave out the time the thread waited for a core)")
-    print(f"{'format':>12} {'MB':>5} {'elements':>10} {'thr':>3} {'plain ms':>9} {'backups':>9} {'copy+step':>10}"
-          f" {'backups/plain':>14} {'copy+step/plain':>16} {'cpu: b/p':>9} {'cpu: c/p':>9}")  # fmt: skip
-    for fmt, mb, n, n_threads, med in run_step_backups(
+    print(f"{'format':>12} {'MB':>5} {'elements':>10} {'thr':>3} {'plain ms':>9} {'sources':>9} {'copy+step':>10}"
+          f" {'sources/plain':>14} {'copy+step/plain':>16} {'cpu: s/p':>9} {'cpu: c/p':>9}")  # fmt: skip
+    for fmt, mb, n, n_threads, med in run_step_sources(
         args.sizes_mb, args.threads, args.repeats, args.backend, args.cold
     ):
-        p, b, c = (med[k] * 1e3 for k in ("plain", "backups", "copy+step"))
-        cp, cb, cc = (med[f"cpu {k}"] for k in ("plain", "backups", "copy+step"))
+        p, b, c = (med[k] * 1e3 for k in ("plain", "sources", "copy+step"))
+        cp, cb, cc = (med[f"cpu {k}"] for k in ("plain", "sources", "copy+step"))
         print(
             f"{fmt:>12} {mb:>5g} {n:>10} {n_threads:>3} {p:>9.2f} {b:>9.2f} {c:>10.2f} {b / p:>14.2f} {c / p:>16.2f}"
             f" {cb / cp:>9.2f} {cc / cp:>9.2f}"
         )
 
 
-if __name__ == "__main__":  # python -m benchmarks.kernels [--cold] ...: the step backups' table
-    step_backups_main()
+if __name__ == "__main__":  # python -m benchmarks.kernels [--cold] ...: the out-of-place step's table
+    step_sources_main()

@@ -4,15 +4,16 @@
 
 On any machine: the host step of one bucket (AdamW, bf16 parameters with fp32 masters, the
 package's CPU kernels, one thread and all of them), a speculated bucket's host step (the same
-step writing the old values aside in its own pass: ``ops.StepTensors.backups``, what offload's
-speculation runs; issue 37's bound is 1.3 x the plain step), and for comparison the separate
-copy aside it replaced, per bucket size: the budget the window's last backward has to hide
+step out of place, reading the live buffers and writing their twins: ``ops.StepTensors.sources``,
+what offload's double-buffered speculation runs; issue 37's bound is 1.3 x the plain step), and
+for comparison the copy of the live buffers over their twins that an in-place step on the twins
+would need first, per bucket size: the budget the window's last backward has to hide
 them in (a bucket lands on the host every (bucket bytes / device-to-host bandwidth)).
 
 On a GPU also: a k = 8 window of a small bf16 GPT (benchmarks/end_to_end.TinyGPT) with and
 without offload: ms per window, peak device memory, the optimizer's device bytes per parameter
 (after its build and after the last window; the bf16 weight's 2 B are beside them), and with
-offload the host work per window (the host steps, a speculated bucket's with its back-up,
+offload the host work per window (the host steps, out of place where the window speculated,
 timed on the worker, not its waits for the copies; the warm-up windows left out), the fraction of it hidden
 (1 - what offload added to the window / that host work), and how many windows speculated and
 how many buckets' speculations were committed or put back and stepped again (a clipped window's
@@ -52,15 +53,16 @@ def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
         master, m, v, acc = (torch.randn(numel) for _ in range(4))
         v.abs_()
         lp = torch.empty(numel, dtype=torch.bfloat16)
-        # what offload's speculation copies aside (HostLayout.back_up): the master, the
-        # moments and the host copy of the weight, 14 B/param (the gradient is not changed);
-        # the step op's backups take them in its order: params (the master), lp_params, states
-        aside = [(buf, torch.empty_like(buf)) for buf in (master, lp, m, v)]
+        # what offload's speculation reads from the live buffers and writes into their twins
+        # (HostLayout.out_of_place): the master, the host copy of the weight and the moments,
+        # 14 B/param (the gradient is only read); the step op's sources take them in its order:
+        # params (the master), lp_params, states
+        aside = [(buf, buf.clone()) for buf in (master, lp, m, v)]
         steps = torch.ones(1)
         t = ops.StepTensors(
             [master], [acc], steps, torch.tensor(1e-3, dtype=torch.float64), torch.ones(()), lp_params=[lp]
         )
-        speculated = t._replace(backups=[copy for _, copy in aside])  # the copy aside in the step's pass
+        speculated = t._replace(sources=[live for _, live in aside])  # out of place: live -> twins
         s = ops.AdamStates([m], [v])
         h = AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
         backend = "cpu" if fused_accum.backends.availability("cpu", "cpu") == "" else "reference"
@@ -69,8 +71,8 @@ def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
             step_t, copy_t, spec_t = [], [], []
             for _ in range(repeats):  # (interleaved: a load that comes and goes hits all three)
                 start = time.perf_counter()
-                for buf, copy in aside:
-                    copy.copy_(buf)
+                for buf, live in aside:
+                    buf.copy_(live)
                 copy_t.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 ops.adam_step(t, s, h, backend)
@@ -87,10 +89,10 @@ def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
                     bucket_mb=numel * 4 / 2**20,
                     threads=n_threads,
                     step_ms=round(step_ms, 3),
-                    backup_ms=round(copy_ms, 3),
+                    copy_ms=round(copy_ms, 3),  # the live buffers copied over the twins
                     speculated_ms=round(spec_ms, 3),  # a speculated bucket's host time: one pass
                     speculated_over_step=round(spec_ms / step_ms, 2),  # (issue 37: at most 1.3)
-                    two_passes_over_step=round((copy_ms + step_ms) / step_ms, 2),  # (before: a copy, then the step)
+                    two_passes_over_step=round((copy_ms + step_ms) / step_ms, 2),  # (a copy, then the step)
                     step_gbs=round(numel * 30 / step_ms / 1e6, 2),  # the AdamW step's 30 B/param
                 )
             )
@@ -100,11 +102,11 @@ def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
 
 
 class _HostWork:
-    """Seconds the offload worker spends stepping buckets on the host (a speculated bucket's step
-    writes its backup in the same pass): those alone, not its waits for the device-to-host
+    """Seconds the offload worker spends stepping buckets on the host (out of place, live into
+    twins, where the window speculated): those alone, not its waits for the device-to-host
     copies (``event.synchronize``, which the worker's ``busy_s`` counts too). Patches the
     optimizer's ``prepare_step`` while installed: its returned call (``functools.partial`` of
-    the step op, which offload's ``HostLayout.back_up`` gives backups) runs the op timed."""
+    the step op, which offload's ``HostLayout.out_of_place`` gives sources) runs the op timed."""
 
     def __init__(self, opt) -> None:
         self.seconds = 0.0

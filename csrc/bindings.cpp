@@ -204,19 +204,19 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
   args.grads_overwrite = t.grads_overwrite;
   args.maximize = maximize;
 
-  // Backups: one per tensor of each written list, list after list (ops.StepTensors.backups;
-  // the same checks, in the same words, as reference.back_up).
+  // Sources: one per tensor of each written list, list after list (ops.StepTensors.sources;
+  // the same checks, in the same words, as reference.take_sources).
   const bool has_lp = !t.lp_params.empty();
-  std::vector<std::pair<int, at::TensorList>> backed_up{{TensorLists::kParam, t.params}};
-  if (has_lp) backed_up.emplace_back(TensorLists::kLp, t.lp_params);
-  if (has_rem) backed_up.emplace_back(TensorLists::kRem, t.remainders);
+  std::vector<std::pair<int, at::TensorList>> sourced{{TensorLists::kParam, t.params}};
+  if (has_lp) sourced.emplace_back(TensorLists::kLp, t.lp_params);
+  if (has_rem) sourced.emplace_back(TensorLists::kRem, t.remainders);
   for (size_t k = 0; k < kMaxStates; ++k) {
-    if (states[k].name) backed_up.emplace_back(TensorLists::kState1 + static_cast<int>(k), states[k].list);
+    if (states[k].name) sourced.emplace_back(TensorLists::kState1 + static_cast<int>(k), states[k].list);
   }
-  const bool has_backups = !t.backups.empty();
-  TORCH_CHECK(!has_backups || t.backups.size() == backed_up.size() * n, op, ": backups has ",
-              t.backups.size(), " tensors, expected 0 (none) or ", backed_up.size() * n,
-              " (one per tensor of the ", backed_up.size(), " lists the step writes)");
+  const bool has_sources = !t.sources.empty();
+  TORCH_CHECK(!has_sources || t.sources.size() == sourced.size() * n, op, ": sources has ",
+              t.sources.size(), " tensors, expected 0 (none) or ", sourced.size() * n,
+              " (one per tensor of the ", sourced.size(), " lists the step writes)");
 
   TensorLists& l = call.lists;
   Operand* const state_operands[kMaxStates] = {&l.state1, &l.state2, &l.state3};
@@ -271,22 +271,22 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
       l.grad.add(readable(call, t.grads[i]), dtype_code(t.grads[i], op, "grads", i));
     }
   }
-  if (has_backups) {
-    for (size_t k = 0; k < backed_up.size(); ++k) {
-      const auto& [which, list] = backed_up[k];
+  if (has_sources) {
+    for (size_t k = 0; k < sourced.size(); ++k) {
+      const auto& [which, list] = sourced[k];
       for (size_t i = 0; i < n; ++i) {
-        const at::Tensor& src = list[i];
-        const at::Tensor& dst = t.backups[k * n + i];
-        TORCH_CHECK(dst.defined() && dst.scalar_type() == src.scalar_type() &&
-                        dst.numel() == src.numel() && dst.device() == src.device(),
-                    op, ": backups[", k * n + i, "] must be ", src.scalar_type(), " with ",
-                    src.numel(), " elements on ", src.device(), " (what it backs up), got ",
-                    dst.defined() ? dst.scalar_type() : at::ScalarType::Undefined, " with ",
-                    dst.defined() ? dst.numel() : 0, " on ", dst.defined() ? dst.device() : src.device());
-        if (src.numel() == 0) continue;
-        // the source's dtype code (kI16 for remainders), for its element size
-        const DType dt = which == TensorLists::kRem ? DType::kI16 : dtype_code(src, op, "backups", k * n + i);
-        l.backup[which].add(writable(call, dst), dt);
+        const at::Tensor& dst = list[i];
+        const at::Tensor& src = t.sources[k * n + i];
+        TORCH_CHECK(src.defined() && src.scalar_type() == dst.scalar_type() &&
+                        src.numel() == dst.numel() && src.device() == dst.device(),
+                    op, ": sources[", k * n + i, "] must be ", dst.scalar_type(), " with ",
+                    dst.numel(), " elements on ", dst.device(), " (what the step writes there), got ",
+                    src.defined() ? src.scalar_type() : at::ScalarType::Undefined, " with ",
+                    src.defined() ? src.numel() : 0, " on ", src.defined() ? src.device() : dst.device());
+        if (dst.numel() == 0) continue;
+        // the written tensor's dtype code (kI16 for remainders), for its element size
+        const DType dt = which == TensorLists::kRem ? DType::kI16 : dtype_code(dst, op, "sources", k * n + i);
+        l.source[which].add(readable(call, src), dt);
       }
     }
   }

@@ -50,12 +50,12 @@ Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool over
   at::TensorList params, at::TensorList accs, const at::Tensor &steps, const at::Tensor &lr, \
       const at::Tensor &coef, at::TensorList lp_params, at::TensorList remainders,            \
       at::TensorList grads, const std::optional<at::Tensor> &found_inf, double grad_alpha,    \
-      bool grads_overwrite, at::TensorList backups
+      bool grads_overwrite, at::TensorList sources
 // ... gathered into the StepTensors below, in a kernel of FUSED_ACCUM_STEP_PARAMETERS.
 #define FUSED_ACCUM_STEP_TENSORS(op)                                                        \
   StepTensors {                                                                             \
     op, params, accs, steps, lr, coef, lp_params, remainders, grads, found_inf, grad_alpha, \
-        grads_overwrite, backups                                                            \
+        grads_overwrite, sources                                                            \
   }
 
 struct StepTensors {
@@ -72,8 +72,9 @@ struct StepTensors {
   const std::optional<at::Tensor>& found_inf;
   double grad_alpha;
   bool grads_overwrite;
-  // empty, or the old values of every written list's tensors, list after list (ops.StepTensors)
-  at::TensorList backups;
+  // empty, or where the step reads the old values of every written list's tensors, list after
+  // list (ops.StepTensors.sources: an out-of-place step)
+  at::TensorList sources;
 };
 
 // An op's optimizer-state lists, TensorLists::state1..state3 in order (fp32, written). A list the

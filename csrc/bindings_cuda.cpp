@@ -40,21 +40,22 @@ struct CudaBackend {
   static void fold_pieces(const Call& c, const FoldArgs& f) {
     launch_on(c, "fold_pieces_", [&](void* s) { return fold_pieces_cuda(f, s); });
   }
-  // A host step's backups (offload's speculation) have no CUDA kernel: the device steps in place.
-  static void refuse_backups(const Call& c, const char* op) {
-    TORCH_CHECK(!c.lists.backs_up(), "fused_accum_ext::", op,
-                ": backups are for host (CPU) steps; the cuda backend does not write them");
+  // A host step's sources (offload's double-buffered state) have no CUDA kernel: the device
+  // steps in place.
+  static void refuse_sources(const Call& c, const char* op) {
+    TORCH_CHECK(!c.lists.sourced(), "fused_accum_ext::", op,
+                ": sources are for host (CPU) steps; the cuda backend does not read them");
   }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
-    refuse_backups(c, "sgd_step_");
+    refuse_sources(c, "sgd_step_");
     launch_on(c, "sgd_step_", [&](void* s) { return sgd_step_cuda(c.lists, a, h, s); });
   }
   static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
-    refuse_backups(c, "adam_step_");
+    refuse_sources(c, "adam_step_");
     launch_on(c, "adam_step_", [&](void* s) { return adam_step_cuda(c.lists, a, h, s); });
   }
   static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
-    refuse_backups(c, "lion_step_");
+    refuse_sources(c, "lion_step_");
     launch_on(c, "lion_step_", [&](void* s) { return lion_step_cuda(c.lists, a, h, s); });
   }
 };

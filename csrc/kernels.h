@@ -43,11 +43,12 @@ struct TensorLists {
   // int16 remainders (exact 2-byte masters): when present, param is bf16 and the master is
   // math::rebuild_master(param, rem), split back into both after the update (lp is absent)
   Operand rem;
-  // Backups (issue 37; CPU only): where the step writes the old values of the operand it backs
-  // up (same dtype), before changing them. Absent where that operand is, or without backups.
+  // Sources (issue 37; CPU only): where an out-of-place step reads the old values of the
+  // operand it writes (same dtype, overlapping nothing written); it writes every element of the
+  // operand. Absent where that operand is, or for an in-place step.
   enum Written { kParam = 0, kLp, kRem, kState1, kState2, kState3, kWritten };
-  Operand backup[kWritten];
-  bool backs_up() const { return backup[kParam].present(); }
+  Operand source[kWritten];
+  bool sourced() const { return source[kParam].present(); }
   const Operand& written(int k) const {
     const Operand* const ops[kWritten] = {&param, &lp, &rem, &state1, &state2, &state3};
     return *ops[k];

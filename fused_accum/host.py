@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .extension import swap_storages
 
 # A test's hook: called by the worker before each task (tests/test_offload.py makes the worker
 # slow and its timing random with it, to show the next forward never sees half a step).
@@ -139,8 +140,9 @@ class HostLayout:
     parameter and where its slices lie, and keeps the accumulator on the device where it puts
     it; this layout puts everything the step reads and writes on the host (the masters, the
     state, a copy of what the step writes of each parameter, the window's gradient as it
-    arrives, the speculation's backup) and says what crosses per bucket. One instance per flat
-    group.
+    arrives, and a twin of each buffer a step writes: every host step reads the live buffers and
+    writes the twins, out of place, and the window's step is committed by swapping each buffer
+    with its twin) and says what crosses per bucket. One instance per flat group.
 
     It asks the base through the layout's own methods, never by its kind: ``step_lists`` for
     what of each slot the step reads and writes on the device (the slots held here, their
@@ -156,9 +158,10 @@ class HostLayout:
         self.pinned = pinned
         self.host_params: Optional[Tensor] = None  # the parameters' values, in their dtype, flat
         self.host_acc: Optional[Tensor] = None  # the window's gradient, copied from the device
-        self.backup: dict = {}  # buffer name -> the old values a speculative step wrote there
-        self._backups: dict = {}  # (see _backup_views)
-        self._backup_key: Optional[tuple] = None
+        self.twin: dict = {}  # buffer name -> its twin, which the window's host steps write
+        self._twins: dict = {}  # (see _twin_views)
+        self._twin_keys: dict = {}  # buffer name -> the storage its twin was made for
+        self._twins_stale = True  # (the slots held here changed: the views are made again)
         # Views made once (at set_views), so that a step and a transfer issue no view op per
         # parameter (tests/test_host_cost.py): slot index -> (its gradient on the host, its host
         # copy 1-D, the same shaped as the base's device view), for the slots held here; bucket
@@ -189,7 +192,7 @@ class HostLayout:
         self.base.set_views(flat, slot)
         if self.host_params.dtype != flat.dtype:  # the model was cast after the optimizer was built
             self.host_params = self._host(flat.local_numel, flat.dtype)
-        self._aliases, self._backup_key = {}, None
+        self._aliases, self._twins_stale = {}, True
         held, _, weights = self._device_lists(flat, [slot])
         if not held:  # (shard=: this rank holds none of it)
             self._views.pop(slot.index, None)
@@ -280,7 +283,7 @@ class HostLayout:
         pairs = [views[s.index] for s in held]
         return held, [v[0] for v in pairs], flat.masters.step_tensors(held, [v[1] for v in pairs])
 
-    # --- the speculation's backup: written by the step itself, in its own pass ---
+    # --- the twins: each buffer a step writes, double-buffered ---
 
     def _buffers(self, flat) -> dict:
         buffers = {"params": self.host_params, **flat.state}
@@ -288,49 +291,78 @@ class HostLayout:
             buffers["master"] = flat.master
         return buffers
 
-    def _backup_views(self, flat) -> dict:
-        """buffer name -> slot index -> (the slot's view of the buffer, of its backup), for the
-        slots held here: made at the first speculation (the backups zeros: their padding is the
-        buffers'), and again where a buffer was replaced (a cast, a momentum turned on, a move)."""
+    def _twin_views(self, flat) -> dict:
+        """buffer name -> slot index -> (the slot's view of the live buffer, of its twin), for the
+        slots held here: made at the first step (the twins zeros: their padding is the buffers',
+        and the weights' twin pinned as the weights are, since it becomes what crosses), and
+        again where a buffer was replaced (a cast, a momentum turned on, a move: that buffer's
+        twin only) or the slots held here changed. Keyed by the buffers' storages, not their
+        addresses: a swap moves the addresses, not the storages."""
         buffers = self._buffers(flat)
-        key = tuple((name, buf.data_ptr(), buf.numel(), buf.dtype) for name, buf in buffers.items())
-        if key != self._backup_key:
-            held = [s for s in flat.slots if s.index in self._views]
-            self.backup = {name: torch.zeros_like(buf) for name, buf in buffers.items()}
-            self._backups = {
-                name: {s.index: (buf[s.local], self.backup[name][s.local]) for s in held}
-                for name, buf in buffers.items()
+        keys = {name: (buf.untyped_storage()._cdata, buf.numel(), buf.dtype) for name, buf in buffers.items()}
+        if keys != self._twin_keys or self._twins_stale:
+            # only a replaced buffer's twin is new: another's may hold a speculation's step
+            self.twin = {
+                name: self.twin[name]
+                if self._twin_keys.get(name) == key
+                else torch.zeros(
+                    buffers[name].shape, dtype=buffers[name].dtype, pin_memory=self.pinned and name == "params"
+                )
+                for name, key in keys.items()
             }
-            self._backup_key = key
-        return self._backups
+            held = [s for s in flat.slots if s.index in self._views]
+            self._twins = {
+                name: {s.index: (buf[s.local], self.twin[name][s.local]) for s in held} for name, buf in buffers.items()
+            }
+            self._twin_keys, self._twins_stale = keys, False
+        return self._twins
 
-    def back_up(self, flat, slots: list, call) -> tuple:
-        """(``call`` with its backups, what puts them back: (buffer views, backup views) per
-        buffer, for :meth:`restore`): the step of ``slots`` that :meth:`Stepper.prepare_step`
-        returned (``functools.partial(op, t, states, hyper, backend, plan=...)``), made to write
-        the old values of everything it changes into the backups as it reads them
-        (``ops.StepTensors.backups``: no pass of its own). The written lists, in the op's order:
-        params, lp_params, remainders (each the host copy of the weights or the masters'
-        buffer), then the state lists it writes."""
+    def out_of_place(self, flat, slots: list, call):
+        """``call`` (the step of ``slots`` that :meth:`Stepper.prepare_step` returned:
+        ``functools.partial(op, t, states, hyper, backend, plan=...)``) made to step out of
+        place: to read the old values from the live buffers (``ops.StepTensors.sources``) and
+        write the new ones into their twins, the live buffers left as they were. The written
+        lists, in the op's order: params, lp_params, remainders (each the host copy of the
+        weights or the masters' buffer), then the state lists it writes."""
         t, states = call.args[0], call.args[1]
-        views = self._backup_views(flat)
+        views = self._twin_views(flat)
         held = [s.index for s in slots if s.index in self._views]
         weights = self.host_params.untyped_storage().data_ptr()
-        names = [
-            "params" if written[0].untyped_storage().data_ptr() == weights else "master"
-            for written in (t.params, t.lp_params, t.remainders)
-            if written
-        ]
-        names += [field[:-1] for field, written in zip(type(states)._fields, states) if written]  # (exp_avgs: exp_avg)
-        undo = [([views[name][i][0] for i in held], [views[name][i][1] for i in held]) for name in names]
-        backups = [kept for _, kept_list in undo for kept in kept_list]
-        return functools.partial(call.func, t._replace(backups=backups), *call.args[1:], **call.keywords), undo
+        fields = [f for f in ("params", "lp_params", "remainders") if getattr(t, f)]
+        names = ["params" if getattr(t, f)[0].untyped_storage().data_ptr() == weights else "master" for f in fields]
+        written = [f for f, lst in zip(type(states)._fields, states) if lst]
+        names += [f[:-1] for f in written]  # (exp_avgs: exp_avg)
+        twins = [[views[name][i][1] for i in held] for name in names]
+        sources = [views[name][i][0] for name in names for i in held]
+        t = t._replace(sources=sources, **dict(zip(fields, twins)))
+        states = states._replace(**dict(zip(written, twins[len(fields) :])))
+        return functools.partial(call.func, t, states, *call.args[2:], **call.keywords)
 
-    @staticmethod
-    def restore(undo: list) -> None:
-        """Put back what a step given :meth:`back_up`'s backups changed."""
-        for buffers, kept in undo:
-            torch._foreach_copy_(buffers, kept)
+    def commit(self, flat, stepped: set) -> None:
+        """The window's step stands: every slot in ``stepped`` (keys) was stepped into the
+        twins; each run of the other held slots is copied over from the live buffers (only
+        those: no op where every slot stepped), then each buffer and its twin swap their memory
+        (O(1) with the extension: fused_accum.extension.swap_storages), so that ``opt.state``'s
+        views, the slot views and the twins' views all see the other memory."""
+        self._twin_views(flat)  # (made, or made again where a buffer was replaced)
+        runs, run = [], None
+        for s in sorted((s for s in flat.slots if s.index in self._views), key=lambda s: s.local.start):
+            if s.key in stepped:
+                run = None
+            elif run is None:
+                run = [s.local.start, s.local.stop]
+                runs.append(run)
+            else:
+                run[1] = s.local.stop
+        buffers = self._buffers(flat)
+        if runs:
+            lives, twins = [], []
+            for name, buf in buffers.items():
+                lives += [buf[a:b] for a, b in runs]
+                twins += [self.twin[name][a:b] for a, b in runs]
+            torch._foreach_copy_(twins, lives)
+        for name, buf in buffers.items():
+            swap_storages(buf, self.twin[name])
 
     def versions(self, flat) -> tuple:
         """The version counters of what a step changes and the user can reach: ``opt.state``'s

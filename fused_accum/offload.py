@@ -5,8 +5,9 @@ with ``shard="grads"`` over N ranks 2 + 4/N; under FSDP2 each rank's shards of b
 middle micro-batches fold there exactly as without offload. On the host live the fp32 masters
 (or, with ``master_weights="remainder"``, the int16 remainders), the optimizer state and the
 step counts, a host copy of every parameter (what the step writes, and what goes back to the
-device), the window's gradient as it arrives from the device, and a backup of what a
-speculative step changes: :class:`fused_accum.host.HostLayout`, over the topology's layout,
+device), the window's gradient as it arrives from the device, and, once a window speculates, a
+twin of each buffer a step writes (the masters or remainders, the state, the parameter copy:
+14 B/param for bf16 AdamW): :class:`fused_accum.host.HostLayout`, over the topology's layout,
 which says what this process holds of each parameter (all of it; under ``shard=`` its part of
 each bucket; under FSDP2 its local shards). The two that cross, the gradient and the parameter
 copy, are pinned where the device is a GPU; the rest never does.
@@ -19,23 +20,31 @@ exactly those copies (the compute stream waits on their events).
 
 Speculation, and why it stays exact. Clipping and non-finite skips need the whole window's norm,
 known only at its end, and ``num_items`` and a GradScaler's scale only at ``step()``. So the
-worker steps each bucket *speculatively*, with the coefficient 1, and the step itself copies
-aside (backup) the old value of everything it changes, in its own pass, as it reads it
-(``ops.StepTensors.backups``: no pass of its own over the state). At ``step()``, where the step's real coefficient is 1 and
-nothing skips, and nothing the speculation read has changed since (the gradients, the weights,
-``opt.state``, the hyper-parameters), the speculation is the step: it is committed as it is.
-Whether the gradients and the weights changed is decided from their values, never from version
-counters (they miss ``.data`` writes, ``scaler.unscale_``, ``dist.all_reduce(p.grad)`` and our
-own folds of a backward past the last, and move on ``clip_grad_norm_``'s multiply by 1.0): a
-fingerprint of each bucket's accumulator range and weights, its bits summed three ways (plain,
-squared, position-weighted) in exact int64 arithmetic on the device, is taken when the bucket
-is sent and again at ``step()`` (a read of 4 + 2 B/param on the device for bf16 weights), and
-the host reads the comparisons as one flag per bucket, in one sync per window.
-Otherwise the backup is put back and the buckets are stepped again from it, with the real
-coefficient and skip flag: the same kernels on the same values as a step taken after the window,
-bit for bit. No arithmetic rollback anywhere. The backup is the "second host copy of the state"
-the design asks for, taken the other way round: stepping in place and copying the old values
-aside (during the backward) makes a commit free and keeps ``opt.state``'s views where they are.
+worker steps each bucket *speculatively*, with the coefficient 1, and out of place: the step
+reads the old values from the live buffers and writes the new ones into their twins
+(``ops.StepTensors.sources``: the same pass and the same traffic as an in-place step; the live
+buffers, which ``opt.state`` shows, are left as they were). At ``step()``, where the step's real
+coefficient is 1 and nothing skips, and nothing the speculation read has changed since (the
+gradients, the weights, ``opt.state``, the hyper-parameters), the speculation is the step: it is
+committed as it is. Whether the gradients and the weights changed is decided from their values,
+never from version counters (they miss ``.data`` writes, ``scaler.unscale_``,
+``dist.all_reduce(p.grad)`` and our own folds of a backward past the last, and move on
+``clip_grad_norm_``'s multiply by 1.0): a fingerprint of each bucket's accumulator range and
+weights, its bits summed three ways (plain, squared, position-weighted) in exact int64 arithmetic
+on the device, is taken when the bucket is sent and again at ``step()`` (a read of 4 + 2 B/param
+on the device for bf16 weights), and the host reads the comparisons as one flag per bucket, in
+one sync per window. Otherwise the bucket is stepped again from the live buffers, untouched
+(nothing to put back but its step counts), with the real coefficient and skip flag: the same
+kernels on the same values as a step taken after the window, bit for bit. No arithmetic
+rollback anywhere. Every other bucket of such a window steps at ``step()`` out of place too;
+the runs of slots that did not step this window are copied over from the live buffers (only
+those); then each buffer and its twin swap their memory, in O(1)
+(:func:`fused_accum.extension.swap_storages`: the two storages exchange their memory, so every
+view of either, ``opt.state``'s included, sees the other's without an op per parameter; without
+the C++ extension an honest swap by copies), and the weights go back to the device from the
+now-live host copies. The twins are the "second host copy of the state" the design asks for: a
+commit is a swap. A window that does not speculate steps in place and makes no twin (nothing
+speculates under a process group or FSDP2: no twin there).
 
 What speculates: a window with ``accum_steps`` set (its last backward is known) when the step
 before it was the speculation's: it used neither ``num_items`` nor a GradScaler (a loop that
@@ -55,10 +64,15 @@ hook may edit ``.grad`` after the fold), nor does any bucket of an optimizer wit
 
 What the user sees meanwhile. The last backward returns once the host has stepped its buckets
 (the worker ran alongside it; what is left is its last buckets), so nothing the user does after
-it races the worker. Until ``step()``, ``opt.state`` shows the speculated state: reading it
-there shows the step to come, a checkpoint (``state_dict``) puts the speculation back first
-(the window then steps at ``step()``), and an in-place edit of it there cannot be made exact, so
-``step()`` refuses it (seen through the state buffers' version counters) and steps nothing.
+it races the worker. Until ``step()``, ``opt.state`` shows the state before the step, as without
+offload, step counts included (the speculated slots' counts are set back when the last
+backward ends, and forward again at the commit). A checkpoint (``state_dict``) there holds the
+state before the step (the speculation is dropped: the window then steps at ``step()``); an
+entry assigned there is what the step takes (``Stepper.state_unchanged``: those buckets step
+again); an in-place edit of it there (a moment, a step count) is seen through the version
+counters of the live buffers' views, and that flat group's buckets step again, from the edited
+state: bit for bit what the step without offload gives
+(tests/test_offload.py::test_the_state_between_the_last_backward_and_step_is_the_state_before_the_step).
 """
 
 from __future__ import annotations
@@ -81,16 +95,15 @@ _HOST = torch.device("cpu")
 @dataclasses.dataclass(eq=False)
 class _Speculation:
     """One bucket of a window's last backward, as it was sent: what its step read (a fingerprint
-    on the device, the hyper-parameters) and, where the worker stepped it speculatively, what
-    to put back (``steps``: the step counts the step began from)."""
+    on the device, the hyper-parameters) and, where the worker stepped it speculatively (into
+    the twins: the live buffers are as they were), its slots' step counts."""
 
     slots: list
     read: Tensor  # the bucket's fingerprint when it was sent (HostLayout.fingerprint)
     hyper: tuple
     index: Optional[Tensor] = None  # the slots' indices in the flat group's step counts
     steps: Optional[Tensor] = None  # their step counts after prepare_step; None: only watched
-    undo: list = dataclasses.field(default_factory=list)  # what puts its step's backups back (HostLayout.back_up)
-    backed_up: bool = False  # (set by the worker once its step ran: a task that failed first has nothing to restore)
+    counted: bool = False  # whether flat.steps holds them (until the last backward ends: see backward_ended)
 
 
 class Offload(Placement):
@@ -166,28 +179,33 @@ class Offload(Placement):
         if call is None:
             return
         record.index = torch.tensor([s.index for s in slots], dtype=torch.int64)
-        # their step counts after prepare_step took any user's entry (as the backup will see the
+        # their step counts after prepare_step took any user's entry (as the step will see the
         # state) and added one to each
-        record.steps = flat.steps[record.index]
-        call, record.undo = flat.layout.back_up(flat, slots, call)  # (the step writes the backup)
-        self._submit_step(flat, bucket_index, call, record)
+        record.steps, record.counted = flat.steps[record.index], True
+        self._submit_step(flat, bucket_index, flat.layout.out_of_place(flat, slots, call))
 
     def backward_ended(self, flat_groups) -> None:
         """A backward ended. After the last one, wait for its speculation (the host has stepped
         while it ran: what is left is its last buckets), so that what the user does after it
-        never races the worker, and an in-place edit of ``opt.state`` after it is seen (``step``
-        refuses it)."""
+        never races the worker; then the speculated slots' step counts go back to what they were
+        (``opt.state`` shows the state before the step, counts included, as without offload),
+        and the versions of what the user can edit are kept: an in-place edit after it is seen
+        (``step`` redoes those buckets from the edited state)."""
         ended = {f for (f, _), record in self.speculated.items() if record.steps is not None}
         ended -= set(self._expected)
         if not ended:
             return
         self.worker.wait()
+        for (flat_index, _), record in self.speculated.items():
+            if flat_index in ended and record.counted:
+                flat_groups[flat_index].steps[record.index] = record.steps - 1
+                record.counted = False
         for flat_index in ended:
             self._expected[flat_index] = flat_groups[flat_index].layout.versions(flat_groups[flat_index])
 
-    def _submit_step(self, flat, bucket_index: int, call, record: Optional[_Speculation] = None) -> None:
-        """Queue a bucket's step on the worker, after its copies to the host (started here on a
-        GPU; on a CPU the worker copies); a speculation's ``record`` is told when it ran."""
+    def _submit_step(self, flat, bucket_index: int, call) -> None:
+        """Queue a bucket's step (out of place: live buffers into twins) on the worker, after its
+        copies to the host (started here on a GPU; on a CPU the worker copies)."""
         layout = flat.layout
         hosts, devices = layout.fetch_lists(flat, bucket_index)
         event = self.copies(flat.device).to_host(hosts, devices)
@@ -198,8 +216,6 @@ class Offload(Placement):
             else:
                 event.synchronize()
             call()
-            if record is not None:
-                record.backed_up = True
 
         self.worker.submit(task)
 
@@ -209,7 +225,7 @@ class Offload(Placement):
         """The host step of every flat group: the speculation committed where it is the step,
         else put back and stepped again; then the parameters back to the device, and the
         topology's after-step of them (``shard=``: the all-gather)."""
-        self._settle(flat_groups)
+        edited = self._settle(flat_groups)
         coefs, skips, unchanged = self._read_back(flat_groups, scale, skip)
         for copies in self._copies.values():  # the parameters are rewritten after what reads them
             copies.after_compute()
@@ -218,11 +234,12 @@ class Offload(Placement):
         as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
         try:
             for flat in flat_groups:
-                self._step_flat(flat, topology, coefs, skips, unchanged, as_sent)
+                self._step_flat(flat, topology, coefs, skips, unchanged, as_sent and flat.index not in edited)
             self.worker.drain()
         except BaseException:
-            # Nothing of a step that raised stands, as without offload: what was committed is
-            # put back too (its backup is there), and the window steps at the next step().
+            # Nothing of a step that raised stands, as without offload: a flat group whose step
+            # failed is not swapped in (its live buffers are as they were), what was speculated
+            # has its counts put back, and the window steps at the next step().
             self.discarded(flat_groups)
             raise
         self.committed += len(self.speculated)  # (what is left of the speculation is the step)
@@ -239,13 +256,18 @@ class Offload(Placement):
         topology.after_step_params(flat_groups)
 
     def _step_flat(self, flat, topology, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> None:
-        """One flat group's host step: each speculated bucket committed (left in ``speculated``
-        until the whole step stands) or put back, the rest stepped on the worker, and the
-        updated parameters sent back (into what the topology's before-step staged: ``shard=``'s
+        """One flat group's host step: each speculated bucket committed (its step is in the
+        twins; left in ``speculated`` until the whole step stands) or stepped again (the live
+        buffers are as they were: nothing to put back but its counts), the rest stepped on the
+        worker (out of place where the window speculated, then the twins swapped in:
+        :meth:`HostLayout.commit`; else in place) and the updated parameters sent back (into what the topology's before-step staged: ``shard=``'s
         buffer that its all-gathers spread)."""
         with_grad = [s for s in flat.slots if s.has_grad]
         active = {s.key for s in with_grad}
         topology.before_flat_step(flat, with_grad)
+        # double-buffered where the window speculated (its steps are in the twins); else the
+        # steps are in place and no twin is made (a process group, FSDP2: nothing speculates)
+        twinned = any(f == flat.index and r.steps is not None for (f, _), r in self.speculated.items())
         stepped = set()
         for b in range(len(flat.buckets)):
             record = self.speculated.get((flat.index, b))
@@ -253,10 +275,13 @@ class Offload(Placement):
                 continue
             if record.steps is not None and as_sent and unchanged[(flat.index, b)] and self._still_valid(flat, record):
                 stepped.update(s.key for s in record.slots)
+                if not record.counted:  # its step counts, as its step took them
+                    flat.steps[record.index] = record.steps
+                    record.counted = True
                 continue
             del self.speculated[(flat.index, b)]
             if record.steps is not None:
-                self._put_back(flat, b, record)
+                self._put_back(flat, record)
                 self.redone += 1
         coef = coefs[flat.device]
         found_inf = skips[flat.device] if skips is not None else None
@@ -264,9 +289,23 @@ class Offload(Placement):
             slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
             call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
             if call is not None:
-                self._submit_step(flat, b, call)
+                stepped.update(s.key for s in slots)
+                self._submit_step(flat, b, flat.layout.out_of_place(flat, slots, call) if twinned else call)
         if active:
+            if twinned:
+                self._commit(flat, stepped)
             self._to_device(flat, with_grad)
+
+    def _commit(self, flat, stepped: set) -> None:
+        """Swap the twins in on the worker, after the steps (not where one of them failed: then
+        nothing of the window's step stands)."""
+        worker = self.worker
+
+        def task() -> None:
+            if worker._error is None:
+                flat.layout.commit(flat, stepped)
+
+        worker.submit(task)
 
     def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
         """What the host needs from the device, in one transfer per device (the window's one
@@ -288,35 +327,31 @@ class Offload(Placement):
             unchanged.update(zip(keys, (x == 1.0 for x in packed[len(parts) - len(keys) :].tolist())))
         return coefs, skips, unchanged
 
-    def _settle(self, flat_groups) -> None:
-        """Wait for the speculation; a failed one is put back (and the error raised); one
-        whose state the user edited since is put back too, and refused: it cannot be exact."""
+    def _settle(self, flat_groups) -> set:
+        """Wait for the speculation (a failed one has its counts put back, and the error is
+        raised). Returns the flat groups whose ``opt.state`` the user edited in place since the
+        window's last backward (seen through the version counters of its buffers' views): their
+        speculation read the state before the edit, so they step again, from the edited state,
+        as without offload."""
         try:
             self.worker.drain()
         except RuntimeError:
             self.discarded(flat_groups)
             raise
-        edited = [
+        edited = {
             flat.index
             for flat in flat_groups
             if flat.index in self._expected and self._expected[flat.index] != flat.layout.versions(flat)
-        ]
+        }
         self._expected = {}
-        if edited and any(record.steps is not None for record in self.speculated.values()):
-            self.discarded(flat_groups)
-            raise RuntimeError(
-                "offload='cpu': opt.state was edited in place between the window's last "
-                "backward and step(), after the host had already stepped it speculatively; the edit is "
-                "undone and nothing was stepped. Edit the state before the window's last backward or "
-                "after step() (or register a step pre-hook: with one, no window speculates)"
-            )
+        return edited
 
     @staticmethod
-    def _put_back(flat, bucket_index: int, record: _Speculation) -> None:
-        """Undo a speculation: its bucket's buffers from the backup, its slots' step counts."""
-        if record.backed_up:
-            flat.layout.restore(record.undo)
-        flat.steps[record.index] = record.steps - 1
+    def _put_back(flat, record: _Speculation) -> None:
+        """Undo a speculation: its slots' step counts (its values are in the twins only)."""
+        if record.counted:
+            flat.steps[record.index] = record.steps - 1
+            record.counted = False
 
     def _still_valid(self, flat, record: _Speculation) -> bool:
         """Whether what a speculation read of the optimizer is as it was (its gradients and
@@ -340,14 +375,15 @@ class Offload(Placement):
         self.worker.submit(task)
 
     def discarded(self, flat_groups) -> None:
-        """Put back what was speculated (the window was discarded, a backward of it raised, or
-        its state is about to be read whole: a checkpoint); its step then runs at ``step()``."""
+        """Forget what was speculated (the window was discarded, a backward of it raised, or its
+        state is about to be read whole: a checkpoint): its step counts put back (its values
+        never reached the live buffers); its step then runs at ``step()``."""
         try:
             self.worker.drain()
         finally:  # (a task that failed is raised, after everything is put back)
             for (flat_index, b), record in self.speculated.items():
                 if record.steps is not None:
-                    self._put_back(flat_groups[flat_index], b, record)
+                    self._put_back(flat_groups[flat_index], record)
             self.speculated.clear()
             self._expected = {}
 

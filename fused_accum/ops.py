@@ -221,15 +221,17 @@ class StepTensors(NamedTuple):
     found_inf: Optional[Tensor] = None  # one fp32 element: non-zero skips the whole step
     grad_alpha: float = 1.0  # grads' weight
     grads_overwrite: bool = False  # the gradient is grad_alpha * grads alone, not acc + it
-    # Empty, or where the step writes the OLD values of everything it changes, in the same pass
-    # (issue 37: offload's speculative host step, undone by copying them back): one tensor per
-    # tensor of each list the step writes, the lists in this order: params, lp_params (if any),
-    # remainders (if any), then the op's state lists that it writes (its states record's
-    # non-empty lists in field order; SGD's momentum_buffers only with momentum), so backups[k
-    # * len(params) + i] receives the k-th written list's tensor i: same dtype and numel, any
-    # shape. Written even by a skipped step (found_inf). Host (CPU) backends only: cuda and
-    # triton refuse it (contract: reference.back_up).
-    backups: WrittenLists = ()
+    # Empty, or where the step READS the old values of everything it changes (issue 37:
+    # offload's double-buffered host state, an out-of-place step from the live buffers into
+    # their twins): one tensor per tensor of each list the step writes, the lists in this order:
+    # params, lp_params (if any), remainders (if any), then the op's state lists that it writes
+    # (its states record's non-empty lists in field order; SGD's momentum_buffers only with
+    # momentum), so sources[k * len(params) + i] holds the old values of the k-th written list's
+    # tensor i: same dtype and numel, any shape, overlapping nothing the step writes. The step
+    # then writes every element of every written tensor (a skipped step, found_inf, copies the
+    # sources over) and leaves the sources as they were. Host (CPU) backends only: cuda and
+    # triton refuse it (contract: reference.take_sources).
+    sources: Lists = ()
 
 
 # Each step op's optimizer-state lists (fp32, one per parameter, written), in the kernels'

@@ -974,7 +974,7 @@ def test_every_benchmark_script_is_reachable_from_the_runner():
 
 def test_the_offload_benchmark_writes_its_host_step_rows_into_a_new_folder(tmp_path):
     """benchmarks/offload.py --quick on the CPU: one row per bucket size, each with the step's
-    time, the copy aside's and GB/s at the AdamW step's 30 B/param; --out may name a folder that
+    time, the copy's (live over twins) and GB/s at the AdamW step's 30 B/param; --out may name a folder that
     does not exist yet (the device check's scratch folder did, a user's may not)."""
     from benchmarks import offload
 
@@ -986,14 +986,14 @@ def test_the_offload_benchmark_writes_its_host_step_rows_into_a_new_folder(tmp_p
     for r in rows:
         assert r["what"] == "host step of one bucket" and r["threads"] == "1"
         step_ms, numel = float(r["step_ms"]), int(r["numel"])
-        assert step_ms > 0 and float(r["backup_ms"]) > 0
+        assert step_ms > 0 and float(r["copy_ms"]) > 0
         assert float(r["step_gbs"]) == pytest.approx(numel * 30 / step_ms / 1e6, rel=0.01)  # (rounded)
         assert r["git_commit"] and r["date_utc"] and r["torch"] == torch.__version__
 
 
 def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
     """benchmarks/offload.py's window rows (a GPU's, here on the CPU at a tiny size; issue 34):
-    the host work is the back-up and the steps timed on the worker (not its waits for the
+    the host work is the steps (out of place where the window speculated) timed on the worker (not its waits for the
     copies), over the windows after the warm-up; the rows count the windows that speculated and
     the buckets committed or redone; the timing patches are gone after."""
     from benchmarks import offload
@@ -1001,7 +1001,7 @@ def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
     from fused_accum import host
     from fused_accum.step import Stepper
 
-    back_up, prepare = host.HostLayout.back_up, Stepper.prepare_step
+    out_of_place, prepare = host.HostLayout.out_of_place, Stepper.prepare_step
     cfg = E2EConfig(d_model=32, n_layers=1, n_heads=2, vocab=64, seq_len=16, micro_batch=2, accum_steps=8, windows=5)
     seen = []
     base, ours = offload.window_rows(torch.device("cpu"), cfg=cfg, out=seen.append)
@@ -1010,7 +1010,7 @@ def test_the_offload_window_rows_time_the_host_work_and_count_the_speculation():
     assert ours["host_work_ms"] > 0 and 0.0 <= ours["hidden_fraction"] <= 1.0
     assert ours["speculated_windows"] == 3 and ours["committed_buckets"] >= 3 and ours["redone_buckets"] == 0
     assert base["host_work_ms"] == "" and base["speculated_windows"] == ""
-    assert host.HostLayout.back_up is back_up and Stepper.prepare_step is prepare
+    assert host.HostLayout.out_of_place is out_of_place and Stepper.prepare_step is prepare
 
 
 def test_the_offload_benchmark_writes_each_row_as_it_comes(tmp_path, monkeypatch):

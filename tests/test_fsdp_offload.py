@@ -145,7 +145,7 @@ def bytes_per_param(rank, master) -> dict:
     host = 0
     for flat in opt._window.flat_groups:
         layout = flat.layout
-        buffers = [flat.master, *flat.state.values(), layout.host_params, layout.host_acc, *layout.backup.values()]
+        buffers = [flat.master, *flat.state.values(), layout.host_params, layout.host_acc, *layout.twin.values()]
         host += sum(t.numel() * t.element_size() for t in buffers if t is not None)
     return dict(device=device / n, host=host / n, on_host=all(t.device.type == "cpu" for t in flat.state.values()))
 

@@ -137,14 +137,13 @@ EDITS = {
     "step": lambda entry: entry["step"].add_(10.0),
     "exp_avg": lambda entry: entry["exp_avg"].mul_(0.5),
 }
-REFUSED = "opt.state was edited in place between the window's last backward and step()"
 
 
-def _refused_message(edit: str) -> str:
-    """A first full window, then the second's backwards, ``edit`` on opt.state, step(): the
-    message step() raised. Then (the edit undone, nothing stepped) step() again steps the
-    window exactly as an optimizer without offload that saw no edit. (Only a window the host
-    stepped speculatively refuses an edit: exp_avg's refusal shows this one was.)"""
+def _edited_window(edit: str) -> None:
+    """A first full window, then the second's backwards, ``edit`` on opt.state (of both
+    optimizers), step(): the edit is what the step reads, as without offload, bit for bit (the
+    host stepped the window speculatively into the twins, from the state before the edit: the
+    edit is seen, through the version counters, and those buckets step again)."""
     k = 2
     kwargs = dict(lr=1e-2, backend="cpu", accum_steps=k, bucket_cap_mb=1e-6)  # a speculation per parameter
     ours, ref = bf16_net(), bf16_net()
@@ -156,32 +155,27 @@ def _refused_message(edit: str) -> str:
         o.step()
         o.zero_grad()
         offload_window(model, batches[k:], k)  # the second window's backwards, its last included
-    weight = ours[0].weight
+    weight, ref_weight = ours[0].weight, ref[0].weight
     assert set(opt.state[weight]) == {"step", "exp_avg", "exp_avg_sq"}
-    before = [p.detach().clone() for p in ours.parameters()]
-    EDITS[edit](opt.state[weight])
-    with pytest.raises(RuntimeError) as raised:
-        opt.step()
-    for (name, p), b in zip(ours.named_parameters(), before):
-        assert torch.equal(p, b), f"{edit}: {name} stepped by the refused step()"
-    opt.step()
-    ref_opt.step()
+    redone = opt._window.placement.redone
+    for o, w in ((opt, weight), (ref_opt, ref_weight)):
+        EDITS[edit](o.state[w])
+        o.step()
+    assert opt._window.placement.redone > redone, edit  # (the window had speculated)
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
-        assert torch.equal(p, q), f"{edit}: {name} after the refused edit was undone"
-    assert float(opt.state[weight]["step"]) == float(ref_opt.state[ref[0].weight]["step"]) == 2.0
+        assert torch.equal(p, q), f"{edit}: {name}"
+    assert float(opt.state[weight]["step"]) == float(ref_opt.state[ref_weight]["step"])
     for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(opt.state[weight][key], ref_opt.state[ref[0].weight][key]), key
-    return str(raised.value)
+        assert torch.equal(opt.state[weight][key], ref_opt.state[ref_weight][key]), key
 
 
 # guards: HostLayout.versions reading only the state buffers, not flat.steps (whose 0-d views
 # are opt.state[p]["step"]): an edit of the step count after the host stepped it speculatively
-# would be silently overwritten (committed) instead of refused.
+# would be silently overwritten (committed) instead of stepped from.
 @pytest.mark.skipif(ext._C is None, reason="the offloaded host step runs the C++ CPU kernels")
-def test_offload_refuses_an_in_place_edit_of_the_step_count_as_of_exp_avg(one_thread):
-    messages = {edit: _refused_message(edit) for edit in EDITS}
-    assert REFUSED in messages["exp_avg"], messages["exp_avg"]
-    assert messages["step"] == messages["exp_avg"], messages
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_offload_steps_from_an_in_place_edit_of_the_step_count_as_of_exp_avg(edit, one_thread):
+    _edited_window(edit)
 
 
 # --- 3. step_in_backward after a window with a gradient in two pieces ------------------------

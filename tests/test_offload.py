@@ -140,15 +140,16 @@ def test_offload_is_bit_identical_to_the_same_optimizer_without(
         assert not offload.speculate  # (after the first step: such a loop steps at step())
 
 
-@pytest.mark.parametrize("fault", ["commit_always", "no_put_back"])
+@pytest.mark.parametrize("fault", ["commit_always", "speculation_in_place"])
 def test_a_planted_fault_in_the_commit_logic_is_caught(fault, monkeypatch, one_thread):
-    """The exactness test fails if a clipped window's speculation were committed, or put back
-    without restoring the state it changed."""
+    """The exactness test fails if a clipped window's speculation were committed, or if it had
+    stepped the live buffers (in place: then its redo steps from what it wrote)."""
     if fault == "commit_always":
         monkeypatch.setattr(offload_module.Offload, "_still_valid", lambda self, flat, record: True)
         monkeypatch.setattr(offload_module.Offload, "step_window", _step_committing_always)
-    else:
-        monkeypatch.setattr(offload_module.Offload, "_put_back", staticmethod(lambda flat, bucket, record: None))
+    else:  # every host step in place, no twins: a redo steps the speculation's values again
+        monkeypatch.setattr(host_module.HostLayout, "out_of_place", lambda self, flat, slots, call: call)
+        monkeypatch.setattr(host_module.HostLayout, "commit", lambda self, flat, stepped: None)
     with pytest.raises(AssertionError):
         test_offload_is_bit_identical_to_the_same_optimizer_without(*CASES[0][:7], None)
 
@@ -241,7 +242,7 @@ def test_bytes_per_parameter_on_the_device_and_on_the_host():
     host = sum(
         t.numel() * t.element_size() for t in [flat.master, *flat.state.values(), layout.host_params, layout.host_acc]
     )
-    host += sum(t.numel() * t.element_size() for t in layout.backup.values())
+    host += sum(t.numel() * t.element_size() for t in layout.twin.values())
     assert 6 <= device / n < 6.001, device / n  # (slices padded to 64 elements)
     assert 32 <= host / n < 32.01, host / n
 
@@ -443,20 +444,32 @@ def test_a_checkpoint_between_the_last_backward_and_step_holds_the_state_before_
     assert_equal_runs(ours, opt, ref, ref_opt, "after the window checkpointed before its step")
 
 
-def test_an_in_place_edit_of_the_state_after_the_last_backward_is_refused(one_thread):
-    """After the last backward the host may already have stepped opt.state speculatively: an
-    in-place edit there cannot be made exact, so step() says so (and steps nothing)."""
-    ours, opt, _, _ = _pair(accum_steps=1)
-    data = batches(2, torch.bfloat16)
-    _window(ours, opt, data[0])
-    loss_of(ours, data[1]).backward()
-    before = [p.detach().clone() for p in ours.parameters()]
-    opt.state[ours[0].weight]["exp_avg"].zero_()
-    with pytest.raises(RuntimeError, match="edited in place between the window's last backward and step"):
-        opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), before))
-    opt.step()  # (the window again, now stepped at step())
-    assert not all(torch.equal(p, q) for p, q in zip(ours.parameters(), before))
+def test_the_state_between_the_last_backward_and_step_is_the_state_before_the_step(one_thread):
+    """The speculation steps into the twins: between the window's last backward and step(),
+    opt.state shows the state before the step (step counts included), as without offload; an
+    in-place edit of it there (a moment zeroed, a step count set) or an entry assigned there is
+    what the step reads: those buckets step again from it, bit for bit as without offload."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=1)
+    data = batches(5, torch.bfloat16)
+    for w, batch in enumerate(data):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            loss_of(model, batch).backward()
+            if w == 2:
+                o.state[model[0].weight]["exp_avg"].zero_()
+                o.state[model[0].bias]["step"].fill_(10.0)
+            if w == 3:
+                entry = o.state[model[0].weight]
+                o.state[model[0].weight] = {k: v.clone() * (2 if k == "exp_avg_sq" else 1) for k, v in entry.items()}
+        for p, q in zip(ours.parameters(), ref.parameters()) if w else ():  # (what each shows)
+            mine, theirs = opt.state[p], ref_opt.state[q]
+            assert sorted(mine) == sorted(theirs)
+            assert all(torch.equal(mine[k].cpu(), theirs[k].cpu()) for k in mine), (w, sorted(mine))
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    offload = opt._window.placement
+    assert offload.committed > 0 and offload.redone > 0  # (windows 2 and 3 redo a flat group)
 
 
 def test_a_step_pre_hook_turns_speculation_off(one_thread):
@@ -542,12 +555,13 @@ def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
     assert opt._window.placement.committed > 0
 
 
-def test_a_speculated_step_backs_up_in_its_own_pass_and_puts_back_only_its_slots(monkeypatch, one_thread):
-    """The speculation's backup is written by the host step itself (ops.StepTensors.backups:
-    the master, the weight copy and both moments of each stepped slot; no copy pass of its own).
-    A window that used some of the parameters speculates on their buckets (one parameter per
-    bucket here): when the step redoes them (num_items), only they are put back; the others keep
-    what the window before committed. Against the same optimizer without offload, bit for bit."""
+def test_every_host_step_is_out_of_place_and_the_slots_that_did_not_step_are_carried_over(monkeypatch, one_thread):
+    """Every host step of a window that speculated reads the live buffers and writes their twins
+    (ops.StepTensors.sources: the master, the weight copy and both moments of each stepped
+    slot), speculated or not; a window that did not steps in place. A window that used some of the parameters speculates on their buckets (one parameter per
+    bucket here): the step redoes them (num_items) from the live buffers, untouched; the others
+    did not step, and are carried over into the twins before the swap. Against the same
+    optimizer without offload, bit for bit."""
     from fused_accum import ops
 
     def model():
@@ -563,8 +577,8 @@ def test_a_speculated_step_backs_up_in_its_own_pass_and_puts_back_only_its_slots
     real_call = ops.StepOp.__call__
 
     def call(op, t, *args, **kwargs):
-        if t.backups:
-            backed_up.append((len(t.backups), len(t.params)))
+        if t.sources:
+            backed_up.append((len(t.sources), len(t.params)))
         return real_call(op, t, *args, **kwargs)
 
     monkeypatch.setattr(ops.StepOp, "__call__", call)
@@ -579,4 +593,6 @@ def test_a_speculated_step_backs_up_in_its_own_pass_and_puts_back_only_its_slots
         assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
     offload = opt._window.placement
     assert (offload.committed, offload.redone) == (4, 2)  # window 0's 4 buckets committed, window 1's 2 redone
-    assert backed_up == [(4, 1)] * 6  # (master, weight, exp_avg, exp_avg_sq) of its one slot, per bucket
+    # (master, weight, exp_avg, exp_avg_sq) of its one slot, per bucket: window 0's 4 speculated,
+    # window 1's 2 speculated and 2 redone (window 2, only watched after a redo, steps in place)
+    assert backed_up == [(4, 1)] * 8

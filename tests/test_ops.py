@@ -148,11 +148,11 @@ def test_schemas_follow_the_declarations():
         fields = (*ops.StepTensors._fields, *op.states._fields, *op.hyper._fields)
         assert tuple(a.name for a in op.arguments) == fields
         written = {a.name for a in op.arguments if a.written}
-        assert written == {"params", "lp_params", "remainders", "backups", *op.states._fields}
+        assert written == {"params", "lp_params", "remainders", *op.states._fields}
         assert declared[f"{op.name}_"].startswith(
             f"{op.name}_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
             "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, "
-            "float grad_alpha, bool grads_overwrite, Tensor(d!)[] backups, "
+            "float grad_alpha, bool grads_overwrite, Tensor[] sources, "
         )
         # torch's state key of each list (opt.state[p][key]), which the step reads
         assert all(f"{key}s" == name for key, name in zip(op.state_keys, op.states._fields))

@@ -312,7 +312,7 @@ def _worker(rank, path):
             opt.step()
             flat, n = opt._window.flat_groups[0], sum(p.numel() for p in model.parameters())
             layout = flat.layout
-            host = [flat.master, *flat.state.values(), layout.host_params, layout.host_acc, *layout.backup.values()]
+            host = [flat.master, *flat.state.values(), layout.host_params, layout.host_acc, *layout.twin.values()]
             results[("offload_bytes", shard)] = dict(
                 device=(flat.acc.numel() * 4 + 2 * n) / n, host=sum(t.numel() * t.element_size() for t in host) / n
             )

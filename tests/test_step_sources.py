@@ -1,10 +1,13 @@
-"""Step backups (issue 37): ``StepTensors.backups`` receive the old values of everything a step
-writes, in the same pass, so offload's speculative host step is undone by copying them back.
+"""Out-of-place steps (issue 37): with ``StepTensors.sources`` a step reads the old values of
+everything it writes from the sources and writes the new ones into its written lists, so that
+offload's double-buffered host state steps from its live buffers into their twins (a commit is a
+swap).
 
-For every algorithm and parameter format, on the reference (the contract) and the C++ CPU
-backend: after a step with backups, each backup holds its tensor's pre-step bits, and every
-stepped tensor holds the bits a step without backups gives. The kernel backends that do not step
-on the host refuse backups.
+For every algorithm and parameter format, fused micro-batch or not, skipped or not, on the
+reference (the contract) and the C++ CPU backend: an out-of-place step writes the bits the
+in-place step gives (a skipped one: the sources' bits), whatever the written tensors held
+before, and leaves the sources as they were. The kernel backends that do not step on the host
+refuse sources.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def _records(algo, fmt, fused, skip, gen):
 
 
 def _written(op, t, s, hyper):
-    """The lists the step writes, in the backups' order (ops.StepTensors.backups)."""
+    """The lists the step writes, in the sources' order (ops.StepTensors.sources)."""
     states = [x for x in s if len(x)]
     if op is ops.sgd_step and hyper.momentum == 0:
         states = []
@@ -98,52 +101,53 @@ def _bits(x):
 @pytest.mark.parametrize("backend", HOST)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("algo", list(ALGOS))
-def test_backups_hold_the_old_values_and_change_nothing_else(backend, algo, fmt):
-    for fused, skip in [(False, False), (True, False), (False, True)]:
+def test_out_of_place_is_the_in_place_step(backend, algo, fmt):
+    for fused, skip in [(False, False), (True, False), (False, True), (True, True)]:
         gen = torch.Generator().manual_seed(_seed(algo, fmt, fused, skip))
         records = _records(algo, fmt, fused, skip, gen)
         op, t, s, h = records
         plain = _clone(records)
-        before = [[x.clone() for x in lst] for lst in _written(op, t, s, h)]
-        # poisoned backups (every element must be written): some of another shape (same numel),
-        # some one element past an allocation's start (the streaming stores' unaligned head)
-        backups = [
-            torch.full((x.numel(), 1), -7, dtype=x.dtype)
-            if j % 2
-            else torch.full((x.numel() + 1,), -7, dtype=x.dtype)[1:]
-            for j, x in enumerate(x for lst in before for x in lst)
+        old = [[x.clone() for x in lst] for lst in _written(op, t, s, h)]
+        # the sources: the old values, some of another shape (same numel), some one element past
+        # an allocation's start (unaligned); the written tensors poisoned (every element must
+        # be written, from the sources)
+        sources = [
+            x.clone().reshape(x.numel(), 1) if j % 2 else torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:]
+            for j, x in enumerate(x for lst in old for x in lst)
         ]
-        op(t._replace(backups=backups), s, h, backend)
+        kept = [x.clone() for x in sources]
+        for lst in _written(op, t, s, h):
+            for x in lst:
+                x.copy_(torch.full_like(x, -7))
+        op(t._replace(sources=sources), s, h, backend)
         plain[0](plain[1], plain[2], plain[3], backend)
-        n = len(t.params)
-        for k, lst in enumerate(before):
-            for i, old in enumerate(lst):
-                assert torch.equal(_bits(backups[k * n + i]), _bits(old)), (fused, skip, k, i)
         for got, want in zip(_written(op, t, s, h), _written(*plain)):
             for g, w in zip(got, want):
                 assert torch.equal(_bits(g), _bits(w)), (fused, skip)
-        if skip:  # nothing stepped
-            for lst, old in zip(_written(op, t, s, h), before):
-                assert all(torch.equal(_bits(g), _bits(o)) for g, o in zip(lst, old))
+        for src, k in zip(sources, kept):  # untouched
+            assert torch.equal(_bits(src), _bits(k)), (fused, skip)
+        if skip:  # nothing stepped: written == sources
+            for lst, o in zip(_written(op, t, s, h), old):
+                assert all(torch.equal(_bits(g), _bits(x)) for g, x in zip(lst, o))
 
 
 @pytest.mark.parametrize("backend", HOST)
-def test_backups_are_checked(backend):
+def test_sources_are_checked(backend):
     gen = torch.Generator().manual_seed(1)
     op, t, s, h = _records("adamw", "master_bf16", False, False, gen)
     n = len(t.params)  # params, lp_params, exp_avgs, exp_avg_sqs: 4 lists
     good = [torch.empty_like(x) for lst in _written(op, t, s, h) for x in lst]
     with pytest.raises(
-        (ValueError, RuntimeError), match=f"backups has {3 * n} tensors, expected 0 \\(none\\) or {4 * n}"
+        (ValueError, RuntimeError), match=f"sources has {3 * n} tensors, expected 0 \\(none\\) or {4 * n}"
     ):
-        op(t._replace(backups=good[: 3 * n]), s, h, backend)
+        op(t._replace(sources=good[: 3 * n]), s, h, backend)
     wrong = list(good)
     wrong[n + 1] = torch.empty(SIZES[1], dtype=torch.float32)  # lp_params[1] is bf16
-    with pytest.raises((ValueError, RuntimeError), match=rf"backups\[{n + 1}\] must be .*(bfloat16|BFloat16)"):
-        op(t._replace(backups=wrong), s, h, backend)
+    with pytest.raises((ValueError, RuntimeError), match=rf"sources\[{n + 1}\] must be .*(bfloat16|BFloat16)"):
+        op(t._replace(sources=wrong), s, h, backend)
 
 
-def test_device_backends_refuse_backups():
+def test_device_backends_refuse_sources():
     """triton (under the interpreter here) refuses them; cuda's refusal is in its binding
     (csrc/bindings_cuda.cpp), checked by -m gpu runs of this file on a GPU machine."""
     import os
@@ -152,13 +156,13 @@ def test_device_backends_refuse_backups():
         pytest.skip("triton runs on CPU tensors under TRITON_INTERPRET=1 only")
     gen = torch.Generator().manual_seed(2)
     op, t, s, h = _records("adamw", "fp32", False, False, gen)
-    backups = [torch.empty_like(x) for lst in _written(op, t, s, h) for x in lst]
-    with pytest.raises(ValueError, match="backups are for host"):
-        op(t._replace(backups=backups), s, h, "triton")
+    sources = [torch.empty_like(x) for lst in _written(op, t, s, h) for x in lst]
+    with pytest.raises(ValueError, match="sources are for host"):
+        op(t._replace(sources=sources), s, h, "triton")
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_backups():
+def test_cuda_refuses_sources():
     if not torch.cuda.is_available():
         pytest.skip("no GPU")
     from helpers import GPU_KERNEL_BACKENDS
@@ -168,8 +172,8 @@ def test_cuda_refuses_backups():
     x = torch.randn(8, device="cuda")
     t = ops.StepTensors(
         [x.clone()], [x.clone()], torch.ones(1, device="cuda"), torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
-        torch.ones((), device="cuda"), backups=[torch.empty_like(x)] * 3,
+        torch.ones((), device="cuda"), sources=[torch.empty_like(x)] * 3,
     )  # fmt: skip
     s = ops.AdamStates([x.clone()], [x.abs()])
-    with pytest.raises(RuntimeError, match="backups are for host"):
+    with pytest.raises(RuntimeError, match="sources are for host"):
         ops.adam_step(t, s, ALGOS["adamw"][1], "cuda")

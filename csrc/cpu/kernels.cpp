@@ -13,7 +13,7 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>  // the backups' streaming stores
+#include <immintrin.h>  // the out-of-place steps' streaming stores
 #endif
 
 #include "../kernels.h"
@@ -332,17 +332,17 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
   }
 }
 
-#ifndef FA_BACKUP_BLOCK
-#define FA_BACKUP_BLOCK 128
+#ifndef FA_SOURCE_BLOCK
+#define FA_SOURCE_BLOCK 128
 #endif
-// ---- backups (issue 37) ----------------------------------------------------------------------
+// ---- out-of-place steps (issue 37) ------------------------------------------------------------
 //
-// A step with backups copies each block of every operand it writes to that operand's backup
-// just before the block's update reads it: the copy brings the block into L1/L2 and the update
-// finds it there, so memory sees the step's traffic plus the backups' writes, in one pass. The
-// backups are written with streaming (non-temporal) stores: they are not read again by this
-// call, and a normal store would first read each backup line from memory (read for ownership),
-// as much traffic again.
+// A step with sources (offload's double-buffered host state) reads the old values of every
+// operand it writes from that operand's source and writes the new ones into the operand. Per
+// sub-block, each source block is copied into an L1 scratch block, the update runs there, and
+// the scratch goes to the operand with streaming (non-temporal) stores: memory sees the reads of
+// the sources and the writes of the operands, the traffic of an in-place step (an ordinary store
+// would first read each operand line from memory, read for ownership: as much traffic again).
 
 // The body of stream_copy: `bytes` (a multiple of 64) from src to the 64-byte aligned dst with
 // streaming stores as wide as the CPU has (a whole cache line per store on AVX-512), picked once.
@@ -399,37 +399,21 @@ inline void stream_fence() {
 #endif
 }
 
-// Elements per sub-block of a step with backups: each is copied to the backups (streaming
-// stores), then updated from L1. Small, so that the copy's loads and stores overlap the updates
-// around them rather than stall a long copy: a /tmp microbenchmark of an AVX-512 AdamW loop
-// (6.5M elements from memory, one thread) took 1.35x the step without backups at 256-element
-// blocks, 1.67x at 1K, 2.1x at 4K and 16K, and 1.29x with the stores inside the element loop
-// itself (which GCC's vectorised loops cannot make streaming). Where nothing is staged the
-// sub-blocks are cut inside the block functions (one clone call and one switch per 16K
-// elements); staged blocks are this long. benchmarks/step_backups.py --cold, one thread, AdamW
-// with backups over without: 1.31-1.45x at 128, 1.55-1.63x at 256, 1.52-1.71x at 64 (fp32 and
-// bf16+master, 4 and 25 MB; 2.3-2.7x for copying aside first).
-constexpr int64_t kBackupBlock = FA_BACKUP_BLOCK;
+// Elements per sub-block of a step with sources: small, so that the scratch blocks of every
+// written operand stay in L1 and the copies' loads and stores overlap the updates around them.
+// benchmarks/kernels.py --cold (25 MB bucket, one thread, AdamW, out of place over in place, on
+// the 2-core AMD EPYC, loaded): 1.76-1.91x at 128, 2.1-2.4x at 64, 2.6-3.1x at 256, 3.0-3.3x at
+// 1024; updating the operand in place after an ordinary copy from the source (no scratch, read
+// for ownership) 1.9-2.5x at 128, 3.4-4.2x at 512-1024.
+constexpr int64_t kSourceBlock = FA_SOURCE_BLOCK;
+static_assert(kSourceBlock <= kBlock, "a sub-block is staged like a block");
 
-// Tensor i's elements [offset, offset + n) of every written operand into its backup.
-inline void back_up_block(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
-  for (int k = 0; k < TensorLists::kWritten; ++k) {
-    const Operand& b = t.backup[k];
-    if (!b.present()) continue;
-    stream_copy(at(b, i, offset), at(t.written(k), i, offset), n * element_size(b.dtype[i]));
-  }
-}
-
-// Which block a block function is stepping, for its backups: null t, none.
-struct BlockBackup {
-  const TensorLists* t = nullptr;
-  int64_t i = 0, offset = 0;
+// The pointers to a block's optimizer state the update reads and writes (null: absent).
+struct StatePtrs {
+  float* s1;
+  float* s2;
+  float* s3;
 };
-
-// The first element of each sub-block of a block of n elements with backups, and its size.
-// (The block functions below write the loop out, without a lambda: the pointers a lambda
-// captures lose their __restrict, and the element loops their vectorisation.)
-inline int64_t sub_block(int64_t n, int64_t o) { return std::min(kBackupBlock, n - o); }
 
 // Where an element loop reads and writes the param: fp32 values (the master, or a staged
 // block), or an exact master's two halves, rebuilt and split in the loop.
@@ -492,23 +476,13 @@ inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g
 
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s, BlockBackup b) {
-  if (b.t == nullptr) return sgd_block_t(g, c, p, buf, n, h, s);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    sgd_block_t(g + o, c, p.at(o), buf ? buf + o : nullptr, k, h, s);
-  }
+                             math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
 }
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s, BlockBackup b) {
-  if (b.t == nullptr) return sgd_block_t(g, c, p, buf, n, h, s);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    sgd_block_t(g + o, c, p.at(o), buf ? buf + o : nullptr, k, h, s);
-  }
+                             math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
 }
 
 // sqrt(v) / bias_correction2_sqrt, rounded as the divide rounds, without the divide: the divisor
@@ -589,28 +563,16 @@ inline __attribute__((always_inline)) void adam_block_any(const float* __restric
 
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2,
-                              BlockBackup b) {
-  if (b.t == nullptr) return adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    adam_block_any(g + o, c, p.at(o), m + o, v + o, max_v ? max_v + o : nullptr, k, h, s, inv_bc2);
-  }
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
 }
 // The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
 // and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
 // DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x -> 0.71-0.72x, one thread).
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float,
-                              BlockBackup b) {
-  if (b.t == nullptr) return adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    adam_block_any(g + o, c, p.at(o), m + o, v + o, max_v ? max_v + o : nullptr, k, h, s, 0.0f);
-  }
+                              int64_t n, math::AdamHyper h, math::AdamScalars s, float) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
 }
 
 // Whether the CPU runs the AVX-512 clones (x86-64-v4), where DivideByConstant is the faster.
@@ -642,23 +604,13 @@ inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, 
 
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s, BlockBackup b) {
-  if (b.t == nullptr) return lion_loop(g, c, p, m, n, h, s);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    lion_loop(g + o, c, p.at(o), m + o, k, h, s);
-  }
+                              math::LionScalars s) {
+  lion_loop(g, c, p, m, n, h, s);
 }
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s, BlockBackup b) {
-  if (b.t == nullptr) return lion_loop(g, c, p, m, n, h, s);
-  for (int64_t o = 0; o < n; o += kBackupBlock) {
-    const int64_t k = sub_block(n, o);
-    back_up_block(*b.t, b.i, b.offset + o, k);
-    lion_loop(g + o, c, p.at(o), m + o, k, h, s);
-  }
+                              math::LionScalars s) {
+  lion_loop(g, c, p, m, n, h, s);
 }
 
 // Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
@@ -671,20 +623,39 @@ inline bool unstaged_fp32(const TensorLists& t) {
   return true;
 }
 
-// The loop every step shares. update(i, offset, n, g, c, p, bk) applies the rule to tensor i's
-// block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam. Without a fused micro-batch, g is acc itself and c the
-// signed coef (math::effective_grad's product, so the same bits) and no staging pass runs; with
-// one, g is staged by grad_block and c = 1 (exact).
+// dst[0, bytes) = src[0, bytes), bytes a multiple of 2, inline (a loop GCC vectorises: a call to
+// memcpy per operand per sub-block costs as much as the sub-block's update)
+FA_CPU_CLONES void copy_in(void* __restrict dst, const void* __restrict src, int64_t bytes) {
+  uint16_t* __restrict d = static_cast<uint16_t*>(dst);
+  const uint16_t* __restrict s = static_cast<const uint16_t*>(src);
+  for (int64_t j = 0; j < bytes / 2; ++j) d[j] = s[j];
+}
+
+// Tensor i's elements [offset, offset + n) of every written operand from its source (a skipped
+// out-of-place step: the operands take the old values).
+inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
+  for (int k = 0; k < TensorLists::kWritten; ++k) {
+    const Operand& src = t.source[k];
+    if (src.present()) std::memcpy(at(t.written(k), i, offset), at(src, i, offset), n * element_size(src.dtype[i]));
+  }
+}
+
+// The loop every step shares. update(i, n, g, c, p, st) applies the rule to tensor i's block,
+// the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam, the state st.
+// Without a fused micro-batch, g is acc itself and c the signed coef (math::effective_grad's
+// product, so the same bits) and no staging pass runs; with one, g is staged by grad_block and
+// c = 1 (exact). With sources (out of place), each block is kSourceBlock elements, every written
+// operand's block is copied from its source into L1 scratch, updated there exactly as in place
+// (the same element loops on the same values), and streamed to the operand.
 template <class Update>
 void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
   const std::vector<int64_t> starts = element_starts(t);
-  const bool backs_up = t.backs_up();
-  if (a.found_inf && *a.found_inf != 0.0f) {  // skip-all: nothing is written but the backups
-    if (backs_up) {
+  const bool sourced = t.sourced();
+  if (a.found_inf && *a.found_inf != 0.0f) {  // skip-all: nothing changes (out of place: copied)
+    if (sourced) {
       pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
         for_each_block(starts, begin, end, kUnstagedBlock,
-                       [&](int64_t i, int64_t offset, int64_t n) { back_up_block(t, i, offset, n); });
-        stream_fence();
+                       [&](int64_t i, int64_t offset, int64_t n) { copy_sources(t, i, offset, n); });
       });
     }
     return;
@@ -692,19 +663,28 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   const bool has_rem = t.rem.present();
-  // Backups: in the block functions' sub-blocks where nothing is staged (one clone call per 16K
-  // elements); where a block is staged, copied per block, blocks then kBackupBlock elements long
-  // (before staging: follow_lp writes an fp32 master in place).
-  const bool unstaged = unstaged_fp32(t);
-  const bool back_up_blocks = backs_up && !unstaged;
-  const int64_t block_size = unstaged ? kUnstagedBlock : back_up_blocks ? kBackupBlock : kBlock;
+  const int64_t block_size = sourced ? kSourceBlock : unstaged_fp32(t) ? kUnstagedBlock : kBlock;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
     float g[kBlock], p_staged[kBlock];
+    alignas(64) float scratch[TensorLists::kWritten][kSourceBlock];
     for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
-      if (back_up_blocks) back_up_block(t, i, offset, n);
-      const BlockBackup bk = backs_up && unstaged ? BlockBackup{&t, i, offset} : BlockBackup{};
+      void* w[TensorLists::kWritten];  // where this block of each written operand is updated
+      for (int k = 0; k < TensorLists::kWritten; ++k) {
+        const Operand& op = t.written(k);
+        if (!op.present()) {
+          w[k] = nullptr;
+        } else if (sourced) {
+          copy_in(scratch[k], at(t.source[k], i, offset), n * element_size(op.dtype[i]));
+          w[k] = scratch[k];
+        } else {
+          w[k] = at(op, i, offset);
+        }
+      }
+      const StatePtrs st{static_cast<float*>(w[TensorLists::kState1]),
+                         static_cast<float*>(w[TensorLists::kState2]),
+                         static_cast<float*>(w[TensorLists::kState3])};
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -714,24 +694,30 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
         c = 1.0f;
       }
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
-        update(i, offset, n, grad, c,
-               RemainderParam{static_cast<uint16_t*>(at(t.param, i, offset)),
-                              static_cast<int16_t*>(at(t.rem, i, offset))},
-               bk);
-        return;
+        update(i, n, grad, c,
+               RemainderParam{static_cast<uint16_t*>(w[TensorLists::kParam]),
+                              static_cast<int16_t*>(w[TensorLists::kRem])},
+               st);
+      } else {
+        const DType param_dtype = t.param.dtype[i];
+        float* p = p_staged;
+        if (param_dtype == DType::kF32) p = static_cast<float*>(w[TensorLists::kParam]);
+        else to_float(w[TensorLists::kParam], param_dtype, n, p_staged);
+        // the master follows its weight where that was written from outside (in place: the
+        // update below writes every element of p)
+        if (t.lp.present()) follow_lp(p, w[TensorLists::kLp], t.lp.dtype[i], n);
+        update(i, n, grad, c, Fp32Param{p}, st);
+        if (param_dtype != DType::kF32) from_float(p, n, w[TensorLists::kParam], param_dtype);
+        if (t.lp.present()) from_float(p, n, w[TensorLists::kLp], t.lp.dtype[i]);
       }
-      const DType param_dtype = t.param.dtype[i];
-      float* p = p_staged;
-      if (param_dtype == DType::kF32) p = at_f32(t.param, i, offset);
-      else to_float(at(t.param, i, offset), param_dtype, n, p_staged);
-      // the master follows its weight where that was written from outside (in place: the update
-      // below writes every element of p)
-      if (t.lp.present()) follow_lp(p, at(t.lp, i, offset), t.lp.dtype[i], n);
-      update(i, offset, n, grad, c, Fp32Param{p}, bk);
-      if (param_dtype != DType::kF32) from_float(p, n, at(t.param, i, offset), param_dtype);
-      if (t.lp.present()) from_float(p, n, at(t.lp, i, offset), t.lp.dtype[i]);
+      if (sourced) {
+        for (int k = 0; k < TensorLists::kWritten; ++k) {
+          const Operand& op = t.written(k);
+          if (op.present()) stream_copy(at(op, i, offset), scratch[k], n * element_size(op.dtype[i]));
+        }
+      }
     });
-    if (backs_up) stream_fence();
+    if (sourced) stream_fence();
   });
 }
 
@@ -742,10 +728,8 @@ void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper&
                   const ParallelFor& pf) {
   using namespace cpu;
   const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
-                            const BlockBackup& bk) {
-    float* buf = t.state1.present() ? at_f32(t.state1, i, offset) : nullptr;
-    sgd_block(g, c, p, buf, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]), bk);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
+    sgd_block(g, c, p, st.s1, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
   });
 }
 
@@ -759,11 +743,8 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
     scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
     inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
   }
-  const bool amsgrad = t.state3.present();
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
-                            const BlockBackup& bk) {
-    adam_block(g, c, p, at_f32(t.state1, i, offset), at_f32(t.state2, i, offset),
-               amsgrad ? at_f32(t.state3, i, offset) : nullptr, n, h, scalars[i], inv_bc2[i], bk);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
+    adam_block(g, c, p, st.s1, st.s2, st.s3, n, h, scalars[i], inv_bc2[i]);
   });
 }
 
@@ -771,9 +752,8 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
                    const ParallelFor& pf) {
   using namespace cpu;
   const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t offset, int64_t n, const float* g, float c, auto p,
-                            const BlockBackup& bk) {
-    lion_block(g, c, p, at_f32(t.state1, i, offset), n, h, s, bk);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
+    lion_block(g, c, p, st.s1, n, h, s);
   });
 }
 

@@ -65,9 +65,10 @@ Conventions shared by all ops (and so by all backends):
 - A non-empty ``grads`` on a step op fuses the window's last micro-batch into the step: the gradient used is
   ``coef * (grad_alpha * grad + (0 if grads_overwrite else acc))`` and ``acc`` is not written
   (it is ready to be overwritten by the next window either way).
-- ``backups``, when given (issue 37), receive the old values of everything the step writes,
-  in the same pass on the host (:func:`back_up` says which tensor goes where), so a speculative
-  step is undone by copying them back; a skipped step writes them too.
+- ``sources``, when given (issue 37), hold the old values of everything the step writes: the
+  step reads them and writes the new values into the written lists (out of place: offload's
+  double-buffered host state steps from its live buffers into their twins, and a commit is a
+  swap). :func:`take_sources` says which tensor goes where; a skipped step copies them over.
 - A skipped step (``found_inf``) writes no value: params, remainders, lp_params and state keep
   their bits (NaN payloads included: a remainder mode's master lives in those bits).
 """
@@ -352,29 +353,30 @@ def check_remainders(op: str, t: StepTensors) -> None:
             raise ValueError(f"{op}: remainders[{i}] has {r.numel()} elements but params[{i}] has {p.numel()}")
 
 
-def back_up(op: str, t: StepTensors, states: Sequence[Sequence[Tensor]]) -> None:
-    """Copy the old values of everything the step writes into ``t.backups`` (empty: nothing to
-    do), before the step writes any: params, lp_params (if any), remainders (if any), then
-    ``states`` (the state lists the step writes, in its record's order), each list's tensor i
-    into ``backups[k * len(params) + i]`` for the k-th of these lists. A backup has its
-    tensor's dtype and numel (any shape and strides); the copy is of the bits. The same checks,
-    in the same words, as the C++ binding's (csrc/bindings.cpp, prepare_step)."""
-    if not t.backups:
+def take_sources(op: str, t: StepTensors, states: Sequence[Sequence[Tensor]]) -> None:
+    """Copy ``t.sources`` (empty: nothing to do) into what the step writes, before the step
+    reads any of it: params, lp_params (if any), remainders (if any), then ``states`` (the state
+    lists the step writes, in its record's order), ``sources[k * len(params) + i]`` into the k-th
+    of these lists' tensor i. A source has its tensor's dtype and numel (any shape and strides);
+    the copy is of the bits. The step that follows is the ordinary in-place one, so an
+    out-of-place step is the in-place step bit for bit. The same checks, in the same words, as
+    the C++ binding's (csrc/bindings.cpp, prepare_step)."""
+    if not t.sources:
         return
     written = [t.params, *(x for x in (t.lp_params, t.remainders) if x), *states]
     n = len(t.params)
-    if len(t.backups) != len(written) * n:
+    if len(t.sources) != len(written) * n:
         raise ValueError(
-            f"{op}: backups has {len(t.backups)} tensors, expected 0 (none) or {len(written) * n} "
+            f"{op}: sources has {len(t.sources)} tensors, expected 0 (none) or {len(written) * n} "
             f"(one per tensor of the {len(written)} lists the step writes)"
         )
     for k, tensors in enumerate(written):
-        for i, src in enumerate(tensors):
-            dst = t.backups[k * n + i]
-            if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.device != src.device:
+        for i, dst in enumerate(tensors):
+            src = t.sources[k * n + i]
+            if src.dtype != dst.dtype or src.numel() != dst.numel() or src.device != dst.device:
                 raise ValueError(
-                    f"{op}: backups[{k * n + i}] must be {src.dtype} with {src.numel()} elements on {src.device} "
-                    f"(what it backs up), got {dst.dtype} with {dst.numel()} on {dst.device}"
+                    f"{op}: sources[{k * n + i}] must be {dst.dtype} with {dst.numel()} elements on {dst.device} "
+                    f"(what the step writes there), got {src.dtype} with {src.numel()} on {src.device}"
                 )
             dst.copy_(src.reshape(dst.shape))
 
@@ -467,7 +469,7 @@ def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper) -> None:
     """
     neg_lr = _f32(-_lr(t.lr))  # torch's fused SGD: its double -lr rounded to fp32
     check_remainders("sgd_step", t)
-    back_up("sgd_step", t, [s.momentum_buffers] if h.momentum != 0 else [])
+    take_sources("sgd_step", t, [s.momentum_buffers] if h.momentum != 0 else [])
     for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
         p32 = _master(t, i)
@@ -498,7 +500,7 @@ def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper) -> None:
     lr = _lr(t.lr)
     beta1, beta2 = h.beta1, h.beta2
     check_remainders("adam_step", t)
-    back_up("adam_step", t, [x for x in s if x])
+    take_sources("adam_step", t, [x for x in s if x])
     for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
         p32 = _master(t, i)
@@ -534,7 +536,7 @@ def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
     # factor 1 - lr * weight_decay is formed in double
     lr32, decay = _f32(lr), _f32(1 - lr * h.weight_decay)
     check_remainders("lion_step", t)
-    back_up("lion_step", t, [s.exp_avgs])
+    take_sources("lion_step", t, [s.exp_avgs])
     for i in range(len(t.params)):
         g = _effective_grad(t, i, h.maximize)
         p32 = _master(t, i) * decay

@@ -183,8 +183,8 @@ def _step(
     the kernels run HAS_REM: they rebuild each master from the bf16 param and its remainder and
     split the update back into both (kernels._rebuild_master / _split_master).
     """
-    if t.backups:
-        raise ValueError(f"{name}: backups are for host (CPU) steps; the triton backend does not write them")
+    if t.sources:
+        raise ValueError(f"{name}: sources are for host (CPU) steps; the triton backend does not read them")
     params, accs, lp_params, grads, remainders = t.params, t.accs, t.lp_params, t.grads, t.remainders
     lr, coef, found_inf = t.lr, t.coef, t.found_inf
     steps = t.steps if takes_steps else None
