@@ -470,25 +470,30 @@ void Arrivals::hand(const py::object& plan) {
 // grants used since and the quiet backwards a failed check called off.
 py::object Arrivals::plan() {
   if (!types_) types_ = py::module_::import("fused_accum.arrivals");
-  py::list grants;
+  std::vector<std::tuple<size_t, at::Tensor, at::Tensor, bool>> grants;
   bool armed;
   int seen;
   int64_t quiet_until, at;
   py::object counters;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(mutex_);  // (no Python under it: it might call back in)
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const BucketArrivals& bucket = buckets_[b];
-      if (bucket.fast) grants.append(types_.attr("Grant")(b, bucket.acc, bucket.offsets, bucket.overwrite));
+      if (bucket.fast) grants.emplace_back(b, bucket.acc, bucket.offsets, bucket.overwrite);
     }
     armed = armed_;
     seen = python_task_;
     quiet_until = quiet_until_;
     at = at_;
-    counters = counters_object_ ? counters_object_ : py::none();
+    counters = counters_object_;
   }
-  return types_.attr("Plan")(stands_aside_.load(), slow_planned_, hide_.load(), seen, py::tuple(grants),
-                             armed ? quiet_until : 0, counters, at);
+  py::tuple out(grants.size());
+  for (size_t i = 0; i < grants.size(); ++i) {
+    const auto& [b, acc, offsets, overwrite] = grants[i];
+    out[i] = types_.attr("Grant")(b, acc, offsets, overwrite);
+  }
+  return types_.attr("Plan")(stands_aside_.load(), slow_planned_, hide_.load(), seen, out, armed ? quiet_until : 0,
+                             counters ? counters : py::none(), at);
 }
 
 // What the hooks did since the last report, as a fused_accum.arrivals.Report.
