@@ -5,6 +5,7 @@
 // csrc/cpu/convert.h's (tested alone by csrc/tests/test_convert.cpp). The binding
 // (csrc/bindings.cpp) calls the four functions kernels.h declares.
 #include <algorithm>
+#include <immintrin.h>  // the out-of-place steps' streaming stores
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -13,7 +14,6 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>  // the out-of-place steps' streaming stores
 #endif
 
 #include "../kernels.h"
@@ -332,17 +332,26 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
   }
 }
 
-#ifndef FA_SOURCE_BLOCK
-#define FA_SOURCE_BLOCK 128
-#endif
 // ---- out-of-place steps (issue 37) ------------------------------------------------------------
 //
 // A step with sources (offload's double-buffered host state) reads the old values of every
-// operand it writes from that operand's source and writes the new ones into the operand. Per
-// sub-block, each source block is copied into an L1 scratch block, the update runs there, and
-// the scratch goes to the operand with streaming (non-temporal) stores: memory sees the reads of
-// the sources and the writes of the operands, the traffic of an in-place step (an ordinary store
-// would first read each operand line from memory, read for ownership: as much traffic again).
+// operand it writes from that operand's source and writes the new ones into the operand, in the
+// same element loops as an in-place step (the IO forms of the param and state accessors below),
+// per sub-block of kSourceBlock elements: the loops read the sources and write an L1 scratch
+// block, which goes to the operand with streaming (non-temporal) stores (an ordinary store would
+// first read each operand line from memory, read for ownership: as much traffic again). Memory
+// sees the reads of the sources and the writes of the operands: an in-place step's traffic.
+// kSourceBlock: python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy, one thread,
+// the 2-core AMD EPYC, load ~2), a speculated bucket over the in-place step, 0.5 / 4 / 16 /
+// 25 MB: 1.73-1.77 / 1.40-1.51 / 1.36-1.43 / 1.48-1.49x at 128; 1.5 / 1.7-2.1 / 2.1 / 2.1-2.2x
+// at 256; 2.4 / 1.7-1.8 / 1.8-1.9 / 1.8-1.9x at 64. (Copying the sources into the scratch first
+// and updating it there: 1.7-1.9x; the loops writing the operands directly, ordinary stores:
+// 1.1x from cache, 2.4-2.6x from memory.)
+#ifndef FA_SOURCE_BLOCK
+#define FA_SOURCE_BLOCK 128
+#endif
+constexpr int64_t kSourceBlock = FA_SOURCE_BLOCK;
+static_assert(kSourceBlock <= kBlock, "a sub-block is staged like a block");
 
 // The body of stream_copy: `bytes` (a multiple of 64) from src to the 64-byte aligned dst with
 // streaming stores as wide as the CPU has (a whole cache line per store on AVX-512), picked once.
@@ -399,21 +408,6 @@ inline void stream_fence() {
 #endif
 }
 
-// Elements per sub-block of a step with sources: small, so that the scratch blocks of every
-// written operand stay in L1 and the copies' loads and stores overlap the updates around them.
-// benchmarks/kernels.py --cold (25 MB bucket, one thread, AdamW, out of place over in place, on
-// the 2-core AMD EPYC, loaded): 1.76-1.91x at 128, 2.1-2.4x at 64, 2.6-3.1x at 256, 3.0-3.3x at
-// 1024; updating the operand in place after an ordinary copy from the source (no scratch, read
-// for ownership) 1.9-2.5x at 128, 3.4-4.2x at 512-1024.
-constexpr int64_t kSourceBlock = FA_SOURCE_BLOCK;
-static_assert(kSourceBlock <= kBlock, "a sub-block is staged like a block");
-
-// The pointers to a block's optimizer state the update reads and writes (null: absent).
-struct StatePtrs {
-  float* s1;
-  float* s2;
-  float* s3;
-};
 
 // Where an element loop reads and writes the param: fp32 values (the master, or a staged
 // block), or an exact master's two halves, rebuilt and split in the loop.
@@ -437,27 +431,62 @@ struct RemainderParam {
   }
   FA_ALWAYS_INLINE RemainderParam at(int64_t o) const { return {w + o, r + o}; }
 };
+// Out of place (a step with sources): the old values read from in, the new written to out.
+struct Fp32ParamIO {
+  const float* __restrict in;
+  float* __restrict out;
+  FA_ALWAYS_INLINE float load(int64_t j) const { return in[j]; }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const { out[j] = v; }
+};
+struct RemainderParamIO {
+  const uint16_t* __restrict w_in;
+  const int16_t* __restrict r_in;
+  uint16_t* __restrict w_out;
+  int16_t* __restrict r_out;
+  FA_ALWAYS_INLINE float load(int64_t j) const { return math::rebuild_master(w_in[j], r_in[j]); }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const {
+    const math::SplitMaster s = math::split_master(v);
+    w_out[j] = s.weight;
+    r_out[j] = s.remainder;
+  }
+};
+// An fp32 state operand: in place (InPlace, from a float*) or out of place (StateIO); null:
+// absent.
+struct InPlace {
+  float* __restrict p;
+  InPlace(float* q) : p(q) {}  // NOLINT: implicit, from the in-place callers' pointers
+  FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
+  FA_ALWAYS_INLINE bool present() const { return p != nullptr; }
+};
+struct StateIO {
+  const float* __restrict in;
+  float* __restrict out;
+  FA_ALWAYS_INLINE float load(int64_t j) const { return in[j]; }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const { out[j] = v; }
+  FA_ALWAYS_INLINE bool present() const { return out != nullptr; }
+};
 
 // The element loops take the branches that are the same for every element as template
 // constants (math.h's *_update_t), so that each loop is straight-line code GCC vectorises; one
 // switch per block picks the loop. Each block function exists for both param kinds (P).
-template <bool kWd, bool kMomentum, bool kFirst, bool kNesterov, class P>
+template <bool kWd, bool kMomentum, bool kFirst, bool kNesterov, class P, class S>
 inline __attribute__((always_inline)) void sgd_loop(const float* __restrict g, float c, P p,
-                                                    float* __restrict buf, int64_t n,
+                                                    S buf, int64_t n,
                                                     const math::SgdHyper& h,
                                                     const math::SgdScalars& s) {
-  float unused = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     float pj = p.load(j);
-    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, pj,
-                                                          kMomentum ? buf[j] : unused, h, s);
+    float bj = (kMomentum && !kFirst) ? buf.load(j) : 0.0f;
+    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, pj, bj, h, s);
     p.store(j, pj);
+    if (kMomentum) buf.store(j, bj);
   }
 }
 
-template <class P>
+template <class P, class S>
 inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g, float c, P p,
-                                                       float* __restrict buf, int64_t n,
+                                                       S buf, int64_t n,
                                                        const math::SgdHyper& h,
                                                        const math::SgdScalars& s) {
   const int mode = (h.weight_decay != 0.0f ? 8 : 0) | (h.momentum != 0.0f ? 4 : 0) |
@@ -477,11 +506,24 @@ inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
                              math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
+  sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
 }
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam p,
                              float* __restrict buf, int64_t n, math::SgdHyper h,
                              math::SgdScalars s) {
+  sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
+}
+// out of place: a staged fp32 param (Fp32Param), an fp32 master, a bf16 param and remainder
+FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p, StateIO buf,
+                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
+}
+FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO buf,
+                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
+  sgd_block_t(g, c, p, buf, n, h, s);
+}
+FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParamIO p, StateIO buf,
+                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
   sgd_block_t(g, c, p, buf, n, h, s);
 }
 
@@ -514,29 +556,29 @@ struct DivideByConstant {
   }
 };
 
-template <int kMode, class P, class D>
+template <int kMode, class P, class S, class D>
 inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c, P p,
-                                                     float* __restrict m, float* __restrict v,
-                                                     float* __restrict max_v, int64_t n,
+                                                     S m, S v, S max_v, int64_t n,
                                                      const math::AdamHyper& h,
                                                      const math::AdamScalars& s, D divide_bc2) {
-  float unused = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    float pj = p.load(j);
-    math::adam_update_mode<kMode>(g[j] * c, pj, m[j], v[j], (kMode & 1) ? max_v[j] : unused, h,
-                                  s, divide_bc2);
+    float pj = p.load(j), mj = m.load(j), vj = v.load(j);
+    float xj = (kMode & 1) ? max_v.load(j) : 0.0f;
+    math::adam_update_mode<kMode>(g[j] * c, pj, mj, vj, xj, h, s, divide_bc2);
     p.store(j, pj);
+    m.store(j, mj);
+    v.store(j, vj);
+    if (kMode & 1) max_v.store(j, xj);
   }
 }
 
 // max_v: amsgrad's running max, or null.
-template <class P, class D>
+template <class P, class S, class D>
 inline __attribute__((always_inline)) void adam_block_t(const float* __restrict g, float c, P p,
-                                                        float* __restrict m, float* __restrict v,
-                                                        float* __restrict max_v, int64_t n,
+                                                        S m, S v, S max_v, int64_t n,
                                                         const math::AdamHyper& h,
                                                         const math::AdamScalars& s, D divide_bc2) {
-  switch (math::adam_mode(h, max_v != nullptr)) {
+  switch (math::adam_mode(h, max_v.present())) {
 #define FA_ADAM_CASE(k) \
   case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s, divide_bc2); break;
     FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
@@ -548,10 +590,9 @@ inline __attribute__((always_inline)) void adam_block_t(const float* __restrict 
 }
 
 // inv_bc2: RN(1 / s.bias_correction2_sqrt) where DivideByConstant may divide by it, else 0.
-template <class P>
+template <class P, class S>
 inline __attribute__((always_inline)) void adam_block_any(const float* __restrict g, float c, P p,
-                                                          float* __restrict m, float* __restrict v,
-                                                          float* __restrict max_v, int64_t n,
+                                                          S m, S v, S max_v, int64_t n,
                                                           const math::AdamHyper& h,
                                                           const math::AdamScalars& s, float inv_bc2) {
   if (inv_bc2 != 0.0f) {
@@ -564,6 +605,16 @@ inline __attribute__((always_inline)) void adam_block_any(const float* __restric
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
                               int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
+  adam_block_any(g, c, p, InPlace{m}, InPlace{v}, InPlace{max_v}, n, h, s, inv_bc2);
+}
+FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p, StateIO m,
+                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
+                              math::AdamScalars s, float inv_bc2) {
+  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
+}
+FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO m,
+                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
+                              math::AdamScalars s, float inv_bc2) {
   adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
 }
 // The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
@@ -572,6 +623,11 @@ FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
 FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, float* __restrict v, float* __restrict max_v,
                               int64_t n, math::AdamHyper h, math::AdamScalars s, float) {
+  adam_block_any(g, c, p, InPlace{m}, InPlace{v}, InPlace{max_v}, n, h, s, 0.0f);
+}
+FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParamIO p, StateIO m,
+                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
+                              math::AdamScalars s, float) {
   adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
 }
 
@@ -590,26 +646,40 @@ inline float divide_by_constant_reciprocal(float b) {
   return divide_by_constant_pays() && b >= 0x1p-62f && b <= 1.0f ? 1.0f / b : 0.0f;
 }
 
-template <class P>
+template <class P, class S>
 inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, float c, P p,
-                                                     float* __restrict m, int64_t n,
+                                                     S m, int64_t n,
                                                      const math::LionHyper& h,
                                                      const math::LionScalars& s) {
   for (int64_t j = 0; j < n; ++j) {
-    float pj = p.load(j);
-    math::lion_update(g[j] * c, pj, m[j], h, s);
+    float pj = p.load(j), mj = m.load(j);
+    math::lion_update(g[j] * c, pj, mj, h, s);
     p.store(j, pj);
+    m.store(j, mj);
   }
 }
 
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, int64_t n, math::LionHyper h,
                               math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
+  lion_loop(g, c, p, InPlace{m}, n, h, s);
 }
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, int64_t n, math::LionHyper h,
                               math::LionScalars s) {
+  lion_loop(g, c, p, InPlace{m}, n, h, s);
+}
+
+FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p, StateIO m,
+                              int64_t n, math::LionHyper h, math::LionScalars s) {
+  lion_loop(g, c, p, m, n, h, s);
+}
+FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO m,
+                              int64_t n, math::LionHyper h, math::LionScalars s) {
+  lion_loop(g, c, p, m, n, h, s);
+}
+FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParamIO p, StateIO m,
+                              int64_t n, math::LionHyper h, math::LionScalars s) {
   lion_loop(g, c, p, m, n, h, s);
 }
 
@@ -623,14 +693,6 @@ inline bool unstaged_fp32(const TensorLists& t) {
   return true;
 }
 
-// dst[0, bytes) = src[0, bytes), bytes a multiple of 2, inline (a loop GCC vectorises: a call to
-// memcpy per operand per sub-block costs as much as the sub-block's update)
-FA_CPU_CLONES void copy_in(void* __restrict dst, const void* __restrict src, int64_t bytes) {
-  uint16_t* __restrict d = static_cast<uint16_t*>(dst);
-  const uint16_t* __restrict s = static_cast<const uint16_t*>(src);
-  for (int64_t j = 0; j < bytes / 2; ++j) d[j] = s[j];
-}
-
 // Tensor i's elements [offset, offset + n) of every written operand from its source (a skipped
 // out-of-place step: the operands take the old values).
 inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_t n) {
@@ -640,13 +702,15 @@ inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_
   }
 }
 
-// The loop every step shares. update(i, n, g, c, p, st) applies the rule to tensor i's block,
-// the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam, the state st.
-// Without a fused micro-batch, g is acc itself and c the signed coef (math::effective_grad's
-// product, so the same bits) and no staging pass runs; with one, g is staged by grad_block and
-// c = 1 (exact). With sources (out of place), each block is kSourceBlock elements, every written
-// operand's block is copied from its source into L1 scratch, updated there exactly as in place
-// (the same element loops on the same values), and streamed to the operand.
+// The loop every step shares. update(i, n, g, c, p, s1, s2, s3) applies the rule to tensor i's
+// block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam (in place)
+// or their IO forms (out of place), the state s1..s3 float pointers (in place) or StateIOs
+// (out of place; null: absent). Without a fused micro-batch, g is acc itself and c the signed
+// coef (math::effective_grad's product, so the same bits) and no staging pass runs; with one, g
+// is staged by grad_block and c = 1 (exact). With sources (out of place) the same element loops
+// read each old value from its source and write the new one into the operand, in one pass: a
+// staged param is staged from its source (and its weight followed from the source's), then
+// written to the operand.
 template <class Update>
 void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
   const std::vector<int64_t> starts = element_starts(t);
@@ -663,28 +727,22 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   const bool has_rem = t.rem.present();
-  const int64_t block_size = sourced ? kSourceBlock : unstaged_fp32(t) ? kUnstagedBlock : kBlock;
+  const bool unstaged = unstaged_fp32(t);
+  const int64_t block_size = sourced ? kSourceBlock : unstaged ? kUnstagedBlock : kBlock;
+  constexpr int kP = TensorLists::kParam, kL = TensorLists::kLp, kR = TensorLists::kRem;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
     float g[kBlock], p_staged[kBlock];
     alignas(64) float scratch[TensorLists::kWritten][kSourceBlock];
-    for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
-      void* w[TensorLists::kWritten];  // where this block of each written operand is updated
-      for (int k = 0; k < TensorLists::kWritten; ++k) {
-        const Operand& op = t.written(k);
-        if (!op.present()) {
-          w[k] = nullptr;
-        } else if (sourced) {
-          copy_in(scratch[k], at(t.source[k], i, offset), n * element_size(op.dtype[i]));
-          w[k] = scratch[k];
-        } else {
-          w[k] = at(op, i, offset);
-        }
-      }
-      const StatePtrs st{static_cast<float*>(w[TensorLists::kState1]),
-                         static_cast<float*>(w[TensorLists::kState2]),
-                         static_cast<float*>(w[TensorLists::kState3])};
+    auto step_block = [&](int64_t i, int64_t offset, int64_t n) {
+      // where the block of written operand k is written (out of place: L1 scratch, streamed to
+      // the operand below), and (out of place) read from
+      auto out = [&](int k) -> void* {
+        if (!t.written(k).present()) return nullptr;
+        return sourced ? static_cast<void*>(scratch[k]) : at(t.written(k), i, offset);
+      };
+      auto in = [&](int k) { return sourced ? (t.source[k].present() ? at(t.source[k], i, offset) : nullptr) : out(k); };
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -693,28 +751,49 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
         grad = g;
         c = 1.0f;
       }
+      auto run_io = [&](auto p) {  // out of place
+        auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k))}; };
+        update(i, n, grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3));
+      };
+      auto run_in = [&](auto p) {  // in place
+        update(i, n, grad, c, p, static_cast<float*>(out(TensorLists::kState1)),
+               static_cast<float*>(out(TensorLists::kState2)), static_cast<float*>(out(TensorLists::kState3)));
+      };
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
-        update(i, n, grad, c,
-               RemainderParam{static_cast<uint16_t*>(w[TensorLists::kParam]),
-                              static_cast<int16_t*>(w[TensorLists::kRem])},
-               st);
-      } else {
-        const DType param_dtype = t.param.dtype[i];
-        float* p = p_staged;
-        if (param_dtype == DType::kF32) p = static_cast<float*>(w[TensorLists::kParam]);
-        else to_float(w[TensorLists::kParam], param_dtype, n, p_staged);
-        // the master follows its weight where that was written from outside (in place: the
-        // update below writes every element of p)
-        if (t.lp.present()) follow_lp(p, w[TensorLists::kLp], t.lp.dtype[i], n);
-        update(i, n, grad, c, Fp32Param{p}, st);
-        if (param_dtype != DType::kF32) from_float(p, n, w[TensorLists::kParam], param_dtype);
-        if (t.lp.present()) from_float(p, n, w[TensorLists::kLp], t.lp.dtype[i]);
-      }
-      if (sourced) {
-        for (int k = 0; k < TensorLists::kWritten; ++k) {
-          const Operand& op = t.written(k);
-          if (op.present()) stream_copy(at(op, i, offset), scratch[k], n * element_size(op.dtype[i]));
+        if (sourced) {
+          run_io(RemainderParamIO{static_cast<const uint16_t*>(in(kP)), static_cast<const int16_t*>(in(kR)),
+                               static_cast<uint16_t*>(out(kP)), static_cast<int16_t*>(out(kR))});
+        } else {
+          run_in(RemainderParam{static_cast<uint16_t*>(out(kP)), static_cast<int16_t*>(out(kR))});
         }
+        return;
+      }
+      if (unstaged && sourced) {
+        run_io(Fp32ParamIO{static_cast<const float*>(in(kP)), static_cast<float*>(out(kP))});
+        return;
+      }
+      const DType param_dtype = t.param.dtype[i];
+      float* p = p_staged;
+      if (param_dtype == DType::kF32) {
+        p = static_cast<float*>(out(kP));  // (out of place: its scratch block, from the source)
+        if (sourced) to_float(in(kP), param_dtype, n, p);
+      } else {
+        to_float(in(kP), param_dtype, n, p_staged);
+      }
+      // the master follows its weight where that was written from outside (in place: the
+      // update below writes every element of p)
+      if (t.lp.present()) follow_lp(p, in(kL), t.lp.dtype[i], n);
+      if (sourced) run_io(Fp32Param{p});
+      else run_in(Fp32Param{p});
+      if (param_dtype != DType::kF32) from_float(p, n, out(kP), param_dtype);
+      if (t.lp.present()) from_float(p, n, out(kL), t.lp.dtype[i]);
+    };
+    for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
+      step_block(i, offset, n);
+      if (!sourced) return;
+      for (int k = 0; k < TensorLists::kWritten; ++k) {
+        const Operand& op = t.written(k);
+        if (op.present()) stream_copy(at(op, i, offset), scratch[k], n * element_size(op.dtype[i]));
       }
     });
     if (sourced) stream_fence();
@@ -728,8 +807,8 @@ void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper&
                   const ParallelFor& pf) {
   using namespace cpu;
   const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
-    sgd_block(g, c, p, st.s1, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
+    sgd_block(g, c, p, s1, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
   });
 }
 
@@ -743,8 +822,8 @@ void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHype
     scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
     inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
   }
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
-    adam_block(g, c, p, st.s1, st.s2, st.s3, n, h, scalars[i], inv_bc2[i]);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto s2, auto s3) {
+    adam_block(g, c, p, s1, s2, s3, n, h, scalars[i], inv_bc2[i]);
   });
 }
 
@@ -752,8 +831,8 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
                    const ParallelFor& pf) {
   using namespace cpu;
   const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, const StatePtrs& st) {
-    lion_block(g, c, p, st.s1, n, h, s);
+  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
+    lion_block(g, c, p, s1, n, h, s);
   });
 }
 
