@@ -12,7 +12,6 @@ flat group's layout (what of a loaded value this process holds, whether ``accum`
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .flat import Slot

@@ -5,7 +5,7 @@ This module holds what a user or a trainer sees: param groups and their hyper-pa
 no math and no hook plumbing:
 
 - :mod:`fused_accum.algorithms`: the algorithm table and torch's hyper-parameter checks;
-- :mod:`fused_accum.step`: the fused step and its coefficient (``Stepper``, ``window_scale``),
+- :mod:`fused_accum.step`: the fused step (``Stepper``),
   and ``opt.state``'s views of the buffers;
 - :mod:`fused_accum.checkpoint`: ``state_dict``, ``gathered_state_dict``, ``load_state_dict``;
 - :mod:`fused_accum.generic`: ``optimizer=`` a ``torch.optim`` class;
@@ -38,8 +38,8 @@ from .members import Members
 from .offload import Offload
 from .placement import Placement
 from .generic import GenericPath
-from .step import StateEntry, Stepper, window_scale  # noqa: F401 (StateEntry: importable here, as before)
-from .window import GradientWindow
+from .step import StateEntry, Stepper  # noqa: F401 (StateEntry: importable here, as before)
+from .window import GradientWindow, window_scale
 
 
 def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None:

@@ -472,3 +472,48 @@ class GradientWindow:
         self.topology.reset()
         self.ledger.discarded()
         self.topology.after_step(self.ledger, self.flat_groups)
+
+
+def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite) -> tuple:
+    """The step's coefficient for ``window``: (coef per device, skip flag per device or None, the window's
+    norm or None), computed on the device without a host sync: 1/num_items x 1/grad_scale x the clip factor; skip when
+    num_items is not positive and finite, when GradScaler found an inf, or (skip_nonfinite) when
+    the window's gradient has one. ``grad_scale``/``found_inf``: what GradScaler.step set on the
+    optimizer."""
+    devices = list(dict.fromkeys(flat.device for flat in window.flat_groups))
+    if not devices:
+        return {}, None, None
+    home = devices[0]
+    fp32 = dict(dtype=torch.float32, device=home)
+    coef = torch.ones((), **fp32)
+    bad = None  # a 0-d fp32 flag on home: 1 skips the step
+    norm = None
+    if num_items is not None:
+        items = torch.empty((), **fp32)
+        if isinstance(num_items, Tensor):
+            items.copy_(num_items.detach().reshape(()))
+        else:
+            items.fill_(float(num_items))
+        window.topology.average_(items)  # (data parallel: gradients are the group's mean, so the counts)
+        bad = (~((items > 0) & torch.isfinite(items))).float()
+        coef = coef / items
+    elif window.topology.step_divisor != 1:  # (the window holds the group's sum: its mean, as num_items=N)
+        coef = coef / torch.full((), float(window.topology.step_divisor), **fp32)
+    if grad_scale is not None:
+        coef = coef / grad_scale.to(home)
+    if isinstance(found_inf, Tensor):
+        flag = (found_inf.to(home) > 0).float()
+        bad = flag if bad is None else torch.maximum(bad, flag)
+    if max_grad_norm is not None or skip_nonfinite:
+        # (over every rank's gradient, in a data-parallel topology)
+        total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
+        # inf/nan anywhere makes the sum of squares non-finite too
+        nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
+        norm = total.sqrt() * coef
+        if max_grad_norm is not None:
+            coef = coef * (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_
+        if skip_nonfinite:
+            bad = nonfinite if bad is None else torch.maximum(bad, nonfinite)
+    scale = {d: coef.to(d) for d in devices}
+    skip = {d: bad.to(d) for d in devices} if bad is not None else None
+    return scale, skip, norm
