@@ -223,7 +223,7 @@ class Offload(Placement):
 
     def step_window(self, flat_groups, topology, stepper, scale: dict, skip: Optional[dict], speculable: bool) -> None:
         """The host step of every flat group: the speculation committed where it is the step,
-        else put back and stepped again; then the parameters back to the device, and the
+        else stepped again from the live buffers; then the parameters back to the device, and the
         topology's after-step of them (``shard=``: the all-gather)."""
         edited = self._settle(flat_groups)
         coefs, skips, unchanged = self._read_back(flat_groups, scale, skip)
@@ -250,7 +250,7 @@ class Offload(Placement):
         # The next window speculates only after a window whose step was the speculation's (or
         # would have been, where it was only watched): a loop that passes num_items or a scaler
         # passes them every step, and clipping comes in runs (a clipped window's speculation is
-        # put back and stepped again: three passes over the state instead of one). A window whose
+        # stepped again: two passes over the state instead of one). A window whose
         # clip did not bind (clip_grad_norm_ multiplied by 1.0) turns it back on.
         self.speculate = as_sent and all(unchanged.values())
         topology.after_step_params(flat_groups)
