@@ -409,7 +409,7 @@ def test_a_killed_pytest_stages_nameless_junit_entries_are_not_passes(tmp_path):
 def test_only_the_packages_own_kernels_count_as_an_ops_launches():
     goals = _goals()
     own = goals.own_kernel_names()
-    assert own["cuda"] == ["accumulate_kernel", "reduce_partials_kernel", "step_kernel"]
+    assert own["cuda"] == ["accumulate_kernel", "fold_kernel", "reduce_partials_kernel", "step_kernel"]
     assert {"accumulate_kernel", "adam_kernel", "sgd_kernel", "lion_kernel", "reduce_stats_kernel"} <= set(
         own["triton"]
     )
