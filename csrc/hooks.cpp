@@ -188,23 +188,30 @@ void Arrivals::hook_locked(int64_t key, NodePtr node) {
   nodes_[key] = std::move(node);
 }
 
-// Asking grad_accumulator() for a parameter whose `.data` changed device or dtype builds the new
-// node now (autograd would at the next forward, which then uses this one).
-std::vector<int64_t> Arrivals::rehook(const std::vector<at::Tensor>& params) {
-  std::vector<int64_t> moved;
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (detached_) return moved;
-  TORCH_CHECK(params.size() == nodes_.size(), "Arrivals.rehook: expected one parameter per slot");
-  for (size_t key = 0; key < nodes_.size(); ++key) {
-    if (!nodes_[key]) continue;
-    const at::Tensor& param = params[key];
-    if (!param.requires_grad() || !param.is_leaf()) continue;
-    NodePtr now = torch::autograd::impl::grad_accumulator(param);
-    if (!now || now.get() == nodes_[key].get() || dynamic_cast<AccumulateGrad*>(now.get()) == nullptr) continue;
-    hook_locked(static_cast<int64_t>(key), std::move(now));
-    moved.push_back(static_cast<int64_t>(key));
+// One pass over the parameters, as a fused_accum.arrivals.Look: first the slots whose parameter
+// has another AccumulateGrad node than the one hooked, hooked again (asking grad_accumulator() for
+// a parameter whose `.data` changed device or dtype builds the new node now; autograd would at the
+// next forward, which then uses this one), then the keys whose `.grad` is not what was shown.
+py::object Arrivals::look(const std::vector<at::Tensor>& params) {
+  if (!types_) types_ = py::module_::import("fused_accum.arrivals");
+  std::vector<int64_t> moved, changed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!detached_) {
+      TORCH_CHECK(params.size() == nodes_.size(), "Arrivals.look: expected one parameter per slot");
+      for (size_t key = 0; key < nodes_.size(); ++key) {
+        if (!nodes_[key]) continue;
+        const at::Tensor& param = params[key];
+        if (!param.requires_grad() || !param.is_leaf()) continue;
+        NodePtr now = torch::autograd::impl::grad_accumulator(param);
+        if (!now || now.get() == nodes_[key].get() || dynamic_cast<AccumulateGrad*>(now.get()) == nullptr) continue;
+        hook_locked(static_cast<int64_t>(key), std::move(now));
+        moved.push_back(static_cast<int64_t>(key));
+      }
+    }
+    changed = changed_locked(false);
   }
-  return moved;
+  return types_.attr("Look")(py::tuple(py::cast(moved)), py::tuple(py::cast(changed)));
 }
 
 // The hooks are not removed from the nodes: this may run inside one of them.
@@ -340,18 +347,18 @@ void Arrivals::clear() {
   quiet_clean_ = false;  // (a quiet backward still running hands its end to Python)
 }
 
-// Here because it touches every parameter once per backward. The view's data pointer is kept
-// too, for changed().
-void Arrivals::expose(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& show) {
-  std::lock_guard<std::mutex> lock(mutex_);
+// `.grad` = views[key] where held[key], else undefined where it was that view (hand's `show`):
+// here because it touches every parameter. The view's data pointer is kept too, for
+// changed_locked().
+void Arrivals::expose_locked(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& held) {
   if (detached_) return;  // (the nodes are let go)
-  TORCH_CHECK(views.size() == nodes_.size() && show.size() == nodes_.size(),
-              "Arrivals.expose: expected one view and one flag per slot");
+  TORCH_CHECK(views.size() == nodes_.size() && held.size() == nodes_.size(),
+              "Arrivals.hand: show must be one view and one flag per slot");
   for (size_t key = 0; key < nodes_.size(); ++key) {
     if (!nodes_[key]) continue;
     at::Tensor& grad = param_of(key).mutable_grad();
     const at::Tensor view = views[key].value_or(at::Tensor());
-    if (show[key] && view.defined()) {
+    if (held[key] && view.defined()) {
       if (!grad.is_same(view)) grad = view;
       shown_[key] = view;
       shown_data_[key] = view.const_data_ptr();
@@ -372,12 +379,7 @@ bool Arrivals::clear_grads() {
   return true;
 }
 
-std::vector<int64_t> Arrivals::changed() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return changed_locked(false);
-}
-
-// The keys whose `.grad` is not what expose() showed; with `any`, stops at the first.
+// The keys whose `.grad` is not what was last shown; with `any`, stops at the first.
 std::vector<int64_t> Arrivals::changed_locked(bool any) {
   std::vector<int64_t> out;
   for (size_t key = 0; key < nodes_.size(); ++key) {
@@ -408,7 +410,8 @@ const at::Tensor& Arrivals::param_of(size_t key) const {
 // the lock: the grants replace every bucket's (the backward a grant last folded is kept: a second
 // completion in that backward stays Python's); seen, a backward the window now ends itself, is not
 // quiet; `slow` is applied where it changed (a backward running quietly keeps the pre-hook fast).
-void Arrivals::hand(const py::object& plan) {
+// With `show` (views, held), `.grad` shows the window first (expose_locked), in the same lock.
+void Arrivals::hand(const py::object& plan, const py::object& show) {
   const bool stands_aside = plan.attr("stands_aside").cast<bool>();
   const bool slow = plan.attr("slow").cast<bool>();
   const bool hide = plan.attr("hide").cast<bool>();
@@ -432,7 +435,12 @@ void Arrivals::hand(const py::object& plan) {
     counters = static_cast<int64_t*>(info.ptr);
   }
   TORCH_CHECK(quiet_until <= 0 || counters != nullptr, "Arrivals.hand: quiet backwards need the counters");
+  std::optional<std::pair<std::vector<std::optional<at::Tensor>>, std::vector<bool>>> exposure;
+  if (!show.is_none()) {
+    exposure = show.cast<std::pair<std::vector<std::optional<at::Tensor>>, std::vector<bool>>>();
+  }
   std::lock_guard<std::mutex> lock(mutex_);
+  if (exposure) expose_locked(exposure->first, exposure->second);
   for (const auto& grant : grants) {
     const int64_t b = std::get<0>(grant);
     TORCH_CHECK(b >= 0 && b < (int64_t)buckets_.size(), "Arrivals.hand: no bucket ", b);
@@ -610,18 +618,16 @@ void bind_arrivals(py::module_& m) {
       .def(py::init<py::object, py::object, py::object, py::object, py::object>(), py::arg("before_backward"),
            py::arg("queue_end"), py::arg("bucket_complete"), py::arg("fold_hooked"), py::arg("backward_raised"))
       .def_property_readonly_static("fast", [](py::object) { return true; })
-      .def("hand", &Arrivals::hand, py::arg("plan"))
+      .def("hand", &Arrivals::hand, py::arg("plan"), py::arg("show") = py::none())
       .def_property_readonly("plan", &Arrivals::plan)
       .def("report", &Arrivals::report, py::arg("end"))
       .def("extend", &Arrivals::extend)
       .def("attach", &Arrivals::attach)
-      .def("rehook", &Arrivals::rehook)
+      .def("look", &Arrivals::look, py::arg("params"))
       .def("detach_all", &Arrivals::detach_all)
       .def("arrive_in_place", &Arrivals::arrive_in_place)
       .def("clear", &Arrivals::clear)
       .def("has_arrivals", &Arrivals::has_arrivals)
-      .def("expose", &Arrivals::expose)
-      .def("changed", &Arrivals::changed)
       .def("clear_grads", &Arrivals::clear_grads);
 }
 

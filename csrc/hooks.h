@@ -1,8 +1,9 @@
 // fused_accum._C.Arrivals: the table of a gradient window's per-parameter autograd hooks, declared
 // here and defined and bound (bind_arrivals, called by csrc/module.cpp) in csrc/hooks.cpp. Its
-// members are the contract's, written once in fused_accum/arrivals.py: HookTable, and the two
-// values the window and the table exchange once each way per backward, the Plan handed in (hand)
-// and the Report taken back (report). This table acts on the whole plan, its fast path included
+// members are the contract's, written once in fused_accum/arrivals.py: HookTable, and the values
+// the window and the table exchange one call each way at each end of a backward: a Look taken
+// (look) and a Plan handed in (hand) at its start, the Report taken back (report) and the next
+// Plan handed, with .grad's views (hand's show), at its end. This table acts on the whole plan, its fast path included
 // (the fast folds and quiet backwards): the plan's fields are members here, below.
 #pragma once
 
@@ -47,7 +48,7 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   ~Arrivals();
 
   // --- HookTable: the plan and the report (fused_accum/arrivals.py Plan and Report) ---
-  void hand(const py::object& plan);
+  void hand(const py::object& plan, const py::object& show);
   py::object plan();
   py::object report(bool end);
 
@@ -55,13 +56,11 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   void extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
               const std::vector<int64_t>& slot_position, const std::vector<std::string>& names);
   void attach(int64_t key, const at::Tensor& param);
-  std::vector<int64_t> rehook(const std::vector<at::Tensor>& params);
+  py::object look(const std::vector<at::Tensor>& params);
   void detach_all();
   void arrive_in_place(int64_t key);
   void clear();
-  void expose(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& show);
   bool clear_grads();
-  std::vector<int64_t> changed();
   bool has_arrivals();
 
   // --- the hooks on each AccumulateGrad node (hooks.cpp's TakeGradBefore and TakeGradAfter) ---
@@ -78,6 +77,7 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   bool standing_aside() const { return detached_ || stands_aside_; }
   const at::Tensor& param_of(size_t key) const;
   std::vector<int64_t> changed_locked(bool any);
+  void expose_locked(const std::vector<std::optional<at::Tensor>>& views, const std::vector<bool>& held);
   void hook_locked(int64_t key, NodePtr node);  // (with mutex_ held)
   bool start_quietly();
   void raised_quietly(int task);
@@ -96,7 +96,7 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   std::vector<BucketArrivals> buckets_;
   std::vector<NodePtr> nodes_;      // by slot: the AccumulateGrad nodes we hook (kept alive)
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
-  std::vector<at::Tensor> shown_;   // by slot: what expose() set .grad to (undefined: nothing)
+  std::vector<at::Tensor> shown_;   // by slot: what hand's show set .grad to (undefined: nothing)
   std::vector<const void*> shown_data_;  // by slot: where that view's memory was when shown
   std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
   int last_task_ = -1;  // the graph task whose end Python was last asked to see

@@ -1,8 +1,10 @@
 """Which gradients have arrived in the backward now running: the per-parameter autograd hooks,
-and their contract, written once here: the protocol :class:`HookTable`, and the two values the
-window and the table exchange once each way per backward, a :class:`Plan` handed to the hooks
-(their flags, and the fast path: folds and whole backwards without Python, which only the C++
-table acts on) and a :class:`Report` taken back (what the hooks did that the window records).
+and their contract, written once here: the protocol :class:`HookTable`, and the values the
+window and the table exchange, one call each way at each end of a backward the window sees: at
+its start a :class:`Look` taken (what the user did to the parameters' nodes and ``.grad``) and a
+:class:`Plan` handed to the hooks (their flags, and the fast path: folds and whole backwards
+without Python, which only the C++ table acts on); at its end a :class:`Report` taken back (what
+the hooks did that the window records) and the next plan handed, with ``.grad``'s views.
 
 Two hooks sit on each parameter's AccumulateGrad node (the node that stores a leaf's ``.grad``):
 
@@ -63,7 +65,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -159,22 +161,39 @@ class Report(NamedTuple):
         return f"Report(overwritten={self.overwritten}, partial=[{partial}], quiet={self.quiet})"
 
 
+class Look(NamedTuple):
+    """What changed on the parameters' side since the window last looked (``HookTable.look``),
+    found in one pass over them: ``moved``, the keys hooked again on a new AccumulateGrad node
+    (a ``.data`` moved to another device or dtype by ``model.to(...)``: autograd builds a new
+    node at the next forward, and asking for it builds it now, which the forward then uses; or
+    a tensor swapped in by ``torch.utils.swap_tensors``: the old hooks would never see those
+    gradients again); ``changed``, the keys whose ``.grad`` is no longer what was last shown
+    (``HookTable.hand``'s ``show``): the user cleared or replaced it, or re-pointed it
+    (``p.grad.data = t``)."""
+
+    moved: Tuple[int, ...] = ()
+    changed: Tuple[int, ...] = ()
+
+
 @runtime_checkable
 class HookTable(Protocol):
     """The hooks of one gradient window, by slot (a parameter's key, numbered from 0 in the
     order ``extend`` adds them, at a position of a bucket), and the window's per-parameter
     ``.grad`` work, which runs once per backward and would otherwise be a Python loop over every
     parameter. Made by :func:`make_arrivals` with the window's callbacks (see the module). The
-    window talks to it once each way per backward: a :class:`Plan` handed, a :class:`Report`
-    taken."""
+    window talks to it one call each way at each end of a backward: at its start ``look`` and
+    ``hand``, at its end ``report`` and ``hand`` (with ``.grad``'s views)."""
 
     # Whether the table acts on a plan's fast path (grants, quiet backwards): the C++ table.
     fast: bool
 
-    def hand(self, plan: Plan) -> None:
+    def hand(self, plan: Plan, show: Optional[Tuple[Sequence[Optional[torch.Tensor]], Sequence[bool]]] = None) -> None:
         """The window's plan (see :class:`Plan`), in force until the next; it replaces the last
         one whole (grants not in it are revoked). A table without the fast path takes only
-        the flags (a plan with grants or quiet backwards is an error there)."""
+        the flags (a plan with grants or quiet backwards is an error there). With ``show``
+        (``views, held``, by key), ``.grad`` first shows the window: ``.grad`` = ``views[key]``
+        where ``held[key]``, else None where ``.grad`` was that view; what is shown is what
+        :meth:`look` compares with. Nothing is shown once detached."""
 
     @property
     def plan(self) -> Plan:
@@ -198,13 +217,10 @@ class HookTable(Protocol):
         """Hooks slot ``key``'s parameter (a leaf that requires grad) on its AccumulateGrad node,
         which the table keeps alive. A slot is hooked once."""
 
-    def rehook(self, params: Sequence[torch.Tensor]) -> List[int]:
-        """The keys whose parameter (``params``, by key: the Python objects the optimizer holds)
-        has another AccumulateGrad node than the one hooked, hooked again on the new node: a
-        ``.data`` moved to another device or dtype by ``model.to(...)`` (autograd builds a new
-        node at the next forward; asking for it builds it now, and the forward uses that one),
-        or a tensor swapped in by ``torch.utils.swap_tensors``. The old hooks would never see
-        those gradients again. Nothing once detached."""
+    def look(self, params: Sequence[torch.Tensor]) -> Look:
+        """One pass over the parameters (``params``, by key: the Python objects the optimizer
+        holds): the slots whose node was rebuilt, hooked again (nothing once detached), and the
+        ``.grad`` the user changed since it was shown (:class:`Look`)."""
 
     def detach_all(self) -> None:
         """The hooks stand aside for good (the window was detached) and the nodes are let go. It
@@ -220,18 +236,9 @@ class HookTable(Protocol):
         its flags), every hidden ``.grad``, and which backward was last seen (a backward that
         raised never ends)."""
 
-    def expose(self, views: Sequence[Optional[torch.Tensor]], show: Sequence[bool]) -> None:
-        """The window's ``.grad`` exposure: ``.grad`` = ``views[key]`` where ``show[key]``, else
-        None where ``.grad`` was that view; what is shown is remembered for :meth:`changed`.
-        Nothing once detached."""
-
     def clear_grads(self) -> bool:
         """Every hooked parameter's ``.grad`` becomes None (``zero_grad()``). False once detached
         (the nodes are let go): the caller then clears them itself."""
-
-    def changed(self) -> List[int]:
-        """The keys whose ``.grad`` is no longer what :meth:`expose` showed: the user cleared or
-        replaced it, or re-pointed it (``p.grad.data = t``)."""
 
     def has_arrivals(self) -> bool:
         """Whether any bucket holds an arrival of the backward now running (or of one that
@@ -313,16 +320,18 @@ class PythonArrivals:
         self._names: list = []  # by key, for errors
         self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
         self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
-        self._shown: dict = {}  # key -> what expose() set .grad to
+        self._shown: dict = {}  # key -> what hand's show set .grad to
         self._handles: list = []
         self._lock = threading.Lock()
         self._last_task = -1  # the graph task whose end the window was last asked to see
 
     fast = False
 
-    def hand(self, plan: Plan) -> None:
+    def hand(self, plan: Plan, show=None) -> None:
         if plan.grants or plan.quiet_until > (plan.counters[1] if plan.counters is not None else 0):
             raise ValueError(f"PythonArrivals has no fast path: {plan}")
+        if show is not None:
+            self._expose(*show)
         self._plan = plan
 
     @property
@@ -356,11 +365,9 @@ class PythonArrivals:
         # without our hooks, by the next forward. Holding it keeps the hooks.
         self._nodes[key] = node
 
-    def rehook(self, params: list) -> list:
-        if self._detached:
-            return []
+    def look(self, params: list) -> Look:
         moved = []
-        for key, node in list(self._nodes.items()):
+        for key, node in list(self._nodes.items()):  # (none once detached)
             param = params[key]
             if not (param.requires_grad and param.is_leaf):
                 continue
@@ -368,7 +375,7 @@ class PythonArrivals:
             if now is not node:
                 self._hook(key, param, now)
                 moved.append(key)
-        return moved
+        return Look(tuple(moved), self._changed())
 
     def detach_all(self) -> None:
         self._detached = True
@@ -457,11 +464,13 @@ class PythonArrivals:
             self._hidden.clear()
             self._last_task = -1
 
-    def expose(self, views: list, show: list) -> None:
+    def _expose(self, views: list, held: list) -> None:
+        if self._detached:
+            return
         with self._lock:
             for key, node in self._nodes.items():
                 param, view = node.variable, views[key]
-                if show[key] and view is not None:
+                if held[key] and view is not None:
                     if param.grad is not view:
                         param.grad = view
                     self._shown[key] = (view, view.data_ptr())
@@ -479,7 +488,7 @@ class PythonArrivals:
             self._shown.clear()
         return True
 
-    def changed(self) -> list:
+    def _changed(self) -> tuple:
         with self._lock:
             changed = []
             for key, node in self._nodes.items():
@@ -487,7 +496,7 @@ class PythonArrivals:
                 # (the same tensor re-pointed by `p.grad.data = t` is a change too)
                 if grad is not view or grad is not None and grad.data_ptr() != data:
                     changed.append(key)
-            return changed
+            return tuple(changed)
 
     def has_arrivals(self) -> bool:
         with self._lock:

@@ -77,6 +77,7 @@ class Ledger:
         self.may_step_in_backward = step_in_backward
         self.shown = False  # .grad currently shows the window
         self.shown_at: Optional[int] = None  # the change count when .grad was last shown
+        self._show = False  # .grad is to show the window: with the next plan handed
 
     def join(self, slots: list) -> None:
         """Slots of a new flat group: their changes count here."""
@@ -231,7 +232,19 @@ class Ledger:
     def _plan(self, **fields) -> None:
         self.plan = self.plan._replace(**fields)
         if not self._planning:
-            self.table.hand(self.plan)
+            self._hand()
+
+    def _hand(self) -> None:
+        """Hand the table the plan, and ``.grad``'s views where the window is to show and
+        something changed since it last did (else ``.grad`` shows it still: what the user
+        changes, the next look finds, and the hooks leave ``.grad`` as they found it; a middle
+        micro-batch saves a pass over every parameter)."""
+        show = None
+        if self._show and self.shown_at != self.changes[0]:
+            show = (list(map(GRAD_VIEW, self.slots)), list(map(HAS_GRAD, self.slots)))
+            self.shown_at = self.changes[0]
+        self._show = False
+        self.table.hand(self.plan, show)
 
     @contextlib.contextmanager
     def planning(self):
@@ -243,7 +256,7 @@ class Ledger:
         finally:
             self._planning -= 1
             if not self._planning:
-                self.table.hand(self.plan)
+                self._hand()
 
     def reported(self, report: Report) -> None:
         """The table reported (fused_accum.arrivals.Report): the overwrite grants it used are
@@ -268,9 +281,11 @@ class Ledger:
         self._plan(seen=task)
 
     def showing(self) -> None:
-        """``.grad`` shows the window: the next backward first takes what the user did to it
-        (the window's checks), and its hooks hide the views before autograd could add into them."""
+        """``.grad`` is to show the window (set by the table as the plan is handed): the next
+        backward first takes what the user did to it (the window's checks), and its hooks hide
+        the views before autograd could add into them."""
         self.shown = True
+        self._show = True
         self._plan(slow=True, hide=True)
 
     def needs_checks(self) -> None:
@@ -296,8 +311,9 @@ class Exposure:
     reads the buffers, ``reconcile`` takes what the user did to it: a ``.grad`` cleared since
     (``model.zero_grad()``) discards that parameter's window, one replaced by another tensor
     becomes its accumulated gradient; in-place edits (clipping, unscaling) already went into the
-    buffer. The per-parameter work is the hooks' table's (``expose``, ``changed``): one C++
-    pass, which remembers what it showed."""
+    buffer. The per-parameter work is the hooks' table's, one C++ pass each way: ``.grad`` set
+    as the ledger hands its plan (``HookTable.hand``'s ``show``), the changes found by the
+    window's look (``HookTable.look``), which compares with what was shown."""
 
     def __init__(self, ledger: Ledger, flat_groups: list, folder) -> None:
         self.ledger, self.table = ledger, ledger.table
@@ -311,25 +327,17 @@ class Exposure:
         """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
         if self.folder.topology.stands_aside:
             return  # .grad is autograd's (and DDP's or FSDP2's)
-        ledger = self.ledger
-        ledger.showing()
-        if ledger.shown_at == ledger.changes[0]:
-            # No slot's has_grad or view was set since the last exposure, so .grad shows it
-            # still: what the user changes, reconcile takes (setting has_grad), the hooks leave
-            # .grad as they found it. A middle micro-batch saves a pass over every parameter.
-            return
-        slots = ledger.slots
-        self.table.expose(list(map(GRAD_VIEW, slots)), list(map(HAS_GRAD, slots)))
-        ledger.shown_at = ledger.changes[0]
+        self.ledger.showing()
 
-    def reconcile(self, before_backward: bool = False) -> bool:
-        """Take what the user did to a shown ``.grad`` since it was shown. True when every
-        gradient of the window is gone (all cleared): a new window starts."""
+    def reconcile(self, changed_keys, before_backward: bool = False) -> bool:
+        """Take what the user did to a shown ``.grad`` since it was shown (``changed_keys``:
+        the window's look). True when every gradient of the window is gone (all cleared): a
+        new window starts."""
         ledger = self.ledger
         if not ledger.shown:
             return False
         changed = False
-        for key in self.table.changed():  # the .grad no longer what show() set
+        for key in changed_keys:  # the .grad no longer what show() set
             slot = ledger.slots[key]
             grad = slot.param.grad
             if grad is slot.grad_view:
@@ -353,11 +361,12 @@ class Exposure:
         ledger.shown = not before_backward
         return changed and not any(map(HAS_GRAD, ledger.slots))
 
-    def take_assigned_grads(self) -> None:
+    def take_assigned_grads(self, changed_keys) -> None:
         """At a window's first backward: a ``.grad`` the user assigned since the window began
         (after ``zero_grad()``, or before any backward) is where native accumulation would add
-        this backward's gradient: it becomes the slot's sum so far."""
-        for key in self.table.changed():  # (nothing is shown: every defined .grad is the user's)
+        this backward's gradient: it becomes the slot's sum so far (``changed_keys``: the
+        window's look)."""
+        for key in changed_keys:  # (nothing is shown: every defined .grad is the user's)
             slot = self.ledger.slots[key]
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:

@@ -124,7 +124,7 @@ class Members:
             for slot in self._make_flat_groups(opt.param_groups[group_index], group_index, members):
                 checkpoint.adopt_saved(opt, slot)
                 if slot.param.grad is not None:
-                    self.window.take_user_grad(slot, slot.param.grad)
+                    self.window.take_user_grads([(slot, slot.param.grad)])
 
     def check_unchanged(self, param_groups: list, owner: str) -> None:
         """Raise if a group's ``params`` list was edited (torch's optimizers walk the lists at

@@ -313,7 +313,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             ones = {flat.device: flat.one for flat in window.flat_groups}
             window.placement.step_window(window.flat_groups, window.topology, self._stepper, ones, None)
             window.after_step()
-            window.expose()
             return loss
         if self.step_in_backward and not window.ledger.may_step_in_backward and window.microbatches:
             self._warn_unstarted_window()
@@ -340,7 +339,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             speculable = speculable and getattr(self, "found_inf", None) is None
             window.placement.step_window(window.flat_groups, window.topology, self._stepper, scale, skip, speculable)
         window.after_step()
-        window.expose()
         return loss
 
     def _warn_unstarted_window(self) -> None:
@@ -357,8 +355,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     def _take_user_grads(self) -> None:
         """A ``.grad`` the user assigned (not our view) is the gradient this step uses."""
         self._members.adopt_unfrozen(self)
-        window = self._window
-        window.follow_moved_params()
+        window = self._window  # (its nodes rebuilt since were followed by reconcile's look)
         for flat in window.flat_groups:
             param = flat.slots[0].param
             moved = param.device != flat.device or param.dtype != flat.dtype

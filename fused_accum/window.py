@@ -133,7 +133,7 @@ class GradientWindow:
         self._stepper = stepper  # step.Stepper: rehome(flat), fused_step (no reference up)
         self.label = label  # how errors name the optimizer
         self.flat_groups: list[FlatGroup] = []
-        self._params: list = []  # by key: the parameters (what rehook is asked about)
+        self._params: list = []  # by key: the parameters (what the table's look is asked about)
         self._slot_of: dict = {}  # id(param) -> slot
         self.detached_because: Optional[str] = None
         self._tasks: dict = {}  # graph task id -> did a gradient arrive in it (end callback queued)
@@ -253,25 +253,26 @@ class GradientWindow:
             self.topology = self.topology.resolve([s.param for s in self.slots])
         return self.topology
 
-    def follow_moved_params(self) -> None:
-        """Hook again the parameters whose AccumulateGrad node autograd replaced (``model.to``
-        or Accelerate's ``prepare`` after the optimizer moved or cast their ``.data``), and move
-        their flat groups after them; else they would accumulate natively for good. At each
-        ``step()``, ``zero_grad()`` and backward start: one C++ pass over the nodes."""
-        moved = self._arrivals.rehook(self._params)
-        if not moved:
-            return
-        for key in moved:
+    def _look(self) -> tuple:
+        """One C++ pass over the parameters (``HookTable.look``): those whose AccumulateGrad node
+        autograd replaced (``model.to`` or Accelerate's ``prepare`` moved or cast ``.data``) are
+        hooked again and their flat groups moved after them (else they would accumulate natively
+        for good); returned, the keys whose ``.grad`` the user changed since it was shown."""
+        look = self._arrivals.look(self._params)
+        if not look.moved:
+            return look.changed
+        for key in look.moved:
             param = self.slots[key].param
             if param.dtype in LOW_PRECISION:
                 param.grad_dtype = None  # (a cast gives the parameter torch's default again)
-        for index in sorted({self.slots[key].flat_index for key in moved}):
+        for index in sorted({self.slots[key].flat_index for key in look.moved}):
             flat = self.flat_groups[index]
             param = flat.slots[0].param
             if param.device != flat.device or param.dtype != flat.dtype:
                 self.rehome(flat)
         self._exposure.forget()  # new views and nodes: decide again
         self._folder.forget_grants()
+        return look.changed
 
     def rehome(self, flat: FlatGroup) -> None:
         """Move ``flat``'s buffers after its parameters (moved or cast): no gradient survives."""
@@ -285,13 +286,13 @@ class GradientWindow:
         with self.lock, self.ledger.planning():
             if self.resolve_topology().stands_aside:
                 return
-            self.follow_moved_params()
+            changed = self._look()
             self._folder.take_report()  # (of a backward that raised before its end)
             self.topology.before_backward(self.ledger)
             if self.ledger.shown:
-                self.reconcile(before_backward=True)
+                self.reconcile(changed, before_backward=True)
             else:
-                self._exposure.take_assigned_grads()
+                self._exposure.take_assigned_grads(changed)
             self.ledger.checked()
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).
@@ -317,7 +318,7 @@ class GradientWindow:
             return False
         self._folder.fold_one(target, grad)
         if slot.param.grad is not slot.grad_view:
-            slot.param.grad = slot.grad_view  # (the table's expose() shows it again at the end)
+            slot.param.grad = slot.grad_view  # (as the table would show it at the end)
         return True
 
     @_untraced  # (called from FSDP2's post-accumulate-grad hook: see arrivals._untraced)
@@ -416,15 +417,13 @@ class GradientWindow:
 
     # --- .grad is the truth (fused_accum.exposure) ----------------------------------------------
 
-    def reconcile(self, before_backward: bool = False) -> None:
-        """Take what the user did to an exposed ``.grad`` (before the next backward touches any
-        ``.grad``, and before anything reads the buffers)."""
+    def reconcile(self, changed: Optional[tuple] = None, before_backward: bool = False) -> None:
+        """Take what the user did to an exposed ``.grad`` (``changed``: the keys a look found;
+        None: look now), before anything reads the buffers (a backward's checks: before it
+        touches any ``.grad``)."""
         with self.lock:
-            if self._exposure.reconcile(before_backward):
+            if self._exposure.reconcile(self._look() if changed is None else changed, before_backward):
                 self._forget_all()  # everything was cleared: a new window starts
-
-    def take_user_grad(self, slot: Slot, grad: Tensor) -> None:
-        self._exposure.take_user_grad(slot, grad)
 
     def take_user_grads(self, pairs: list) -> None:
         self._exposure.take_user_grads(pairs)
@@ -435,21 +434,22 @@ class GradientWindow:
         """The optimizer stepped: the next backward starts counting micro-batches anew. The
         accumulated gradients stay (``.grad`` keeps showing them, as torch's ``.grad`` does
         until ``zero_grad()``); a backward before ``zero_grad()`` adds to them, and is never
-        stepped in backward (see Ledger.stepped)."""
-        self.ledger.stepped()
-        self.topology.after_step(self.ledger, self.flat_groups)
+        stepped in backward (see Ledger.stepped). One plan handed, ``.grad``'s views with it."""
+        with self.ledger.planning():
+            self.ledger.stepped()
+            self.topology.after_step(self.ledger, self.flat_groups)
+            self.expose()
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``opt.zero_grad()``: discard the window (``set_to_none``; a sharded topology has no
         full gradient to zero), else zero the exposed gradients in place, as torch does."""
-        if not self.topology.stands_aside:
-            self.follow_moved_params()
+        changed = () if self.topology.stands_aside else self._look()
         self.placement.discarded(self.flat_groups)  # (what it took of a window that will not step)
         if set_to_none or self.topology.sharded:
             self.discard()
         else:
             self.flush()
-            self.reconcile()
+            self.reconcile(changed)
             self._exposure.zero_held()
             self.ledger.window_started()
             self.topology.after_step(self.ledger, self.flat_groups)

@@ -66,12 +66,14 @@ def test_the_window_and_the_table_exchange_one_plan_and_one_report():
     # The contract: the table's flags and fast path are one value handed in (Plan), what the
     # hooks did one value taken back (Report); no per-flag or per-grant member is left.
     members = _members(arrivals.HookTable)
-    assert {"fast", "hand", "plan", "report", "extend", "attach", "expose", "changed"} <= members
+    assert {"fast", "hand", "plan", "report", "look", "extend", "attach"} <= members
     gone = {"slow", "hide", "stands_aside", "take_partial", "grant_fast", "revoke_fast", "take_overwritten"}
+    gone |= {"rehook", "expose", "changed"}  # (one look at the start, .grad's views with the plan)
     assert not members & (gone | {"arm_quiet", "quiet_backwards", "python_seen"})
     assert arrivals.Plan._fields == ("stands_aside", "slow", "hide", "seen", "grants", "quiet_until", "counters", "at")
     assert arrivals.Report._fields == ("overwritten", "partial", "quiet")
     assert arrivals.Grant._fields == ("bucket", "acc", "offsets", "overwrite")
+    assert arrivals.Look._fields == ("moved", "changed")
 
 
 def test_each_implementation_has_exactly_the_members_of_its_protocol(hooks):
@@ -130,6 +132,45 @@ def test_the_python_twin_takes_no_fast_path():
         table.hand(arrivals.Plan(grants=(arrivals.Grant(0, acc, torch.tensor([0]), False),)))
 
 
+def test_a_plan_handed_with_views_shows_them_and_a_look_finds_what_the_user_changed(hooks):
+    # hand(plan, show): .grad = the view where held, None where it was a view no longer held;
+    # look(params): the .grad changed since (cleared, replaced, re-pointed), and nothing else.
+    table = _table(hooks)
+    params = [nn.Parameter(torch.randn(3)) for _ in range(4)]
+    table.extend([4], [0, 0, 0, 0], [0, 1, 2, 3], ["a", "b", "c", "d"])
+    for key, p in enumerate(params):
+        table.attach(key, p)
+    views = [torch.randn(3) for _ in params]
+    table.hand(arrivals.Plan(), (views, [True, True, True, False]))
+    assert [p.grad is v for p, v in zip(params, views)] == [True, True, True, False]
+    assert params[3].grad is None
+    assert table.look(params) == arrivals.Look((), ())
+    params[0].grad = None  # cleared
+    params[1].grad = torch.zeros(3)  # replaced
+    params[2].grad.data = torch.ones(3)  # re-pointed
+    assert table.look(params) == arrivals.Look((), (0, 1, 2))
+    table.hand(arrivals.Plan(), (views, [False, False, True, False]))  # a view no longer held goes
+    assert params[1].grad is not None and params[2].grad is views[2]
+    assert table.look(params) == arrivals.Look((), (1,))  # (the user's tensor: not ours to clear)
+    table.hand(arrivals.Plan())  # no show: .grad left as it is
+    assert params[2].grad is views[2]
+
+
+def test_a_look_hooks_a_rebuilt_node_again(hooks):
+    table = _table(hooks)
+    params = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2))]
+    table.extend([2], [0, 0], [0, 1], ["a", "b"])
+    for key, p in enumerate(params):
+        table.attach(key, p)
+    assert table.look(params) == arrivals.Look((), ())
+    params[1].data = params[1].data.double()  # a cast: autograd builds a new node
+    assert table.look(params) == arrivals.Look((1,), ())
+    assert table.look(params) == arrivals.Look((), ())  # hooked on the new one
+    table.detach_all()
+    params[0].data = params[0].data.double()
+    assert table.look(params).moved == ()  # nothing once detached
+
+
 def test_a_report_holds_what_arrived_and_prints(hooks):
     table = _table(hooks)
     table.extend([2], [0, 0], [0, 1], ["a", "b"])
@@ -167,10 +208,10 @@ class _CountingTable:
 
 @pytest.mark.parametrize("clip", [True, False])
 def test_the_window_hands_one_plan_and_takes_one_report_per_backward(hooks, monkeypatch, clip):
-    # Per backward the window hands the table one plan at its start (the checks' decisions)
-    # and one at its end (for the next ones), and takes one report, at the end; the C++
-    # hooks run the middle backwards without a call. Besides, only the per-parameter passes:
-    # rehook and changed at the start, expose at the end.
+    # One call each way at each end of a backward the window sees: at its start the window
+    # looks (nodes rebuilt, .grad changed: one pass) and hands the plan its checks decided; at
+    # its end it takes the report and hands the plan for the next ones, .grad's views with it.
+    # The C++ hooks run the middle backwards without a call.
     from fused_accum import window as window_module
 
     calls: list = []
@@ -180,17 +221,25 @@ def test_the_window_hands_one_plan_and_takes_one_report_per_backward(hooks, monk
     opt = fused_accum.SGD(
         a.parameters(), lr=0.1, accum_steps=4, max_grad_norm=1.0 if clip else None, bucket_cap_mb=50 * 4 / 2**20
     )
-    per_backward = []
+    per_backward, per_step = [], []
     for window in range(2):
         for x in _batches(4, seed=window):
             del calls[:]
             a(x).square().mean().backward()
             per_backward.append(sorted(calls))
+        del calls[:]
         opt.step()
+        per_step.append(list(calls))
+        del calls[:]
         opt.zero_grad()
-    python = sorted(["rehook", "changed", "hand", "report", "expose", "hand"])
+        per_step.append(list(calls))
+    python = sorted(["look", "hand", "report", "hand"])
     quiet = [] if hooks == "cpp" else python
     assert per_backward == [python, quiet, quiet, quiet] * 2
+    # step(): the partial buckets' report, one look (.grad edits, moved nodes), one plan with
+    # .grad's views; zero_grad(): a look, the table cleared, one plan, every .grad cleared.
+    step, zero_grad = ["report", "look", "hand"], ["look", "clear", "hand", "clear_grads"]
+    assert per_step == [step, zero_grad] * 2
 
 
 def test_make_arrivals_gives_the_table_asked_for(hooks):
