@@ -6,12 +6,17 @@ swap).
 For every algorithm and parameter format, fused micro-batch or not, skipped or not, on the
 reference (the contract) and the C++ CPU backend: an out-of-place step writes the bits the
 in-place step gives (a skipped one: the sources' bits), whatever the written tensors held
-before, and leaves the sources as they were. The kernel backends that do not step on the host
-refuse sources.
+before, and leaves the sources as they were. The C++ loops write an out-of-place step's operands
+with streaming stores, whole lines from each operand's first line-aligned chunk on, or with
+ordinary stores under a size (csrc/cpu/kernels.cpp, run_block): both forms are run at every
+size here (the size set through the test hook ``fused_accum_cpu_stream_min_bytes``), and
+streamed into views at every alignment, the bytes around them untouched. The kernel backends
+that do not step on the host refuse sources.
 """
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import pytest
@@ -22,6 +27,8 @@ from fused_accum.algorithms import AdamHyper, LionHyper, SgdHyper
 from helpers import CPU_KERNEL_BACKENDS  # tests/helpers.py
 
 HOST = ["reference"] + [b for b in CPU_KERNEL_BACKENDS if b == "cpu"]
+# ("cpu", streamed): the C++ loops streaming at any size, or never
+HOST_STORES = ["reference"] + [pytest.param(("cpu", s), id=f"cpu-{s}") for s in ("streamed", "direct") if "cpu" in HOST]
 SIZES = [1, 7, 1000, 20_000]  # 20,000: past one 16K-element block of the C++ loop
 
 ALGOS = {
@@ -98,10 +105,35 @@ def _bits(x):
     return x.reshape(-1).view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
-@pytest.mark.parametrize("backend", HOST)
+def _stream_min_bytes(bytes_: int) -> int:
+    """Sets the C++ loops' size under which out-of-place steps store directly (-1: only read);
+    returns the old one."""
+    from fused_accum.backends import ext
+
+    fn = ctypes.CDLL(ext._C.__file__).fused_accum_cpu_stream_min_bytes
+    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    return fn(bytes_)
+
+
+@pytest.fixture
+def stores(request):
+    """The backend of a HOST_STORES case, the C++ loops' stores set for it (and put back)."""
+    if request.param == "reference":
+        yield "reference"
+        return
+    backend, how = request.param
+    old = _stream_min_bytes(0 if how == "streamed" else 2**62)
+    try:
+        yield backend
+    finally:
+        _stream_min_bytes(old)
+
+
+@pytest.mark.parametrize("stores", HOST_STORES, indirect=True)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("algo", list(ALGOS))
-def test_out_of_place_is_the_in_place_step(backend, algo, fmt):
+def test_out_of_place_is_the_in_place_step(stores, algo, fmt):
+    backend = stores
     for fused, skip in [(False, False), (True, False), (False, True), (True, True)]:
         gen = torch.Generator().manual_seed(_seed(algo, fmt, fused, skip))
         records = _records(algo, fmt, fused, skip, gen)
@@ -129,6 +161,49 @@ def test_out_of_place_is_the_in_place_step(backend, algo, fmt):
         if skip:  # nothing stepped: written == sources
             for lst, o in zip(_written(op, t, s, h), old):
                 assert all(torch.equal(_bits(g), _bits(x)) for g, x in zip(lst, o))
+
+
+@pytest.mark.skipif("cpu" not in HOST, reason="the C++ extension is not built")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw_amsgrad", "lion"])
+def test_streamed_into_views_at_any_alignment(algo, fmt):
+    """Written tensors that are views at element offsets 0..33 into larger allocations, each
+    list at its own offset (so lists whose lines start at different elements: those blocks store
+    directly), two tensors per list: bits as in place, the allocations' other bytes untouched."""
+    old = _stream_min_bytes(0)
+    try:
+        for case, offsets in enumerate([(0, 0, 0, 0), (1, 1, 1, 1), (16, 16, 16, 16), (17, 1, 17, 33), (5, 3, 0, 16)]):
+            gen = torch.Generator().manual_seed(_seed(algo, fmt, case))
+            records = _records(algo, fmt, False, False, gen)
+            op, t, s, h = records
+            plain = _clone(records)
+            written = _written(op, t, s, h)
+            sources = [x.clone() for lst in written for x in lst]
+            views, allocations = [], []
+            for lst, off in zip(written, offsets * 2):
+                vs = []
+                for x in lst:
+                    a = torch.full((x.numel() + 2 * 64,), -3, dtype=x.dtype)
+                    allocations.append((a, off, x.numel()))
+                    vs.append(a[64 + off - 32 : 64 + off - 32 + x.numel()].view(x.shape))
+                views.append(vs)
+            names = ["params", "lp_params", "remainders"]
+            fields = {n: views[i] for i, n in enumerate(x for x in names if getattr(t, x))}
+            k = len(fields)
+            stepped_t = t._replace(sources=sources, **fields)
+            state_views = iter(views[k:])  # (the written states: the non-empty lists, in order)
+            stepped_s = op.states(*(next(state_views) if len(x) else x for x in s))
+            op(stepped_t, stepped_s, h, "cpu")
+            plain[0](plain[1], plain[2], plain[3], "cpu")
+            for got, want in zip(_written(op, stepped_t, stepped_s, h), _written(*plain)):
+                for g, w in zip(got, want):
+                    assert torch.equal(_bits(g), _bits(w)), (offsets, g.numel())
+            for a, off, n in allocations:
+                lo, hi = 64 + off - 32, 64 + off - 32 + n
+                outside = torch.cat([a[:lo], a[hi:]])
+                assert torch.equal(_bits(outside), _bits(torch.full_like(outside, -3))), offsets
+    finally:
+        _stream_min_bytes(old)
 
 
 @pytest.mark.parametrize("backend", HOST)

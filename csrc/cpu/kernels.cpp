@@ -5,15 +5,16 @@
 // csrc/cpu/convert.h's (tested alone by csrc/tests/test_convert.cpp). The binding
 // (csrc/bindings.cpp) calls the four functions kernels.h declares.
 #include <algorithm>
-#include <immintrin.h>  // the out-of-place steps' streaming stores
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__SSE2__)
+#include <immintrin.h>  // the out-of-place steps' streaming stores
 #endif
 
 #include "../kernels.h"
@@ -74,14 +75,18 @@ constexpr int64_t kUnstagedBlock = 1 << 14;
 
 // Calls block(i, offset, n) for every block of at most block_size elements of tensor i that lies
 // in the global element range [begin, end).
+// aligned: blocks cut at multiples of block_size from the tensor's start (else from begin).
 template <class Block>
 void for_each_block(const std::vector<int64_t>& starts, int64_t begin, int64_t end,
-                    int64_t block_size, Block&& block) {
+                    int64_t block_size, Block&& block, bool aligned = false) {
   int64_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
   for (; begin < end; ++i) {
     const int64_t stop = std::min(end, starts[i + 1]);
-    for (int64_t g = begin; g < stop; g += block_size) {
-      block(i, g - starts[i], std::min(block_size, stop - g));
+    for (int64_t g = begin; g < stop;) {
+      const int64_t offset = g - starts[i];
+      const int64_t n = std::min(aligned ? block_size - offset % block_size : block_size, stop - g);
+      block(i, offset, n);
+      g += n;
     }
     begin = stop;
   }
@@ -336,93 +341,165 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
 //
 // A step with sources (offload's double-buffered host state) reads the old values of every
 // operand it writes from that operand's source and writes the new ones into the operand, in the
-// same element loops as an in-place step (the IO forms of the param and state accessors below),
-// per sub-block of kSourceBlock elements: the loops read the sources and write an L1 scratch
-// block, which goes to the operand with streaming (non-temporal) stores (an ordinary store would
-// first read each operand line from memory, read for ownership: as much traffic again). Memory
-// sees the reads of the sources and the writes of the operands: an in-place step's traffic.
-// kSourceBlock: python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy, one thread,
-// the 2-core AMD EPYC, load ~2), a speculated bucket over the in-place step, 0.5 / 4 / 16 /
-// 25 MB: 1.73-1.77 / 1.40-1.51 / 1.36-1.43 / 1.48-1.49x at 128; 1.5 / 1.7-2.1 / 2.1 / 2.1-2.2x
-// at 256; 2.4 / 1.7-1.8 / 1.8-1.9 / 1.8-1.9x at 64. (Copying the sources into the scratch first
-// and updating it there: 1.7-1.9x; the loops writing the operands directly, ordinary stores:
-// 1.1x from cache, 2.4-2.6x from memory.)
-#ifndef FA_SOURCE_BLOCK
-#define FA_SOURCE_BLOCK 128
-#endif
-constexpr int64_t kSourceBlock = FA_SOURCE_BLOCK;
-static_assert(kSourceBlock <= kBlock, "a sub-block is staged like a block");
+// same element loops as an in-place step, one pass: the out-of-place forms of the param and
+// state accessors below (the *IO ones) read from the source and write the operand. An ordinary
+// store to an operand that is not in cache first reads its line from memory (read for
+// ownership), traffic an in-place step does not have. So the loops stream: run_block walks a
+// block in chunks of kChunk elements, the element loop (inlined, the chunk's length a constant)
+// writes each chunk's new values to small line-aligned buffers (registers or L1), and every
+// completed line goes to its operand with non-temporal stores as wide as the clone's vectors
+// (stream_chunk), which write whole lines without reading them. Memory then sees the reads of
+// the sources and the writes of the operands: an in-place step's traffic. Where a block's
+// operands cannot all start a chunk on a line boundary (views at odd offsets, mutually
+// misaligned operands: offload's twins are views at the same element offsets of 64-byte aligned
+// buffers, so they can) the elements before the first and after the last whole chunk, or the
+// whole block, are stored directly (ordinary stores); so are calls that write less than
+// stream_min_bytes, whose operands the benchmark finds in cache.
+// The fp32 master with its low-precision copy (MasterIO) follows the copy and rounds to it in
+// the loop itself (follow_lp's and from_float's per-element functions, so the same bits as the
+// in-place step's three passes), and exact 2-byte masters rebuild and split in it as in place:
+// none of them staged, so the blocks are kUnstagedBlock long. Other params (bf16/fp16 params
+// without a master, an fp32 copy) and fused micro-batches are staged as in place (from the
+// sources), 1024-element blocks, the staged param written back with ordinary stores (no offload
+// layout has them).
+// Measured with python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy; the 2-core
+// AMD EPYC (Zen 4, AVX-512), shared with other work; speculated_over_step, one thread):
+//   before (one 128-element sub-block at a time: the loops writing an L1 scratch block, then
+//   stream_copy; kSourceBlock 64/128/256 and copy-then-step tried): 0.5 / 4 / 16 / 25 MB
+//   1.68-1.81 / 1.34-1.54 / 1.33-1.58 / 1.34-1.51x.
+//   this: see benchmarks/results/offload_issue37_run5 and run6 and FA_STREAM_MIN_BYTES below.
+// What mattered (one thread, interleaved dev runs of the same measurement): fusing the passes
+// and the block walk into one loop with 16-byte (SSE2) streaming stores, 4 / 16 / 25 MB
+// 1.24-1.36 / 1.23-1.29 / 1.2-1.34x; with 64-byte ones (one store per line, as the v4 clone's
+// vectors) 1.08-1.2 / 1.15-1.16 / 1.08-1.17x. Ordinary stores instead of streaming: 1.27-1.5 /
+// 1.27-1.46 / 1.34-1.47x (not the 2.4-2.6x an earlier form measured, but above 1.3).
 
-// The body of stream_copy: `bytes` (a multiple of 64) from src to the 64-byte aligned dst with
-// streaming stores as wide as the CPU has (a whole cache line per store on AVX-512), picked once.
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) void stream_lines_512(char* d, const char* s, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += 64) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
-  }
-}
-__attribute__((target("avx2"))) void stream_lines_256(char* d, const char* s, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += 64) {
-    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + k + 32));
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + k), a);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + k + 32), b);
-  }
-}
-void stream_lines_128(char* d, const char* s, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += 16) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + k),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k)));
-  }
-}
-using StreamLines = void (*)(char*, const char*, int64_t);
-StreamLines pick_stream_lines() {
-  if (__builtin_cpu_supports("avx512f")) return stream_lines_512;
-  if (__builtin_cpu_supports("avx2")) return stream_lines_256;
-  return stream_lines_128;
-}
-#endif
+#define FA_ALWAYS_INLINE inline __attribute__((always_inline))
 
-// dst[0, bytes) = src[0, bytes): streaming stores from dst's first 64-byte boundary on, whole
-// lines, ordinary ones before and after them. The caller fences (stream_fence) before the data
-// is used.
-inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+// Elements per streamed chunk: two lines of an fp32 operand, one of a 2-byte operand.
+constexpr int64_t kChunk = 32;
+
+// Out-of-place steps that write fewer bytes than this store directly (ordinary stores): in the
+// benchmark their operands are in cache (an in-place step just wrote them), where a streaming
+// store must also evict the line. One thread, speculated over in-place step, streamed / direct:
+// 0.5 MB bucket (1.75 MB written) 1.29-1.5 / 1.12-1.13x, 1 MB 1.23-1.3 / 0.98-1.06x, 2 MB
+// (7 MB) 1.14-1.33 / 1.21-1.27x, 4 MB (14 MB) 1.09-1.19 / 1.27x. The tests set it
+// (fused_accum_cpu_stream_min_bytes below) to run both forms at any size.
+#ifndef FA_STREAM_MIN_BYTES
+#define FA_STREAM_MIN_BYTES (4 << 20)
+#endif
+std::atomic<int64_t> stream_min_bytes{FA_STREAM_MIN_BYTES};
+
+// The widest streaming store of the clone that runs (GCC's resolver picks the x86-64-v4 clone
+// where __builtin_cpu_supports("x86-64-v4"), the v3 one where "x86-64-v3"): 64, 32 or 16 bytes.
+inline int pick_stream_width() {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+  if (__builtin_cpu_supports("x86-64-v4")) return 64;
+  if (__builtin_cpu_supports("x86-64-v3")) return 32;
+#endif
+  return 16;
+}
+const int stream_width = pick_stream_width();
+
+// dst[0, kChunk) = buf[0, kChunk) with non-temporal stores, dst and buf 64-byte aligned, as wide
+// as the running clone's vectors. A clone cannot name a wider intrinsic than its baseline's
+// (target_clones compiles one body for all: GCC refuses to inline _mm512_* into the baseline
+// clone), so the 32- and 64-byte forms are inline assembly, run only where that clone runs
+// (stream_width; a baseline or v3 clone never meets a zmm instruction, and no legacy-SSE code
+// meets a ymm one). 16-byte stores in every clone instead were 1.09-1.19x -> 1.17-1.37x the
+// in-place step (4-25 MB, one thread).
+template <class T>
+FA_ALWAYS_INLINE void stream_chunk(T* dst, const T* buf) {
+  constexpr size_t kBytes = kChunk * sizeof(T);
+  static_assert(kBytes % 64 == 0, "a chunk is whole lines");
+  char* d = reinterpret_cast<char*>(dst);
+  const char* s = reinterpret_cast<const char*>(buf);
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const StreamLines stream_lines = pick_stream_lines();
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-  const int64_t head = std::min(bytes, static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(d) % 64) % 64));
-  if (head > 0) std::memcpy(d, s, head);  // (sub-blocks start on lines where tensors do: none)
-  d += head, s += head, bytes -= head;
-  const int64_t body = bytes & ~int64_t{63};
-  stream_lines(d, s, body);
-  if (bytes > body) std::memcpy(d + body, s + body, bytes - body);
+  using Line = char[64];
+  if (stream_width == 64) {
+    for (size_t k = 0; k < kBytes; k += 64) {
+      asm volatile("vmovdqu64 %1, %%zmm0\n\tvmovntdq %%zmm0, %0"
+                   : "=m"(*reinterpret_cast<Line*>(d + k))
+                   : "m"(*reinterpret_cast<const Line*>(s + k))
+                   : "xmm0");
+    }
+  } else if (stream_width == 32) {
+    using Half = char[32];
+    for (size_t k = 0; k < kBytes; k += 32) {
+      asm volatile("vmovdqu %1, %%ymm0\n\tvmovntdq %%ymm0, %0"
+                   : "=m"(*reinterpret_cast<Half*>(d + k))
+                   : "m"(*reinterpret_cast<const Half*>(s + k))
+                   : "xmm0");
+    }
+  } else {
+    for (size_t k = 0; k < kBytes; k += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + k), _mm_load_si128(reinterpret_cast<const __m128i*>(s + k)));
+    }
+  }
 #else
-  std::memcpy(dst, src, bytes);
+  std::memcpy(d, s, kBytes);
 #endif
 }
 
+// After a range's streamed stores, before their data is used.
 inline void stream_fence() {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__SSE2__)
   _mm_sfence();
 #endif
 }
 
+// Where a block's first streamed chunk starts: the first element at which every streamed
+// operand of the block is on a line boundary (a 2-byte operand's element index mod 32, an fp32
+// one's mod 16), or none.
+struct Phase {
+  int64_t mod32 = -1, mod16 = -1;
+  bool none = false;
+  FA_ALWAYS_INLINE void add(const void* p, int64_t element_size) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a % element_size != 0) {
+      none = true;
+      return;
+    }
+    const int64_t r = static_cast<int64_t>((64 - a % 64) % 64) / element_size;
+    int64_t& m = element_size == 2 ? mod32 : mod16;
+    if (m < 0) m = r;
+    else if (m != r) none = true;
+  }
+  // How many elements before the first chunk (n: none).
+  FA_ALWAYS_INLINE int64_t head(int64_t n) const {
+    if (none) return n;
+    if (mod32 >= 0) return mod16 < 0 || mod32 % 16 == mod16 ? std::min(n, mod32) : n;
+    return std::min(n, std::max<int64_t>(mod16, 0));
+  }
+};
 
 // Where an element loop reads and writes the param: fp32 values (the master, or a staged
-// block), or an exact master's two halves, rebuilt and split in the loop.
+// block), or an exact master's two halves, rebuilt and split in the loop, in place; or out of
+// place (*IO). Every accessor, param or state, has at(o) (the same accessor at element o),
+// and for run_block: kStreams (whether it writes an operand out of place), Buf (its chunk's
+// buffers), chunk(o, buf) (the accessor at o writing buf), flush(o, buf) (buf streamed to the
+// operand at o), phase (its operands' alignment).
 // (always_inline, as math.h's split_master and rebuild_master: a call left in an Adam loop keeps
 // it scalar, 7x slower)
-#define FA_ALWAYS_INLINE inline __attribute__((always_inline))
-struct Fp32Param {
+struct NoBuf {};
+struct InPlaceAccessor {  // run_block's members for an accessor that writes in place
+  static constexpr bool kStreams = false;
+  using Buf = NoBuf;
+  FA_ALWAYS_INLINE void flush(int64_t, const NoBuf&) const {}
+  FA_ALWAYS_INLINE void phase(Phase&) const {}
+};
+struct Fp32Param : InPlaceAccessor {
   float* __restrict p;
+  explicit Fp32Param(float* q) : p(q) {}
   FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
-  FA_ALWAYS_INLINE Fp32Param at(int64_t o) const { return {p + o}; }
+  FA_ALWAYS_INLINE Fp32Param at(int64_t o) const { return Fp32Param{p + o}; }
+  FA_ALWAYS_INLINE Fp32Param chunk(int64_t o, NoBuf&) const { return at(o); }
 };
-struct RemainderParam {
+struct RemainderParam : InPlaceAccessor {
   uint16_t* __restrict w;  // the bf16 param's bits
   int16_t* __restrict r;   // its remainder
+  RemainderParam(uint16_t* w_, int16_t* r_) : w(w_), r(r_) {}
   FA_ALWAYS_INLINE float load(int64_t j) const { return math::rebuild_master(w[j], r[j]); }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const {
     const math::SplitMaster s = math::split_master(v);
@@ -430,42 +507,155 @@ struct RemainderParam {
     r[j] = s.remainder;
   }
   FA_ALWAYS_INLINE RemainderParam at(int64_t o) const { return {w + o, r + o}; }
+  FA_ALWAYS_INLINE RemainderParam chunk(int64_t o, NoBuf&) const { return at(o); }
 };
-// Out of place (a step with sources): the old values read from in, the new written to out.
-struct Fp32ParamIO {
+// An fp32 state operand in place (from a float*); null: absent.
+struct InPlace : InPlaceAccessor {
+  float* __restrict p;
+  InPlace(float* q) : p(q) {}  // NOLINT: implicit, from the in-place callers' pointers
+  FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
+  FA_ALWAYS_INLINE bool present() const { return p != nullptr; }
+  FA_ALWAYS_INLINE InPlace at(int64_t o) const { return p ? p + o : nullptr; }
+  FA_ALWAYS_INLINE InPlace chunk(int64_t o, NoBuf&) const { return at(o); }
+  static InPlace none() { return nullptr; }
+};
+
+// Out of place: the old values read from in, the new written to out (or a chunk's buffer);
+// stream: whether run_block may stream (else ordinary stores throughout).
+struct StateIO {
   const float* __restrict in;
   float* __restrict out;
+  bool stream;
+  static constexpr bool kStreams = true;
+  struct Buf {
+    alignas(64) float v[kChunk];
+  };
   FA_ALWAYS_INLINE float load(int64_t j) const { return in[j]; }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const { out[j] = v; }
+  FA_ALWAYS_INLINE bool present() const { return out != nullptr; }
+  FA_ALWAYS_INLINE StateIO at(int64_t o) const { return out ? StateIO{in + o, out + o, stream} : *this; }
+  FA_ALWAYS_INLINE StateIO chunk(int64_t o, Buf& b) const { return out ? StateIO{in + o, b.v, stream} : *this; }
+  FA_ALWAYS_INLINE void flush(int64_t o, const Buf& b) const {
+    if (out) stream_chunk(out + o, b.v);
+  }
+  FA_ALWAYS_INLINE void phase(Phase& ph) const {
+    if (!stream) ph.none = true;
+    else if (out) ph.add(out, 4);
+  }
+  static StateIO none() { return {nullptr, nullptr, false}; }
+};
+// The fp32 master, and its low-precision copy of dtype kLp (kF32: none) which it follows where
+// the copy was written from outside (follow_lp's rule) and which takes its rounding
+// (from_float's) after the update.
+template <DType kLp>
+struct MasterIO {
+  const float* __restrict in;
+  const uint16_t* __restrict lp_in;
+  float* __restrict out;
+  uint16_t* __restrict lp_out;
+  bool stream;
+  static constexpr bool kStreams = true;
+  static constexpr bool kHasLp = kLp != DType::kF32;
+  struct Buf {
+    alignas(64) float p[kChunk];
+    alignas(64) uint16_t lp[kHasLp ? kChunk : 1];
+  };
+  static FA_ALWAYS_INLINE uint16_t round(float v) {
+    return kLp == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+  }
+  FA_ALWAYS_INLINE float load(int64_t j) const {
+    const float p = in[j];
+    if (!kHasLp) return p;
+    const uint16_t l = lp_in[j];
+    return math::follow_weight(p, round(p), l, kLp == DType::kBF16 ? bf16_to_float(l) : f16_to_float(l));
+  }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const {
+    out[j] = v;
+    if (kHasLp) lp_out[j] = round(v);
+  }
+  FA_ALWAYS_INLINE MasterIO at(int64_t o) const {
+    return {in + o, kHasLp ? lp_in + o : nullptr, out + o, kHasLp ? lp_out + o : nullptr, stream};
+  }
+  FA_ALWAYS_INLINE MasterIO chunk(int64_t o, Buf& b) const {
+    return {in + o, kHasLp ? lp_in + o : nullptr, b.p, kHasLp ? b.lp : nullptr, stream};
+  }
+  FA_ALWAYS_INLINE void flush(int64_t o, const Buf& b) const {
+    stream_chunk(out + o, b.p);
+    if (kHasLp) stream_chunk(lp_out + o, b.lp);
+  }
+  FA_ALWAYS_INLINE void phase(Phase& ph) const {
+    if (!stream) ph.none = true;
+    ph.add(out, 4);
+    if (kHasLp) ph.add(lp_out, 2);
+  }
 };
 struct RemainderParamIO {
   const uint16_t* __restrict w_in;
   const int16_t* __restrict r_in;
   uint16_t* __restrict w_out;
   int16_t* __restrict r_out;
+  bool stream;
+  static constexpr bool kStreams = true;
+  struct Buf {
+    alignas(64) uint16_t w[kChunk];
+    alignas(64) int16_t r[kChunk];
+  };
   FA_ALWAYS_INLINE float load(int64_t j) const { return math::rebuild_master(w_in[j], r_in[j]); }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const {
     const math::SplitMaster s = math::split_master(v);
     w_out[j] = s.weight;
     r_out[j] = s.remainder;
   }
+  FA_ALWAYS_INLINE RemainderParamIO at(int64_t o) const { return {w_in + o, r_in + o, w_out + o, r_out + o, stream}; }
+  FA_ALWAYS_INLINE RemainderParamIO chunk(int64_t o, Buf& b) const { return {w_in + o, r_in + o, b.w, b.r, stream}; }
+  FA_ALWAYS_INLINE void flush(int64_t o, const Buf& b) const {
+    stream_chunk(w_out + o, b.w);
+    stream_chunk(r_out + o, b.r);
+  }
+  FA_ALWAYS_INLINE void phase(Phase& ph) const {
+    if (!stream) ph.none = true;
+    ph.add(w_out, 2);
+    ph.add(r_out, 2);
+  }
 };
-// An fp32 state operand: in place (InPlace, from a float*) or out of place (StateIO); null:
-// absent.
-struct InPlace {
-  float* __restrict p;
-  InPlace(float* q) : p(q) {}  // NOLINT: implicit, from the in-place callers' pointers
-  FA_ALWAYS_INLINE float load(int64_t j) const { return p[j]; }
-  FA_ALWAYS_INLINE void store(int64_t j, float v) const { p[j] = v; }
-  FA_ALWAYS_INLINE bool present() const { return p != nullptr; }
-};
-struct StateIO {
-  const float* __restrict in;
-  float* __restrict out;
-  FA_ALWAYS_INLINE float load(int64_t j) const { return in[j]; }
-  FA_ALWAYS_INLINE void store(int64_t j, float v) const { out[j] = v; }
-  FA_ALWAYS_INLINE bool present() const { return out != nullptr; }
-};
+
+// Runs loop(o, len, p, a, b, c) (an element loop over elements [o, o + len) with the
+// accessors at o; a, b, c the states, null where absent) over a block of n elements: in place,
+// once; out of place, the elements before the first line-aligned chunk and after the last whole
+// chunk directly (ordinary stores), the chunks between through their buffers, each streamed to
+// its operands once the loop has filled it.
+template <class P, class S, class Loop>
+FA_ALWAYS_INLINE void run_block(int64_t n, Loop&& loop, P p, S a, S b, S c) {
+  if constexpr (!P::kStreams && !S::kStreams) {
+    loop(int64_t{0}, n, p, a, b, c);
+  } else {
+    Phase ph;
+    p.phase(ph);
+    a.phase(ph);
+    b.phase(ph);
+    c.phase(ph);
+    const int64_t head = ph.head(n);
+    typename P::Buf pb{};  // (zeroed once per block: a loop that leaves an absent state's
+    typename S::Buf ab{}, bb{}, cb{};  // buffer alone cannot tell the compiler so)
+    for (int64_t j = 0; j < n;) {
+      if (j >= head && n - j >= kChunk) {
+        loop(j, kChunk, p.chunk(j, pb), a.chunk(j, ab), b.chunk(j, bb), c.chunk(j, cb));
+        p.flush(j, pb);
+        a.flush(j, ab);
+        b.flush(j, bb);
+        c.flush(j, cb);
+        j += kChunk;
+      } else {
+        const int64_t len = j < head ? head - j : n - j;
+        loop(j, len, p.at(j), a.at(j), b.at(j), c.at(j));
+        j += len;
+      }
+    }
+  }
+}
+// (a lambda given to run_block: inlined, so that a chunk's loop has a constant length)
+#define FA_INLINE_LAMBDA __attribute__((always_inline))
 
 // The element loops take the branches that are the same for every element as template
 // constants (math.h's *_update_t), so that each loop is straight-line code GCC vectorises; one
@@ -492,9 +682,15 @@ inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g
   const int mode = (h.weight_decay != 0.0f ? 8 : 0) | (h.momentum != 0.0f ? 4 : 0) |
                    (s.first_step ? 2 : 0) | (h.nesterov ? 1 : 0);
   switch (mode) {
-#define FA_SGD_CASE(k)                                                                         \
-  case k:                                                                                     \
-    sgd_loop<(k & 8) != 0, (k & 4) != 0, (k & 2) != 0, (k & 1) != 0>(g, c, p, buf, n, h, s); \
+#define FA_SGD_CASE(k)                                                                      \
+  case k:                                                                                  \
+    run_block(                                                                             \
+        n,                                                                                 \
+        [&](int64_t o, int64_t len, auto p, auto buf, auto, auto) FA_INLINE_LAMBDA {       \
+          sgd_loop<(k & 8) != 0, (k & 4) != 0, (k & 2) != 0, (k & 1) != 0>(g + o, c, p, buf, \
+                                                                            len, h, s);    \
+        },                                                                                 \
+        p, buf, S::none(), S::none());                                                     \
     break;
     FA_SGD_CASE(0) FA_SGD_CASE(1) FA_SGD_CASE(2) FA_SGD_CASE(3) FA_SGD_CASE(4) FA_SGD_CASE(5)
     FA_SGD_CASE(6) FA_SGD_CASE(7) FA_SGD_CASE(8) FA_SGD_CASE(9) FA_SGD_CASE(10) FA_SGD_CASE(11)
@@ -513,15 +709,18 @@ FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam 
                              math::SgdScalars s) {
   sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
 }
-// out of place: a staged fp32 param (Fp32Param), an fp32 master, a bf16 param and remainder
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p, StateIO buf,
-                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
-}
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO buf,
-                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
-}
+// out of place: a staged fp32 param (Fp32Param), an fp32 master without or with its bf16 or fp16
+// copy (MasterIO), a bf16 param and remainder
+#define FA_SGD_IO(P)                                                                         \
+  FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, P p, StateIO buf, int64_t n, \
+                               math::SgdHyper h, math::SgdScalars s) {                        \
+    sgd_block_t(g, c, p, buf, n, h, s);                                                       \
+  }
+FA_SGD_IO(Fp32Param)
+FA_SGD_IO(MasterIO<DType::kF32>)
+FA_SGD_IO(MasterIO<DType::kBF16>)
+FA_SGD_IO(MasterIO<DType::kF16>)
+#undef FA_SGD_IO
 FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParamIO p, StateIO buf,
                              int64_t n, math::SgdHyper h, math::SgdScalars s) {
   sgd_block_t(g, c, p, buf, n, h, s);
@@ -579,8 +778,15 @@ inline __attribute__((always_inline)) void adam_block_t(const float* __restrict 
                                                         const math::AdamHyper& h,
                                                         const math::AdamScalars& s, D divide_bc2) {
   switch (math::adam_mode(h, max_v.present())) {
-#define FA_ADAM_CASE(k) \
-  case k: adam_loop<k>(g, c, p, m, v, max_v, n, h, s, divide_bc2); break;
+#define FA_ADAM_CASE(k)                                                                   \
+  case k:                                                                                \
+    run_block(                                                                           \
+        n,                                                                               \
+        [&](int64_t o, int64_t len, auto p, auto m, auto v, auto max_v) FA_INLINE_LAMBDA { \
+          adam_loop<k>(g + o, c, p, m, v, max_v, len, h, s, divide_bc2);                  \
+        },                                                                               \
+        p, m, v, max_v);                                                                 \
+    break;
     FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
     FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
     FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
@@ -607,16 +813,17 @@ FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                               int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
   adam_block_any(g, c, p, InPlace{m}, InPlace{v}, InPlace{max_v}, n, h, s, inv_bc2);
 }
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p, StateIO m,
-                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
-                              math::AdamScalars s, float inv_bc2) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
-}
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO m,
-                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
-                              math::AdamScalars s, float inv_bc2) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);
-}
+#define FA_ADAM_IO(P)                                                                      \
+  FA_CPU_CLONES void adam_block(const float* __restrict g, float c, P p, StateIO m, StateIO v, \
+                                StateIO max_v, int64_t n, math::AdamHyper h,                 \
+                                math::AdamScalars s, float inv_bc2) {                        \
+    adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);                                  \
+  }
+FA_ADAM_IO(Fp32Param)
+FA_ADAM_IO(MasterIO<DType::kF32>)
+FA_ADAM_IO(MasterIO<DType::kBF16>)
+FA_ADAM_IO(MasterIO<DType::kF16>)
+#undef FA_ADAM_IO
 // The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
 // and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
 // DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x -> 0.71-0.72x, one thread).
@@ -659,29 +866,41 @@ inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, 
   }
 }
 
+template <class P, class S>
+inline __attribute__((always_inline)) void lion_block_t(const float* __restrict g, float c, P p,
+                                                        S m, int64_t n,
+                                                        const math::LionHyper& h,
+                                                        const math::LionScalars& s) {
+  run_block(
+      n,
+      [&](int64_t o, int64_t len, auto p, auto m, auto, auto) FA_INLINE_LAMBDA {
+        lion_loop(g + o, c, p, m, len, h, s);
+      },
+      p, m, S::none(), S::none());
+}
+
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
                               float* __restrict m, int64_t n, math::LionHyper h,
                               math::LionScalars s) {
-  lion_loop(g, c, p, InPlace{m}, n, h, s);
+  lion_block_t(g, c, p, InPlace{m}, n, h, s);
 }
 FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
                               float* __restrict m, int64_t n, math::LionHyper h,
                               math::LionScalars s) {
-  lion_loop(g, c, p, InPlace{m}, n, h, s);
+  lion_block_t(g, c, p, InPlace{m}, n, h, s);
 }
 
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p, StateIO m,
-                              int64_t n, math::LionHyper h, math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
-}
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32ParamIO p, StateIO m,
-                              int64_t n, math::LionHyper h, math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
-}
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParamIO p, StateIO m,
-                              int64_t n, math::LionHyper h, math::LionScalars s) {
-  lion_loop(g, c, p, m, n, h, s);
-}
+#define FA_LION_IO(P)                                                                          \
+  FA_CPU_CLONES void lion_block(const float* __restrict g, float c, P p, StateIO m, int64_t n, \
+                                math::LionHyper h, math::LionScalars s) {                     \
+    lion_block_t(g, c, p, m, n, h, s);                                                         \
+  }
+FA_LION_IO(Fp32Param)
+FA_LION_IO(MasterIO<DType::kF32>)
+FA_LION_IO(MasterIO<DType::kBF16>)
+FA_LION_IO(MasterIO<DType::kF16>)
+FA_LION_IO(RemainderParamIO)
+#undef FA_LION_IO
 
 // Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
 // low-precision copy, no remainders, every param fp32 (nothing staged).
@@ -691,6 +910,30 @@ inline bool unstaged_fp32(const TensorLists& t) {
     if (dt != DType::kF32) return false;
   }
   return true;
+}
+
+// Whether an out-of-place step's element loops read every param straight from its sources
+// (nothing staged: no fused micro-batch; exact 2-byte masters, or fp32 masters without a
+// low-precision copy or with a bf16/fp16 one: MasterIO).
+inline bool sourced_direct(const TensorLists& t) {
+  if (t.grad.present()) return false;
+  if (t.rem.present()) return true;
+  for (int64_t i = 0; i < t.size(); ++i) {
+    if (t.param.dtype[i] != DType::kF32) return false;
+    if (t.lp.present() && t.lp.dtype[i] != DType::kBF16 && t.lp.dtype[i] != DType::kF16) return false;
+  }
+  return true;
+}
+
+// The bytes an out-of-place step writes (its operands').
+inline int64_t written_bytes(const TensorLists& t) {
+  int64_t bytes = 0;
+  for (int k = 0; k < TensorLists::kWritten; ++k) {
+    const Operand& op = t.written(k);
+    if (!op.present()) continue;
+    for (int64_t i = 0; i < t.size(); ++i) bytes += t.numel[i] * element_size(op.dtype[i]);
+  }
+  return bytes;
 }
 
 // Tensor i's elements [offset, offset + n) of every written operand from its source (a skipped
@@ -704,13 +947,14 @@ inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_
 
 // The loop every step shares. update(i, n, g, c, p, s1, s2, s3) applies the rule to tensor i's
 // block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam (in place)
-// or their IO forms (out of place), the state s1..s3 float pointers (in place) or StateIOs
-// (out of place; null: absent). Without a fused micro-batch, g is acc itself and c the signed
-// coef (math::effective_grad's product, so the same bits) and no staging pass runs; with one, g
-// is staged by grad_block and c = 1 (exact). With sources (out of place) the same element loops
-// read each old value from its source and write the new one into the operand, in one pass: a
-// staged param is staged from its source (and its weight followed from the source's), then
-// written to the operand.
+// or an IO form (out of place: MasterIO, RemainderParamIO, or a staged Fp32Param), the state
+// s1..s3 float pointers (in place) or StateIOs (out of place; null: absent). Without a fused
+// micro-batch, g is acc itself and c the signed coef (math::effective_grad's product, so the
+// same bits) and no staging pass runs; with one, g is staged by grad_block and c = 1 (exact).
+// With sources (out of place) the same element loops read each old value from its source and
+// write the new one into the operand, in one pass (streamed: see run_block); a param that is
+// staged is staged from its source (and its weight followed from the source's), then written
+// to the operand.
 template <class Update>
 void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
   const std::vector<int64_t> starts = element_starts(t);
@@ -727,22 +971,22 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   const bool has_rem = t.rem.present();
-  const bool unstaged = unstaged_fp32(t);
-  const int64_t block_size = sourced ? kSourceBlock : unstaged ? kUnstagedBlock : kBlock;
+  const bool unstaged = sourced ? sourced_direct(t) : unstaged_fp32(t);
+  const int64_t block_size = unstaged ? kUnstagedBlock : kBlock;
+  const bool stream = sourced && written_bytes(t) >= stream_min_bytes.load(std::memory_order_relaxed);
   constexpr int kP = TensorLists::kParam, kL = TensorLists::kLp, kR = TensorLists::kRem;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
     float g[kBlock], p_staged[kBlock];
-    alignas(64) float scratch[TensorLists::kWritten][kSourceBlock];
     auto step_block = [&](int64_t i, int64_t offset, int64_t n) {
-      // where the block of written operand k is written (out of place: L1 scratch, streamed to
-      // the operand below), and (out of place) read from
-      auto out = [&](int k) -> void* {
-        if (!t.written(k).present()) return nullptr;
-        return sourced ? static_cast<void*>(scratch[k]) : at(t.written(k), i, offset);
+      // the block of written operand k, and where its old values are read from (in place: the
+      // same)
+      auto out = [&](int k) -> void* { return t.written(k).present() ? at(t.written(k), i, offset) : nullptr; };
+      auto in = [&](int k) -> void* {
+        if (!sourced) return out(k);
+        return t.source[k].present() ? at(t.source[k], i, offset) : nullptr;
       };
-      auto in = [&](int k) { return sourced ? (t.source[k].present() ? at(t.source[k], i, offset) : nullptr) : out(k); };
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
       if (gs.fused) {
@@ -752,7 +996,7 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
         c = 1.0f;
       }
       auto run_io = [&](auto p) {  // out of place
-        auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k))}; };
+        auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k)), stream}; };
         update(i, n, grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3));
       };
       auto run_in = [&](auto p) {  // in place
@@ -762,41 +1006,40 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
         if (sourced) {
           run_io(RemainderParamIO{static_cast<const uint16_t*>(in(kP)), static_cast<const int16_t*>(in(kR)),
-                               static_cast<uint16_t*>(out(kP)), static_cast<int16_t*>(out(kR))});
+                                  static_cast<uint16_t*>(out(kP)), static_cast<int16_t*>(out(kR)), stream});
         } else {
           run_in(RemainderParam{static_cast<uint16_t*>(out(kP)), static_cast<int16_t*>(out(kR))});
         }
         return;
       }
-      if (unstaged && sourced) {
-        run_io(Fp32ParamIO{static_cast<const float*>(in(kP)), static_cast<float*>(out(kP))});
+      const DType param_dtype = t.param.dtype[i];
+      if (sourced && unstaged) {  // an fp32 master, without or with its copy (sourced_direct)
+        auto master = [&](auto lp_dtype) {
+          run_io(MasterIO<decltype(lp_dtype)::value>{
+              static_cast<const float*>(in(kP)), static_cast<const uint16_t*>(in(kL)),
+              static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL)), stream});
+        };
+        if (!t.lp.present()) master(std::integral_constant<DType, DType::kF32>{});
+        else if (t.lp.dtype[i] == DType::kBF16) master(std::integral_constant<DType, DType::kBF16>{});
+        else master(std::integral_constant<DType, DType::kF16>{});
         return;
       }
-      const DType param_dtype = t.param.dtype[i];
+      // staged (in place: params other than fp32 ones; out of place: every param)
       float* p = p_staged;
-      if (param_dtype == DType::kF32) {
-        p = static_cast<float*>(out(kP));  // (out of place: its scratch block, from the source)
-        if (sourced) to_float(in(kP), param_dtype, n, p);
-      } else {
-        to_float(in(kP), param_dtype, n, p_staged);
-      }
+      if (param_dtype == DType::kF32 && !sourced) p = static_cast<float*>(out(kP));
+      else to_float(in(kP), param_dtype, n, p_staged);
       // the master follows its weight where that was written from outside (in place: the
       // update below writes every element of p)
       if (t.lp.present()) follow_lp(p, in(kL), t.lp.dtype[i], n);
       if (sourced) run_io(Fp32Param{p});
       else run_in(Fp32Param{p});
-      if (param_dtype != DType::kF32) from_float(p, n, out(kP), param_dtype);
+      if (p == p_staged) from_float(p, n, out(kP), param_dtype);
       if (t.lp.present()) from_float(p, n, out(kL), t.lp.dtype[i]);
     };
-    for_each_block(starts, begin, end, block_size, [&](int64_t i, int64_t offset, int64_t n) {
-      step_block(i, offset, n);
-      if (!sourced) return;
-      for (int k = 0; k < TensorLists::kWritten; ++k) {
-        const Operand& op = t.written(k);
-        if (op.present()) stream_copy(at(op, i, offset), scratch[k], n * element_size(op.dtype[i]));
-      }
-    });
-    if (sourced) stream_fence();
+    // (out of place: blocks cut at multiples of block_size in each tensor, so that ranges
+    // start the only partial chunks)
+    for_each_block(starts, begin, end, block_size, step_block, sourced);
+    if (stream) stream_fence();
   });
 }
 
@@ -842,4 +1085,13 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
 // number of distinct threads that ran the last CPU accumulate or step call, 0 if it ran none.
 extern "C" __attribute__((visibility("default"))) int fused_accum_cpu_last_call_threads() {
   return fused_accum::cpu::last_call_threads.load();
+}
+
+// The size under which out-of-place steps store directly instead of streaming (in bytes
+// written), for the tests (tests/test_step_sources.py, ctypes): sets it to `bytes` unless that
+// is negative, and returns the value it had.
+extern "C" __attribute__((visibility("default"))) int64_t fused_accum_cpu_stream_min_bytes(int64_t bytes) {
+  const int64_t old = fused_accum::cpu::stream_min_bytes.load();
+  if (bytes >= 0) fused_accum::cpu::stream_min_bytes.store(bytes);
+  return old;
 }
