@@ -39,9 +39,10 @@ ALGOS = {
     "adamw_amsgrad": (ops.adam_step, AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)),  # amsgrad: max_exp_avg_sqs
     "lion": (ops.lion_step, LionHyper(0.9, 0.99, 0.1, False)),
 }
-# fp32 params; fp32 masters with bf16 copies; bf16 params stepped in place; bf16 params with
-# int16 remainders (exact 2-byte masters)
-FORMATS = ["fp32", "master_bf16", "bf16", "remainder"]
+# fp32 params; fp32 masters with bf16, fp16 or fp32 copies; bf16 params stepped in place; bf16
+# params with int16 remainders (exact 2-byte masters)
+FORMATS = ["fp32", "master_bf16", "master_f16", "master_f32", "bf16", "remainder"]
+COPY_DTYPES = {"master_bf16": torch.bfloat16, "master_f16": torch.float16, "master_f32": torch.float32}
 
 
 def _seed(*case) -> int:
@@ -57,7 +58,7 @@ def _records(algo, fmt, fused, skip, gen):
         params = [randn(s).bfloat16() for s in SIZES]
     else:
         params = [randn(s) for s in SIZES]
-    lp = [p.bfloat16() for p in params] if fmt == "master_bf16" else []
+    lp = [p.to(COPY_DTYPES[fmt], copy=True) for p in params] if fmt in COPY_DTYPES else []
     if lp:  # some weights written from outside: the master follows them
         lp[2][:10] = 0
     rem = (
