@@ -363,16 +363,26 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
 // sources), 1024-element blocks, the staged param written back with ordinary stores (no offload
 // layout has them).
 // Measured with python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy; the 2-core
-// AMD EPYC (Zen 4, AVX-512), shared with other work; speculated_over_step, one thread):
+// AMD EPYC (Zen 4, AVX-512), shared with other work), speculated_over_step at 0.5 / 4 / 16 /
+// 25 MB, old and new interleaved from two worktrees at load 0.8 (two rounds each), plus
+// benchmarks/results/offload_issue37_run5 and run6:
 //   before (one 128-element sub-block at a time: the loops writing an L1 scratch block, then
-//   stream_copy; kSourceBlock 64/128/256 and copy-then-step tried): 0.5 / 4 / 16 / 25 MB
-//   1.68-1.81 / 1.34-1.54 / 1.33-1.58 / 1.34-1.51x.
-//   this: see benchmarks/results/offload_issue37_run5 and run6 and FA_STREAM_MIN_BYTES below.
-// What mattered (one thread, interleaved dev runs of the same measurement): fusing the passes
+//   stream_copy; kSourceBlock 64/128/256 and copy-then-step had been tried): one thread
+//   1.72-1.88 / 1.47-1.52 / 1.41-1.57 / 1.44-1.55x, two 1.54-1.98 / 1.28-1.43 / 1.29-1.41 /
+//   0.94-1.42x.
+//   this: one thread 1.00-1.12 / 0.91-1.17 / 0.88-1.18 / 0.88-1.15x, two 1.01-1.12 / 0.88-1.16 /
+//   0.85-1.15 / 0.85-1.17x (at load 2-4, one thread: up to 1.11 / 1.21 / 1.28 / 1.23x; two
+//   threads could not be timed then: another job's thread held a core and most calls of either
+//   step waited ~8 ms for it).
+// What mattered (one thread, interleaved runs of host_step_rows, load 1-2): fusing the passes
 // and the block walk into one loop with 16-byte (SSE2) streaming stores, 4 / 16 / 25 MB
 // 1.24-1.36 / 1.23-1.29 / 1.2-1.34x; with 64-byte ones (one store per line, as the v4 clone's
 // vectors) 1.08-1.2 / 1.15-1.16 / 1.08-1.17x. Ordinary stores instead of streaming: 1.27-1.5 /
 // 1.27-1.46 / 1.34-1.47x (not the 2.4-2.6x an earlier form measured, but above 1.3).
+// Left: fp32 params without a copy (three written operands, the in-place step the most
+// bandwidth-bound) are 1.45 / 1.34x at 4 / 25 MB from memory (python -m benchmarks.kernels
+// --repeats 15 --cold --threads 1, one run; before: 1.60 / 1.64x; fp32 master + bf16 copy in the
+// same run 1.29 / 1.17x, before 1.43 / 1.53x).
 
 #define FA_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -381,7 +391,10 @@ constexpr int64_t kChunk = 32;
 
 // Out-of-place steps that write fewer bytes than this store directly (ordinary stores): in the
 // benchmark their operands are in cache (an in-place step just wrote them), where a streaming
-// store must also evict the line. One thread, speculated over in-place step, streamed / direct:
+// store must also evict the line. (In offload the other buckets' steps pass through the caches
+// between two steps of one bucket, so its twins may be cold there, where streaming pays at any
+// size: this threshold is the benchmark's, not measured in offload.) One thread, speculated over in-place step, streamed / direct
+// (benchmarks/offload.py's host_step_rows, 21 repeats, two runs interleaved, load 1.4-1.7):
 // 0.5 MB bucket (1.75 MB written) 1.29-1.5 / 1.12-1.13x, 1 MB 1.23-1.3 / 0.98-1.06x, 2 MB
 // (7 MB) 1.14-1.33 / 1.21-1.27x, 4 MB (14 MB) 1.09-1.19 / 1.27x. The tests set it
 // (fused_accum_cpu_stream_min_bytes below) to run both forms at any size.
