@@ -135,6 +135,8 @@ FA_CPU_CLONES void to_float(const void* src, DType dt, int64_t n, float* dst) {
       for (int64_t j = 0; j < n; ++j) dst[j] = f16_to_float(s[j]);
       break;
     }
+    case DType::kI16:  // (a remainder, never converted alone: the binding checks the dtypes)
+      break;
   }
 }
 
@@ -154,6 +156,8 @@ FA_CPU_CLONES void from_float(const float* src, int64_t n, void* dst, DType dt) 
       for (int64_t j = 0; j < n; ++j) d[j] = float_to_f16(src[j]);
       break;
     }
+    case DType::kI16:  // (as in to_float)
+      break;
   }
 }
 
@@ -176,6 +180,8 @@ FA_CPU_CLONES void follow_lp(float* __restrict p, const void* __restrict lp, DTy
       for (int64_t j = 0; j < n; ++j) p[j] = math::follow_weight(p[j], float_to_f16(p[j]), l[j], f16_to_float(l[j]));
       break;
     }
+    case DType::kI16:  // (as in to_float)
+      break;
   }
 }
 
