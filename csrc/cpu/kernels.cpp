@@ -728,22 +728,19 @@ FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam 
                              math::SgdScalars s) {
   sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
 }
-// out of place: a staged fp32 param (Fp32Param), an fp32 master without or with its bf16 or fp16
-// copy (MasterIO), a bf16 param and remainder
+// The params an out-of-place step's loops take: a staged fp32 param (Fp32Param), an fp32 master
+// without or with its bf16 or fp16 copy (MasterIO), a bf16 param and remainder (Adam's is
+// declared apart: it keeps the divide, see below). X(P) declares one block function's overload.
+#define FA_IO_PARAMS(X) \
+  X(Fp32Param) X(MasterIO<DType::kF32>) X(MasterIO<DType::kBF16>) X(MasterIO<DType::kF16>)
 #define FA_SGD_IO(P)                                                                         \
   FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, P p, StateIO buf, int64_t n, \
                                math::SgdHyper h, math::SgdScalars s) {                        \
     sgd_block_t(g, c, p, buf, n, h, s);                                                       \
   }
-FA_SGD_IO(Fp32Param)
-FA_SGD_IO(MasterIO<DType::kF32>)
-FA_SGD_IO(MasterIO<DType::kBF16>)
-FA_SGD_IO(MasterIO<DType::kF16>)
+FA_IO_PARAMS(FA_SGD_IO)
+FA_SGD_IO(RemainderParamIO)
 #undef FA_SGD_IO
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParamIO p, StateIO buf,
-                             int64_t n, math::SgdHyper h, math::SgdScalars s) {
-  sgd_block_t(g, c, p, buf, n, h, s);
-}
 
 // sqrt(v) / bias_correction2_sqrt, rounded as the divide rounds, without the divide: the divisor
 // b is the same for a whole tensor, so its reciprocal y = RN(1/b) is formed once, and each
@@ -838,10 +835,7 @@ FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
                                 math::AdamScalars s, float inv_bc2) {                        \
     adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);                                  \
   }
-FA_ADAM_IO(Fp32Param)
-FA_ADAM_IO(MasterIO<DType::kF32>)
-FA_ADAM_IO(MasterIO<DType::kBF16>)
-FA_ADAM_IO(MasterIO<DType::kF16>)
+FA_IO_PARAMS(FA_ADAM_IO)
 #undef FA_ADAM_IO
 // The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
 // and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
@@ -914,12 +908,10 @@ FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam
                                 math::LionHyper h, math::LionScalars s) {                     \
     lion_block_t(g, c, p, m, n, h, s);                                                         \
   }
-FA_LION_IO(Fp32Param)
-FA_LION_IO(MasterIO<DType::kF32>)
-FA_LION_IO(MasterIO<DType::kBF16>)
-FA_LION_IO(MasterIO<DType::kF16>)
+FA_IO_PARAMS(FA_LION_IO)
 FA_LION_IO(RemainderParamIO)
 #undef FA_LION_IO
+#undef FA_IO_PARAMS
 
 // Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
 // low-precision copy, no remainders, every param fp32 (nothing staged).
