@@ -324,7 +324,8 @@ class Exposure:
         self.ledger.shown_at = None  # new slots, views or nodes: show again
 
     def show(self) -> None:
-        """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
+        """``.grad`` of every parameter with a gradient in this window is to show its fp32 sum:
+        set by the table as the ledger hands its next plan (at once, or at a planning block's end)."""
         if self.folder.topology.stands_aside:
             return  # .grad is autograd's (and DDP's or FSDP2's)
         self.ledger.showing()

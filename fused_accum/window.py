@@ -412,7 +412,7 @@ class GradientWindow:
         self.topology.finish(self.ledger, self.flat_groups)
 
     def expose(self) -> None:
-        """Set ``.grad`` of every parameter with a gradient in this window to its fp32 sum."""
+        """``.grad`` shows the window's fp32 sums, set with the next plan handed (Exposure.show)."""
         self._exposure.show()
 
     # --- .grad is the truth (fused_accum.exposure) ----------------------------------------------
