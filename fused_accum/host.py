@@ -28,7 +28,9 @@ WORKER_DELAY: Optional[Callable[[], None]] = None
 
 
 class Worker:
-    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`."""
+    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`, and
+    the tasks queued after the one that failed are not run (each follows from those before it:
+    a step from its copies, the twins' swap from the steps, a send from the swap), until then."""
 
     def __init__(self) -> None:
         self._tasks: queue.Queue = queue.Queue()
@@ -72,6 +74,8 @@ def _work(tasks: queue.Queue, worker_ref) -> None:
             if item is None:
                 return
             task, threads = item
+            if getattr(worker_ref(), "_error", None) is not None:
+                continue  # (an earlier task failed: see Worker)
             if torch.get_num_threads() != threads:  # (only on a change: it also clears oneDNN's cache)
                 torch.set_num_threads(threads)
             if WORKER_DELAY is not None:

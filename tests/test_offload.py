@@ -556,12 +556,13 @@ def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
 
 
 def test_every_host_step_is_out_of_place_and_the_slots_that_did_not_step_are_carried_over(monkeypatch, one_thread):
-    """Every host step of a window that speculated reads the live buffers and writes their twins
-    (ops.StepTensors.sources: the master, the weight copy and both moments of each stepped
-    slot), speculated or not; a window that did not steps in place. A window that used some of the parameters speculates on their buckets (one parameter per
-    bucket here): the step redoes them (num_items) from the live buffers, untouched; the others
-    did not step, and are carried over into the twins before the swap. Against the same
-    optimizer without offload, bit for bit."""
+    """Every host step of a flat group that has twins (made by its first speculation) reads the
+    live buffers and writes their twins (ops.StepTensors.sources: the master, the weight copy
+    and both moments of each stepped slot), speculated or not: a window that did not speculate
+    too, so that a step() that fails leaves nothing of it. A window that used some of the
+    parameters speculates on their buckets (one parameter per bucket here): the step redoes them
+    (num_items) from the live buffers, untouched; the others did not step, and are carried over
+    into the twins before the swap. Against the same optimizer without offload, bit for bit."""
     from fused_accum import ops
 
     def model():
@@ -594,5 +595,92 @@ def test_every_host_step_is_out_of_place_and_the_slots_that_did_not_step_are_car
     offload = opt._window.placement
     assert (offload.committed, offload.redone) == (4, 2)  # window 0's 4 buckets committed, window 1's 2 redone
     # (master, weight, exp_avg, exp_avg_sq) of its one slot, per bucket: window 0's 4 speculated,
-    # window 1's 2 speculated and 2 redone (window 2, only watched after a redo, steps in place)
-    assert backed_up == [(4, 1)] * 8
+    # window 1's 2 speculated and 2 redone, window 2's 4 (only watched after a redo) at step()
+    assert backed_up == [(4, 1)] * 12
+
+
+# --- a step() that fails on the host --------------------------------------------------------
+
+
+def _two_groups(dtype=torch.bfloat16, offload="cpu", **kwargs):
+    """(model, optimizer): the first Linear in a param group of its own (a flat group of its
+    own), one bucket per parameter."""
+    model = net(dtype)
+    groups = [dict(params=list(model[0].parameters())), dict(params=list(model[2:].parameters()))]
+    kwargs = dict(dict(lr=1e-2, backend="cpu", bucket_cap_mb=1e-6, accum_steps=2), **kwargs)
+    return model, fused_accum.AdamW(groups, offload=offload, **kwargs)
+
+
+def _fail_task(n):
+    """A WORKER_DELAY that raises before the worker's n-th task."""
+    calls = []
+
+    def delay():
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError("planted")
+
+    return delay
+
+
+def _snapshot(model, opt) -> list:
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in state_of(opt)]
+
+
+def _before_the_failing_step(case):
+    """Two flat groups (ours and the same without offload), trained into ``case``'s window up
+    to just before its step(): "committed" (its speculation is the step), "redone" (an lr set
+    after its last backward: its buckets step again at step()), "not speculated" (after a
+    window stepped with num_items: stepped at step(), out of place into the twins its first
+    window made)."""
+    (ours, opt), (ref, ref_opt) = _two_groups(), _two_groups(offload=None)
+    data = batches(6, torch.bfloat16)
+    for w in range(3):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            if w == 2 and case == "redone":
+                o.param_groups[1]["lr"] = 5e-3
+            if w < 2:
+                o.step(num_items=2.0 if case == "not speculated" and w == 1 else None)
+                o.zero_grad()
+    return ours, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("case", ["committed", "redone", "not speculated"])
+def test_a_step_that_fails_on_the_host_leaves_weights_state_and_counts_as_they_were(case, monkeypatch, one_thread):
+    """The worker fails before its n-th task of step(), for every n: step() raises, and every
+    weight, master, moment and step count is as before it (a redone bucket's count included,
+    and no twin swapped in: nothing runs after the failed task); the step() after it trains as
+    the same optimizer without offload, bit for bit. Until n is past step()'s tasks."""
+    for n in range(1, 100):
+        ours, opt, ref, ref_opt = _before_the_failing_step(case)
+        before = _snapshot(ours, opt)
+        monkeypatch.setattr(host_module, "WORKER_DELAY", _fail_task(n))
+        try:
+            opt.step()
+        except RuntimeError as error:
+            assert "the host step failed" in str(error)
+        else:
+            break
+        finally:
+            monkeypatch.setattr(host_module, "WORKER_DELAY", None)
+        for i, (now, then) in enumerate(zip(_snapshot(ours, opt), before)):
+            assert torch.equal(now, then), f"task {n} failed: tensor {i} changed"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"the step after task {n} failed")
+    ref_opt.step()
+    assert_equal_runs(ours, opt, ref, ref_opt, "a step that did not fail")
+    assert n == {"committed": 2, "redone": 6, "not speculated": 8}[case]  # (each of its tasks failed once)
+
+
+def test_a_step_that_fails_where_nothing_speculated_says_its_steps_stand(monkeypatch, one_thread):
+    """Without accum_steps nothing speculates, so the flat groups keep no twins and step in
+    place: a failed host task cannot be undone, and step() says so."""
+    ours, opt = _two_groups(accum_steps=None)
+    loss_of(ours, batches(1, torch.bfloat16)[0]).backward()
+    monkeypatch.setattr(host_module, "WORKER_DELAY", _fail_task(2))
+    with pytest.raises(RuntimeError, match=r"flat groups \[0, 1\] step in place .* part of their step stands"):
+        opt.step()
