@@ -347,7 +347,9 @@ class HostLayout:
         twins; each run of the other held slots is copied over from the live buffers (only
         those: no op where every slot stepped), then each buffer and its twin swap their memory
         (O(1) with the extension: fused_accum.extension.swap_storages), so that ``opt.state``'s
-        views, the slot views and the twins' views all see the other memory."""
+        views, the slot views and the twins' views all see the other memory; a buffer whose
+        memory the user holds from outside (:func:`_held_outside`) keeps it, and takes the
+        twin's values by a copy."""
         self._twin_views(flat)  # (made, or made again where a buffer was replaced)
         runs, run = [], None
         for s in sorted((s for s in flat.slots if s.index in self._views), key=lambda s: s.local.start):
@@ -366,13 +368,28 @@ class HostLayout:
                 twins += [self.twin[name][a:b] for a, b in runs]
             torch._foreach_copy_(twins, lives)
         for name, buf in buffers.items():
-            swap_storages(buf, self.twin[name])
+            if _held_outside(buf):
+                buf.copy_(self.twin[name])
+            else:
+                swap_storages(buf, self.twin[name])
 
     def versions(self, flat) -> tuple:
         """The version counters of what a step changes and the user can reach: ``opt.state``'s
         views of the step counts (written by the main thread) and of the state buffers (by the
         worker's steps). (The masters and the host copies are the optimizer's own.)"""
         return tuple(buf._version for buf in (flat.steps, *flat.state.values()))
+
+
+def _held_outside(buf: Tensor) -> bool:
+    """Whether ``buf``'s memory is held where a swap would not follow: moved into shared memory
+    (``share_memory_()`` on ``opt.state``, A3C's shared optimizer: other processes map that
+    memory) or viewed by NumPy (``.numpy()``, ``np.asarray``: the array keeps the address, and
+    torch marks the storage not resizable for it). Such a buffer keeps its memory and takes the
+    twin's values by a copy (8 B/param for AdamW's two moments, at each commit), so the user's
+    views keep following ``opt.state``. (A raw address taken otherwise, ``data_ptr()`` or
+    DLPack, leaves no mark: it sees the twin's memory after a swap.)"""
+    storage = buf.untyped_storage()
+    return storage.is_shared() or not storage.resizable()
 
 
 def _aliases(alias: Tensor, weight: Tensor) -> bool:

@@ -43,7 +43,10 @@ those); then each buffer and its twin swap their memory, in O(1)
 view of either, ``opt.state``'s included, sees the other's without an op per parameter; without
 the C++ extension an honest swap by copies), and the weights go back to the device from the
 now-live host copies. The twins are the "second host copy of the state" the design asks for: a
-commit is a swap. Once a flat group has twins (made by
+commit is a swap. Not of memory the user holds from outside (``share_memory_()`` on
+``opt.state``, as A3C's shared Adam does; a NumPy view of a moment): such a buffer keeps its
+memory and takes its twin's values by a copy (:meth:`HostLayout.commit`), so that what the user
+holds keeps following ``opt.state``, as without offload. Once a flat group has twins (made by
 its first speculation), every host step of it is out of place, in a window that did not
 speculate too, and the swaps come after every bucket's step, in one task after them: a step()
 that fails on the host leaves the weights, the state and the step counts as they were (the

@@ -684,3 +684,50 @@ def test_a_step_that_fails_where_nothing_speculated_says_its_steps_stand(monkeyp
     monkeypatch.setattr(host_module, "WORKER_DELAY", _fail_task(2))
     with pytest.raises(RuntimeError, match=r"flat groups \[0, 1\] step in place .* part of their step stands"):
         opt.step()
+
+
+# --- the user's storage: opt.state shared or viewed from outside ------------------------------
+
+
+def _share_first_group(model, opt) -> list:
+    for p in model[0].parameters():  # A3C's SharedAdam: the state moved into shared memory
+        for value in opt.state[p].values():
+            value.share_memory_()
+    return []
+
+
+def _view_first_weight(model, opt) -> list:
+    return [opt.state[model[0].weight]["exp_avg"].numpy()]  # (a NumPy view keeps the address)
+
+
+@pytest.mark.parametrize("hold", [_share_first_group, _view_first_weight], ids=["share_memory", "numpy"])
+def test_opt_state_moved_to_shared_memory_or_viewed_by_numpy_keeps_following_the_state(hold, one_thread):
+    """After the first step the user shares the first group's state (share_memory_(), as
+    A3C's SharedAdam does) or keeps a NumPy view of a moment: every later step() trains as
+    without offload, and what the user holds follows opt.state (the commit copies the twins into
+    that memory instead of swapping it away); the other flat group's buffers are still swapped
+    (their memory alternates with their twins')."""
+    (ours, opt), (ref, ref_opt) = _two_groups(), _two_groups(offload=None)
+    data = batches(10, torch.bfloat16)
+    held, ref_held, addresses = [], [], []
+    for w in range(5):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            o.step()
+            o.zero_grad()
+        if w == 0:
+            held, ref_held = hold(ours, opt), hold(ref, ref_opt)
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+        for mine, theirs in zip(held, ref_held):
+            assert (mine == theirs).all(), f"window {w}: the NumPy view stopped following"
+        for p in ours[0].parameters() if hold is _share_first_group else ():
+            assert all(v.is_shared() for k, v in opt.state[p].items() if k != "step"), w
+        if w:
+            addresses.append({(f.index, k): b.data_ptr() for f in opt._window.flat_groups for k, b in f.state.items()})
+    # the memory the user holds stays where it is; every other buffer's alternates with its
+    # twin's (swapped at each commit)
+    held_buffers = [(0, "exp_avg"), (0, "exp_avg_sq")] if hold is _share_first_group else [(0, "exp_avg")]
+    for key in addresses[0]:
+        assert len({a[key] for a in addresses}) == (1 if key in held_buffers else 2), key
+    assert opt._window.placement.committed > 0
