@@ -731,3 +731,95 @@ def test_opt_state_moved_to_shared_memory_or_viewed_by_numpy_keeps_following_the
     for key in addresses[0]:
         assert len({a[key] for a in addresses}) == (1 if key in held_buffers else 2), key
     assert opt._window.placement.committed > 0
+
+
+# --- what the speculation read, changed after the last backward ------------------------------
+
+
+def _swap_weight_rows(model, opt):
+    w = model[0].weight
+    w.data[[0, 1]] = w.data[[1, 0]]  # (same values, other places: the sums without position agree)
+
+
+def _swap_grad_rows(model, opt):
+    g = model[0].weight.grad
+    g.data[[0, 1]] = g.data[[1, 0]]
+
+
+def _new_weight_storage(model, opt):
+    w = model[0].weight
+    w.data = w.data.clone().mul_(0.5)  # (the kept alias still reads the old storage)
+
+
+def _clear_one_grad(model, opt):
+    model[2].bias.grad = None  # torch: this parameter is not stepped
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_swap_weight_rows, _swap_grad_rows, _new_weight_storage, _clear_one_grad],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_what_the_speculation_read_changed_after_the_last_backward(edit, one_thread):
+    """Between the window's last backward and step(), the user swaps two rows of a weight or of
+    its .grad through .data (no counter moves), gives a weight new storage, or clears a .grad:
+    the speculation read what was there before, so its bucket steps again (bit for bit as
+    without offload)."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=2)
+    data = batches(8, torch.bfloat16)
+    for w in range(4):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            if w in (1, 3):
+                edit(model, o)
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    assert opt._window.placement.redone >= 2  # (the edited bucket, in windows 1 and 3)
+
+
+@pytest.mark.parametrize("to", [torch.float16, torch.float32], ids=str)
+def test_a_model_cast_after_windows_that_speculated(to, one_thread):
+    """bf16 windows that speculated (their twins made for bf16 host copies and fp32 masters),
+    then the model cast: the host copies, their twins and the masters follow the new dtype (an
+    fp16 weight's bytes are a bf16's size: a twin kept from before would be swapped in and read
+    as fp16), as without offload."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=2)
+    data = batches(8, torch.bfloat16)
+    for w in range(4):
+        if w == 2:
+            ours.to(to), ref.to(to)
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                x, y = data[2 * w + j]
+                loss_of(model, (x.to(model[0].weight.dtype), y)).div(2).backward()
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    assert opt._window.placement.committed > 6  # (after the cast too)
+
+
+def test_the_middle_backwards_run_quietly_up_to_the_last_one(monkeypatch, one_thread):
+    """The C++ hooks run a window's middle backwards without Python (quietly) while nothing
+    changes; under offload the last backward must reach Python (its buckets are stepped as they
+    complete), so the budget of quiet backwards is counted from the window's start: k = 4 has 2
+    (its 2nd and 3rd), the hooks' running total 2, 4, 6 after 3 windows; each window still
+    speculated and committed, bit for bit as without offload."""
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    if not hasattr(ext._C, "Arrivals"):
+        pytest.skip("the C++ hooks are not built")
+    ours, opt, ref, ref_opt = _pair(accum_steps=4)
+    assert opt._window.ledger.fast is not None  # (the C++ table)
+    data = batches(12, torch.bfloat16)
+    quiet = []
+    for w in range(3):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(4):
+                loss_of(model, data[4 * w + j]).div(4).backward()
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+        quiet.append(int(opt._window.ledger.changes[1]))
+    assert quiet == [2, 4, 6]
+    assert opt._window.placement.committed == 3 * 6  # (each window's 6 buckets)
