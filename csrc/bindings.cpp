@@ -344,7 +344,8 @@ void swap_storages(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(sa.nbytes() == sb.nbytes(), "swap_storages: the storages differ in size (", sa.nbytes(), " and ",
               sb.nbytes(), " bytes)");
   TORCH_CHECK(sa.allocator() == sb.allocator(),
-              "swap_storages: the storages come from different allocators (pinned and pageable memory)");
+              "swap_storages: the storages come from different allocators (one pinned and one pageable, or one "
+              "moved into shared memory by share_memory_()): their memory cannot be exchanged");
   c10::StorageImpl* ia = sa.unsafeGetStorageImpl();
   c10::StorageImpl* ib = sb.unsafeGetStorageImpl();
   at::DataPtr from_a = ia->set_data_ptr(at::DataPtr(nullptr, a.device()));

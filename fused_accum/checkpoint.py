@@ -12,8 +12,10 @@ flat group's layout (what of a loaded value this process holds, whether ``accum`
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from .algorithms import ALGORITHMS, state_keys
 from .flat import Slot
 from .step import fp32_piece
 
@@ -60,6 +62,8 @@ def state_dict(opt) -> dict:
         if not keeps_master and not slot.has_grad:
             continue
         entry = state.setdefault(index_of[id(p)], {})
+        if not entry:  # (not stepped yet: torch keeps no entry, and loads none without its state)
+            entry.update(_first_state(opt, flat, slot))
         if keeps_master:  # (as fp32, whatever the format keeps: fused_accum.masters)
             entry["master"] = flat.state_view(slot, flat.master_of(slot)).clone()
         if slot.has_grad and flat.layout.saves_accum(slot):
@@ -75,6 +79,23 @@ def state_dict(opt) -> dict:
         if returned is not None:
             result = returned
     return result
+
+
+def _first_state(opt, flat, slot: Slot) -> dict:
+    """The state a parameter that has not stepped yet starts its first step from, as torch
+    would hold it: for the algorithms whose torch state counts steps (Adam, AdamW), a step count
+    of 0 and zero buffers, so that an entry that holds its ``master`` (or ``accum``) is one torch
+    can load (its ``load_state_dict`` reads the ``step`` of every entry) and steps from as from
+    none. None for the others: SGD's momentum starts from the first gradient, not from zeros;
+    the generic path's state is its torch optimizer's."""
+    algorithm = opt._stepper.algorithm
+    if algorithm is None or not ALGORITHMS[algorithm].has_step:
+        return {}
+    template = next(iter(slot.state.values()))  # (every state buffer has the slot's layout)
+    keys = state_keys(algorithm, opt.param_groups[flat.group_index])
+    entry = {"step": torch.zeros_like(flat.steps[slot.index])}
+    entry.update({key: flat.state_view(slot, torch.zeros_like(template)) for key in keys})
+    return entry
 
 
 def gathered_state_dict(opt) -> dict:

@@ -28,7 +28,9 @@ WORKER_DELAY: Optional[Callable[[], None]] = None
 
 
 class Worker:
-    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`."""
+    """One host thread that runs tasks in order; an error is raised again by :meth:`drain`, and
+    the tasks queued after the one that failed are not run (each follows from those before it:
+    a step from its copies, the twins' swap from the steps, a send from the swap), until then."""
 
     def __init__(self) -> None:
         self._tasks: queue.Queue = queue.Queue()
@@ -72,6 +74,8 @@ def _work(tasks: queue.Queue, worker_ref) -> None:
             if item is None:
                 return
             task, threads = item
+            if getattr(worker_ref(), "_error", None) is not None:
+                continue  # (an earlier task failed: see Worker)
             if torch.get_num_threads() != threads:  # (only on a change: it also clears oneDNN's cache)
                 torch.set_num_threads(threads)
             if WORKER_DELAY is not None:
@@ -343,7 +347,9 @@ class HostLayout:
         twins; each run of the other held slots is copied over from the live buffers (only
         those: no op where every slot stepped), then each buffer and its twin swap their memory
         (O(1) with the extension: fused_accum.extension.swap_storages), so that ``opt.state``'s
-        views, the slot views and the twins' views all see the other memory."""
+        views, the slot views and the twins' views all see the other memory; a buffer whose
+        memory the user holds from outside (:func:`_held_outside`) keeps it, and takes the
+        twin's values by a copy."""
         self._twin_views(flat)  # (made, or made again where a buffer was replaced)
         runs, run = [], None
         for s in sorted((s for s in flat.slots if s.index in self._views), key=lambda s: s.local.start):
@@ -362,13 +368,28 @@ class HostLayout:
                 twins += [self.twin[name][a:b] for a, b in runs]
             torch._foreach_copy_(twins, lives)
         for name, buf in buffers.items():
-            swap_storages(buf, self.twin[name])
+            if _held_outside(buf):
+                buf.copy_(self.twin[name])
+            else:
+                swap_storages(buf, self.twin[name])
 
     def versions(self, flat) -> tuple:
         """The version counters of what a step changes and the user can reach: ``opt.state``'s
         views of the step counts (written by the main thread) and of the state buffers (by the
         worker's steps). (The masters and the host copies are the optimizer's own.)"""
         return tuple(buf._version for buf in (flat.steps, *flat.state.values()))
+
+
+def _held_outside(buf: Tensor) -> bool:
+    """Whether ``buf``'s memory is held where a swap would not follow: moved into shared memory
+    (``share_memory_()`` on ``opt.state``, A3C's shared optimizer: other processes map that
+    memory) or viewed by NumPy (``.numpy()``, ``np.asarray``: the array keeps the address, and
+    torch marks the storage not resizable for it). Such a buffer keeps its memory and takes the
+    twin's values by a copy (8 B/param for AdamW's two moments, at each commit), so the user's
+    views keep following ``opt.state``. (A raw address taken otherwise, ``data_ptr()`` or
+    DLPack, leaves no mark: it sees the twin's memory after a swap.)"""
+    storage = buf.untyped_storage()
+    return storage.is_shared() or not storage.resizable()
 
 
 def _aliases(alias: Tensor, weight: Tensor) -> bool:

@@ -43,8 +43,17 @@ those); then each buffer and its twin swap their memory, in O(1)
 view of either, ``opt.state``'s included, sees the other's without an op per parameter; without
 the C++ extension an honest swap by copies), and the weights go back to the device from the
 now-live host copies. The twins are the "second host copy of the state" the design asks for: a
-commit is a swap. A window that does not speculate steps in place and makes no twin (nothing
-speculates under a process group or FSDP2: no twin there).
+commit is a swap. Not of memory the user holds from outside (``share_memory_()`` on
+``opt.state``, as A3C's shared Adam does; a NumPy view of a moment): such a buffer keeps its
+memory and takes its twin's values by a copy (:meth:`HostLayout.commit`), so that what the user
+holds keeps following ``opt.state``, as without offload. Once a flat group has twins (made by
+its first speculation), every host step of it is out of place, in a window that did not
+speculate too, and the swaps come after every bucket's step, in one task after them: a step()
+that fails on the host leaves the weights, the state and the step counts as they were (the
+worker runs nothing after a failed task), and the next step() steps the window. A flat group
+none of whose windows speculated (under a process group, ``shard=``, FSDP2, or without
+``accum_steps``: nothing speculates) makes no twins (14 B/param for bf16 AdamW) and steps in
+place: a failure there cannot be undone, and step() says so.
 
 What speculates: a window with ``accum_steps`` set (its last backward is known) when the step
 before it was the speculation's: it used neither ``num_items`` nor a GradScaler (a loop that
@@ -125,6 +134,7 @@ class Offload(Placement):
         # the window's last backward is done: what the user edits after moves them
         self._expected: dict = {}
         self.pending_h2d: list = []  # events the compute stream waits on after a step
+        self._counted: list = []  # (flat, slots, found_inf) whose step counts step() added
         # buckets whose speculation was committed, and put back and stepped again (for logs, tests)
         self.committed = self.redone = 0
 
@@ -232,15 +242,24 @@ class Offload(Placement):
         # the step is the speculation's: no clip, no num_items or scale, and nothing skipped
         as_sent = speculable and all(float(c) == 1.0 for c in coefs.values())
         as_sent = as_sent and (skips is None or not any(float(f) for f in skips.values()))
+        self._counted = []
         try:
-            for flat in flat_groups:
+            steps = [
                 self._step_flat(flat, topology, coefs, skips, unchanged, as_sent and flat.index not in edited)
+                for flat in flat_groups
+            ]
+            self._finish(steps)
             self.worker.drain()
-        except BaseException:
-            # Nothing of a step that raised stands, as without offload: a flat group whose step
-            # failed is not swapped in (its live buffers are as they were), what was speculated
-            # has its counts put back, and the window steps at the next step().
+        except BaseException as error:
+            # Nothing of a step that raised stands, as without offload: the worker ran no task
+            # after the one that failed (host.Worker), so no twin was swapped in and no weight
+            # sent; the counts this step added are taken back, and what was speculated has its
+            # counts put back: the window steps at the next step(). (Not where a flat group has
+            # no twins: see _in_place_failure.)
+            in_place = self._uncount()
             self.discarded(flat_groups)
+            if in_place and isinstance(error, Exception):
+                raise RuntimeError(_in_place_failure(in_place)) from error
             raise
         self.committed += len(self.speculated)  # (what is left of the speculation is the step)
         self.speculated.clear()
@@ -255,19 +274,20 @@ class Offload(Placement):
         self.speculate = as_sent and all(unchanged.values())
         topology.after_step_params(flat_groups)
 
-    def _step_flat(self, flat, topology, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> None:
+    def _step_flat(self, flat, topology, coefs: dict, skips: Optional[dict], unchanged: dict, as_sent: bool) -> tuple:
         """One flat group's host step: each speculated bucket committed (its step is in the
         twins; left in ``speculated`` until the whole step stands) or stepped again (the live
         buffers are as they were: nothing to put back but its counts), the rest stepped on the
-        worker (out of place where the window speculated, then the twins swapped in:
-        :meth:`HostLayout.commit`; else in place) and the updated parameters sent back (into what the topology's before-step staged: ``shard=``'s
-        buffer that its all-gathers spread)."""
+        worker: out of place wherever the flat group has twins (made by its first speculation),
+        so that the step stands only once every bucket's has (:meth:`_finish` swaps them in),
+        else in place. Returns what :meth:`_finish` takes: (flat, twinned, the stepped slots'
+        keys, the slots with a gradient)."""
         with_grad = [s for s in flat.slots if s.has_grad]
         active = {s.key for s in with_grad}
         topology.before_flat_step(flat, with_grad)
-        # double-buffered where the window speculated (its steps are in the twins); else the
-        # steps are in place and no twin is made (a process group, FSDP2: nothing speculates)
-        twinned = any(f == flat.index and r.steps is not None for (f, _), r in self.speculated.items())
+        # No twins where no window of this flat group speculated (a process group, FSDP2,
+        # accum_steps=None: nothing speculates): there the steps are in place.
+        twinned = bool(flat.layout.twin)
         stepped = set()
         for b in range(len(flat.buckets)):
             record = self.speculated.get((flat.index, b))
@@ -287,25 +307,47 @@ class Offload(Placement):
         found_inf = skips[flat.device] if skips is not None else None
         for b, bucket in enumerate(flat.buckets):
             slots = [s for s in bucket.slots if s.key in active and s.key not in stepped]
-            call = self.stepper.prepare_step(flat, slots, coef, found_inf) if slots else None
+            if not slots:
+                continue
+            call = self.stepper.prepare_step(flat, slots, coef, found_inf)
+            self._counted.append((flat, slots, found_inf))  # (prepare_step added to their counts)
             if call is not None:
                 stepped.update(s.key for s in slots)
                 self._submit_step(flat, b, flat.layout.out_of_place(flat, slots, call) if twinned else call)
-        if active:
-            if twinned:
-                self._commit(flat, stepped)
-            self._to_device(flat, with_grad)
+        return flat, twinned, stepped, with_grad
 
-    def _commit(self, flat, stepped: set) -> None:
-        """Swap the twins in on the worker, after the steps (not where one of them failed: then
-        nothing of the window's step stands)."""
-        worker = self.worker
+    def _finish(self, steps: list) -> None:
+        """After every flat group's steps, one task on the worker: the twins swapped in where
+        the steps were out of place (:meth:`HostLayout.commit`), then the updated parameters sent
+        back (into what the topology's before-step staged: ``shard=``'s buffer that its
+        all-gathers spread). One task after all the steps, so that a step that fails leaves
+        every flat group as it was: the worker runs nothing after a failed task."""
+        sends = [(self.copies(flat.device), flat, with_grad) for flat, _, _, with_grad in steps if with_grad]
+        for copies, _, _ in sends:
+            copies.after_compute()  # (after the compute stream's staging of what the sends write into)
 
         def task() -> None:
-            if worker._error is None:
-                flat.layout.commit(flat, stepped)
+            for flat, twinned, stepped, with_grad in steps:
+                if twinned and with_grad:
+                    flat.layout.commit(flat, stepped)
+            for copies, flat, with_grad in sends:
+                copies.to_device(*flat.layout.send_lists(flat, with_grad), self.pending_h2d)
 
-        worker.submit(task)
+        self.worker.submit(task)
+
+    def _uncount(self) -> list:
+        """After a failed step: take back the step counts it added where nothing of its step
+        stands (the flat groups with twins). Returns the flat groups that stepped in place."""
+        in_place = []
+        for flat, slots, found_inf in self._counted:
+            if not flat.layout.twin:
+                in_place.append(flat)
+                continue
+            increment = flat.one if found_inf is None else 1 - found_inf
+            index = flat.active_index(tuple(s.index for s in slots))
+            flat.steps.index_add_(0, index, -increment.expand(len(slots)))
+        self._counted = []
+        return in_place
 
     def _read_back(self, flat_groups, scale: dict, skip: Optional[dict]) -> tuple:
         """What the host needs from the device, in one transfer per device (the window's one
@@ -364,16 +406,6 @@ class Offload(Placement):
             and all(map(self.stepper.state_unchanged, record.slots))
         )
 
-    def _to_device(self, flat, stepped: list) -> None:
-        """The updated parameters back to the device (on the worker, after its steps)."""
-        copies, layout = self.copies(flat.device), flat.layout
-        copies.after_compute()  # (after the compute stream's staging of what the sends write into)
-
-        def task() -> None:
-            copies.to_device(*layout.send_lists(flat, stepped), self.pending_h2d)
-
-        self.worker.submit(task)
-
     def discarded(self, flat_groups) -> None:
         """Forget what was speculated (the window was discarded, a backward of it raised, or its
         state is about to be read whole: a checkpoint): its step counts put back (its values
@@ -388,6 +420,19 @@ class Offload(Placement):
             self._expected = {}
 
     before_checkpoint = discarded  # (a checkpoint holds the state before this window's step)
+
+
+def _in_place_failure(flat_groups: list) -> str:
+    """What a failed step() leaves where flat groups stepped in place (no twins to keep the
+    state before it)."""
+    return (
+        "fused_accum offload: the host step failed, and flat groups "
+        f"{sorted({flat.index for flat in flat_groups})} step in place (none of their windows "
+        "speculated, so they keep no second copy of their state: under a process group, shard=, "
+        "FSDP2, or without accum_steps): part of their step stands (the buckets stepped before "
+        "the failure; all their step counts moved on) and their weights were not sent to the "
+        "device; resume from a checkpoint rather than stepping again"
+    )
 
 
 def _global_step_pre_hooks() -> bool:

@@ -556,12 +556,13 @@ def test_a_compiled_model_trains_alike_with_and_without_offload(one_thread):
 
 
 def test_every_host_step_is_out_of_place_and_the_slots_that_did_not_step_are_carried_over(monkeypatch, one_thread):
-    """Every host step of a window that speculated reads the live buffers and writes their twins
-    (ops.StepTensors.sources: the master, the weight copy and both moments of each stepped
-    slot), speculated or not; a window that did not steps in place. A window that used some of the parameters speculates on their buckets (one parameter per
-    bucket here): the step redoes them (num_items) from the live buffers, untouched; the others
-    did not step, and are carried over into the twins before the swap. Against the same
-    optimizer without offload, bit for bit."""
+    """Every host step of a flat group that has twins (made by its first speculation) reads the
+    live buffers and writes their twins (ops.StepTensors.sources: the master, the weight copy
+    and both moments of each stepped slot), speculated or not: a window that did not speculate
+    too, so that a step() that fails leaves nothing of it. A window that used some of the
+    parameters speculates on their buckets (one parameter per bucket here): the step redoes them
+    (num_items) from the live buffers, untouched; the others did not step, and are carried over
+    into the twins before the swap. Against the same optimizer without offload, bit for bit."""
     from fused_accum import ops
 
     def model():
@@ -594,5 +595,231 @@ def test_every_host_step_is_out_of_place_and_the_slots_that_did_not_step_are_car
     offload = opt._window.placement
     assert (offload.committed, offload.redone) == (4, 2)  # window 0's 4 buckets committed, window 1's 2 redone
     # (master, weight, exp_avg, exp_avg_sq) of its one slot, per bucket: window 0's 4 speculated,
-    # window 1's 2 speculated and 2 redone (window 2, only watched after a redo, steps in place)
-    assert backed_up == [(4, 1)] * 8
+    # window 1's 2 speculated and 2 redone, window 2's 4 (only watched after a redo) at step()
+    assert backed_up == [(4, 1)] * 12
+
+
+# --- a step() that fails on the host --------------------------------------------------------
+
+
+def _two_groups(dtype=torch.bfloat16, offload="cpu", **kwargs):
+    """(model, optimizer): the first Linear in a param group of its own (a flat group of its
+    own), one bucket per parameter."""
+    model = net(dtype)
+    groups = [dict(params=list(model[0].parameters())), dict(params=list(model[2:].parameters()))]
+    kwargs = dict(dict(lr=1e-2, backend="cpu", bucket_cap_mb=1e-6, accum_steps=2), **kwargs)
+    return model, fused_accum.AdamW(groups, offload=offload, **kwargs)
+
+
+def _fail_task(n):
+    """A WORKER_DELAY that raises before the worker's n-th task."""
+    calls = []
+
+    def delay():
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError("planted")
+
+    return delay
+
+
+def _snapshot(model, opt) -> list:
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in state_of(opt)]
+
+
+def _before_the_failing_step(case):
+    """Two flat groups (ours and the same without offload), trained into ``case``'s window up
+    to just before its step(): "committed" (its speculation is the step), "redone" (an lr set
+    after its last backward: its buckets step again at step()), "not speculated" (after a
+    window stepped with num_items: stepped at step(), out of place into the twins its first
+    window made)."""
+    (ours, opt), (ref, ref_opt) = _two_groups(), _two_groups(offload=None)
+    data = batches(6, torch.bfloat16)
+    for w in range(3):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            if w == 2 and case == "redone":
+                o.param_groups[1]["lr"] = 5e-3
+            if w < 2:
+                o.step(num_items=2.0 if case == "not speculated" and w == 1 else None)
+                o.zero_grad()
+    return ours, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("case", ["committed", "redone", "not speculated"])
+def test_a_step_that_fails_on_the_host_leaves_weights_state_and_counts_as_they_were(case, monkeypatch, one_thread):
+    """The worker fails before its n-th task of step(), for every n: step() raises, and every
+    weight, master, moment and step count is as before it (a redone bucket's count included,
+    and no twin swapped in: nothing runs after the failed task); the step() after it trains as
+    the same optimizer without offload, bit for bit. Until n is past step()'s tasks."""
+    for n in range(1, 100):
+        ours, opt, ref, ref_opt = _before_the_failing_step(case)
+        before = _snapshot(ours, opt)
+        monkeypatch.setattr(host_module, "WORKER_DELAY", _fail_task(n))
+        try:
+            opt.step()
+        except RuntimeError as error:
+            assert "the host step failed" in str(error)
+        else:
+            break
+        finally:
+            monkeypatch.setattr(host_module, "WORKER_DELAY", None)
+        for i, (now, then) in enumerate(zip(_snapshot(ours, opt), before)):
+            assert torch.equal(now, then), f"task {n} failed: tensor {i} changed"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"the step after task {n} failed")
+    ref_opt.step()
+    assert_equal_runs(ours, opt, ref, ref_opt, "a step that did not fail")
+    assert n == {"committed": 2, "redone": 6, "not speculated": 8}[case]  # (each of its tasks failed once)
+
+
+def test_a_step_that_fails_where_nothing_speculated_says_its_steps_stand(monkeypatch, one_thread):
+    """Without accum_steps nothing speculates, so the flat groups keep no twins and step in
+    place: a failed host task cannot be undone, and step() says so."""
+    ours, opt = _two_groups(accum_steps=None)
+    loss_of(ours, batches(1, torch.bfloat16)[0]).backward()
+    monkeypatch.setattr(host_module, "WORKER_DELAY", _fail_task(2))
+    with pytest.raises(RuntimeError, match=r"flat groups \[0, 1\] step in place .* part of their step stands"):
+        opt.step()
+
+
+# --- the user's storage: opt.state shared or viewed from outside ------------------------------
+
+
+def _share_first_group(model, opt) -> list:
+    for p in model[0].parameters():  # A3C's SharedAdam: the state moved into shared memory
+        for value in opt.state[p].values():
+            value.share_memory_()
+    return []
+
+
+def _view_first_weight(model, opt) -> list:
+    return [opt.state[model[0].weight]["exp_avg"].numpy()]  # (a NumPy view keeps the address)
+
+
+@pytest.mark.parametrize("hold", [_share_first_group, _view_first_weight], ids=["share_memory", "numpy"])
+def test_opt_state_moved_to_shared_memory_or_viewed_by_numpy_keeps_following_the_state(hold, one_thread):
+    """After the first step the user shares the first group's state (share_memory_(), as
+    A3C's SharedAdam does) or keeps a NumPy view of a moment: every later step() trains as
+    without offload, and what the user holds follows opt.state (the commit copies the twins into
+    that memory instead of swapping it away); the other flat group's buffers are still swapped
+    (their memory alternates with their twins')."""
+    (ours, opt), (ref, ref_opt) = _two_groups(), _two_groups(offload=None)
+    data = batches(10, torch.bfloat16)
+    held, ref_held, addresses = [], [], []
+    for w in range(5):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            o.step()
+            o.zero_grad()
+        if w == 0:
+            held, ref_held = hold(ours, opt), hold(ref, ref_opt)
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+        for mine, theirs in zip(held, ref_held):
+            assert (mine == theirs).all(), f"window {w}: the NumPy view stopped following"
+        for p in ours[0].parameters() if hold is _share_first_group else ():
+            assert all(v.is_shared() for k, v in opt.state[p].items() if k != "step"), w
+        if w:
+            addresses.append({(f.index, k): b.data_ptr() for f in opt._window.flat_groups for k, b in f.state.items()})
+    # the memory the user holds stays where it is; every other buffer's alternates with its
+    # twin's (swapped at each commit)
+    held_buffers = [(0, "exp_avg"), (0, "exp_avg_sq")] if hold is _share_first_group else [(0, "exp_avg")]
+    for key in addresses[0]:
+        assert len({a[key] for a in addresses}) == (1 if key in held_buffers else 2), key
+    assert opt._window.placement.committed > 0
+
+
+# --- what the speculation read, changed after the last backward ------------------------------
+
+
+def _swap_weight_rows(model, opt):
+    w = model[0].weight
+    w.data[[0, 1]] = w.data[[1, 0]]  # (same values, other places: the sums without position agree)
+
+
+def _swap_grad_rows(model, opt):
+    g = model[0].weight.grad
+    g.data[[0, 1]] = g.data[[1, 0]]
+
+
+def _new_weight_storage(model, opt):
+    w = model[0].weight
+    w.data = w.data.clone().mul_(0.5)  # (the kept alias still reads the old storage)
+
+
+def _clear_one_grad(model, opt):
+    model[2].bias.grad = None  # torch: this parameter is not stepped
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_swap_weight_rows, _swap_grad_rows, _new_weight_storage, _clear_one_grad],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_what_the_speculation_read_changed_after_the_last_backward(edit, one_thread):
+    """Between the window's last backward and step(), the user swaps two rows of a weight or of
+    its .grad through .data (no counter moves), gives a weight new storage, or clears a .grad:
+    the speculation read what was there before, so its bucket steps again (bit for bit as
+    without offload)."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=2)
+    data = batches(8, torch.bfloat16)
+    for w in range(4):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                loss_of(model, data[2 * w + j]).div(2).backward()
+            if w in (1, 3):
+                edit(model, o)
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    assert opt._window.placement.redone >= 2  # (the edited bucket, in windows 1 and 3)
+
+
+@pytest.mark.parametrize("to", [torch.float16, torch.float32], ids=str)
+def test_a_model_cast_after_windows_that_speculated(to, one_thread):
+    """bf16 windows that speculated (their twins made for bf16 host copies and fp32 masters),
+    then the model cast: the host copies, their twins and the masters follow the new dtype (an
+    fp16 weight's bytes are a bf16's size: a twin kept from before would be swapped in and read
+    as fp16), as without offload."""
+    ours, opt, ref, ref_opt = _pair(accum_steps=2)
+    data = batches(8, torch.bfloat16)
+    for w in range(4):
+        if w == 2:
+            ours.to(to), ref.to(to)
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(2):
+                x, y = data[2 * w + j]
+                loss_of(model, (x.to(model[0].weight.dtype), y)).div(2).backward()
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+    assert opt._window.placement.committed > 6  # (after the cast too)
+
+
+def test_the_middle_backwards_run_quietly_up_to_the_last_one(monkeypatch, one_thread):
+    """The C++ hooks run a window's middle backwards without Python (quietly) while nothing
+    changes; under offload the last backward must reach Python (its buckets are stepped as they
+    complete), so the budget of quiet backwards is counted from the window's start: k = 4 has 2
+    (its 2nd and 3rd), the hooks' running total 2, 4, 6 after 3 windows; each window still
+    speculated and committed, bit for bit as without offload."""
+    monkeypatch.delenv("FUSED_ACCUM_PYTHON_HOOKS", raising=False)
+    if not hasattr(ext._C, "Arrivals"):
+        pytest.skip("the C++ hooks are not built")
+    ours, opt, ref, ref_opt = _pair(accum_steps=4)
+    assert opt._window.ledger.fast is not None  # (the C++ table)
+    data = batches(12, torch.bfloat16)
+    quiet = []
+    for w in range(3):
+        for model, o in ((ours, opt), (ref, ref_opt)):
+            for j in range(4):
+                loss_of(model, data[4 * w + j]).div(4).backward()
+            o.step()
+            o.zero_grad()
+        assert_equal_runs(ours, opt, ref, ref_opt, f"window {w}")
+        quiet.append(int(opt._window.ledger.changes[1]))
+    assert quiet == [2, 4, 6]
+    assert opt._window.placement.committed == 3 * 6  # (each window's 6 buckets)

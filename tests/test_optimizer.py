@@ -366,6 +366,60 @@ def test_loads_a_plain_torch_adamw_state_dict(backend):
         torch.testing.assert_close(p, q, **TOL)
 
 
+def _branches(dtype):
+    torch.manual_seed(0)
+    return nn.ModuleDict(dict(a=nn.Linear(4, 3), b=nn.Linear(4, 3))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("when", ["after steps", "before the first step", "mid-window"])
+def test_torch_adamw_loads_a_checkpoint_with_parameters_not_stepped_yet(when, dtype):
+    """A branch not used yet (a never-routed expert; every parameter, before the first step):
+    its entry holds the fp16/bf16 parameter's fp32 master (and mid-window its gradient), so it
+    also holds what torch's first step starts from (step 0, zero moments): torch.optim.AdamW
+    loads the checkpoint (torch reads the step of every entry: KeyError 'step' otherwise) and
+    trains on, branch b included, exactly as from the torch checkpoint of that state (no
+    entry for what has not stepped)."""
+    model = _branches(dtype)
+    opt = fused_accum.AdamW(model.parameters(), lr=1e-2, backend="cpu", accum_steps=2)
+    gen = torch.Generator().manual_seed(1)
+    x = lambda: torch.randn(2, 4, generator=gen).to(dtype)  # noqa: E731
+    for _ in range({"after steps": 2, "before the first step": 0, "mid-window": 0}[when]):
+        for _ in range(2):
+            model["a"](x()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if when == "mid-window":
+        model["a"](x()).float().square().mean().backward()
+    saved = opt.state_dict()
+    b_first = len(list(model["a"].parameters()))  # (b's parameters' ids in the checkpoint)
+    assert all(saved["state"][i]["step"] == 0 for i in range(b_first, b_first + 2))
+    as_torch = copy.deepcopy(saved)  # what torch would have saved: no entry before a step
+    as_torch["state"] = {
+        i: {k: v for k, v in entry.items() if k in ("step", "exp_avg", "exp_avg_sq")}
+        for i, entry in as_torch["state"].items()
+        if entry["step"] > 0
+    }
+    runs = []
+    for checkpoint in (saved, as_torch):
+        twin = copy.deepcopy(model)
+        torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+        torch_opt.load_state_dict(copy.deepcopy(checkpoint))
+        torch_opt.param_groups[0]["eps"] = 1e-3  # (torch steps fp16 moments: 1e-8 is 0 in fp16)
+        gen.manual_seed(2)  # (both runs see the same batches)
+        for _ in range(3):
+            inputs = x()
+            (twin["a"](inputs) + twin["b"](inputs)).float().square().mean().backward()
+            torch_opt.step()
+            torch_opt.zero_grad()
+        runs.append((twin, torch_opt))
+    (ours, ours_opt), (theirs, theirs_opt) = runs
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+        mine, ref = ours_opt.state[p], theirs_opt.state[q]
+        assert all(torch.equal(mine[k], ref[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_deepcopy_and_pickle_continue_identically(backend):
     model = make_model()

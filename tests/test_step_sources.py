@@ -59,8 +59,9 @@ def _records(algo, fmt, fused, skip, gen):
     else:
         params = [randn(s) for s in SIZES]
     lp = [p.to(COPY_DTYPES[fmt], copy=True) for p in params] if fmt in COPY_DTYPES else []
-    if lp:  # some weights written from outside: the master follows them
-        lp[2][:10] = 0
+    if lp:  # some weights written from outside: the master follows them, widened from the
+        # copy's dtype (non-zero values: a 0 reads the same as fp16 and as bf16)
+        lp[2][:10] = torch.randn(10, generator=gen)
     rem = (
         [torch.randint(-(2**15), 2**15, (s,), generator=gen, dtype=torch.int16) for s in SIZES]
         if fmt == "remainder"

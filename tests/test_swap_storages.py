@@ -72,3 +72,14 @@ def test_refuses_one_storage(swap):
     a = torch.zeros(8)
     with pytest.raises(RuntimeError, match="share their storage"):
         swap(a, a.view(2, 4))
+
+
+@pytest.mark.skipif(extension._C is None, reason="the copy swaps values, from any allocator")
+def test_refuses_storages_from_different_allocators_naming_shared_memory():
+    """A buffer moved into shared memory (share_memory_(): A3C's shared optimizer state) cannot
+    exchange its memory with a pageable one; the refusal says so (it once named only pinned
+    memory). Offload copies into such a buffer instead (tests/test_offload.py)."""
+    a, b = torch.zeros(8), torch.zeros(8)
+    a.share_memory_()
+    with pytest.raises(RuntimeError, match=r"different allocators .*shared memory by share_memory_\(\)"):
+        extension.swap_storages(a, b)
