@@ -16,8 +16,10 @@
 #include "hooks.h"
 
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -31,6 +33,7 @@ using torch::autograd::AccumulateGrad;
 using torch::autograd::FunctionPostHook;
 using torch::autograd::FunctionPreHook;
 using torch::autograd::variable_list;
+using torch::dynamo::autograd::CompiledNodeArgs;
 
 // fused_accum_ext::accumulate_ (bindings.cpp), through the dispatcher: CPU or CUDA by device.
 void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList grads, bool overwrite) {
@@ -77,6 +80,19 @@ void call(const py::object& fn, Args&&... args) {
   }
 }
 
+template <typename... Args>
+py::object call_python(const py::object& fn, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    return fn(std::forward<Args>(args)...);
+  } catch (py::error_already_set& err) {
+    err.restore();
+    python_error error;
+    error.persist();
+    throw error;
+  }
+}
+
 bool call_bool(const py::object& fn, int64_t key, const at::Tensor& grad) {
   py::gil_scoped_acquire gil;
   try {
@@ -97,6 +113,10 @@ struct TakeGradBefore : public FunctionPreHook {
     if (auto table = arrivals.lock()) return table->before_accumulate(key, *node, grads);
     return grads;
   }
+  // Compiled autograd calls this instead, once per backward it captures, before its graph runs.
+  void compiled_args(CompiledNodeArgs& args) const override {
+    if (auto table = arrivals.lock()) table->compiled_pre_hook(key, *node, args);
+  }
   std::weak_ptr<Arrivals> arrivals;
   AccumulateGrad* node;  // owns this hook, so outlives it
   int64_t key;
@@ -111,6 +131,10 @@ struct TakeGradAfter : public FunctionPostHook {
       if (auto table = arrivals.lock()) table->after_accumulate(key, node->variable);
     }
     return outputs;
+  }
+  // In a compiled graph: `.grad` = the slot's view (see Arrivals::compiled_pre_hook).
+  void compiled_args(CompiledNodeArgs& args) const override {
+    if (auto table = arrivals.lock()) table->compiled_post_hook(key, args);
   }
   std::weak_ptr<Arrivals> arrivals;
   AccumulateGrad* node;
@@ -139,6 +163,9 @@ Arrivals::~Arrivals() {
   bucket_complete_ = py::object();
   fold_hooked_ = py::object();
   backward_raised_ = py::object();
+  compiled_backward_ = py::object();
+  compiled_first_ = py::object();
+  compiled_folds_.clear();
 }
 
 void Arrivals::extend(const std::vector<int64_t>& bucket_sizes, const std::vector<int64_t>& slot_bucket,
@@ -613,6 +640,64 @@ void Arrivals::end_quietly(int task) {
   call(queue_end_);
 }
 
+// --- compiled autograd ---
+
+void Arrivals::compile_with(py::object compiled_backward, py::object compiled_first) {
+  compiled_backward_ = std::move(compiled_backward);
+  compiled_first_ = std::move(compiled_first);
+}
+
+// Compiled autograd does not run the hooks: it asks each node's hooks what to put in the graph it
+// captures (compiled_args), once per backward, before that graph runs (a cache hit included),
+// then runs the graph. At the first hooked parameter of a backward the window's checks run and
+// its count goes up (compiled_backward, once per backward: what before_backward and the end
+// callback do in eager; no end callback runs under compiled autograd, which drops the engine's
+// queued callbacks). Each parameter's node then gets two Python hooks that Dynamo traces into
+// the graph: before AccumulateGrad the window's fold (the custom op fused_accum::accumulate_
+// into the slot's fp32 view; AccumulateGrad is handed no gradient), after it `.grad` = that view
+// (AccumulateGrad, next in the graph, sets `.grad` from what it read before the graph: hidden
+// here, None, for a bf16 parameter's fp32 `.grad` cannot be captured, as FakeTensor would make
+// it). A slot without a gradient in the window is asked for once (compiled_first: it is
+// recorded as holding one, and overwritten).
+void Arrivals::compiled_pre_hook(int64_t key, AccumulateGrad& node, CompiledNodeArgs& args) {
+  if (detached_) return;
+  py::gil_scoped_acquire gil;  // (compiled autograd holds it: a no-op)
+  TORCH_CHECK(compiled_backward_, "Arrivals: compiled autograd needs the window's callbacks (compile_with)");
+  const int task = torch::autograd::get_current_graph_task_id();
+  if (task != compiled_task_) {
+    compiled_folds_.clear();
+    const py::object folds = call_python(compiled_backward_);
+    compiled_task_ = task;
+    for (const py::handle fold : folds) compiled_folds_.push_back(py::reinterpret_borrow<py::object>(fold));
+  }
+  if (standing_aside()) return;
+  TORCH_CHECK(!node.tensor_post_acc_grad_hooks(), "parameter ", names_.at(key),
+              " has a post-accumulate-grad hook: under compiled autograd it would run before fused_accum shows the "
+              "window's running sum in .grad; run this backward without compiled autograd");
+  TORCH_CHECK(key >= 0 && key < (int64_t)compiled_folds_.size(), "Arrivals: no compiled fold for slot ", key);
+  py::object& fold = compiled_folds_[key];
+  if (fold.is_none()) fold = call_python(compiled_first_, key);
+  const auto parts = fold.cast<std::tuple<py::object, py::object, at::Tensor>>();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    node.variable.mutable_grad().reset();
+    shown_[key] = std::get<2>(parts);  // (what the graph's post-hook shows)
+    shown_data_[key] = std::get<2>(parts).const_data_ptr();
+  }
+  // (a new reference, which the SafePyObject owns)
+  args.add_pre_hook(c10::SafePyObject(std::get<0>(parts).inc_ref().ptr(), ::getPyInterpreter()));
+}
+
+// After compiled_pre_hook, for the same node: the post-hook that shows the view in `.grad`.
+void Arrivals::compiled_post_hook(int64_t key, CompiledNodeArgs& args) {
+  if (detached_ || standing_aside()) return;
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(key >= 0 && key < (int64_t)compiled_folds_.size() && !compiled_folds_[key].is_none(),
+              "Arrivals: the compiled post-hook of slot ", key, " came before its pre-hook");
+  const auto parts = compiled_folds_[key].cast<std::tuple<py::object, py::object, at::Tensor>>();
+  args.add_post_hook(c10::SafePyObject(std::get<1>(parts).inc_ref().ptr(), ::getPyInterpreter()));
+}
+
 void bind_arrivals(py::module_& m) {
   py::class_<Arrivals, std::shared_ptr<Arrivals>>(m, "Arrivals")
       .def(py::init<py::object, py::object, py::object, py::object, py::object>(), py::arg("before_backward"),
@@ -628,7 +713,8 @@ void bind_arrivals(py::module_& m) {
       .def("arrive_in_place", &Arrivals::arrive_in_place)
       .def("clear", &Arrivals::clear)
       .def("has_arrivals", &Arrivals::has_arrivals)
-      .def("clear_grads", &Arrivals::clear_grads);
+      .def("clear_grads", &Arrivals::clear_grads)
+      .def("compile_with", &Arrivals::compile_with, py::arg("compiled_backward"), py::arg("compiled_first"));
 }
 
 }  // namespace fused_accum

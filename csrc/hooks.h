@@ -68,6 +68,13 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
                                                    const torch::autograd::variable_list& grads);
   void after_accumulate(int64_t key, const at::Tensor& param);
 
+  // --- compiled autograd: what the pre-hook puts in the captured graph (hooks.cpp's
+  // TakeGradBefore::compiled_args; the protocol's compile_with says what each callback does) ---
+  void compile_with(py::object compiled_backward, py::object compiled_first);
+  void compiled_pre_hook(int64_t key, torch::autograd::AccumulateGrad& node,
+                         torch::dynamo::autograd::CompiledNodeArgs& args);
+  void compiled_post_hook(int64_t key, torch::dynamo::autograd::CompiledNodeArgs& args);
+
  private:
   // The AccumulateGrad nodes we hook. The pointer type is whatever grad_accumulator() returns:
   // std::shared_ptr<Node> up to torch 2.12, c10::intrusive_ptr<Node> from 2.13 on.
@@ -114,6 +121,11 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   int64_t* counters_ = nullptr;
   int64_t at_ = 0;
   py::object types_;  // fused_accum.arrivals, for its Plan, Grant and Report
+  // Compiled autograd: the window's two callbacks (compile_with), the backward (graph task)
+  // being captured, and by slot what its graph holds: (fold, show, view) (None: not asked yet).
+  py::object compiled_backward_, compiled_first_;
+  int compiled_task_ = -1;
+  std::vector<py::object> compiled_folds_;
 };
 
 // Binds Arrivals as fused_accum._C.Arrivals (module.cpp calls it).

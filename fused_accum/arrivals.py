@@ -69,6 +69,8 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Tuple, ru
 
 import torch
 
+from torch._dynamo import compiled_autograd
+
 from .extension import _C
 
 logger = logging.getLogger("fused_accum")
@@ -83,6 +85,16 @@ _current_graph_task_id = torch._C._current_graph_task_id
 # eval-frame callback set to None and back): once per bucket and per backward with the C++ hooks,
 # twice per parameter with the Python ones.
 _untraced = torch.compiler.disable
+
+
+_PYTHON_HOOKS_UNDER_COMPILED_AUTOGRAD = (
+    "fused_accum's Python hooks cannot fold a gradient under compiled autograd (its graph calls a "
+    "Python pre-hook with no call before the graph, where the window's checks, count and .grad "
+    "must be set): they need fused_accum's C++ hooks, which run with the built extension "
+    "(fused_accum._C) unless FUSED_ACCUM_PYTHON_HOOKS=1; or run this backward without compiled "
+    "autograd (torch._dynamo.config.compiled_autograd = False, or outside "
+    "torch._dynamo.compiled_autograd._enable)"
+)
 
 
 def _brief(value) -> str:
@@ -244,6 +256,23 @@ class HookTable(Protocol):
         """Whether any bucket holds an arrival of the backward now running (or of one that
         raised)."""
 
+    def compile_with(self, compiled_backward: Callable, compiled_first: Callable) -> None:
+        """The window's callbacks under compiled autograd, which runs no hook: it asks each
+        node's hooks, once per backward it captures and before the captured graph runs, what
+        to put in the graph. At the first hooked parameter of such a backward the table calls
+        ``compiled_backward()`` (the window's checks and count, as ``before_backward`` and the
+        end of a backward in eager); it returns, by key, ``(fold, show, view)`` or None (for a
+        None the table first asks ``compiled_first(key)``: the slot's first gradient of the
+        window, recorded, and the triple returned overwrites). Each parameter's node then gets
+        ``fold`` as a pre-hook and ``show`` as a post-hook, Python functions Dynamo traces into
+        the graph (fused_accum.fold.compiled_fold and compiled_show: the custom op
+        ``fused_accum::accumulate_`` into ``view``, AccumulateGrad handed no gradient, then
+        ``.grad`` = ``view``); ``.grad`` is None until the graph runs (a bf16 parameter's fp32
+        ``.grad`` cannot be made a FakeTensor for the capture). A parameter with a
+        post-accumulate-grad hook is refused (it would run before ``show``). The C++ table
+        only: the Python hooks are plain Python hooks, which compiled autograd traces with no
+        call before the graph, so they refuse compiled autograd with an error that says so."""
+
 
 def make_arrivals(
     before_backward: Callable,
@@ -277,8 +306,17 @@ class _Bucket:
         return grads
 
 
-@_untraced  # (registered on the AccumulateGrad nodes: see _untraced)
 def _pre_hook(arrivals_ref, param_ref, key, grad_outputs):
+    # Not _untraced itself: compiled autograd's graph calls it (traced by Dynamo, or eagerly
+    # where its backend allows graph breaks), and a fullgraph capture would otherwise stop at
+    # Dynamo's "torch.compiler.disable()d function" rather than say why.
+    if compiled_autograd.in_compiled_autograd_region:
+        raise RuntimeError(_PYTHON_HOOKS_UNDER_COMPILED_AUTOGRAD)
+    return _eager_pre_hook(arrivals_ref, param_ref, key, grad_outputs)
+
+
+@_untraced  # (registered on the AccumulateGrad nodes: see _untraced)
+def _eager_pre_hook(arrivals_ref, param_ref, key, grad_outputs):
     arrivals, param = arrivals_ref(), param_ref()
     if arrivals is not None and param is not None:
         return arrivals._before_accumulate(key, param, grad_outputs)
@@ -501,3 +539,6 @@ class PythonArrivals:
     def has_arrivals(self) -> bool:
         with self._lock:
             return any(b.count for b in self._buckets)
+
+    def compile_with(self, compiled_backward: Callable, compiled_first: Callable) -> None:
+        pass  # (never called: the pre-hook refuses compiled autograd, see HookTable.compile_with)

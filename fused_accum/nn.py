@@ -43,7 +43,9 @@ Compatibility decisions:
   the weight is cast per call rather than through autocast's per-region cast cache (the same
   values; a layer called k times in one forward saves k bf16 copies instead of one).
 - torch.compile: a compiled region runs ``F.linear`` (ordinary weight gradient, folded by the
-  optimizer's hook as for nn.Linear): a compiled backward graph is traced once, while the
+  optimizer's hook as for nn.Linear), and so does a backward compiled autograd captures (the
+  Function's backward returns the ordinary weight gradient there): a compiled backward graph is
+  traced once, while the
   choice between "return a gradient" and "return None" belongs to the window at each backward,
   which a static graph cannot make. So a converted model compiles without graph breaks and
   trains as an unconverted one; the fusion is an eager-mode saving. The op itself
@@ -202,7 +204,10 @@ class _LinearWgradIntoAccumulator(torch.autograd.Function):
         if need_weight:
             # create_graph=True (grad mode on in backward) wants a differentiable weight
             # gradient: the in-place GEMM into acc is not one, so return the ordinary gradient.
-            target = None if torch.is_grad_enabled() else _wgrad_target(ctx.weight)
+            # So does a backward compiled autograd captures (traced once, replayed each window:
+            # the window's choice belongs to each backward): the optimizer's hook folds it.
+            eager = not (torch.is_grad_enabled() or torch.compiler.is_compiling())
+            target = _wgrad_target(ctx.weight) if eager else None
             if target is not None:
                 ops.wgrad_accumulate(target.acc, g2, x2, target.overwrite, target.backend)
                 target.done()

@@ -121,6 +121,7 @@ class Offload(Placement):
     points: fused_accum.placement)."""
 
     hands_on_buckets = True  # (each bucket of the last backward is sent as it completes)
+    compiled_autograd_refusal = "offload='cpu' (it steps each bucket on the host as the last backward completes it)"
 
     def __init__(self, stepper, owner) -> None:
         self.stepper = stepper

@@ -31,6 +31,8 @@ class Placement:
     """The device placement: the step on the parameters' device, at ``step()``."""
 
     hands_on_buckets = False
+    # why a compiled autograd backward is refused, or None (the device: its step waits for step())
+    compiled_autograd_refusal = None
 
     def layout(self, device, base: Layout) -> Layout:
         return base

@@ -91,6 +91,16 @@ def _backward_raised(window_ref) -> None:
         window._backward_raised(None)
 
 
+def _compiled_backward(window_ref) -> list:
+    window = window_ref()
+    return [] if window is None else window._compiled_backward()
+
+
+def _compiled_first(window_ref, key: int):
+    window = window_ref()
+    return None if window is None else window._compiled_first(key)
+
+
 class _EndOfBackward:
     """The window's end-of-backward callback for one graph task. The engine drops a backward's
     final callbacks unrun when it raises, and this one is then let go unrun: that is how the
@@ -145,6 +155,9 @@ class GradientWindow:
             functools.partial(_bucket_complete, this),
             functools.partial(_fold_hooked, this),
             functools.partial(_backward_raised, this),
+        )
+        self._arrivals.compile_with(
+            _untraced(functools.partial(_compiled_backward, this)), _untraced(functools.partial(_compiled_first, this))
         )
         self._handles: list = []  # of Python hooks a topology added (FSDP2's on DTensor parameters)
         self.placement = placement  # where the step runs (fused_accum.placement)
@@ -348,6 +361,43 @@ class GradientWindow:
             self.flush()
             self.placement.discarded(self.flat_groups)  # (what it took lacks the retried backward)
             self.expose()
+
+    # --- compiled autograd -----------------------------------------------------------------------
+
+    def _compiled_backward(self) -> list:
+        """Compiled autograd captures a backward that reaches the window's parameters (the hooks'
+        compile_with: once per backward, before its graph runs). What the window does at the
+        start and the end of an eager backward is done here, as no end callback runs under
+        compiled autograd (it drops the engine's queued callbacks): the checks of
+        before_backward, the micro-batch counted, ``.grad`` shown; returned, by key, what the
+        graph folds each slot with (Folder.compiled_folds). Covered: one process, the step on
+        the device (the placement and topology say; the others are refused here)."""
+        with self.lock, self.ledger.planning():
+            topology = self.resolve_topology()
+            refusal = topology.compiled_autograd_refusal or self.placement.compiled_autograd_refusal
+            if refusal is not None:
+                raise RuntimeError(
+                    f"{self.label} cannot take gradients from a compiled autograd backward with {refusal}. "
+                    "Run this backward without compiled autograd (torch._dynamo.config.compiled_autograd = False, "
+                    "or outside torch._dynamo.compiled_autograd._enable); torch.compile(model) with an eager "
+                    "backward is supported"
+                )
+            changed = self._look()
+            self._folder.take_report()  # (of an eager backward that raised before its end)
+            if self.ledger.shown:
+                self.reconcile(changed, before_backward=True)
+            else:
+                self._exposure.take_assigned_grads(changed)
+            self._folder.revoke_fast()
+            self.ledger.backward_ended()
+            self.expose()  # (with the plan handed at the block's end: the slots that hold a gradient)
+            return self._folder.compiled_folds()
+
+    def _compiled_first(self, key: int) -> tuple:
+        """The compiled backward being captured reaches slot ``key``, which holds no gradient
+        of the window yet: what its graph overwrites the slot with (Folder.compiled_first)."""
+        with self.lock:
+            return self._folder.compiled_first(self.slots[key])
 
     def _queue_end_of_backward(self, arrived: bool) -> None:
         """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather

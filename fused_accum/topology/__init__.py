@@ -71,6 +71,7 @@ class Local(Topology):
 
     name = "local"
     decided = False
+    compiled_autograd_refusal = None  # (its folds need nothing but the accumulator)
 
     def __init__(self, exact_norm: bool = False) -> None:
         self.exact_norm = exact_norm  # reduce_dtype="exact": the norm of every world size's exact wire

@@ -153,6 +153,9 @@ class Topology:
     # the window's norm by :func:`one_process_chunk_sums` (reduce_dtype="exact" in one process:
     # the norm of every world size's exact wire, bit for bit)
     exact_norm = False
+    # why a compiled autograd backward is refused (its folds are captured in the graph, where no
+    # reduction, staging or handing over is), or None where it is covered (one process)
+    compiled_autograd_refusal: Optional[str] = "data parallelism (its reductions run from the hooks)"
 
     # --- construction ---
 
