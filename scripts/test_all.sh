@@ -61,7 +61,7 @@ bash scripts/check_cuda_build.sh 2.14.1 2.11.0
 
 # The whole CPU suite on 2.11 would take CI from ~15 to near 30 minutes: here the slice where
 # torch versions differ (the extension, the hooks, the optimizer contract); the whole of it is
-# `bash scripts/test_oldest_torch.sh` (README, "Tests").
+# `bash scripts/test_oldest_torch.sh` (docs/tests.md).
 stage "pytest on the oldest declared torch (2.11.0): the extension, hooks, ops, optimizer and drop-in tests"
 bash scripts/test_oldest_torch.sh --ci
 

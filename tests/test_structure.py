@@ -1,5 +1,5 @@
 """The package's shape, held: what the redesign of issue 27 promised a reader, as checks that
-fail when a change breaks it (README, "Life of a gradient" and "Layout").
+fail when a change breaks it (docs/walk.md, "Life of a gradient"; docs/design.md, "Layout").
 
 - One owner for the window's state: only fused_accum/ledger.py writes a slot's window fields.
 - Modes own their layout: the one-process modules hold no sharded or DTensor branch.
@@ -117,11 +117,11 @@ def test_no_import_circle():
 
 
 def test_the_readme_walk_names_what_is_there_in_at_most_14_files_and_30_functions():
-    # README, "Life of a gradient": every file its table's "where" column names exists, and every
+    # docs/walk.md, "Life of a gradient": every file its table's "where" column names exists, and every
     # function named after a file is in it (a rename that leaves the table behind fails here);
     # a newcomer opens at most 14 files and 30 functions on the walk (issue 35).
     root = PACKAGE.parent
-    section = (root / "README.md").read_text().split("## Life of a gradient", 1)[1].split("\n## ", 1)[0]
+    section = (root / "docs" / "walk.md").read_text()
     missing, files, functions = [], set(), 0
     for line in section.splitlines():
         cells = line.split("|")
