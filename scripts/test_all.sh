@@ -4,6 +4,10 @@
 #   bash scripts/test_all.sh               everything
 #   bash scripts/test_all.sh --cpu-suite   the three pytest stages only (scripts/test_oldest_torch.sh
 #                                          runs them on torch 2.11 with FUSED_ACCUM_TEST_PYTHON)
+#   bash scripts/test_all.sh --quick       the loop for a change (./run test --quick): the formatter,
+#                                          the tests not marked slow (tests/conftest.py: what starts
+#                                          ranks or a subprocess of this Python), and the Triton
+#                                          kernels' own tests under the interpreter
 # Ends with one line: "fused_accum: all N stages passed in M min S s", or the stage that failed.
 set -euo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -12,6 +16,8 @@ PY=${FUSED_ACCUM_TEST_PYTHON:-.venv/bin/python}
 
 if [[ ${1:-} == --cpu-suite ]]; then
   TOTAL=3 NAME="fused_accum --cpu-suite ($PY)"
+elif [[ ${1:-} == --quick ]]; then
+  TOTAL=$((1 + $(grep -c '^  quick_stage "' "$SELF"))) NAME="fused_accum --quick" # (the formatter, then those)
 else
   TOTAL=$(grep -c '^stage "\|^  stage "' "$SELF") NAME=fused_accum  # the stage lines below
 fi
@@ -31,6 +37,7 @@ verdict() {
     echo "$NAME: FAILED at stage $n/$TOTAL ($current), exit $rc, after $took"
   fi
 }
+quick_stage() { stage "$@"; } # (the quick loop's: not counted among the full run's stages)
 trap verdict EXIT
 trap 'exit 130' INT  # (a signal alone would leave the EXIT trap an exit status of 0)
 trap 'exit 143' TERM
@@ -38,6 +45,16 @@ trap 'exit 143' TERM
 if [[ ${1:-} != --cpu-suite ]]; then
   stage "the formatter: ruff format --check (pyproject.toml [tool.ruff]; fix with: .venv/bin/ruff format .)"
   "$(dirname "$PY")/ruff" format --check --quiet .
+fi
+
+if [[ ${1:-} == --quick ]]; then
+  quick_stage "pytest, not slow: every module's own tests on the C++ extension and the reference backend"
+  "$PY" -m pytest -q tests --ignore=tests/integration -m "not gpu and not slow"
+  # Its own process, as below; the kernel matrix and the backend's own tests (the optimizer's
+  # and the wgrad's on Triton are the full run's).
+  quick_stage "pytest, not slow: the Triton kernels under TRITON_INTERPRET=1"
+  TRITON_INTERPRET=1 "$PY" -m pytest -q -m "not gpu and not slow" tests/test_kernels.py tests/test_triton_extra.py -k triton
+  exit 0
 fi
 
 stage "pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
