@@ -47,11 +47,15 @@ def one_thread():
 # @pytest.mark.slow marks any other, as _LONG_RUNS does here.
 
 _STARTS_RANKS = {"spawn_ranks", "spawn", "start_processes", "Process"}
-# Long runs that start no process, and are no module's unit test: (file, test) -> why. Each took
-# over a minute of the quick loop's 11 (load 15 on 2 cores).
+# Long runs that start no process: (file, test) -> why. Each took 35-80 s of the quick loop
+# (load 15-20 on 2 cores): a training run, a benchmark, thousands of tensors under the Triton
+# interpreter.
 _LONG_RUNS = {
     ("test_remainder.py", "test_a_small_bf16_gpt_trains_in_the_remainder_mode_as_with_fp32_masters"): "200 windows",
     ("test_benchmarks.py", "test_window_phases_times_every_backward_and_the_step_for_both_providers"): "a benchmark",
+    ("test_triton_extra.py", "test_triton_accumulates_2000_small_tensors_in_two_launches"): "2,000 tensors",
+    ("test_triton_extra.py", "test_triton_step_over_many_tensors_is_one_launch"): "hundreds of tensors",
+    ("test_triton_extra.py", "test_triton_adam_amsgrad_matches_reference"): "AMSGrad's steps interpreted",
 }
 _SUBPROCESS = {"run", "Popen", "check_output", "check_call", "call"}
 
