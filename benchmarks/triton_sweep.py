@@ -10,7 +10,7 @@ their defaults: 6 configurations, not the 18 of the full product, so a budget of
 measures every setting's alternatives (with BLOCK as the outer loop of the product, the budget
 cut off most of the BLOCK 2048 rows). The ``varied`` column names the setting that differs.
 
-Bytes per element (DESIGN.md section 3): accumulate 10 (read bf16 grad 2 + acc 4, write acc 4),
+Bytes per element (docs/design.md, "The byte model"): accumulate 10 (read bf16 grad 2 + acc 4, write acc 4),
 AdamW from acc 30 (read acc, master, m, v 16; write master, m, v 12, bf16 param 2). The default
 size, 2**26 elements, moves 0.67 GB (accumulate) and 2 GB (step), far past the 50 MB L2.
 

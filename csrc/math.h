@@ -284,7 +284,7 @@ FA_HD void lion_update(float g, float& param, float& exp_avg, const LionHyper& h
 // master_weights="remainder" keeps a bf16 parameter's fp32 master as the parameter itself (its
 // high half, rounded) plus an int16 remainder, split and rebuilt here, in the step.
 // fused_accum/backends/reference.py (split_master, rebuild_master) is the same map in PyTorch;
-// the README's "Exact 2-byte masters" says which patterns show how.
+// docs/masters.md says which patterns show how.
 //
 // The split, on the magnitude m of the master's bits (the sign bit is the weight's):
 //   - m < 0x7F7F8000 (every finite master below 3.3961e38): weight W = (m + 0x8000) >> 16, the

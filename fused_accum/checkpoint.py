@@ -1,6 +1,6 @@
 """Checkpoints: ``state_dict``, ``gathered_state_dict`` and ``load_state_dict`` of a
-:class:`~fused_accum.FusedAccumOptimizer`, in torch's shape (what each holds: the README's
-"Checkpoints" and its data-parallel section).
+:class:`~fused_accum.FusedAccumOptimizer`, in torch's shape (what each holds:
+docs/optimizer.md, "Checkpoints", and docs/distributed.md).
 
 Each function takes the optimizer for the call and keeps nothing of it. A saved entry holds
 torch's state names plus ``master`` (the fp32 copy of a low-precision parameter) and, mid-window,

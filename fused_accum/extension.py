@@ -5,7 +5,7 @@ A C++ extension only runs with the torch it was compiled against (torch has no s
 loaded into another one it fails with an undefined symbol, or crashes. So the torch recorded at
 build time (``_C.build.json``, written by setup.py next to ``_C``) is compared with the installed
 one first; on a difference ``_C`` is not loaded and one warning names both versions and the
-command that rebuilds it. Without ``_C`` (``FUSED_ACCUM_NO_EXT=1``, a failed build) this module
+command that rebuilds it. Without ``_C`` (``FUSED_ACCUM_NO_EXT=1``, at build time or at run time; a failed build) this module
 still imports: ``_C`` is None and ``WHY_NOT`` says why, once in the log too.
 """
 
@@ -46,7 +46,13 @@ def _built_against(so_path: str) -> Optional[str]:
 
 def _load():
     """(fused_accum._C or None, "" or why it is not loaded). Warns once when an extension is
-    there but was built for another torch or fails to load; logs once when none was built."""
+    there but was built for another torch or fails to load; logs once when none was built or
+    ``FUSED_ACCUM_NO_EXT=1`` asks for none (./run demo, while the extension built is older than
+    its sources: the Python beside it may need the new one)."""
+    if os.environ.get("FUSED_ACCUM_NO_EXT") == "1":
+        why = "FUSED_ACCUM_NO_EXT=1: fused_accum._C is not loaded"
+        logger.info("fused_accum: C++ extension unavailable (%s)", why)
+        return None, why
     spec = importlib.util.find_spec("fused_accum._C")
     if spec is None or spec.origin is None:  # FUSED_ACCUM_NO_EXT=1, or a failed build
         why = "fused_accum._C is not built (see setup.py: the build needs torch importable, and a C++ compiler)"

@@ -13,8 +13,8 @@ no math and no hook plumbing:
   exposure, the window's norm and non-finite flag);
 - :mod:`fused_accum.flat` holds the fp32 buffers (accumulator, masters, optimizer state).
 
-What each argument does, and where the optimizer differs from torch's: the README ("What the
-optimizer does", "Data parallel and sharding").
+What each argument does, and where the optimizer differs from torch's: docs/optimizer.md,
+docs/distributed.md and docs/differences.md.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     ``torch.optim.Optimizer`` class (the generic path); its hyper-parameters take torch.optim's
     names and defaults. The keywords (``accum_steps``, ``master_weights``, ``backend``,
     ``bucket_cap_mb``, ``step_in_backward``, ``max_grad_norm``, ``skip_nonfinite``,
-    ``process_group``, ``shard``, ``reduce_dtype``) and FSDP2 use are documented in the README:
-    "What the optimizer does" and "Data parallel and sharding".
+    ``process_group``, ``shard``, ``reduce_dtype``) and FSDP2 use are documented in docs/optimizer.md
+    and docs/distributed.md.
     """
 
     _fused_accum_owner = True  # (fused_accum.owners: a torch.optim step pre-hook tells ours apart)
@@ -106,7 +106,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """torch's flag for "step() takes GradScaler's grad_scale and found_inf": True only when
-        torch.amp.GradScaler asks (the README's "GradScaler, fused": Lightning reads the flag as
+        torch.amp.GradScaler asks (docs/optimizer.md, "GradScaler, fused": Lightning reads the flag as
         "cannot be clipped")."""
         return sys._getframe(1).f_globals.get("__name__") == "torch.amp.grad_scaler"
 
@@ -289,7 +289,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
-        gradient by it (an int, float or device tensor; see the README's "Sums, like .grad")."""
+        gradient by it (an int, float or device tensor; see docs/optimizer.md, "Sums, like .grad")."""
         window = self._window
         window.check_attached()
         self._members.check_unchanged(self.param_groups, type(self).__name__)
@@ -371,7 +371,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if taken:
             window.take_user_grads(taken)
 
-    # --- checkpoints (fused_accum.checkpoint; what each holds: the README's "Checkpoints") ---------
+    # --- checkpoints (fused_accum.checkpoint; what each holds: docs/optimizer.md, "Checkpoints") --
 
     def state_dict(self) -> dict:
         """torch's ``{"state", "param_groups"}`` (copies), plus ``master``, ``accum`` and

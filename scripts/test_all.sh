@@ -4,6 +4,10 @@
 #   bash scripts/test_all.sh               everything
 #   bash scripts/test_all.sh --cpu-suite   the three pytest stages only (scripts/test_oldest_torch.sh
 #                                          runs them on torch 2.11 with FUSED_ACCUM_TEST_PYTHON)
+#   bash scripts/test_all.sh --quick       the loop for a change (./run test --quick): the formatter,
+#                                          the tests not marked slow (tests/conftest.py: what starts
+#                                          ranks or a subprocess of this Python), and the Triton
+#                                          kernels' own tests under the interpreter
 # Ends with one line: "fused_accum: all N stages passed in M min S s", or the stage that failed.
 set -euo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
@@ -12,6 +16,8 @@ PY=${FUSED_ACCUM_TEST_PYTHON:-.venv/bin/python}
 
 if [[ ${1:-} == --cpu-suite ]]; then
   TOTAL=3 NAME="fused_accum --cpu-suite ($PY)"
+elif [[ ${1:-} == --quick ]]; then
+  TOTAL=$((1 + $(grep -c '^  quick_stage "' "$SELF"))) NAME="fused_accum --quick" # (the formatter, then those)
 else
   TOTAL=$(grep -c '^stage "\|^  stage "' "$SELF") NAME=fused_accum  # the stage lines below
 fi
@@ -31,6 +37,7 @@ verdict() {
     echo "$NAME: FAILED at stage $n/$TOTAL ($current), exit $rc, after $took"
   fi
 }
+quick_stage() { stage "$@"; } # (the quick loop's: not counted among the full run's stages)
 trap verdict EXIT
 trap 'exit 130' INT  # (a signal alone would leave the EXIT trap an exit status of 0)
 trap 'exit 143' TERM
@@ -38,6 +45,18 @@ trap 'exit 143' TERM
 if [[ ${1:-} != --cpu-suite ]]; then
   stage "the formatter: ruff format --check (pyproject.toml [tool.ruff]; fix with: .venv/bin/ruff format .)"
   "$(dirname "$PY")/ruff" format --check --quiet .
+fi
+
+if [[ ${1:-} == --quick ]]; then
+  quick_stage "pytest, not slow: every module's own tests on the C++ extension and the reference backend"
+  "$PY" -m pytest -q tests --ignore=tests/integration -m "not gpu and not slow"
+  # Its own process, as below: the backend's own tests and the matrix of every op against the
+  # reference (the rest of the kernels', the optimizer's and the wgrad's Triton tests take the
+  # interpreter 20 minutes here: the full run's).
+  quick_stage "pytest, not slow: the Triton backend and its ops against the reference, under TRITON_INTERPRET=1"
+  TRITON_INTERPRET=1 "$PY" -m pytest -q -m "not gpu and not slow" tests/test_triton_extra.py tests/test_kernels.py \
+    -k "triton and (test_triton_extra or accumulate_matches_reference or step_matches_reference)"
+  exit 0
 fi
 
 stage "pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
@@ -61,7 +80,7 @@ bash scripts/check_cuda_build.sh 2.14.1 2.11.0
 
 # The whole CPU suite on 2.11 would take CI from ~15 to near 30 minutes: here the slice where
 # torch versions differ (the extension, the hooks, the optimizer contract); the whole of it is
-# `bash scripts/test_oldest_torch.sh` (README, "Tests").
+# `bash scripts/test_oldest_torch.sh` (docs/tests.md).
 stage "pytest on the oldest declared torch (2.11.0): the extension, hooks, ops, optimizer and drop-in tests"
 bash scripts/test_oldest_torch.sh --ci
 

@@ -28,15 +28,15 @@ from benchmarks import run as bench_run  # noqa: E402
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
 
-# --- byte model (DESIGN.md section 3) --------------------------------------------------------
+# --- byte model (docs/design.md, "The byte model") ------------------------------------------
 
 
 def test_byte_model_reproduces_the_design_table():
     assert common.accumulate_bytes(bf16, overwrite=False) == 10
     assert common.accumulate_bytes(bf16, overwrite=True) == 6
     assert common.accumulate_bytes(fp32, overwrite=False) == 12
-    # (the step reads the bf16 weight too, to follow a write from outside: 2 more than the
-    # design table's 30 and 32)
+    # (the step reads the bf16 weight too, to follow a write from outside: 32 and 34, 2 more
+    # than before the masters followed the weights)
     assert common.step_bytes("adamw") == 32
     assert common.unfused_torch_bytes("adamw") == 48
     assert common.step_bytes("adamw", grad_dtype=bf16) == 34
@@ -436,7 +436,7 @@ def test_smoke_run_numbers_are_consistent(smoke_run):
             assert nbytes == common.accumulate_bytes(dt, overwrite=r["op"] == "accumulate_first")
         elif r["op"] == "adamw_fused_last":
             assert nbytes == common.step_bytes("adamw", grad_dtype=bf16)
-        elif r["op"] == "adamw_remainder":  # DESIGN.md section 3: 28, and 30 fused
+        elif r["op"] == "adamw_remainder":  # docs/design.md, "The byte model": 28, and 30 fused
             assert nbytes == 28 == common.step_bytes("adamw") - 4
         elif r["op"] == "adamw_fused_last_remainder":
             assert nbytes == 30 == common.step_bytes("adamw", grad_dtype=bf16) - 4

@@ -14,6 +14,7 @@ checks what is particular to the extension:
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -431,6 +432,22 @@ def test_package_works_without_the_extension():
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_no_ext_at_run_time_loads_no_extension():
+    """FUSED_ACCUM_NO_EXT=1 when the package is imported: _C is built but not loaded (./run demo
+    while the extension is older than its sources), and the hooks and the backend say so."""
+    code = (
+        "import sys\n"
+        "from fused_accum import arrivals, backends, extension\n"
+        "assert extension._C is None and extension.WHY_NOT.startswith('FUSED_ACCUM_NO_EXT=1'), extension.WHY_NOT\n"
+        "assert backends.resolve('auto', 'cpu') == 'reference'\n"
+        "assert 'fused_accum._C' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FUSED_ACCUM_NO_EXT="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 

@@ -1,4 +1,4 @@
-"""Host cost is part of the contract (DESIGN.md, "Host cost is part of the contract").
+"""Host cost is part of the contract (docs/design.md, "Host cost").
 
 A steady-state ``step()`` and a window's backwards never sync with the device, and the number of
 aten ops they issue does not grow with the number of parameters: it follows flat groups and

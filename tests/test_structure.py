@@ -1,5 +1,5 @@
 """The package's shape, held: what the redesign of issue 27 promised a reader, as checks that
-fail when a change breaks it (README, "Life of a gradient" and "Layout").
+fail when a change breaks it (docs/design.md; the walk of docs/walk.md is tests/test_walk.py's).
 
 - One owner for the window's state: only fused_accum/ledger.py writes a slot's window fields.
 - Modes own their layout: the one-process modules hold no sharded or DTensor branch.
@@ -114,30 +114,3 @@ def test_no_import_circle():
         if m not in state:
             visit(m, [m])
     assert circles == []
-
-
-def test_the_readme_walk_names_what_is_there_in_at_most_14_files_and_30_functions():
-    # README, "Life of a gradient": every file its table's "where" column names exists, and every
-    # function named after a file is in it (a rename that leaves the table behind fails here);
-    # a newcomer opens at most 14 files and 30 functions on the walk (issue 35).
-    root = PACKAGE.parent
-    section = (root / "README.md").read_text().split("## Life of a gradient", 1)[1].split("\n## ", 1)[0]
-    missing, files, functions = [], set(), 0
-    for line in section.splitlines():
-        cells = line.split("|")
-        if len(cells) < 4 or not cells[1].strip().isdigit():
-            continue
-        where = None
-        for token in re.findall(r"`([^`]+)`", cells[2]):
-            if "/" in token:
-                where = root / token
-                files.add(token)
-                if not where.exists():
-                    missing.append(token)
-                continue
-            name = re.sub(r"<[^>]*>|\(\)", "", token).removesuffix("::operator").split("::")[-1].split(".")[-1]
-            functions += 1
-            if where is None or not re.search(rf"\b{re.escape(name)}\b", where.read_text()):
-                missing.append((str(where), token))
-    assert missing == []
-    assert 0 < functions <= 30 and len(files) <= 14, (functions, sorted(files))
