@@ -55,9 +55,9 @@ class Replicated(Topology):
 
     def finish(self, ledger, flat_groups) -> None:
         if self._unreduced:
-            self.reducer.finish(flat_groups)
+            others = self.reducer.finish(flat_groups)
             self._unreduced = False
-            ledger.took_all([s for flat in flat_groups for s in flat.slots])  # the group's gradient
+            ledger.reduced(others)  # the group's gradient, and which slots have one
 
     def reset(self) -> None:
         self._unreduced = False
