@@ -366,6 +366,8 @@ class Exposure:
                 changed = True
                 continue
             if grad is None:
+                if slot.has_grad:
+                    self.folder.topology.dropped(self.flat_groups, slot)
                 changed |= slot.has_grad
                 ledger.cleared(slot)
             else:

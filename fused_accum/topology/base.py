@@ -36,6 +36,7 @@ methods are how it changes it.
 ``backward_ended``           a backward that reached the parameters ended
 ``finish``                   complete the reduction owed (the window's last backward, the step)
 ``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
+``dropped``                  the user cleared a ``.grad`` (zero-grads: its sharded piece goes)
 ``norm_terms``               the window's sum of squares and non-finite count, over every rank
 ``step_divisor``             what the window's gradient is divided by when no ``num_items`` is
                              given (shard="grads" with reduce_dtype="exact": the world size)
@@ -214,6 +215,10 @@ class Topology:
 
     def take_user_grad(self, flat_groups, slot: Slot, grad: Tensor) -> bool:
         return False  # (not taken here: the window copies it into the slot's slice)
+
+    def dropped(self, flat_groups, slot: Slot) -> None:
+        """The user cleared ``slot``'s ``.grad`` (``p.grad = None``, a module's ``zero_grad()``):
+        the window no longer holds its gradient (here: its slice is overwritten by the next)."""
 
     # --- the step ---
 

@@ -375,11 +375,24 @@ class Zero(Replicated):
             return False  # "state": the window copies it into the whole accumulator
         # "grads": this rank's gradient, staged in its bucket and reduce-scattered with the rest
         # of the bucket when the step reduces (every rank must assign its .grad, as every rank
-        # runs every backward)
+        # runs every backward); it replaces what the window held (as an assigned .grad does)
         flat = flat_groups[slot.flat_index]
+        self.dropped(flat_groups, slot)
         self.reducer.stage(flat, flat.buckets[slot.bucket_index], [slot], [grad.detach()])
         self._unreduced = self._user_staged = True
         return True
+
+    def dropped(self, flat_groups, slot) -> None:
+        """With shard="grads" this rank's piece of ``slot``'s gradient, in the sharded
+        accumulator, becomes -0.0 (the additive identity: the next reduce-scatter adds to it
+        as if it overwrote, bit for bit on the exact wire). Every rank must clear it, as every
+        rank runs every backward: the piece holds the ranks' sum, from which one rank's part
+        cannot be taken out. ("state": the slice is whole until the reduction; the next fold
+        overwrites it.)"""
+        if self.grads:
+            piece = flat_groups[slot.flat_index].layout.pieces[slot.index]
+            if piece is not None:
+                piece[0].fill_(-0.0)
 
     def norm_terms(self, ledger, flat_groups, home) -> tuple:
         """The sum of squares of this rank's reduced parts, summed over the group with one
