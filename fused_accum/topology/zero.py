@@ -296,6 +296,9 @@ class Zero(Replicated):
         if self.exact:
             self.name = "zero (grads, exact wire)"
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
+        # "state": flat groups that joined the window once it was reduce-scattered (parameters
+        # unfrozen in it, whose first window's gradient is reduced on its own at the step)
+        self._late: list = []
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
 
     def layout(self) -> ShardedLayout:
@@ -314,6 +317,8 @@ class Zero(Replicated):
             slot.placeholder = ShardedGrad(slot.param, self.mode)
             if self.grads:
                 ledger.view_set(slot, slot.placeholder)  # there is never a full gradient
+        if self._reduced:
+            self._late.append(flat)
 
     def before_backward(self, ledger) -> None:
         if self._reduced:
@@ -356,7 +361,9 @@ class Zero(Replicated):
         if not self._unreduced:
             return
         if self._reduced:
-            self._reduced_error(ledger)
+            if not self._late:
+                self._reduced_error(ledger)
+            flat_groups, self._late = self._late, []  # (only theirs is unreduced)
         super().finish(ledger, flat_groups)
         if not self.grads:
             self._reduced = True  # only this rank's parts hold the group's gradient now
@@ -366,7 +373,8 @@ class Zero(Replicated):
                     ledger.view_set(slot, slot.placeholder)
 
     def take_user_grad(self, flat_groups, slot, grad: Tensor) -> bool:
-        if self._reduced:
+        flat = flat_groups[slot.flat_index]
+        if self._reduced and not any(late is flat for late in self._late):
             raise RuntimeError(
                 f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
                 "sharded optimizer once its window is reduce-scattered"
@@ -376,7 +384,6 @@ class Zero(Replicated):
         # "grads": this rank's gradient, staged in its bucket and reduce-scattered with the rest
         # of the bucket when the step reduces (every rank must assign its .grad, as every rank
         # runs every backward); it replaces what the window held (as an assigned .grad does)
-        flat = flat_groups[slot.flat_index]
         self.dropped(flat_groups, slot)
         self.reducer.stage(flat, flat.buckets[slot.bucket_index], [slot], [grad.detach()])
         self._unreduced = self._user_staged = True
@@ -419,7 +426,7 @@ class Zero(Replicated):
     def after_step(self, ledger, flat_groups) -> None:
         """No full gradient survives the step, so the window ends with it (a backward before
         ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
-        self._reduced = False
+        self._reduced, self._late = False, []
         self.reducer.new_window()
         for flat in flat_groups:
             for slot in flat.slots:
