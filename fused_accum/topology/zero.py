@@ -70,6 +70,16 @@ class ShardedGrad(Tensor):
         return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
 
 
+def _storage_shared(param: Tensor) -> bool:
+    """Whether a tensor other than ``param`` holds its storage (an alias: ``param.data`` or
+    ``param.detach()`` kept, a state_dict's entry, another Parameter made over it). The storage's
+    reference count: ``param``'s own and the Python storage object asked for it make 2."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # (a torch without it: never move memory that may be seen)
+        return True
+    return count(param.untyped_storage()._cdata) > 2
+
+
 class ShardedLayout(Layout):
     """One rank's part of every bucket (see the module): the layout of ``shard=``'s flat groups.
     One per flat group: it keeps each bucket's part, and the step's staging buffer."""
@@ -146,11 +156,16 @@ class ShardedLayout(Layout):
         ``parameters_as_bucket_view=True``: the step then updates this rank's pieces in place
         and the all-gathers write every rank's straight into the parameters, with no copy in or
         out per parameter (O(buckets) ops per step, not O(parameters)). The parameter object,
-        its autograd node and hooks stay (``.data`` of the same dtype and device). A parameter
-        that does not own its whole storage (a view of another tensor, a tied slice) or is not
-        contiguous (channels_last: its memory order is not its elements' order) stays loose: its
-        piece is copied in and out at each step. :meth:`begin_step` binds again a parameter
-        whose ``.data`` was replaced since."""
+        its autograd node and hooks stay (``.data`` of the same dtype and device).
+
+        Only memory nothing else sees moves: a parameter stays loose (its piece copied in and
+        out at each step, two copies per parameter) where its storage is held by another tensor
+        too (a ``model.state_dict()`` or a ``.data`` taken before, a second Parameter over it:
+        moved, they would silently stop following the weights), where it does not own its
+        whole storage (a view of another tensor, a tied slice) or is not contiguous
+        (channels_last: its memory order is not its elements' order). :meth:`begin_step` asks
+        again at each step for the loose ones (bound once the other holder is gone) and for
+        a parameter whose ``.data`` was replaced since."""
         p = slot.param
         n = p.numel()
         view = self.params[slot.offset : slot.offset + n]
@@ -159,7 +174,7 @@ class ShardedLayout(Layout):
             self.bound[slot.index] = p.data_ptr()  # (bound already)
             return
         whole = p.untyped_storage().nbytes() == n * p.element_size() and p.storage_offset() == 0
-        if not (fits and whole):
+        if not (fits and whole) or _storage_shared(p):
             self.bound[slot.index] = None
             return
         view.copy_(p.detach().reshape(-1))
