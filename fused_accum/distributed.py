@@ -277,6 +277,12 @@ class WindowReducer:
         self._mesh = None  # sharded checkpoints: the group as a 1-D DeviceMesh (see state_rows)
         self._ones: Optional[Tensor] = None  # the has-gradient flags where every slot has one (see _agree)
 
+    @property
+    def reducing(self) -> bool:
+        """A reduction of this backward was begun and not ended: collectives launched, or
+        gradients staged for them (shard="grads")."""
+        return bool(self._launched or self._staged or self._pending)
+
     def bucket_ready(self, flat_groups, bucket) -> None:
         """``bucket`` holds its final local values: launch it and any ready ones after it."""
         self._ready.add(id(bucket))

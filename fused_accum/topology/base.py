@@ -34,6 +34,7 @@ methods are how it changes it.
 ``final_at_bucket``          a bucket the window's last backward completed holds the window's
                              gradient here already (offload may step it as it lands)
 ``backward_ended``           a backward that reached the parameters ended
+``backward_raised``          a backward raised before its end (a reduction it began is ended)
 ``finish``                   complete the reduction owed (the window's last backward, the step)
 ``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
 ``dropped``                  the user cleared a ``.grad`` (zero-grads: its sharded piece goes)
@@ -209,6 +210,10 @@ class Topology:
 
     def backward_ended(self, ledger, flat_groups) -> None:
         pass
+
+    def backward_raised(self, ledger, flat_groups) -> None:
+        """A backward raised before its end, its partly filled buckets folded: what it arrived
+        with stays (as torch keeps it in ``.grad``), and a retried backward adds to it."""
 
     def finish(self, ledger, flat_groups) -> None:
         pass

@@ -315,11 +315,19 @@ class Zero(Replicated):
         # unfrozen in it, whose first window's gradient is reduced on its own at the step)
         self._late: list = []
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
+        self._raised = False  # "state": the reduction was ended by a backward that raised
 
     def layout(self) -> ShardedLayout:
         return ShardedLayout(self.reducer.rank, self.reducer.world, self.mode, self.exact)
 
     def _reduced_error(self, ledger):
+        if self._raised:
+            raise RuntimeError(
+                f"{ledger.label}: a backward raised after this window's reduce-scatter had begun "
+                "(shard='state' reduces once per window): the window was reduced with the "
+                "gradients that had arrived, and no backward can add to it; call step() to step "
+                "it, or zero_grad() to discard it, before the next backward"
+            )
         raise RuntimeError(
             f"{ledger.label}: shard='state' reduces once per window and this window was "
             "already reduce-scattered; call step() (and zero_grad()) before the next "
@@ -368,6 +376,19 @@ class Zero(Replicated):
     def backward_ended(self, ledger, flat_groups) -> None:
         if self.grads:  # every bucket is reduce-scattered once per backward, in order
             self.reducer.scatter_backward(flat_groups)
+
+    def backward_raised(self, ledger, flat_groups) -> None:
+        """With shard="grads" the raised backward's reduce-scatters end as at a backward's end
+        (every rank issues them, in order; what arrived stays in the window). With "state" as
+        ``process_group=``'s, after which the window is reduced: a retried backward is refused
+        (shard="state" reduces once per window), step() steps what arrived."""
+        if not self.reducer.reducing:
+            return
+        if self.grads:
+            self.reducer.scatter_backward(flat_groups)
+        else:
+            self._raised = True
+            super().backward_raised(ledger, flat_groups)
 
     def finish(self, ledger, flat_groups) -> None:
         if self._user_staged:
@@ -441,7 +462,7 @@ class Zero(Replicated):
     def after_step(self, ledger, flat_groups) -> None:
         """No full gradient survives the step, so the window ends with it (a backward before
         ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
-        self._reduced, self._late = False, []
+        self._reduced, self._late, self._raised = False, [], False
         self.reducer.new_window()
         for flat in flat_groups:
             for slot in flat.slots:
