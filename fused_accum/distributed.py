@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from .ledger import HAS_GRAD
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -274,16 +275,26 @@ class WindowReducer:
         # in the backend's threads, and none is kept after (see Handoff).
         self.handoff = Handoff(group)
         self._mesh = None  # sharded checkpoints: the group as a 1-D DeviceMesh (see state_rows)
+        self._ones: Optional[Tensor] = None  # the has-gradient flags where every slot has one (see _agree)
+
+    @property
+    def reducing(self) -> bool:
+        """A reduction of this backward was begun and not ended: collectives launched, or
+        gradients staged for them (shard="grads")."""
+        return bool(self._launched or self._staged or self._pending)
 
     def bucket_ready(self, flat_groups, bucket) -> None:
         """``bucket`` holds its final local values: launch it and any ready ones after it."""
         self._ready.add(id(bucket))
         self._launch(flat_groups, only_ready=True)
 
-    def finish(self, flat_groups) -> None:
+    def finish(self, flat_groups) -> list:
         """Reduce what is left, wait for everything, and average. Afterwards every slot holds
-        the group's gradient (zero where no rank had one)."""
+        the group's gradient (zero where no rank had one); returned, the slots this rank had no
+        gradient for that another rank had (:meth:`_agree`: which slots have one is the group's
+        too, fused_accum.ledger)."""
         self._launch(flat_groups, only_ready=False)
+        here, flags = self._agree(flat_groups)
         works, self._works = self._works, []
         self.handoff.settle(works)
         for flat in flat_groups:
@@ -297,6 +308,34 @@ class WindowReducer:
             elif self._avg_op is None:
                 flat.acc.div_(self.world)  # padding is zero: dividing the whole buffer is one pass
         self._ready, self._launched = set(), set()
+        if all(here):
+            return []  # (every slot had a gradient here, so in the group: nothing to read)
+        slots = [s for flat in flat_groups for s in flat.slots]
+        return [s for s, had, anyone in zip(slots, here, flags.tolist()) if anyone and not had]
+
+    def _agree(self, flat_groups) -> tuple:
+        """Launch the all-reduce (MAX) of a flag per slot of ``flat_groups``, 1 where this rank
+        has a gradient this window: a slot has one in the group where any rank's has
+        (fused_accum.ledger). Launched after every bucket, so every rank issues it at the same
+        place in the fixed order, and waited for with them: one collective of 1 B per parameter
+        per reduction, which adds no wait of its own. Returns (this rank's flags as bools, the
+        flags' tensor). The host reads the result only where this rank lacks a gradient for
+        some parameter (a layer frozen or skipped, an expert no token reached): one host read
+        per reduction there, as DDP's find_unused_parameters=True pays for a parameter unused
+        locally; never where every parameter has a local gradient (the steady state of most
+        models: the flags are then a cached tensor of ones, whose MAX with anything is itself)."""
+        here = list(map(HAS_GRAD, (s for flat in flat_groups for s in flat.slots)))
+        if not here:
+            return here, None
+        device = flat_groups[0].acc.device
+        if all(here):
+            if self._ones is None or (self._ones.numel(), self._ones.device) != (len(here), device):
+                self._ones = torch.ones(len(here), dtype=torch.uint8, device=device)
+            flags = self._ones
+        else:
+            flags = torch.tensor(here, dtype=torch.uint8).to(device, non_blocking=True)
+        self._works.append(self.handoff.launch(dist.all_reduce, flags, op=dist.ReduceOp.MAX))
+        return here, flags
 
     def sum_(self, value: Tensor) -> Tensor:
         """``value`` replaced by its sum over the group, in place (no host sync)."""

@@ -7,6 +7,18 @@ whether step_in_backward stepped it (``stepped``). Per window: the count of back
 step_in_backward may step it or has, and what ``.grad`` shows. (The window's norm and non-finite
 flag are not kept: the step takes them from the buffers' values, ``Topology.norm_terms``.)
 
+**Whether a parameter has a gradient this window** is decided by one rule, for every topology:
+``has_grad``. A fold sets it (a hook, a fused weight gradient written in place, FSDP2's
+reduce-scatter taken), and so does a gradient taken whole (a ``.grad`` the user assigned, DDP's,
+a checkpoint's); the user clearing ``.grad``, the window's end and a move of the buffers clear it.
+Where the ranks reduce the window themselves (``process_group=``, ``shard=``, the exact wire), the
+reduction makes it the group's: set where any rank's was (:meth:`Ledger.reduced`, from the
+ranks' flags, agreed by one small all-reduce that goes with the reduction:
+``fused_accum.distributed.WindowReducer.finish``), so every rank decides alike. A slot without
+one is not stepped (its state, step count and master stay, as torch's optimizers skip a
+parameter whose ``.grad`` is None), counts nothing in the norm, shows ``.grad`` None and saves no
+``accum``.
+
 Only the ledger's methods change them, each named for the event that changes them (a bucket
 was folded, a gradient taken from the user, a ``.grad`` cleared, a backward ended, the window
 stepped, ended, moved); everywhere else they are read (the slot's fields have no setter).
@@ -183,9 +195,11 @@ class Ledger:
         slot._has_grad = True
         self._changed()
 
-    def took_all(self, slots) -> None:
-        """Every one of ``slots`` holds the group's gradient (a data-parallel reduction)."""
-        for slot in slots:
+    def reduced(self, others) -> None:
+        """The window's data-parallel reduction ended: every slot holds the group's gradient,
+        and ``has_grad`` becomes the group's (the rule: see the module): ``others``, the slots
+        this rank had no gradient for that another rank had, hold one now."""
+        for slot in others:
             slot._has_grad = True
         self._changed()
 
@@ -361,6 +375,8 @@ class Exposure:
                 changed = True
                 continue
             if grad is None:
+                if slot.has_grad:
+                    self.folder.topology.dropped(self.flat_groups, slot)
                 changed |= slot.has_grad
                 ledger.cleared(slot)
             else:

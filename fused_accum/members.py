@@ -111,8 +111,10 @@ class Members:
 
     def adopt_unfrozen(self, opt) -> None:
         """Give buffers and hooks to parameters frozen when added and trainable now (gradual
-        unfreezing). Their first window was accumulated natively in ``.grad``: taken as is; a
-        checkpoint loaded while they were frozen gives them its state."""
+        unfreezing). Their first window was accumulated natively in ``.grad``: taken as a
+        gradient the user assigned (this rank's: a data-parallel topology reduces it with the
+        window; FSDP2's is a DTensor, taken by its local shard), once; a checkpoint loaded while
+        they were frozen gives them its state."""
         ready = [entry for entry in self.frozen if entry[0].requires_grad]
         if not ready:
             return
@@ -120,11 +122,19 @@ class Members:
         by_group: dict = {}
         for p, group_index, label in ready:
             by_group.setdefault(group_index, []).append((p, label))
+        window, taken = self.window, []
         for group_index, members in by_group.items():
             for slot in self._make_flat_groups(opt.param_groups[group_index], group_index, members):
                 checkpoint.adopt_saved(opt, slot)
                 if slot.param.grad is not None:
-                    self.window.take_user_grads([(slot, slot.param.grad)])
+                    taken.append((slot, window.flat_groups[slot.flat_index].user_grad(slot, slot.param.grad)))
+        if taken:
+            window.take_user_grads(taken)
+            if not window.topology.stands_aside:
+                # .grad shows what the window holds now (else the step would take the native
+                # .grad a second time: added twice where the topology stages it, shard="grads")
+                for slot, _ in taken:
+                    slot.param.grad = slot.grad_view
 
     def check_unchanged(self, param_groups: list, owner: str) -> None:
         """Raise if a group's ``params`` list was edited (torch's optimizers walk the lists at

@@ -359,6 +359,7 @@ class GradientWindow:
                 return
             self._folder.revoke_fast()
             self.flush()
+            self.topology.backward_raised(self.ledger, self.flat_groups)  # (a reduction it began)
             self.placement.discarded(self.flat_groups)  # (what it took lacks the retried backward)
             self.expose()
 

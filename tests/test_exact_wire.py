@@ -94,6 +94,82 @@ def reentrant_run(rank, world, **extra):
     return [p.detach().clone() for p in model.parameters()]
 
 
+class NegativeZero(nn.Module):
+    """bf16; ``gate``'s gradient is -0.0 in every element, and only rank 0's micro-batches give
+    it one; it shares its bucket with ``body``, which every rank's do. -0.0 is the additive
+    identity only: a rank without a gradient must add -0.0 (one process's sum of rank 0's
+    gradients is -0.0; +0.0 added makes it +0.0, which SGD's step turns into a -0.0 weight where
+    -0.0 gives +0.0: -0.0 - lr x -0.0 = +0.0)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 3)
+        self.gate = nn.Parameter(torch.full((5,), -0.0))
+        self.to(torch.bfloat16)
+
+    def loss(self, rank, micro):
+        gen = torch.Generator().manual_seed(10 * rank + micro)
+        x = torch.randn(4, 6, generator=gen).to(torch.bfloat16)
+        loss = self.body(x).float().square().sum()
+        if rank == 0:  # d/d gate of (gate * -0.0).sum(): -0.0, elementwise (no reduction)
+            loss = loss + (self.gate * torch.full((5,), -0.0, dtype=torch.bfloat16)).float().sum()
+        return loss
+
+
+def negative_zero_run(rank, world, **extra):
+    """NegativeZero, SGD (no momentum, no decay), one window of K micro-batches per rank (one
+    process: every rank's, in the order (micro-batch j, rank r)); the parameters' bits."""
+    model = NegativeZero()
+    opt = fused_accum.SGD(model.parameters(), lr=0.5, bucket_cap_mb=25.0, **extra)
+    ranks = [rank] if "process_group" in extra else range(world)
+    for micro in range(K):
+        for r in ranks:
+            model.loss(r, micro).backward()
+    opt.step(num_items=None if "process_group" in extra else world)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class ReentrantFirst(nn.Module):
+    """bf16; ``inner`` runs inside and outside a reentrant checkpoint; with FIRST_CAP the buckets
+    are [inner, outer] and [first] (buckets launch in reverse registration order: [first]'s
+    first), and ``first``, registered last, runs first: its gradient arrives last. The [inner,
+    outer] bucket is complete after inner's outer piece but waits for [first] (the fixed order),
+    so inner's reentrant piece is staged into the same buffer before launch: a sum no bf16 holds,
+    which must go on the wire in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer, self.first = nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(8, 8)
+        self.to(torch.bfloat16)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: self.inner(t).tanh(), self.first(x), use_reentrant=True)
+        return self.inner(h) + self.outer(h)
+
+
+FIRST_CAP = 1.25e-4  # MB: 32 elements (first: 72 alone; outer 9 + inner 72 together)
+
+
+def reentrant_first_run(rank, world, **extra):
+    """ReentrantFirst, SGD with fp32 masters, one window of K micro-batches per rank; the fp32
+    update of every parameter (master after - weight before), gathered."""
+    model = ReentrantFirst()
+    before = [p.detach().float() for p in model.parameters()]
+    opt = fused_accum.SGD(model.parameters(), lr=1.0, bucket_cap_mb=FIRST_CAP, master_weights=True, **extra)
+    ranks = [rank] if "process_group" in extra else range(world)
+    for micro in range(K):
+        for r in ranks:
+            gen = torch.Generator().manual_seed(10 * r + micro)
+            model(torch.randn(4, 8, generator=gen).to(torch.bfloat16)).float().pow(2).sum().backward()
+    opt.step(num_items=None if "process_group" in extra else world)
+    saved = opt.gathered_state_dict()["state"]
+    return [saved[i]["master"].reshape(b.shape) - b for i, b in enumerate(before)]
+
+
 def data(rank, window, micro, world, inject):
     gen = torch.Generator().manual_seed(1000 * rank + 10 * window + micro)
     n = 3 + rank
@@ -114,9 +190,13 @@ def loss_of(model, rank, window, micro, world, reduction, inject):
     return err.mean() if reduction == "mean" else err.sum()
 
 
-def make(case, **extra):
+def make(case, linears=False, **extra):
+    """``linears``: fused_accum.nn's Linears (the weight gradient written in place in fp32 where
+    the window can take it)."""
     algorithm, keywords, _, _, dtype = CASES[case]
     model = Net(dtype)
+    if linears:
+        fused_accum.nn.convert_linears_(model)
     opt = fused_accum.FusedAccumOptimizer(
         model.parameters(), algorithm, bucket_cap_mb=CAP, **ALGORITHMS[algorithm], **keywords, **extra
     )
@@ -135,7 +215,7 @@ def run_window(model, opt, case, window, rank, world, group_items):
     opt.zero_grad()
 
 
-def one_process(case, worlds):
+def one_process(case, worlds, linears=False):
     """One process, reduce_dtype="exact": window w runs the micro-batches of ``worlds[w]`` ranks
     in the order (micro-batch j, rank r) and steps with num_items = the ranks' mean's count. One
     thread, as the ranks: the backward's fp32 matmuls (not ours) sum in an order that depends on
@@ -143,14 +223,14 @@ def one_process(case, worlds):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _one_process(case, worlds)
+        return _one_process(case, worlds, linears)
     finally:
         torch.set_num_threads(threads)
 
 
-def _one_process(case, worlds):
+def _one_process(case, worlds, linears):
     _, _, reduction, with_items, _ = CASES[case]
-    model, opt = make(case, reduce_dtype="exact")
+    model, opt = make(case, linears, reduce_dtype="exact")
     norms = []
     for window, world in enumerate(worlds):
         for micro in range(K):
@@ -260,6 +340,16 @@ def _worker(rank, path):
                 results[("reentrant", wire)] = reentrant_run(
                     rank, 2, process_group=groups[2], shard="grads", reduce_dtype=wire
                 )
+            exact = dict(process_group=groups[2], shard="grads", reduce_dtype="exact")
+            results["reentrant_first"] = reentrant_first_run(rank, 2, **exact)
+            results["negative_zero"] = negative_zero_run(rank, 2, **exact)
+            # fused_accum.nn's Linears, at N = 2 (the one process must not take their fp32 weight
+            # gradient written in place: the ranks cannot)
+            case = "adamw_clip_skip"
+            model, opt = make(case, linears=True, **exact)
+            for window in range(WINDOWS):
+                run_window(model, opt, case, window, rank, 2, None)
+            results["linears"] = [p.detach().clone() for p in model.parameters()]
         # resume at N = 2 from a gathered checkpoint of a window at N = 4, through
         # torch.distributed.checkpoint's storage (saved by the 4 ranks, loaded by 2 of them)
         case = "adamw_items_remainder"
@@ -338,6 +428,66 @@ def test_a_gradient_arriving_twice_in_a_backward_is_summed(ranks):
         for wire in ("exact", None):
             for got, w in zip(ranks[rank][("reentrant", wire)], want):
                 torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_gradient_only_rank_0_gives_keeps_its_negative_zero_in_a_shared_bucket(ranks):
+    want = negative_zero_run(0, 2, reduce_dtype="exact")
+    assert torch.equal(_bits(want[0]), _bits(torch.zeros_like(want[0])))  # gate (listed first): +0.0, see NegativeZero
+    for rank in range(2):
+        assert not same(ranks[rank]["negative_zero"], want)
+
+
+def test_a_reentrant_piece_staged_before_its_bucket_launched_goes_on_the_fp32_wire(ranks):
+    # The bucket's staged sum of the two bf16 pieces, sent in bf16, rounds to 8 bits (>= 2**-9
+    # relative of the update); in fp32 it is the one process's sum but for the order of its fp32
+    # adds (one process adds the pieces one by one: a few ulp, 1e-6 relative)
+    want = reentrant_first_run(0, 2, reduce_dtype="exact")
+    for rank in range(2):
+        for got, w in zip(ranks[rank]["reentrant_first"], want):
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_linears_on_the_exact_wire_equal_one_process_bit_for_bit(ranks):
+    want = one_process("adamw_clip_skip", [2] * WINDOWS, linears=True)
+    for rank in range(2):
+        assert not same(ranks[rank]["linears"], want["params"])
+
+
+def test_one_process_exact_norm_leaves_out_a_layer_without_a_gradient():
+    """reduce_dtype="exact" in one process clips by the same norm as torch's clip_grad_norm_
+    over the parameters that have a ``.grad``: a layer no micro-batch of a window used still
+    holds the last window's sum in its slice, which the norm must not count. fp32 (the chunked
+    norm's tree sum and torch's norm agree to a few ulp: 1e-5 relative after 3 AdamW steps, the
+    stale slice moves them by > 1e-3)."""
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.branch, self.head = nn.Linear(6, 9), nn.Linear(6, 9), nn.Linear(9, 3)
+
+        def forward(self, x, branch):
+            h = self.body(x) + (self.branch(x) if branch else 0)
+            return self.head(torch.tanh(h))
+
+    ours, ref = Branchy(), Branchy()
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, reduce_dtype="exact", max_grad_norm=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for window in range(3):
+        for model in (ours, ref):
+            for micro in range(K):
+                gen = torch.Generator().manual_seed(10 * window + micro)
+                x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+                ((model(x, branch=window != 1) - y) ** 2).mean().backward()
+        norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert norm > 0.05, norm  # (the clip binds)
+        opt.step()
+        ref_opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, norm, rtol=1e-5, atol=0)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_resume_at_another_world_size(ranks):

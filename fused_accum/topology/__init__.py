@@ -76,6 +76,13 @@ class Local(Topology):
     def __init__(self, exact_norm: bool = False) -> None:
         self.exact_norm = exact_norm  # reduce_dtype="exact": the norm of every world size's exact wire
 
+    def in_place_ok(self, ledger, flat) -> bool:
+        # reduce_dtype="exact": the ranks' gradients go on the wire in the parameters' dtype, so
+        # the one process whose bits every world size equals takes them so too, never
+        # fused_accum.nn's fp32 weight gradient written in place (the ranks cannot: 0.02 apart
+        # on a bf16 MLP). The ordinary weight gradient is then returned, as on the ranks.
+        return not self.exact_norm
+
     def join(self, ledger, params) -> Topology:
         """DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) are FSDP2's,
         decided as they join rather than at the first backward: a step may come first

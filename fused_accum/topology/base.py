@@ -34,8 +34,10 @@ methods are how it changes it.
 ``final_at_bucket``          a bucket the window's last backward completed holds the window's
                              gradient here already (offload may step it as it lands)
 ``backward_ended``           a backward that reached the parameters ended
+``backward_raised``          a backward raised before its end (a reduction it began is ended)
 ``finish``                   complete the reduction owed (the window's last backward, the step)
 ``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
+``dropped``                  the user cleared a ``.grad`` (zero-grads: its sharded piece goes)
 ``norm_terms``               the window's sum of squares and non-finite count, over every rank
 ``step_divisor``             what the window's gradient is divided by when no ``num_items`` is
                              given (shard="grads" with reduce_dtype="exact": the world size)
@@ -212,11 +214,19 @@ class Topology:
     def backward_ended(self, ledger, flat_groups) -> None:
         pass
 
+    def backward_raised(self, ledger, flat_groups) -> None:
+        """A backward raised before its end, its partly filled buckets folded: what it arrived
+        with stays (as torch keeps it in ``.grad``), and a retried backward adds to it."""
+
     def finish(self, ledger, flat_groups) -> None:
         pass
 
     def take_user_grad(self, flat_groups, slot: Slot, grad: Tensor) -> bool:
         return False  # (not taken here: the window copies it into the slot's slice)
+
+    def dropped(self, flat_groups, slot: Slot) -> None:
+        """The user cleared ``slot``'s ``.grad`` (``p.grad = None``, a module's ``zero_grad()``):
+        the window no longer holds its gradient (here: its slice is overwritten by the next)."""
 
     # --- the step ---
 

@@ -55,9 +55,21 @@ class Replicated(Topology):
 
     def finish(self, ledger, flat_groups) -> None:
         if self._unreduced:
-            self.reducer.finish(flat_groups)
+            others = self.reducer.finish(flat_groups)
             self._unreduced = False
-            ledger.took_all([s for flat in flat_groups for s in flat.slots])  # the group's gradient
+            ledger.reduced(others)  # the group's gradient, and which slots have one
+
+    def backward_raised(self, ledger, flat_groups) -> None:
+        """A backward that had begun the window's reduction (buckets launched as they completed)
+        raised: the reduction is completed now, in the fixed bucket order, so every rank issues
+        the same collectives whichever bucket it raised at (left half done, the ranks' next
+        collectives would pair with the wrong ones, and a retried backward would never reduce
+        the buckets already launched: the ranks drifted apart, 2e-2 in 4 windows). The window
+        then holds the group's gradient of what arrived (the partial gradients stay, as torch
+        keeps them in ``.grad``); a retried backward reduces again (the group's mean plus each
+        rank's new gradient reduces to the mean plus the group's)."""
+        if self.reducer.reducing:
+            self.finish(ledger, flat_groups)
 
     def reset(self) -> None:
         self._unreduced = False

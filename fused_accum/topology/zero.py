@@ -70,6 +70,16 @@ class ShardedGrad(Tensor):
         return f"ShardedGrad(shape={tuple(self.shape)}, shard={self._mode!r}: no full gradient on this rank)"
 
 
+def _storage_shared(param: Tensor) -> bool:
+    """Whether a tensor other than ``param`` holds its storage (an alias: ``param.data`` or
+    ``param.detach()`` kept, a state_dict's entry, another Parameter made over it). The storage's
+    reference count: ``param``'s own and the Python storage object asked for it make 2."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # (a torch without it: never move memory that may be seen)
+        return True
+    return count(param.untyped_storage()._cdata) > 2
+
+
 class ShardedLayout(Layout):
     """One rank's part of every bucket (see the module): the layout of ``shard=``'s flat groups.
     One per flat group: it keeps each bucket's part, and the step's staging buffer."""
@@ -146,11 +156,16 @@ class ShardedLayout(Layout):
         ``parameters_as_bucket_view=True``: the step then updates this rank's pieces in place
         and the all-gathers write every rank's straight into the parameters, with no copy in or
         out per parameter (O(buckets) ops per step, not O(parameters)). The parameter object,
-        its autograd node and hooks stay (``.data`` of the same dtype and device). A parameter
-        that does not own its whole storage (a view of another tensor, a tied slice) or is not
-        contiguous (channels_last: its memory order is not its elements' order) stays loose: its
-        piece is copied in and out at each step. :meth:`begin_step` binds again a parameter
-        whose ``.data`` was replaced since."""
+        its autograd node and hooks stay (``.data`` of the same dtype and device).
+
+        Only memory nothing else sees moves: a parameter stays loose (its piece copied in and
+        out at each step, two copies per parameter) where its storage is held by another tensor
+        too (a ``model.state_dict()`` or a ``.data`` taken before, a second Parameter over it:
+        moved, they would silently stop following the weights), where it does not own its
+        whole storage (a view of another tensor, a tied slice) or is not contiguous
+        (channels_last: its memory order is not its elements' order). :meth:`begin_step` asks
+        again at each step for the loose ones (bound once the other holder is gone) and for
+        a parameter whose ``.data`` was replaced since."""
         p = slot.param
         n = p.numel()
         view = self.params[slot.offset : slot.offset + n]
@@ -159,7 +174,7 @@ class ShardedLayout(Layout):
             self.bound[slot.index] = p.data_ptr()  # (bound already)
             return
         whole = p.untyped_storage().nbytes() == n * p.element_size() and p.storage_offset() == 0
-        if not (fits and whole):
+        if not (fits and whole) or _storage_shared(p):
             self.bound[slot.index] = None
             return
         view.copy_(p.detach().reshape(-1))
@@ -296,12 +311,23 @@ class Zero(Replicated):
         if self.exact:
             self.name = "zero (grads, exact wire)"
         self._reduced = False  # "state": this window was reduce-scattered (no full .grad)
+        # "state": flat groups that joined the window once it was reduce-scattered (parameters
+        # unfrozen in it, whose first window's gradient is reduced on its own at the step)
+        self._late: list = []
         self._user_staged = False  # "grads": a user-assigned .grad staged, not yet scattered
+        self._raised = False  # "state": the reduction was ended by a backward that raised
 
     def layout(self) -> ShardedLayout:
         return ShardedLayout(self.reducer.rank, self.reducer.world, self.mode, self.exact)
 
     def _reduced_error(self, ledger):
+        if self._raised:
+            raise RuntimeError(
+                f"{ledger.label}: a backward raised after this window's reduce-scatter had begun "
+                "(shard='state' reduces once per window): the window was reduced with the "
+                "gradients that had arrived, and no backward can add to it; call step() to step "
+                "it, or zero_grad() to discard it, before the next backward"
+            )
         raise RuntimeError(
             f"{ledger.label}: shard='state' reduces once per window and this window was "
             "already reduce-scattered; call step() (and zero_grad()) before the next "
@@ -314,6 +340,8 @@ class Zero(Replicated):
             slot.placeholder = ShardedGrad(slot.param, self.mode)
             if self.grads:
                 ledger.view_set(slot, slot.placeholder)  # there is never a full gradient
+        if self._reduced:
+            self._late.append(flat)
 
     def before_backward(self, ledger) -> None:
         if self._reduced:
@@ -349,6 +377,19 @@ class Zero(Replicated):
         if self.grads:  # every bucket is reduce-scattered once per backward, in order
             self.reducer.scatter_backward(flat_groups)
 
+    def backward_raised(self, ledger, flat_groups) -> None:
+        """With shard="grads" the raised backward's reduce-scatters end as at a backward's end
+        (every rank issues them, in order; what arrived stays in the window). With "state" as
+        ``process_group=``'s, after which the window is reduced: a retried backward is refused
+        (shard="state" reduces once per window), step() steps what arrived."""
+        if not self.reducer.reducing:
+            return
+        if self.grads:
+            self.reducer.scatter_backward(flat_groups)
+        else:
+            self._raised = True
+            super().backward_raised(ledger, flat_groups)
+
     def finish(self, ledger, flat_groups) -> None:
         if self._user_staged:
             self._user_staged = False
@@ -356,7 +397,9 @@ class Zero(Replicated):
         if not self._unreduced:
             return
         if self._reduced:
-            self._reduced_error(ledger)
+            if not self._late:
+                self._reduced_error(ledger)
+            flat_groups, self._late = self._late, []  # (only theirs is unreduced)
         super().finish(ledger, flat_groups)
         if not self.grads:
             self._reduced = True  # only this rank's parts hold the group's gradient now
@@ -366,7 +409,8 @@ class Zero(Replicated):
                     ledger.view_set(slot, slot.placeholder)
 
     def take_user_grad(self, flat_groups, slot, grad: Tensor) -> bool:
-        if self._reduced:
+        flat = flat_groups[slot.flat_index]
+        if self._reduced and not any(late is flat for late in self._late):
             raise RuntimeError(
                 f"parameter {slot.name}: a .grad assigned by the user cannot be taken by a "
                 "sharded optimizer once its window is reduce-scattered"
@@ -375,11 +419,23 @@ class Zero(Replicated):
             return False  # "state": the window copies it into the whole accumulator
         # "grads": this rank's gradient, staged in its bucket and reduce-scattered with the rest
         # of the bucket when the step reduces (every rank must assign its .grad, as every rank
-        # runs every backward)
-        flat = flat_groups[slot.flat_index]
+        # runs every backward); it replaces what the window held (as an assigned .grad does)
+        self.dropped(flat_groups, slot)
         self.reducer.stage(flat, flat.buckets[slot.bucket_index], [slot], [grad.detach()])
         self._unreduced = self._user_staged = True
         return True
+
+    def dropped(self, flat_groups, slot) -> None:
+        """With shard="grads" this rank's piece of ``slot``'s gradient, in the sharded
+        accumulator, becomes -0.0 (the additive identity: the next reduce-scatter adds to it
+        as if it overwrote, bit for bit on the exact wire). Every rank must clear it, as every
+        rank runs every backward: the piece holds the ranks' sum, from which one rank's part
+        cannot be taken out. ("state": the slice is whole until the reduction; the next fold
+        overwrites it.)"""
+        if self.grads:
+            piece = flat_groups[slot.flat_index].layout.pieces[slot.index]
+            if piece is not None:
+                piece[0].fill_(-0.0)
 
     def norm_terms(self, ledger, flat_groups, home) -> tuple:
         """The sum of squares of this rank's reduced parts, summed over the group with one
@@ -406,7 +462,7 @@ class Zero(Replicated):
     def after_step(self, ledger, flat_groups) -> None:
         """No full gradient survives the step, so the window ends with it (a backward before
         ``zero_grad()`` starts a new one) and ``.grad`` becomes None."""
-        self._reduced = False
+        self._reduced, self._late, self._raised = False, [], False
         self.reducer.new_window()
         for flat in flat_groups:
             for slot in flat.slots:
