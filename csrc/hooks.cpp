@@ -20,6 +20,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <tuple>
@@ -42,12 +44,25 @@ void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList 
   op.call(acc, offsets, grads, 1.0, overwrite, std::nullopt, std::nullopt);
 }
 
-void revoke(BucketArrivals& bucket) {
-  bucket.fast = false;
-  bucket.folded_task = -1;
-  bucket.overwrite = false;
+void ungrant(BucketArrivals& bucket) {
+  bucket.fast = bucket.overwrite = false;
   bucket.acc.reset();
   bucket.offsets.reset();
+}
+
+void revoke(BucketArrivals& bucket) {
+  ungrant(bucket);
+  bucket.folded_task = -1;
+}
+
+// Whether the fold of `grads` into `acc` stays in C++: it runs under the table's lock, so it
+// may not enter Python (a dispatch mode, a tensor subclass), which another thread, holding the
+// GIL, may be waiting on that lock for.
+bool folds_in_cpp(const at::Tensor& acc, const std::vector<at::Tensor>& grads) {
+  if (c10::impl::dispatch_mode_enabled()) return false;
+  return std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+    return g.defined() && g.device() == acc.device() && !g.key_set().has(c10::DispatchKey::Python);
+  });
 }
 
 std::vector<at::Tensor> take(BucketArrivals& bucket) {
@@ -280,8 +295,6 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
   bool new_task = false;
   int64_t complete = -1;
   std::vector<at::Tensor> grads;
-  at::Tensor fast_acc, fast_offsets;
-  bool fast_overwrite = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
@@ -304,33 +317,34 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
         complete = slot_bucket_[key];
         grads = take(bucket);
         // Once per backward: a second completion (reentrant pieces) is Python's.
-        const bool fast = bucket.fast && bucket.folded_task != task &&
-                          std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
-                            return g.defined() && g.device() == bucket.acc.device();
-                          });
-        if (fast) {
-          fast_acc = bucket.acc;
-          fast_offsets = bucket.offsets;
-          fast_overwrite = bucket.overwrite;
+        if (bucket.fast && bucket.folded_task != task && folds_in_cpp(bucket.acc, grads)) {
+          // Folded under the lock, with the grant it was decided by: another thread's backward
+          // of the same model folds this bucket after it, not at once (an add lost), and a
+          // report that names an overwrite is taken after its sums are written.
+          fold_into(bucket.acc, bucket.offsets, grads, bucket.overwrite);
           bucket.folded_task = task;
-          if (fast_overwrite) {
+          if (bucket.overwrite) {
             overwritten_.push_back(complete);
             revoke(bucket);  // the window's first gradients: the next backward adds
           }
+          complete = -1;
         } else {
           quiet_clean_ = false;
+          ungrant(bucket);  // (the window folds these: a fold of the grant's would race it)
+          bucket.with_window = true;
         }
       }
     }
   }
+  const auto folded = c10::make_scope_exit([&] {  // (however the calls below end)
+    if (complete < 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    buckets_[complete].with_window = false;
+  });
   // Python is called without the lock held: it may call back (arrive_in_place, clear).
   // The first gradient of a backward asks Python to see that backward's end.
   if (new_task) call(queue_end_);
-  if (fast_acc.defined()) {
-    fold_into(fast_acc, fast_offsets, grads, fast_overwrite);
-  } else if (complete >= 0) {
-    call(bucket_complete_, complete, std::move(grads));
-  }
+  if (complete >= 0) call(bucket_complete_, complete, std::move(grads));
 }
 
 void Arrivals::clear() {
@@ -445,13 +459,16 @@ void Arrivals::hand(const py::object& plan, const py::object& show) {
     const int64_t b = std::get<0>(grant);
     TORCH_CHECK(b >= 0 && b < (int64_t)buckets_.size(), "Arrivals.hand: no bucket ", b);
   }
-  for (auto& bucket : buckets_) {
-    bucket.fast = bucket.overwrite = false;
-    bucket.acc.reset();
-    bucket.offsets.reset();
-  }
+  for (auto& bucket : buckets_) ungrant(bucket);
   for (auto& grant : grants) {
-    BucketArrivals& bucket = buckets_[std::get<0>(grant)];
+    const int64_t b = std::get<0>(grant);
+    BucketArrivals& bucket = buckets_[b];
+    // A plan decided before the window had a bucket's first gradients (another thread's
+    // backward, or a nested one, handing it meanwhile) grants no overwrite there again.
+    if (bucket.with_window ||
+        (std::get<3>(grant) && std::find(overwritten_.begin(), overwritten_.end(), b) != overwritten_.end())) {
+      continue;
+    }
     bucket.fast = true;
     bucket.acc = std::move(std::get<1>(grant));
     bucket.offsets = std::move(std::get<2>(grant));
@@ -515,7 +532,9 @@ py::object Arrivals::report(bool end) {
     overwritten.swap(overwritten_);
     if (end) {
       for (size_t b = 0; b < buckets_.size(); ++b) {
-        if (buckets_[b].count) partial.emplace_back(b, take(buckets_[b]));
+        if (!buckets_[b].count) continue;
+        partial.emplace_back(b, take(buckets_[b]));
+        ungrant(buckets_[b]);  // (the window folds these: a fold of the grant's would race it)
       }
     }
     quiet = counters_ ? counters_[1] : 0;

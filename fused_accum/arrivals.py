@@ -33,7 +33,10 @@ grads in bucket order (None for one written in place). The first arrival of a ba
 engine drops its final callbacks unrun. The window's callback notices that as it is dropped; a
 quiet backward's (:class:`Plan`) calls ``backward_raised()``. The hooks call the window
 with the GIL and without the table's lock held (it may call back: ``arrive_in_place``,
-``clear``); an exception raised there reaches the caller of ``backward()`` unchanged.
+``clear``); an exception raised there reaches the caller of ``backward()`` unchanged. Several
+threads may each run a backward of one model at once (torch adds their gradients under the
+node's lock): their gradients of one bucket are summed alike, and every fold of a bucket, the
+hooks' own or the window's, runs after the last one, never beside it (see :class:`Plan`).
 
 Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
 ``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
@@ -120,8 +123,13 @@ class Plan(NamedTuple):
 
     The fast path (acted on only by a table whose ``fast`` is set, the C++ one; the window
     plans none for the Python twin). ``grants``: the buckets the hooks fold themselves when
-    complete (:class:`Grant`), without calling ``bucket_complete``; a second completion in one
-    backward is the window's; an overwrite is used once, an add stays while the plan does.
+    complete (:class:`Grant`), without calling ``bucket_complete``, under the table's lock (so
+    two threads' folds of a bucket run one after the other); a second completion in one
+    backward is the window's; an overwrite is used once, an add stays while the plan does. A
+    bucket whose gradients go to the window (``bucket_complete``, a report's ``partial``) loses
+    its grant, as the window folds them; and a plan handed before the window took them back (in
+    a callback of another thread's backward, or of a nested one) grants neither that bucket
+    while ``bucket_complete`` runs nor an overwrite used since the last report.
     ``quiet_until``: backwards may run quietly, without calling Python at all, while the
     table's count of quiet backwards (``counters[1]``) is below it (0: none); each checks at
     its first gradient what ``before_backward`` would (``counters[0]``, the window's change
@@ -201,7 +209,8 @@ class HookTable(Protocol):
 
     def report(self, end: bool) -> Report:
         """What the hooks did since the last report (see :class:`Report`); with ``end`` (a
-        backward ended, or raised) also the partly arrived buckets, emptied."""
+        backward ended, or raised) also the partly arrived buckets, emptied, their grants
+        revoked."""
 
     def extend(
         self,

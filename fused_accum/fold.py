@@ -168,8 +168,10 @@ class Folder:
         self.topology.added()
 
     def bucket_complete(self, bucket_id: int, grads: list) -> None:
-        """Every slot of a bucket has arrived in this backward: fold them."""
+        """Every slot of a bucket has arrived in this backward: fold them (the hooks handed the
+        bucket here without its grant, which is no longer in their plan)."""
         self.take_report()
+        self.ledger.ungranted((bucket_id,))
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)

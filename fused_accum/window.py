@@ -70,7 +70,8 @@ def _before_backward(window_ref) -> None:
 def _queue_end(window_ref) -> None:
     window = window_ref()
     if window is not None:
-        window._queue_end_of_backward(arrived=True)
+        with window.lock:  # (it may hand a plan: another thread's backward may be in a callback)
+            window._queue_end_of_backward(arrived=True)
 
 
 def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:

@@ -7,6 +7,7 @@ ones too.
 """
 
 import gc
+import threading
 import warnings
 
 import pytest
@@ -683,6 +684,86 @@ def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(cpp_hooks):
         assert opt.microbatches == i + 1
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_layer_used_inside_and_outside_a_reentrant_checkpoint_sums_both_pieces(hooks):
+    # The second layer runs inside a reentrant checkpoint and again outside it, each parameter
+    # in a bucket of its own: its outer gradient arrives first (in the window's first backward,
+    # written over the buffer), then the checkpoint's nested backward brings the inner one,
+    # which is added to it, as torch adds both into .grad.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 5))
+    b = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 5))
+    b.load_state_dict(a.state_dict())
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, bucket_cap_mb=1e-6)
+    assert len(ours._window._folder.bucket_ids) == 4
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+    for window in range(2):
+        for x in _batches(3, seed=window):
+            for model in (a, b):
+                h = checkpoint(model[1], model[0](x), use_reentrant=True)
+                model[1](h.tanh()).square().sum().backward()
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p.grad, q.grad)  # the same fp32 adds, in the same order
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def _backwards_on_threads(params, opt, *, windows, threads, rounds):
+    """Each window: ``threads`` threads call backward() on the same parameters at once,
+    ``rounds`` times each, then one step. Every gradient is an integer-valued fp32 tensor, so
+    every sum is exact in any order: the result does not depend on how the threads interleave."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(windows):
+        coefs = [[torch.randint(-3, 4, p.shape, generator=g).float() for p in params] for _ in range(threads)]
+        barrier, errors = threading.Barrier(threads), []
+
+        def backwards(cs):
+            try:
+                for r in range(rounds):
+                    barrier.wait()
+                    sum(((r + 1) * c * p).sum() for c, p in zip(cs, params)).backward()
+            except BaseException as e:  # (reported below, on the test's thread)
+                errors.append(e)
+                barrier.abort()
+
+        workers = [threading.Thread(target=backwards, args=(cs,)) for cs in coefs]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not errors, errors
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("per_bucket, accum_steps", [(1, None), (2, 6)], ids=["bucket_each", "buckets_of_two_known_k"])
+def test_backwards_on_several_threads_at_once_sum_every_gradient(hooks, per_bucket, accum_steps):
+    # Three threads call backward() on one model at once (each its own graph), as torch allows:
+    # torch adds every gradient into .grad under the node's lock, and so must the window, its
+    # fast folds included. Large parameters (2**18 floats: a fold takes long enough for the
+    # threads' folds of one bucket to meet) and 12 windows: a fold racing another loses a
+    # gradient in practically every run; here, as the sums are exact, none may.
+    size, windows, threads, rounds = 2**18, 12, 3, 2
+
+    def params():
+        torch.manual_seed(0)
+        return [nn.Parameter(torch.randn(size)) for _ in range(4)]
+
+    ref = params()
+    _backwards_on_threads(ref, torch.optim.SGD(ref, lr=2**-10), windows=windows, threads=threads, rounds=rounds)
+    ours = params()
+    opt = fused_accum.SGD(ours, lr=2**-10, accum_steps=accum_steps, bucket_cap_mb=per_bucket * size * 4 / 2**20)
+    assert len(opt._window._folder.bucket_ids) == 4 // per_bucket
+    _backwards_on_threads(ours, opt, windows=windows, threads=threads, rounds=rounds)
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)  # exact sums; SGD steps them alike
 
 
 @pytest.mark.parametrize("restart", ["step", "load_state_dict"])
