@@ -123,7 +123,7 @@ struct TakeGradAfter : public FunctionPostHook {
   variable_list operator()(const variable_list& outputs, const variable_list& inputs) override {
     // An undefined input: the pre-hook took the gradient (or there was none): nothing to do.
     if (inputs.size() == 1 && inputs[0].defined()) {
-      if (auto table = arrivals.lock()) table->after_accumulate(key, node->variable);
+      if (auto table = arrivals.lock()) table->after_accumulate(key, *node);
     }
     return outputs;
   }
@@ -131,6 +131,31 @@ struct TakeGradAfter : public FunctionPostHook {
   AccumulateGrad* node;
   int64_t key;
 };
+
+// The user's hooks on a parameter's AccumulateGrad node, beside the tables' own (registered with
+// its grad_fn's register_prehook / register_hook: the overlapped all-reduce of Megatron and
+// DeepSpeed): `pre`, a pre-hook that runs after ours, which must be handed the gradient (it is
+// left to AccumulateGrad); `post`, a post-hook, which reads .grad as the running sum (folded at
+// once). (Most nodes hold only our two hooks: the sizes say so without a look at each.)
+struct UserHooks {
+  bool pre = false, post = false;
+};
+
+UserHooks user_hooks(const AccumulateGrad& node) {
+  UserHooks user;
+  if (node.pre_hooks().size() > 1) {
+    bool ours = false;
+    for (const auto& hook : node.pre_hooks()) {
+      const bool table = dynamic_cast<const TakeGradBefore*>(hook.get()) != nullptr;
+      user.pre |= ours && !table;
+      ours |= table;
+    }
+  }
+  if (node.post_hooks().size() > 1) {
+    for (const auto& hook : node.post_hooks()) user.post |= dynamic_cast<const TakeGradAfter*>(hook.get()) == nullptr;
+  }
+  return user;
+}
 
 }  // namespace
 
@@ -238,9 +263,11 @@ void Arrivals::detach_all() {
 
 // The pre-hook. Handing AccumulateGrad an undefined gradient makes the node skip it: `.grad` is
 // not touched, and autograd neither detaches nor stores anything (a user's post-accumulate-grad
-// hook still runs). AccumulateGrad must run where it does more than store the gradient: a double
+// hook and the node's post-hooks still run: they see .grad as the running sum, folded at once by
+// the window). AccumulateGrad must run where it does more than store the gradient: a double
 // backward keeps the gradient's graph, a non-strided or zero tensor needs its handling, a
-// parameter that no longer requires grad drops it (and the window may decline a hooked one).
+// parameter that no longer requires grad drops it, a user's pre-hook after ours must see it (and
+// the window may decline a hooked one).
 variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, const variable_list& grads) {
   if (standing_aside()) return grads;
   if (slow_) {
@@ -252,11 +279,14 @@ variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, con
   const at::Tensor& grad = grads[0];
   const bool plain =
       grad.layout() == at::kStrided && !grad._is_zerotensor() && param.requires_grad() && !at::GradMode::is_enabled();
-  if (plain && !node.tensor_post_acc_grad_hooks()) {
-    arrive(key, grad);
-    return variable_list(1);
+  const UserHooks user = user_hooks(node);
+  if (plain && !user.pre) {
+    if (!user.post && !node.tensor_post_acc_grad_hooks()) {
+      arrive(key, grad);
+      return variable_list(1);
+    }
+    if (call_bool(fold_hooked_, key, grad)) return variable_list(1);
   }
-  if (plain && call_bool(fold_hooked_, key, grad)) return variable_list(1);
   if (hide_) {
     at::Tensor& shown = param.mutable_grad();
     if (shown.defined()) {
@@ -270,9 +300,10 @@ variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, con
 
 // The post-hook, after AccumulateGrad ran on a gradient the pre-hook left to it: take what it
 // stored in `.grad` into the bucket, and show again what the pre-hook hid (the running sum,
-// which the bucket's fold brings up to date).
-void Arrivals::after_accumulate(int64_t key, const at::Tensor& param) {
+// which the bucket's fold brings up to date; or at once, for the user's post-hooks after ours).
+void Arrivals::after_accumulate(int64_t key, AccumulateGrad& node) {
   if (standing_aside()) return;
+  const at::Tensor& param = node.variable;
   at::Tensor grad;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -283,6 +314,7 @@ void Arrivals::after_accumulate(int64_t key, const at::Tensor& param) {
   if (!grad.defined()) return;  // (dropped: the parameter no longer requires grad)
   TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
               " received a sparse gradient; sparse gradients are not supported");
+  if (user_hooks(node).post && call_bool(fold_hooked_, key, grad)) return;
   arrive(key, std::move(grad));
 }
 

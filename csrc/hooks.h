@@ -69,7 +69,7 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   // --- the hooks on each AccumulateGrad node (hooks.cpp's TakeGradBefore and TakeGradAfter) ---
   torch::autograd::variable_list before_accumulate(int64_t key, torch::autograd::AccumulateGrad& node,
                                                    const torch::autograd::variable_list& grads);
-  void after_accumulate(int64_t key, const at::Tensor& param);
+  void after_accumulate(int64_t key, torch::autograd::AccumulateGrad& node);
 
  private:
   // The AccumulateGrad nodes we hook. The pointer type is whatever grad_accumulator() returns:

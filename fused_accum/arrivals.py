@@ -12,18 +12,21 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   (the window's once-per-backward checks). It then usually takes the gradient into the
   parameter's place in its bucket itself and hands the node an undefined gradient, which
   AccumulateGrad skips: ``.grad`` is left alone (it keeps showing the window's fp32 running sum)
-  and autograd stores nothing. A parameter with a user's post-accumulate-grad hook is handed to
-  ``fold_hooked(key, grad)``: True when the window folded it at once into the running sum that
-  ``.grad`` shows; AccumulateGrad, handed an undefined gradient, still runs the user's hooks,
-  which so see the sum as natively. Where AccumulateGrad must run (a double backward keeps the
-  gradient's graph; a sparse or zero tensor; a parameter that no longer requires grad; a hooked
-  one the window declined) the pre-hook leaves it the gradient, and while the plan's ``hide`` is set (the
-  running sums are showing) hides a defined ``.grad``: else autograd would add the new gradient
-  into the running sum itself, and it would be folded twice.
+  and autograd stores nothing. A parameter with a user's post-accumulate-grad hook, or a user's
+  post-hook on its node (``grad_fn.next_functions[0][0].register_hook``: the overlapped
+  all-reduce of Megatron and DeepSpeed), is handed to ``fold_hooked(key, grad)``: True when the
+  window folded it at once into the running sum that ``.grad`` shows; AccumulateGrad, handed an
+  undefined gradient, still runs the user's hooks, which so see the sum as natively. Where
+  AccumulateGrad must run (a double backward keeps the gradient's graph; a sparse or zero
+  tensor; a parameter that no longer requires grad; a user's pre-hook on the node runs after
+  ours and must be handed the gradient; a hooked one the window declined) the pre-hook leaves it
+  the gradient, and while the plan's ``hide`` is set (the running sums are showing) hides a
+  defined ``.grad``: else autograd would add the new gradient into the running sum itself, and
+  it would be folded twice.
 * a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
   sets ``grad_dtype = None`` on bf16/fp16 parameters). It takes it into the bucket (a sparse one
-  is an error) and shows the hidden ``.grad`` again (brought up to date when the bucket is
-  folded).
+  is an error), or to ``fold_hooked`` where the user's post-hooks on the node follow, and shows
+  the hidden ``.grad`` again (brought up to date when the bucket is folded).
 
 A second gradient for one parameter in one backward (a parameter used inside and outside a
 reentrant checkpoint) is summed into its place, as autograd would have summed it into ``.grad``.
@@ -328,6 +331,7 @@ class PythonArrivals:
         self._slot_position: list = []
         self._names: list = []  # by key, for errors
         self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
+        self._own: dict = {}  # key -> our (pre-hook, post-hook) handles on that node
         self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
         self._shown: dict = {}  # key -> what hand's show set .grad to
         self._handles: list = []
@@ -368,8 +372,12 @@ class PythonArrivals:
 
     def _hook(self, key: int, param: torch.Tensor, node) -> None:
         this, param_ref = weakref.ref(self), weakref.ref(param)
-        self._handles.append(node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)))
-        self._handles.append(node.register_hook(functools.partial(_post_hook, this, param_ref, key)))
+        own = (
+            node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)),
+            node.register_hook(functools.partial(_post_hook, this, param_ref, key)),
+        )
+        self._handles.extend(own)
+        self._own[key] = own
         # Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt,
         # without our hooks, by the next forward. Holding it keeps the hooks.
         self._nodes[key] = node
@@ -392,6 +400,7 @@ class PythonArrivals:
             handle.remove()
         self._handles.clear()
         self._nodes.clear()
+        self._own.clear()
 
     def _standing_aside(self) -> bool:
         return self._detached or self._plan.stands_aside
@@ -412,11 +421,13 @@ class PythonArrivals:
             and param.requires_grad
             and not torch.is_grad_enabled()
         )
-        if plain and not param._post_accumulate_grad_hooks:
-            self._arrive(key, grad)
-            return (None,)
-        if plain and self._fold_hooked(key, grad):
-            return (None,)
+        user_pre, user_post = self._user_hooks(key)
+        if plain and not user_pre:
+            if not user_post and not param._post_accumulate_grad_hooks:
+                self._arrive(key, grad)
+                return (None,)
+            if self._fold_hooked(key, grad):
+                return (None,)
         if self._plan.hide and param.grad is not None:
             with self._lock:
                 self._hidden[key] = param.grad
@@ -435,7 +446,18 @@ class PythonArrivals:
             raise RuntimeError(
                 f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported"
             )
+        if self._user_hooks(key)[1] and self._fold_hooked(key, grad):
+            return
         self._arrive(key, grad)
+
+    def _user_hooks(self, key: int) -> tuple:
+        """The user's hooks on slot ``key``'s node, beside ours (hooks.cpp's user_hooks): a
+        pre-hook that runs after ours, a post-hook. Python hooks on one node share a dict (one
+        for pre-hooks, one for post-hooks), in the order they run."""
+        pre, post = self._own[key]
+        pre_hooks, post_hooks = pre.hooks_dict_ref(), post.hooks_dict_ref()
+        user_pre = pre_hooks is not None and next(reversed(pre_hooks)) != pre.id
+        return user_pre, post_hooks is not None and len(post_hooks) > 1
 
     def arrive_in_place(self, key: int) -> None:
         self._arrive(key, None)

@@ -310,9 +310,10 @@ class GradientWindow:
             return self._folder.in_place_target(slot)
 
     def _fold_hooked(self, key: int, grad: Tensor) -> bool:
-        """A parameter with a user's post-accumulate-grad hook: folded now, its running sum in
-        ``.grad``, which the hook (AccumulateGrad, handed an undefined gradient, still runs it:
-        torch 2.11-2.14) sees and may edit, as natively. False where it cannot be folded alone."""
+        """A parameter with a user's post-accumulate-grad hook or post-hook on its AccumulateGrad
+        node: folded now, its running sum in ``.grad``, which the hook (AccumulateGrad, handed an
+        undefined gradient, still runs both: torch 2.11-2.14) sees and may edit, as natively.
+        False where it cannot be folded alone."""
         slot = self.slots[key]
         target = self.wgrad_target(slot.param)
         if target is None:

@@ -325,6 +325,104 @@ def test_a_post_accumulate_grad_hook_sees_and_edits_the_running_sum(hooks):
         assert torch.equal(p, q)
 
 
+def _accumulate_grad_node(p, keep: list):
+    """A parameter's AccumulateGrad node, as Megatron and DeepSpeed reach it to hook it, kept
+    alive as they keep it (a tensor holds its node weakly: one nobody holds is rebuilt, without
+    the hooks, by the next forward)."""
+    keep.append(p.expand_as(p).grad_fn.next_functions[0][0])
+    return keep[-1]
+
+
+@pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
+def test_a_post_hook_on_the_accumulate_grad_node_sees_and_edits_the_running_sum(hooks, hooked):
+    # The overlapped all-reduce idiom of Megatron and DeepSpeed (their wrappers hook the nodes
+    # before the optimizer is built): a hook on the parameter's AccumulateGrad node runs after
+    # the gradient was added into .grad, so it reads the sum so far (the window's first
+    # backward included) and may edit it (a clamp here), as natively.
+    a, b = _pair()
+    seen = {"ours": [], "torch": []}
+
+    def clamp(side, p):
+        def hook(grad_inputs, grad_outputs):
+            seen[side].append(None if p.grad is None else p.grad.clone())
+            p.grad.clamp_(-0.05, 0.05)
+
+        return hook
+
+    def hook_nodes():
+        for side, model in (("ours", a), ("torch", b)):
+            _accumulate_grad_node(model[0].weight, nodes).register_hook(clamp(side, model[0].weight))
+
+    nodes = []
+    if hooked == "before_the_optimizer":
+        hook_nodes()
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=3)
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+    if hooked == "after_the_optimizer":
+        hook_nodes()
+    for window in range(2):
+        for x in _batches(3, seed=window):
+            a(x).square().mean().backward()
+            b(x).square().mean().backward()
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    assert len(seen["ours"]) == len(seen["torch"]) == 6
+    for got, want in zip(seen["ours"], seen["torch"]):
+        # fp32 sums of the same fp32 gradients, clamped alike: equal bit for bit
+        assert got is not None and torch.equal(got, want)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
+def test_a_pre_hook_on_the_accumulate_grad_node_is_handed_the_gradient(hooks, hooked):
+    # A pre-hook on the node (registered after the optimizer, it runs after the window's own)
+    # is handed the gradient and may replace it, before it is added to .grad; a post-hook
+    # beside it then reads the new sum.
+    a, b = _pair()
+    seen = {"ours": [], "torch": []}
+
+    def hooks_of(side, p):
+        def pre(grad_outputs):
+            seen[side].append(grad_outputs[0].clone())
+            return (grad_outputs[0] * 3,)
+
+        def post(grad_inputs, grad_outputs):
+            seen[side].append(p.grad.clone())
+
+        return pre, post
+
+    def hook_nodes():
+        for side, model in (("ours", a), ("torch", b)):
+            pre, post = hooks_of(side, model[0].weight)
+            node = _accumulate_grad_node(model[0].weight, nodes)
+            node.register_prehook(pre)
+            node.register_hook(post)
+
+    nodes = []
+    if hooked == "before_the_optimizer":
+        hook_nodes()
+    ours = fused_accum.SGD(a.parameters(), lr=0.25)
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+    if hooked == "after_the_optimizer":
+        hook_nodes()
+    for window in range(2):
+        for x in _batches(3, seed=window):
+            a(x).square().mean().backward()
+            b(x).square().mean().backward()
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    assert len(seen["ours"]) == len(seen["torch"]) == 12
+    for got, want in zip(seen["ours"], seen["torch"]):
+        assert torch.equal(got, want)  # the same fp32 gradients, summed in the same order
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_gradients_that_go_through_accumulate_grad_sum_like_the_rest(hooks):
     # The pre-hook takes most gradients itself; a parameter with a post-accumulate-grad hook (it
     # reads .grad) and any backward with create_graph=True leave them to AccumulateGrad, and the
