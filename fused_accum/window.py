@@ -300,10 +300,13 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=False)
             self._folder.grant_fast_folds()
 
-    def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
-        """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target)."""
+    def wgrad_target(self, param: Tensor, hooked: bool = False) -> Optional[WgradTarget]:
+        """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target);
+        ``hooked``: by _fold_hooked."""
         slot = self.slot_for(param)
-        if slot is None or self.detached_because or not self._folder.takes_in_place(slot, self.resolve_topology()):
+        if slot is None or self.detached_because:
+            return None
+        if not self._folder.takes_in_place(slot, self.resolve_topology(), hooked):
             return None
         with self.lock:
             self._queue_end_of_backward(arrived=True)
@@ -315,7 +318,7 @@ class GradientWindow:
         undefined gradient, still runs both: torch 2.11-2.14) sees and may edit, as natively.
         False where it cannot be folded alone."""
         slot = self.slots[key]
-        target = self.wgrad_target(slot.param)
+        target = self.wgrad_target(slot.param, hooked=True)
         if target is None:
             return False
         self._folder.fold_one(target, grad)

@@ -325,6 +325,41 @@ def test_a_post_accumulate_grad_hook_sees_and_edits_the_running_sum(hooks):
         assert torch.equal(p, q)
 
 
+def _optimizers(a, b, hook_nodes, hooked: str, **kwargs) -> tuple:
+    """fused_accum.SGD over ``a``, torch.optim.SGD over ``b``, the nodes hooked
+    (``hook_nodes()``) before or after they are built, as ``hooked`` says."""
+    if hooked == "before_the_optimizer":
+        hook_nodes()
+    ours, ref = fused_accum.SGD(a.parameters(), lr=0.25, **kwargs), torch.optim.SGD(b.parameters(), lr=0.25)
+    if hooked == "after_the_optimizer":
+        hook_nodes()
+    return ours, ref
+
+
+def _assert_seen_and_trained_alike(seen: dict, count: int, a, b) -> None:
+    assert len(seen["ours"]) == len(seen["torch"]) == count
+    for got, want in zip(seen["ours"], seen["torch"]):
+        # fp32 sums of the same fp32 gradients, in the same order, edited alike: bit for bit
+        assert got is not None and torch.equal(got, want)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)  # (plain SGD: ours and torch's round its update alike)
+
+
+def _windows_side_by_side(a, b, ours, ref, windows=2, k=3, forward=None, same_grads=False):
+    """Both models through the same windows of ``k`` backwards of ``forward(model, x)``'s
+    output squared (default: the model's mean), each optimizer stepping and zeroing after each
+    window; with ``same_grads``, ``.grad`` is checked against torch's after each backward."""
+    for window in range(windows):
+        for x in _batches(k, seed=window):
+            for model in (a, b):
+                (forward(model, x).square().sum() if forward else model(x).square().mean()).backward()
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert not same_grads or torch.equal(p.grad, q.grad)  # the same fp32 adds, in order
+        for opt in (ours, ref):
+            opt.step()
+            opt.zero_grad()
+
+
 def _accumulate_grad_node(p, keep: list):
     """A parameter's AccumulateGrad node, as Megatron and DeepSpeed reach it to hook it, kept
     alive as they keep it (a tensor holds its node weakly: one nobody holds is rebuilt, without
@@ -334,7 +369,8 @@ def _accumulate_grad_node(p, keep: list):
 
 
 @pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
-def test_a_post_hook_on_the_accumulate_grad_node_sees_and_edits_the_running_sum(hooks, hooked):
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_a_post_hook_on_the_accumulate_grad_node_sees_and_edits_the_running_sum(hooks, step_in_backward, hooked):
     # The overlapped all-reduce idiom of Megatron and DeepSpeed (their wrappers hook the nodes
     # before the optimizer is built): a hook on the parameter's AccumulateGrad node runs after
     # the gradient was added into .grad, so it reads the sum so far (the window's first
@@ -354,26 +390,9 @@ def test_a_post_hook_on_the_accumulate_grad_node_sees_and_edits_the_running_sum(
             _accumulate_grad_node(model[0].weight, nodes).register_hook(clamp(side, model[0].weight))
 
     nodes = []
-    if hooked == "before_the_optimizer":
-        hook_nodes()
-    ours = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=3)
-    ref = torch.optim.SGD(b.parameters(), lr=0.25)
-    if hooked == "after_the_optimizer":
-        hook_nodes()
-    for window in range(2):
-        for x in _batches(3, seed=window):
-            a(x).square().mean().backward()
-            b(x).square().mean().backward()
-        ours.step()
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
-    assert len(seen["ours"]) == len(seen["torch"]) == 6
-    for got, want in zip(seen["ours"], seen["torch"]):
-        # fp32 sums of the same fp32 gradients, clamped alike: equal bit for bit
-        assert got is not None and torch.equal(got, want)
-    for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+    ours, ref = _optimizers(a, b, hook_nodes, hooked, accum_steps=3, step_in_backward=step_in_backward)
+    _windows_side_by_side(a, b, ours, ref)
+    _assert_seen_and_trained_alike(seen, 6, a, b)
 
 
 @pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
@@ -402,25 +421,26 @@ def test_a_pre_hook_on_the_accumulate_grad_node_is_handed_the_gradient(hooks, ho
             node.register_hook(post)
 
     nodes = []
-    if hooked == "before_the_optimizer":
-        hook_nodes()
-    ours = fused_accum.SGD(a.parameters(), lr=0.25)
+    ours, ref = _optimizers(a, b, hook_nodes, hooked)
+    _windows_side_by_side(a, b, ours, ref)
+    _assert_seen_and_trained_alike(seen, 12, a, b)
+
+
+def test_step_in_backward_steps_with_a_post_accumulate_grad_hooks_edit(hooks):
+    # The hook clamps the running sum after every backward, the last one included: the step
+    # taken in that backward is the clamped sum's, as torch.optim's step() after it.
+    a, b = _pair()
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=3, step_in_backward=True)
     ref = torch.optim.SGD(b.parameters(), lr=0.25)
-    if hooked == "after_the_optimizer":
-        hook_nodes()
-    for window in range(2):
-        for x in _batches(3, seed=window):
-            a(x).square().mean().backward()
-            b(x).square().mean().backward()
-        ours.step()
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
-    assert len(seen["ours"]) == len(seen["torch"]) == 12
-    for got, want in zip(seen["ours"], seen["torch"]):
-        assert torch.equal(got, want)  # the same fp32 gradients, summed in the same order
+
+    def clamp(p):
+        p.grad.clamp_(-0.05, 0.05)
+
+    for model in (a, b):
+        model[0].weight.register_post_accumulate_grad_hook(clamp)
+    _windows_side_by_side(a, b, ours, ref)
     for p, q in zip(a.parameters(), b.parameters()):
-        assert torch.equal(p, q)
+        assert torch.equal(p, q)  # plain SGD over the same fp32 sums: rounded alike
 
 
 def test_gradients_that_go_through_accumulate_grad_sum_like_the_rest(hooks):
@@ -798,17 +818,11 @@ def test_a_layer_used_inside_and_outside_a_reentrant_checkpoint_sums_both_pieces
     ours = fused_accum.SGD(a.parameters(), lr=0.25, bucket_cap_mb=1e-6)
     assert len(ours._window._folder.bucket_ids) == 4
     ref = torch.optim.SGD(b.parameters(), lr=0.25)
-    for window in range(2):
-        for x in _batches(3, seed=window):
-            for model in (a, b):
-                h = checkpoint(model[1], model[0](x), use_reentrant=True)
-                model[1](h.tanh()).square().sum().backward()
-            for p, q in zip(a.parameters(), b.parameters()):
-                assert torch.equal(p.grad, q.grad)  # the same fp32 adds, in the same order
-        ours.step()
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
+
+    def forward(model, x):
+        return model[1](checkpoint(model[1], model[0](x), use_reentrant=True).tanh())
+
+    _windows_side_by_side(a, b, ours, ref, forward=forward, same_grads=True)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
 
