@@ -454,9 +454,13 @@ const at::Tensor& Arrivals::param_of(size_t key) const {
 
 // The plan's fields, read from fused_accum.arrivals.Plan (and its Grant tuples), then set under
 // the lock: the grants replace every bucket's (the backward a grant last folded is kept: a second
-// completion in that backward stays Python's); seen, a backward the window now ends itself, is not
-// quiet; `slow` is applied where it changed (a backward running quietly keeps the pre-hook fast).
-// With `show` (views, held), `.grad` shows the window first (expose_locked), in the same lock.
+// completion in that backward stays Python's), less those the window decided before it took back
+// what the hooks did (a bucket in bucket_complete; an overwrite used since the last report: a
+// plan handed in a callback of another thread's backward, or of a nested one, would otherwise
+// grant it again, and the next gradients would be written over the first); seen, a backward the
+// window now ends itself, is not quiet; `slow` is applied where it changed (a backward running
+// quietly keeps the pre-hook fast). With `show` (views, held), `.grad` shows the window first
+// (expose_locked), in the same lock.
 void Arrivals::hand(const py::object& plan, const py::object& show) {
   const bool stands_aside = plan.attr("stands_aside").cast<bool>();
   const bool slow = plan.attr("slow").cast<bool>();
@@ -495,8 +499,6 @@ void Arrivals::hand(const py::object& plan, const py::object& show) {
   for (auto& grant : grants) {
     const int64_t b = std::get<0>(grant);
     BucketArrivals& bucket = buckets_[b];
-    // A plan decided before the window had a bucket's first gradients (another thread's
-    // backward, or a nested one, handing it meanwhile) grants no overwrite there again.
     if (bucket.with_window ||
         (std::get<3>(grant) && std::find(overwritten_.begin(), overwritten_.end(), b) != overwritten_.end())) {
       continue;
