@@ -22,6 +22,8 @@
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <tuple>
@@ -45,12 +47,25 @@ void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList 
   op.call(acc, offsets, grads, 1.0, overwrite, std::nullopt, std::nullopt);
 }
 
-void revoke(BucketArrivals& bucket) {
-  bucket.fast = false;
-  bucket.folded_task = -1;
-  bucket.overwrite = false;
+void ungrant(BucketArrivals& bucket) {
+  bucket.fast = bucket.overwrite = false;
   bucket.acc.reset();
   bucket.offsets.reset();
+}
+
+void revoke(BucketArrivals& bucket) {
+  ungrant(bucket);
+  bucket.folded_task = -1;
+}
+
+// Whether the fold of `grads` into `acc` stays in C++: it runs under the table's lock, so it
+// may not enter Python (a dispatch mode, a tensor subclass), which another thread, holding the
+// GIL, may be waiting on that lock for.
+bool folds_in_cpp(const at::Tensor& acc, const std::vector<at::Tensor>& grads) {
+  if (c10::impl::dispatch_mode_enabled()) return false;
+  return std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+    return g.defined() && g.device() == acc.device() && !g.key_set().has(c10::DispatchKey::Python);
+  });
 }
 
 std::vector<at::Tensor> take(BucketArrivals& bucket) {
@@ -128,7 +143,7 @@ struct TakeGradAfter : public FunctionPostHook {
   variable_list operator()(const variable_list& outputs, const variable_list& inputs) override {
     // An undefined input: the pre-hook took the gradient (or there was none): nothing to do.
     if (inputs.size() == 1 && inputs[0].defined()) {
-      if (auto table = arrivals.lock()) table->after_accumulate(key, node->variable);
+      if (auto table = arrivals.lock()) table->after_accumulate(key, *node);
     }
     return outputs;
   }
@@ -140,6 +155,31 @@ struct TakeGradAfter : public FunctionPostHook {
   AccumulateGrad* node;
   int64_t key;
 };
+
+// The user's hooks on a parameter's AccumulateGrad node, beside the tables' own (registered with
+// its grad_fn's register_prehook / register_hook: the overlapped all-reduce of Megatron and
+// DeepSpeed): `pre`, a pre-hook that runs after ours, which must be handed the gradient (it is
+// left to AccumulateGrad); `post`, a post-hook, which reads .grad as the running sum (folded at
+// once). (Most nodes hold only our two hooks: the sizes say so without a look at each.)
+struct UserHooks {
+  bool pre = false, post = false;
+};
+
+UserHooks user_hooks(const AccumulateGrad& node) {
+  UserHooks user;
+  if (node.pre_hooks().size() > 1) {
+    bool ours = false;
+    for (const auto& hook : node.pre_hooks()) {
+      const bool table = dynamic_cast<const TakeGradBefore*>(hook.get()) != nullptr;
+      user.pre |= ours && !table;
+      ours |= table;
+    }
+  }
+  if (node.post_hooks().size() > 1) {
+    for (const auto& hook : node.post_hooks()) user.post |= dynamic_cast<const TakeGradAfter*>(hook.get()) == nullptr;
+  }
+  return user;
+}
 
 }  // namespace
 
@@ -250,9 +290,11 @@ void Arrivals::detach_all() {
 
 // The pre-hook. Handing AccumulateGrad an undefined gradient makes the node skip it: `.grad` is
 // not touched, and autograd neither detaches nor stores anything (a user's post-accumulate-grad
-// hook still runs). AccumulateGrad must run where it does more than store the gradient: a double
+// hook and the node's post-hooks still run: they see .grad as the running sum, folded at once by
+// the window). AccumulateGrad must run where it does more than store the gradient: a double
 // backward keeps the gradient's graph, a non-strided or zero tensor needs its handling, a
-// parameter that no longer requires grad drops it (and the window may decline a hooked one).
+// parameter that no longer requires grad drops it, a user's pre-hook after ours must see it (and
+// the window may decline a hooked one).
 variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, const variable_list& grads) {
   if (standing_aside()) return grads;
   if (slow_) {
@@ -264,11 +306,14 @@ variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, con
   const at::Tensor& grad = grads[0];
   const bool plain =
       grad.layout() == at::kStrided && !grad._is_zerotensor() && param.requires_grad() && !at::GradMode::is_enabled();
-  if (plain && !node.tensor_post_acc_grad_hooks()) {
-    arrive(key, grad);
-    return variable_list(1);
+  const UserHooks user = user_hooks(node);
+  if (plain && !user.pre) {
+    if (!user.post && !node.tensor_post_acc_grad_hooks()) {
+      arrive(key, grad);
+      return variable_list(1);
+    }
+    if (call_bool(fold_hooked_, key, grad)) return variable_list(1);
   }
-  if (plain && call_bool(fold_hooked_, key, grad)) return variable_list(1);
   if (hide_) {
     at::Tensor& shown = param.mutable_grad();
     if (shown.defined()) {
@@ -282,9 +327,10 @@ variable_list Arrivals::before_accumulate(int64_t key, AccumulateGrad& node, con
 
 // The post-hook, after AccumulateGrad ran on a gradient the pre-hook left to it: take what it
 // stored in `.grad` into the bucket, and show again what the pre-hook hid (the running sum,
-// which the bucket's fold brings up to date).
-void Arrivals::after_accumulate(int64_t key, const at::Tensor& param) {
+// which the bucket's fold brings up to date; or at once, for the user's post-hooks after ours).
+void Arrivals::after_accumulate(int64_t key, AccumulateGrad& node) {
   if (standing_aside()) return;
+  const at::Tensor& param = node.variable;
   at::Tensor grad;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -295,6 +341,7 @@ void Arrivals::after_accumulate(int64_t key, const at::Tensor& param) {
   if (!grad.defined()) return;  // (dropped: the parameter no longer requires grad)
   TORCH_CHECK(grad.layout() == at::kStrided, "parameter ", names_.at(key),
               " received a sparse gradient; sparse gradients are not supported");
+  if (user_hooks(node).post && call_bool(fold_hooked_, key, grad)) return;
   arrive(key, std::move(grad));
 }
 
@@ -307,8 +354,6 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
   bool new_task = false;
   int64_t complete = -1;
   std::vector<at::Tensor> grads;
-  at::Tensor fast_acc, fast_offsets;
-  bool fast_overwrite = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
@@ -331,33 +376,34 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
         complete = slot_bucket_[key];
         grads = take(bucket);
         // Once per backward: a second completion (reentrant pieces) is Python's.
-        const bool fast = bucket.fast && bucket.folded_task != task &&
-                          std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
-                            return g.defined() && g.device() == bucket.acc.device();
-                          });
-        if (fast) {
-          fast_acc = bucket.acc;
-          fast_offsets = bucket.offsets;
-          fast_overwrite = bucket.overwrite;
+        if (bucket.fast && bucket.folded_task != task && folds_in_cpp(bucket.acc, grads)) {
+          // Folded under the lock, with the grant it was decided by: another thread's backward
+          // of the same model folds this bucket after it, not at once (an add lost), and a
+          // report that names an overwrite is taken after its sums are written.
+          fold_into(bucket.acc, bucket.offsets, grads, bucket.overwrite);
           bucket.folded_task = task;
-          if (fast_overwrite) {
+          if (bucket.overwrite) {
             overwritten_.push_back(complete);
             revoke(bucket);  // the window's first gradients: the next backward adds
           }
+          complete = -1;
         } else {
           quiet_clean_ = false;
+          ungrant(bucket);  // (the window folds these: a fold of the grant's would race it)
+          bucket.with_window = true;
         }
       }
     }
   }
+  const auto folded = c10::make_scope_exit([&] {  // (however the calls below end)
+    if (complete < 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    buckets_[complete].with_window = false;
+  });
   // Python is called without the lock held: it may call back (arrive_in_place, clear).
   // The first gradient of a backward asks Python to see that backward's end.
   if (new_task) call(queue_end_);
-  if (fast_acc.defined()) {
-    fold_into(fast_acc, fast_offsets, grads, fast_overwrite);
-  } else if (complete >= 0) {
-    call(bucket_complete_, complete, std::move(grads));
-  }
+  if (complete >= 0) call(bucket_complete_, complete, std::move(grads));
 }
 
 void Arrivals::clear() {
@@ -435,9 +481,13 @@ const at::Tensor& Arrivals::param_of(size_t key) const {
 
 // The plan's fields, read from fused_accum.arrivals.Plan (and its Grant tuples), then set under
 // the lock: the grants replace every bucket's (the backward a grant last folded is kept: a second
-// completion in that backward stays Python's); seen, a backward the window now ends itself, is not
-// quiet; `slow` is applied where it changed (a backward running quietly keeps the pre-hook fast).
-// With `show` (views, held), `.grad` shows the window first (expose_locked), in the same lock.
+// completion in that backward stays Python's), less those the window decided before it took back
+// what the hooks did (a bucket in bucket_complete; an overwrite used since the last report: a
+// plan handed in a callback of another thread's backward, or of a nested one, would otherwise
+// grant it again, and the next gradients would be written over the first); seen, a backward the
+// window now ends itself, is not quiet; `slow` is applied where it changed (a backward running
+// quietly keeps the pre-hook fast). With `show` (views, held), `.grad` shows the window first
+// (expose_locked), in the same lock.
 void Arrivals::hand(const py::object& plan, const py::object& show) {
   const bool stands_aside = plan.attr("stands_aside").cast<bool>();
   const bool slow = plan.attr("slow").cast<bool>();
@@ -472,13 +522,14 @@ void Arrivals::hand(const py::object& plan, const py::object& show) {
     const int64_t b = std::get<0>(grant);
     TORCH_CHECK(b >= 0 && b < (int64_t)buckets_.size(), "Arrivals.hand: no bucket ", b);
   }
-  for (auto& bucket : buckets_) {
-    bucket.fast = bucket.overwrite = false;
-    bucket.acc.reset();
-    bucket.offsets.reset();
-  }
+  for (auto& bucket : buckets_) ungrant(bucket);
   for (auto& grant : grants) {
-    BucketArrivals& bucket = buckets_[std::get<0>(grant)];
+    const int64_t b = std::get<0>(grant);
+    BucketArrivals& bucket = buckets_[b];
+    if (bucket.with_window ||
+        (std::get<3>(grant) && std::find(overwritten_.begin(), overwritten_.end(), b) != overwritten_.end())) {
+      continue;
+    }
     bucket.fast = true;
     bucket.acc = std::move(std::get<1>(grant));
     bucket.offsets = std::move(std::get<2>(grant));
@@ -542,7 +593,9 @@ py::object Arrivals::report(bool end) {
     overwritten.swap(overwritten_);
     if (end) {
       for (size_t b = 0; b < buckets_.size(); ++b) {
-        if (buckets_[b].count) partial.emplace_back(b, take(buckets_[b]));
+        if (!buckets_[b].count) continue;
+        partial.emplace_back(b, take(buckets_[b]));
+        ungrant(buckets_[b]);  // (the window folds these: a fold of the grant's would race it)
       }
     }
     quiet = counters_ ? counters_[1] : 0;

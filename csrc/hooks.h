@@ -36,6 +36,9 @@ struct BucketArrivals {
   bool overwrite = false;  // (the window's first gradients: copied, and reported as overwritten)
   at::Tensor acc, offsets;
   int folded_task = -1;  // the backward (graph task) whose gradients the grant last folded
+  // Its gradients are handed to the window (bucket_complete runs): no plan grants it until the
+  // window has folded them (another thread's backward may hand a plan meanwhile).
+  bool with_window = false;
 };
 
 // Hidden, as pybind11 makes its own types: a class that holds py::objects may not be more visible
@@ -66,7 +69,7 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   // --- the hooks on each AccumulateGrad node (hooks.cpp's TakeGradBefore and TakeGradAfter) ---
   torch::autograd::variable_list before_accumulate(int64_t key, torch::autograd::AccumulateGrad& node,
                                                    const torch::autograd::variable_list& grads);
-  void after_accumulate(int64_t key, const at::Tensor& param);
+  void after_accumulate(int64_t key, torch::autograd::AccumulateGrad& node);
 
   // --- compiled autograd: what the pre-hook puts in the captured graph (hooks.cpp's
   // TakeGradBefore::compiled_args; the protocol's compile_with says what each callback does) ---
@@ -105,7 +108,9 @@ class __attribute__((visibility("hidden"))) Arrivals : public std::enable_shared
   std::vector<at::Tensor> hidden_;  // by slot: the .grad the pre-hook hid, until the post-hook
   std::vector<at::Tensor> shown_;   // by slot: what hand's show set .grad to (undefined: nothing)
   std::vector<const void*> shown_data_;  // by slot: where that view's memory was when shown
-  std::mutex mutex_;  // autograd runs one thread per device: buckets are filled from several
+  // Autograd runs one thread per device, and two threads may each run a backward of one model:
+  // buckets are filled from several. The fast folds run under it too (see arrive()).
+  std::mutex mutex_;
   int last_task_ = -1;  // the graph task whose end Python was last asked to see
   std::vector<int64_t> overwritten_;  // the buckets an overwrite grant filled (the next report's)
   // Quiet backwards: whether one may start (the plan's quiet_until above counters_[1], and no

@@ -12,18 +12,21 @@ Two hooks sit on each parameter's AccumulateGrad node (the node that stores a le
   (the window's once-per-backward checks). It then usually takes the gradient into the
   parameter's place in its bucket itself and hands the node an undefined gradient, which
   AccumulateGrad skips: ``.grad`` is left alone (it keeps showing the window's fp32 running sum)
-  and autograd stores nothing. A parameter with a user's post-accumulate-grad hook is handed to
-  ``fold_hooked(key, grad)``: True when the window folded it at once into the running sum that
-  ``.grad`` shows; AccumulateGrad, handed an undefined gradient, still runs the user's hooks,
-  which so see the sum as natively. Where AccumulateGrad must run (a double backward keeps the
-  gradient's graph; a sparse or zero tensor; a parameter that no longer requires grad; a hooked
-  one the window declined) the pre-hook leaves it the gradient, and while the plan's ``hide`` is set (the
-  running sums are showing) hides a defined ``.grad``: else autograd would add the new gradient
-  into the running sum itself, and it would be folded twice.
+  and autograd stores nothing. A parameter with a user's post-accumulate-grad hook, or a user's
+  post-hook on its node (``grad_fn.next_functions[0][0].register_hook``: the overlapped
+  all-reduce of Megatron and DeepSpeed), is handed to ``fold_hooked(key, grad)``: True when the
+  window folded it at once into the running sum that ``.grad`` shows; AccumulateGrad, handed an
+  undefined gradient, still runs the user's hooks, which so see the sum as natively. Where
+  AccumulateGrad must run (a double backward keeps the gradient's graph; a sparse or zero
+  tensor; a parameter that no longer requires grad; a user's pre-hook on the node runs after
+  ours and must be handed the gradient; a hooked one the window declined) the pre-hook leaves it
+  the gradient, and while the plan's ``hide`` is set (the running sums are showing) hides a
+  defined ``.grad``: else autograd would add the new gradient into the running sum itself, and
+  it would be folded twice.
 * a post-hook, after the node stored such a gradient in ``.grad`` (in its own dtype: the window
   sets ``grad_dtype = None`` on bf16/fp16 parameters). It takes it into the bucket (a sparse one
-  is an error) and shows the hidden ``.grad`` again (brought up to date when the bucket is
-  folded).
+  is an error), or to ``fold_hooked`` where the user's post-hooks on the node follow, and shows
+  the hidden ``.grad`` again (brought up to date when the bucket is folded).
 
 A second gradient for one parameter in one backward (a parameter used inside and outside a
 reentrant checkpoint) is summed into its place, as autograd would have summed it into ``.grad``.
@@ -33,7 +36,10 @@ grads in bucket order (None for one written in place). The first arrival of a ba
 engine drops its final callbacks unrun. The window's callback notices that as it is dropped; a
 quiet backward's (:class:`Plan`) calls ``backward_raised()``. The hooks call the window
 with the GIL and without the table's lock held (it may call back: ``arrive_in_place``,
-``clear``); an exception raised there reaches the caller of ``backward()`` unchanged.
+``clear``); an exception raised there reaches the caller of ``backward()`` unchanged. Several
+threads may each run a backward of one model at once (torch adds their gradients under the
+node's lock): their gradients of one bucket are summed alike, and every fold of a bucket, the
+hooks' own or the window's, runs after the last one, never beside it (see :class:`Plan`).
 
 Node hooks rather than tensor hooks: they run only when AccumulateGrad runs (not when
 ``torch.autograd.grad`` captures a gradient), after the tensor hooks users register (which may
@@ -132,8 +138,13 @@ class Plan(NamedTuple):
 
     The fast path (acted on only by a table whose ``fast`` is set, the C++ one; the window
     plans none for the Python twin). ``grants``: the buckets the hooks fold themselves when
-    complete (:class:`Grant`), without calling ``bucket_complete``; a second completion in one
-    backward is the window's; an overwrite is used once, an add stays while the plan does.
+    complete (:class:`Grant`), without calling ``bucket_complete``, under the table's lock (so
+    two threads' folds of a bucket run one after the other); a second completion in one
+    backward is the window's; an overwrite is used once, an add stays while the plan does. A
+    bucket whose gradients go to the window (``bucket_complete``, a report's ``partial``) loses
+    its grant, as the window folds them; and a plan handed before the window took them back (in
+    a callback of another thread's backward, or of a nested one) grants neither that bucket
+    while ``bucket_complete`` runs nor an overwrite used since the last report.
     ``quiet_until``: backwards may run quietly, without calling Python at all, while the
     table's count of quiet backwards (``counters[1]``) is below it (0: none); each checks at
     its first gradient what ``before_backward`` would (``counters[0]``, the window's change
@@ -213,7 +224,8 @@ class HookTable(Protocol):
 
     def report(self, end: bool) -> Report:
         """What the hooks did since the last report (see :class:`Report`); with ``end`` (a
-        backward ended, or raised) also the partly arrived buckets, emptied."""
+        backward ended, or raised) also the partly arrived buckets, emptied, their grants
+        revoked."""
 
     def extend(
         self,
@@ -357,6 +369,7 @@ class PythonArrivals:
         self._slot_position: list = []
         self._names: list = []  # by key, for errors
         self._nodes: dict = {}  # key -> the AccumulateGrad node hooked (kept alive: see attach)
+        self._own: dict = {}  # key -> our (pre-hook, post-hook) handles on that node
         self._hidden: dict = {}  # key -> the .grad the pre-hook hid, until the post-hook
         self._shown: dict = {}  # key -> what hand's show set .grad to
         self._handles: list = []
@@ -397,8 +410,12 @@ class PythonArrivals:
 
     def _hook(self, key: int, param: torch.Tensor, node) -> None:
         this, param_ref = weakref.ref(self), weakref.ref(param)
-        self._handles.append(node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)))
-        self._handles.append(node.register_hook(functools.partial(_post_hook, this, param_ref, key)))
+        own = (
+            node.register_prehook(functools.partial(_pre_hook, this, param_ref, key)),
+            node.register_hook(functools.partial(_post_hook, this, param_ref, key)),
+        )
+        self._handles.extend(own)
+        self._own[key] = own
         # Tensors hold their AccumulateGrad weakly: a node no graph references is rebuilt,
         # without our hooks, by the next forward. Holding it keeps the hooks.
         self._nodes[key] = node
@@ -421,6 +438,7 @@ class PythonArrivals:
             handle.remove()
         self._handles.clear()
         self._nodes.clear()
+        self._own.clear()
 
     def _standing_aside(self) -> bool:
         return self._detached or self._plan.stands_aside
@@ -441,11 +459,13 @@ class PythonArrivals:
             and param.requires_grad
             and not torch.is_grad_enabled()
         )
-        if plain and not param._post_accumulate_grad_hooks:
-            self._arrive(key, grad)
-            return (None,)
-        if plain and self._fold_hooked(key, grad):
-            return (None,)
+        user_pre, user_post = self._user_hooks(key)
+        if plain and not user_pre:
+            if not user_post and not param._post_accumulate_grad_hooks:
+                self._arrive(key, grad)
+                return (None,)
+            if self._fold_hooked(key, grad):
+                return (None,)
         if self._plan.hide and param.grad is not None:
             with self._lock:
                 self._hidden[key] = param.grad
@@ -464,7 +484,18 @@ class PythonArrivals:
             raise RuntimeError(
                 f"parameter {self._names[key]} received a sparse gradient; sparse gradients are not supported"
             )
+        if self._user_hooks(key)[1] and self._fold_hooked(key, grad):
+            return
         self._arrive(key, grad)
+
+    def _user_hooks(self, key: int) -> tuple:
+        """The user's hooks on slot ``key``'s node, beside ours (hooks.cpp's user_hooks): a
+        pre-hook that runs after ours, a post-hook. Python hooks on one node share a dict (one
+        for pre-hooks, one for post-hooks), in the order they run."""
+        pre, post = self._own[key]
+        pre_hooks, post_hooks = pre.hooks_dict_ref(), post.hooks_dict_ref()
+        user_pre = pre_hooks is not None and next(reversed(pre_hooks)) != pre.id
+        return user_pre, post_hooks is not None and len(post_hooks) > 1
 
     def arrive_in_place(self, key: int) -> None:
         self._arrive(key, None)

@@ -196,8 +196,10 @@ class Folder:
         self.topology.added()
 
     def bucket_complete(self, bucket_id: int, grads: list) -> None:
-        """Every slot of a bucket has arrived in this backward: fold them."""
+        """Every slot of a bucket has arrived in this backward: fold them (the hooks handed the
+        bucket here without its grant, which is no longer in their plan)."""
         self.take_report()
+        self.ledger.ungranted((bucket_id,))
         flat_index, bucket_index = self.bucket_ids[bucket_id]
         flat = self.flat_groups[flat_index]
         self.fold(flat, flat.buckets[bucket_index], grads, self.plans[bucket_id], complete=True)
@@ -229,11 +231,7 @@ class Folder:
 
     def _fold_arrived(self, flat: FlatGroup, bucket: Bucket, in_order: list, grads: list, plan) -> None:
         ledger = self.ledger
-        if ledger.stepped_in_backward:
-            raise RuntimeError(
-                f"{self.label}: step_in_backward already stepped this window after "
-                f"{ledger.accum_steps} backward passes; call step() before the next backward"
-            )
+        self._check_not_stepped(())
         if grads[0].device != flat.device:  # the model moved after the optimizer was built
             self.stepper.rehome(flat)
             ledger.moved(flat.slots)
@@ -255,12 +253,7 @@ class Folder:
             ]
         for overwrite, slots, kind_grads in kinds:
             if fuse_step:
-                if any(s.stepped for s in slots):
-                    raise RuntimeError(
-                        f"{self.label}: a parameter received a second gradient after "
-                        "step_in_backward stepped it (a layer reused under several "
-                        "checkpoint(use_reentrant=True) calls?); use step_in_backward=False"
-                    )
+                self._check_not_stepped(slots)
                 self.stepper.fused_step(flat, slots, flat.coef.fill_(1.0), None, kind_grads, overwrite)
                 continue
             if self.topology.stage(flat, bucket, slots, kind_grads, plan):  # (shard="grads": staged for its collective)
@@ -307,16 +300,37 @@ class Folder:
             hooks = self._compiled_hooks[key] = (fold, functools.partial(compiled_show, slot.param, view), view)
         return hooks
 
+    def _check_not_stepped(self, slots) -> None:
+        """step_in_backward: no gradient may arrive once it stepped the window, nor for
+        ``slots`` once it stepped them."""
+        if self.ledger.stepped_in_backward:
+            raise RuntimeError(
+                f"{self.label}: step_in_backward already stepped this window after "
+                f"{self.ledger.accum_steps} backward passes; call step() before the next backward"
+            )
+        if any(s.stepped for s in slots):
+            raise RuntimeError(
+                f"{self.label}: a parameter received a second gradient after "
+                "step_in_backward stepped it (a layer reused under several "
+                "checkpoint(use_reentrant=True) calls?); use step_in_backward=False"
+            )
+
     # --- gradients written in place -------------------------------------------------------
 
-    def takes_in_place(self, slot, topology) -> bool:
-        """Whether ``slot``'s gradient may be written straight into its slice now: not with
-        step_in_backward (it steps a bucket from its gradients as tensors), nor where the
-        topology must see the gradient (DDP, FSDP2) or holds no full slice (shard="grads")."""
-        return not self.step_in_backward and topology.in_place_ok(self.ledger, self.flat_groups[slot.flat_index])
+    def takes_in_place(self, slot, topology, hooked: bool = False) -> bool:
+        """Whether ``slot``'s gradient may be written straight into its slice now: not where the
+        topology must see the gradient (DDP, FSDP2) or holds no full slice (shard="grads"), nor
+        a weight-gradient GEMM's with step_in_backward (it steps a bucket from its gradients as
+        tensors). A ``hooked`` parameter's may (fold_one): every gradient of it comes this way,
+        so its bucket's step in backward leaves it to the end of the window's last backward,
+        which steps it after its hooks edited it."""
+        if self.step_in_backward and not hooked:
+            return False
+        return topology.in_place_ok(self.ledger, self.flat_groups[slot.flat_index])
 
     def in_place_target(self, slot) -> WgradTarget:
         """Where ``slot``'s gradient is to be written in place in the backward now running."""
+        self._check_not_stepped([slot])
         self.take_report()
         # A gradient of this slot still waiting in the bucket (a tied weight's other use) is
         # folded later with add: has_grad is set by done() before that can happen.

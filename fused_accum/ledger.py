@@ -282,11 +282,18 @@ class Ledger:
                 self._hand()
 
     def reported(self, report: Report) -> None:
-        """The table reported (fused_accum.arrivals.Report): the overwrite grants it used are
-        no longer in its plan, nor here (the caller records what they filled)."""
-        if report.overwritten:
-            used = set(report.overwritten)
-            self.plan = self.plan._replace(grants=tuple(g for g in self.plan.grants if g.bucket not in used))
+        """The table reported (fused_accum.arrivals.Report): the overwrite grants it used (the
+        caller records what they filled) and the grants of the partly arrived buckets it handed
+        back are no longer in its plan, nor here."""
+        self.ungranted((*report.overwritten, *(b for b, _ in report.partial)))
+
+    def ungranted(self, buckets) -> None:
+        """The table dropped the grants of ``buckets`` (an overwrite used; gradients handed to
+        the window, which folds them): so does the plan here, else the next one handed would
+        grant them again."""
+        if buckets and self.plan.grants:
+            gone = set(buckets)
+            self.plan = self.plan._replace(grants=tuple(g for g in self.plan.grants if g.bucket not in gone))
 
     def clear_table(self) -> None:
         """The table forgets every arrival, and its plan its grants and quiet backwards

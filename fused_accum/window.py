@@ -70,7 +70,8 @@ def _before_backward(window_ref) -> None:
 def _queue_end(window_ref) -> None:
     window = window_ref()
     if window is not None:
-        window._queue_end_of_backward(arrived=True)
+        with window.lock:  # (it may hand a plan: another thread's backward may be in a callback)
+            window._queue_end_of_backward(arrived=True)
 
 
 def _bucket_complete(window_ref, bucket_id: int, grads: list) -> None:
@@ -312,21 +313,25 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=False)
             self._folder.grant_fast_folds()
 
-    def wgrad_target(self, param: Tensor) -> Optional[WgradTarget]:
-        """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target)."""
+    def wgrad_target(self, param: Tensor, hooked: bool = False) -> Optional[WgradTarget]:
+        """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target);
+        ``hooked``: by _fold_hooked."""
         slot = self.slot_for(param)
-        if slot is None or self.detached_because or not self._folder.takes_in_place(slot, self.resolve_topology()):
+        if slot is None or self.detached_because:
+            return None
+        if not self._folder.takes_in_place(slot, self.resolve_topology(), hooked):
             return None
         with self.lock:
             self._queue_end_of_backward(arrived=True)
             return self._folder.in_place_target(slot)
 
     def _fold_hooked(self, key: int, grad: Tensor) -> bool:
-        """A parameter with a user's post-accumulate-grad hook: folded now, its running sum in
-        ``.grad``, which the hook (AccumulateGrad, handed an undefined gradient, still runs it:
-        torch 2.11-2.14) sees and may edit, as natively. False where it cannot be folded alone."""
+        """A parameter with a user's post-accumulate-grad hook or post-hook on its AccumulateGrad
+        node: folded now, its running sum in ``.grad``, which the hook (AccumulateGrad, handed an
+        undefined gradient, still runs both: torch 2.11-2.14) sees and may edit, as natively.
+        False where it cannot be folded alone."""
         slot = self.slots[key]
-        target = self.wgrad_target(slot.param)
+        target = self.wgrad_target(slot.param, hooked=True)
         if target is None:
             return False
         self._folder.fold_one(target, grad)

@@ -7,6 +7,7 @@ ones too.
 """
 
 import gc
+import threading
 import warnings
 
 import pytest
@@ -322,6 +323,124 @@ def test_a_post_accumulate_grad_hook_sees_and_edits_the_running_sum(hooks):
         assert torch.equal(got, want)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def _optimizers(a, b, hook_nodes, hooked: str, **kwargs) -> tuple:
+    """fused_accum.SGD over ``a``, torch.optim.SGD over ``b``, the nodes hooked
+    (``hook_nodes()``) before or after they are built, as ``hooked`` says."""
+    if hooked == "before_the_optimizer":
+        hook_nodes()
+    ours, ref = fused_accum.SGD(a.parameters(), lr=0.25, **kwargs), torch.optim.SGD(b.parameters(), lr=0.25)
+    if hooked == "after_the_optimizer":
+        hook_nodes()
+    return ours, ref
+
+
+def _assert_seen_and_trained_alike(seen: dict, count: int, a, b) -> None:
+    assert len(seen["ours"]) == len(seen["torch"]) == count
+    for got, want in zip(seen["ours"], seen["torch"]):
+        # fp32 sums of the same fp32 gradients, in the same order, edited alike: bit for bit
+        assert got is not None and torch.equal(got, want)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)  # (plain SGD: ours and torch's round its update alike)
+
+
+def _windows_side_by_side(a, b, ours, ref, windows=2, k=3, forward=None, same_grads=False):
+    """Both models through the same windows of ``k`` backwards of ``forward(model, x)``'s
+    output squared (default: the model's mean), each optimizer stepping and zeroing after each
+    window; with ``same_grads``, ``.grad`` is checked against torch's after each backward."""
+    for window in range(windows):
+        for x in _batches(k, seed=window):
+            for model in (a, b):
+                (forward(model, x).square().sum() if forward else model(x).square().mean()).backward()
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert not same_grads or torch.equal(p.grad, q.grad)  # the same fp32 adds, in order
+        for opt in (ours, ref):
+            opt.step()
+            opt.zero_grad()
+
+
+def _accumulate_grad_node(p, keep: list):
+    """A parameter's AccumulateGrad node, as Megatron and DeepSpeed reach it to hook it, kept
+    alive as they keep it (a tensor holds its node weakly: one nobody holds is rebuilt, without
+    the hooks, by the next forward)."""
+    keep.append(p.expand_as(p).grad_fn.next_functions[0][0])
+    return keep[-1]
+
+
+@pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_a_post_hook_on_the_accumulate_grad_node_sees_and_edits_the_running_sum(hooks, step_in_backward, hooked):
+    # The overlapped all-reduce idiom of Megatron and DeepSpeed (their wrappers hook the nodes
+    # before the optimizer is built): a hook on the parameter's AccumulateGrad node runs after
+    # the gradient was added into .grad, so it reads the sum so far (the window's first
+    # backward included) and may edit it (a clamp here), as natively.
+    a, b = _pair()
+    seen = {"ours": [], "torch": []}
+
+    def clamp(side, p):
+        def hook(grad_inputs, grad_outputs):
+            seen[side].append(None if p.grad is None else p.grad.clone())
+            p.grad.clamp_(-0.05, 0.05)
+
+        return hook
+
+    def hook_nodes():
+        for side, model in (("ours", a), ("torch", b)):
+            _accumulate_grad_node(model[0].weight, nodes).register_hook(clamp(side, model[0].weight))
+
+    nodes = []
+    ours, ref = _optimizers(a, b, hook_nodes, hooked, accum_steps=3, step_in_backward=step_in_backward)
+    _windows_side_by_side(a, b, ours, ref)
+    _assert_seen_and_trained_alike(seen, 6, a, b)
+
+
+@pytest.mark.parametrize("hooked", ["before_the_optimizer", "after_the_optimizer"])
+def test_a_pre_hook_on_the_accumulate_grad_node_is_handed_the_gradient(hooks, hooked):
+    # A pre-hook on the node (registered after the optimizer, it runs after the window's own)
+    # is handed the gradient and may replace it, before it is added to .grad; a post-hook
+    # beside it then reads the new sum.
+    a, b = _pair()
+    seen = {"ours": [], "torch": []}
+
+    def hooks_of(side, p):
+        def pre(grad_outputs):
+            seen[side].append(grad_outputs[0].clone())
+            return (grad_outputs[0] * 3,)
+
+        def post(grad_inputs, grad_outputs):
+            seen[side].append(p.grad.clone())
+
+        return pre, post
+
+    def hook_nodes():
+        for side, model in (("ours", a), ("torch", b)):
+            pre, post = hooks_of(side, model[0].weight)
+            node = _accumulate_grad_node(model[0].weight, nodes)
+            node.register_prehook(pre)
+            node.register_hook(post)
+
+    nodes = []
+    ours, ref = _optimizers(a, b, hook_nodes, hooked)
+    _windows_side_by_side(a, b, ours, ref)
+    _assert_seen_and_trained_alike(seen, 12, a, b)
+
+
+def test_step_in_backward_steps_with_a_post_accumulate_grad_hooks_edit(hooks):
+    # The hook clamps the running sum after every backward, the last one included: the step
+    # taken in that backward is the clamped sum's, as torch.optim's step() after it.
+    a, b = _pair()
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, accum_steps=3, step_in_backward=True)
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+
+    def clamp(p):
+        p.grad.clamp_(-0.05, 0.05)
+
+    for model in (a, b):
+        model[0].weight.register_post_accumulate_grad_hook(clamp)
+    _windows_side_by_side(a, b, ours, ref)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)  # plain SGD over the same fp32 sums: rounded alike
 
 
 def test_gradients_that_go_through_accumulate_grad_sum_like_the_rest(hooks):
@@ -683,6 +802,80 @@ def test_a_reentrant_checkpoint_inside_a_quiet_backward_counts_once(cpp_hooks):
         assert opt.microbatches == i + 1
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_layer_used_inside_and_outside_a_reentrant_checkpoint_sums_both_pieces(hooks):
+    # The second layer runs inside a reentrant checkpoint and again outside it, each parameter
+    # in a bucket of its own: its outer gradient arrives first (in the window's first backward,
+    # written over the buffer), then the checkpoint's nested backward brings the inner one,
+    # which is added to it, as torch adds both into .grad.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 5))
+    b = nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 5))
+    b.load_state_dict(a.state_dict())
+    ours = fused_accum.SGD(a.parameters(), lr=0.25, bucket_cap_mb=1e-6)
+    assert len(ours._window._folder.bucket_ids) == 4
+    ref = torch.optim.SGD(b.parameters(), lr=0.25)
+
+    def forward(model, x):
+        return model[1](checkpoint(model[1], model[0](x), use_reentrant=True).tanh())
+
+    _windows_side_by_side(a, b, ours, ref, forward=forward, same_grads=True)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def _backwards_on_threads(params, opt, *, windows, threads, rounds):
+    """Each window: ``threads`` threads call backward() on the same parameters at once,
+    ``rounds`` times each, then one step. Every gradient is an integer-valued fp32 tensor, so
+    every sum is exact in any order: the result does not depend on how the threads interleave."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(windows):
+        coefs = [[torch.randint(-3, 4, p.shape, generator=g).float() for p in params] for _ in range(threads)]
+        barrier, errors = threading.Barrier(threads), []
+
+        def backwards(cs):
+            try:
+                for r in range(rounds):
+                    barrier.wait()
+                    sum(((r + 1) * c * p).sum() for c, p in zip(cs, params)).backward()
+            except BaseException as e:  # (reported below, on the test's thread)
+                errors.append(e)
+                barrier.abort()
+
+        workers = [threading.Thread(target=backwards, args=(cs,)) for cs in coefs]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        assert not errors, errors
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("per_bucket, accum_steps", [(1, None), (2, 6)], ids=["bucket_each", "buckets_of_two_known_k"])
+def test_backwards_on_several_threads_at_once_sum_every_gradient(hooks, per_bucket, accum_steps):
+    # Three threads call backward() on one model at once (each its own graph), as torch allows:
+    # torch adds every gradient into .grad under the node's lock, and so must the window, its
+    # fast folds included. Large parameters (2**18 floats: a fold takes long enough for the
+    # threads' folds of one bucket to meet) and 12 windows: a fold racing another loses a
+    # gradient in practically every run; here, as the sums are exact, none may.
+    size, windows, threads, rounds = 2**18, 12, 3, 2
+
+    def params():
+        torch.manual_seed(0)
+        return [nn.Parameter(torch.randn(size)) for _ in range(4)]
+
+    ref = params()
+    _backwards_on_threads(ref, torch.optim.SGD(ref, lr=2**-10), windows=windows, threads=threads, rounds=rounds)
+    ours = params()
+    opt = fused_accum.SGD(ours, lr=2**-10, accum_steps=accum_steps, bucket_cap_mb=per_bucket * size * 4 / 2**20)
+    assert len(opt._window._folder.bucket_ids) == 4 // per_bucket
+    _backwards_on_threads(ours, opt, windows=windows, threads=threads, rounds=rounds)
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q)  # exact sums; SGD steps them alike
 
 
 @pytest.mark.parametrize("restart", ["step", "load_state_dict"])
