@@ -277,7 +277,7 @@ class HookTable(Protocol):
         None the table first asks ``compiled_first(key)``: the slot's first gradient of the
         window, recorded, and the triple returned overwrites). Each parameter's node then gets
         ``fold`` as a pre-hook and ``show`` as a post-hook, Python functions Dynamo traces into
-        the graph (fused_accum.fold.compiled_fold and compiled_show: the custom op
+        the graph (fused_accum.compiled_backward.fold and show: the custom op
         ``fused_accum::accumulate_`` into ``view``, AccumulateGrad handed no gradient, then
         ``.grad`` = ``view``); ``.grad`` is None until the graph runs (a bf16 parameter's fp32
         ``.grad`` cannot be made a FakeTensor for the capture). A parameter with a

@@ -18,7 +18,6 @@ here.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -28,28 +27,6 @@ from . import backends, ops
 from .arrivals import Grant
 from .flat import Bucket, FlatGroup
 from .ledger import _IS_NONE, HAS_GRAD, Ledger
-
-
-_ALONE = torch.zeros(1, dtype=torch.int64)  # the offset of a slot's gradient in its own view
-
-
-def compiled_fold(view: Tensor, overwrite: bool, backend: str, grads: list) -> tuple:
-    """A slot's fold as a compiled backward's graph holds it: the pre-hook compiled autograd
-    puts before the parameter's AccumulateGrad (HookTable.compile_with), which Dynamo traces
-    into the graph as the custom op ``fused_accum::accumulate_`` into ``view``, the slot's fp32
-    view. AccumulateGrad is handed no gradient. (One op per parameter rather than per bucket:
-    the graph holds no bucket; the kernel is element-wise, so the bits are the bucket's.)
-    ``grads[0]`` is None where a fused weight gradient (fused_accum.nn) wrote the slice."""
-    grad = grads[0]
-    if grad is not None:
-        ops.accumulate(view.view(-1), _ALONE, [grad], 1.0, overwrite, None, None, backend)
-    return (None,)
-
-
-def compiled_show(param: Tensor, view: Tensor, outputs: list, inputs: list) -> None:
-    """After the parameter's AccumulateGrad in a compiled backward's graph (its post-hook):
-    ``.grad`` shows the slot's view, the running sum, as after an eager backward."""
-    param.grad = view
 
 
 class WgradTarget(NamedTuple):
@@ -98,11 +75,6 @@ class Folder:
         # the change count when the fast folds were last decided, and what was decided
         self._granted_at: Optional[int] = None
         self._granted: tuple = ()  # of arrivals.Grant
-        # compiled autograd: the folds by key (compiled_folds), at that change count, and the
-        # hooks made (by (key, overwrite))
-        self._compiled: list = []
-        self._compiled_at: Optional[int] = None
-        self._compiled_hooks: dict = {}
 
     def add(self, flat: FlatGroup) -> None:
         """A flat group joins: its buckets get the hooks' next bucket numbers, and the hooks'
@@ -267,38 +239,6 @@ class Folder:
             self._folded(slots)
         if fuse_step:
             ledger.stepped_in_pass(in_order)
-
-    # --- compiled autograd (fused_accum.arrivals.HookTable.compile_with) -----------------------
-
-    def compiled_folds(self) -> list:
-        """By key, what a compiled backward's graph holds for each slot: ``(fold, show, view)``
-        where the slot holds a gradient of the window (an add), None where it holds none yet
-        (:meth:`compiled_first`, asked by the hooks for the slots the backward reaches). The
-        list is kept while the window's change counter keeps its value (a window's middle
-        backwards change nothing)."""
-        if self._compiled_at != self.ledger.changes[0]:
-            self._compiled = [self._compiled_fold(s, False) if s.has_grad else None for s in self.ledger.slots]
-            self._compiled_at = self.ledger.changes[0]
-        return self._compiled
-
-    def compiled_first(self, slot) -> tuple:
-        """``slot``'s first gradient of the window, in the compiled backward being captured:
-        recorded now (its graph runs after), and folded by overwriting."""
-        self.ledger.folded_in_graph([slot])
-        self.topology.added()
-        return self._compiled_fold(slot, True)
-
-    def _compiled_fold(self, slot, overwrite: bool) -> tuple:
-        """(the fold, the show, the view): see HookTable.compile_with."""
-        # (hook objects kept per slot and kind: Dynamo guards on the hooks it traces, and new
-        # objects each backward would recompile the graph)
-        key = (slot.key, overwrite)
-        hooks = self._compiled_hooks.get(key)
-        if hooks is None or hooks[2] is not slot.grad_view:
-            view, backend = slot.grad_view, self.flat_groups[slot.flat_index].backend
-            fold = functools.partial(compiled_fold, view, overwrite, backend)
-            hooks = self._compiled_hooks[key] = (fold, functools.partial(compiled_show, slot.param, view), view)
-        return hooks
 
     def _check_not_stepped(self, slots) -> None:
         """step_in_backward: no gradient may arrive once it stepped the window, nor for

@@ -4,7 +4,7 @@ A window claims its parameters when its optimizer is built (``claim``): a window
 of them is detached first, so two optimizers never fold the same gradient. A torch.optim
 optimizer (or any other) is seen only at its first step, through torch's global step pre-hook
 (torch.optim has no hook at construction): if it steps parameters a live window owns, that
-window hands them over (``GradientWindow.hand_over``: the accumulated gradients in ``.grad``, in
+window hands them over (:func:`_hand_over`: the accumulated gradients in ``.grad``, in
 the parameters' dtype) and stands aside.
 
 Entries are keyed by ``id(param)`` (tensors compare element-wise, not by identity) and hold the
@@ -121,4 +121,19 @@ def _foreign_step(optimizer, args, kwargs) -> None:
             if window is not None:
                 windows[id(window)] = window
     for window in windows.values():
-        window.hand_over(f"{type(optimizer).__name__} at {id(optimizer):#x} stepped its parameters")
+        _hand_over(window, f"{type(optimizer).__name__} at {id(optimizer):#x} stepped its parameters")
+
+
+def _hand_over(window, reason: str) -> None:
+    """``window`` detaches, leaving each accumulated gradient in ``.grad`` as autograd would have
+    it (a tensor of the parameter's dtype), for the other optimizer to step."""
+    with window.lock:
+        window.flush()
+        window.reconcile()
+        for slot in window.slots:
+            p = slot.param
+            if slot.has_grad and p.grad is slot.grad_view and slot.grad_view is not slot.placeholder:
+                p.grad = slot.grad_view.to(p.dtype, copy=True)
+                window.ledger.cleared(slot)
+        window.ledger.clear_table()
+        window.detach(reason)

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import owners
+from . import compiled_backward
 from .arrivals import _untraced, make_arrivals
 from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
@@ -94,12 +95,15 @@ def _backward_raised(window_ref) -> None:
 
 def _compiled_backward(window_ref) -> list:
     window = window_ref()
-    return [] if window is None else window._compiled_backward()
+    return [] if window is None else compiled_backward.capture(window)
 
 
 def _compiled_first(window_ref, key: int):
     window = window_ref()
-    return None if window is None else window._compiled_first(key)
+    if window is None:
+        return None
+    with window.lock:
+        return window.captured.first(window.slots[key], window.topology)
 
 
 class _EndOfBackward:
@@ -178,6 +182,7 @@ class GradientWindow:
             placement=placement,
         )
         self._exposure = Exposure(self.ledger, self.flat_groups, self._folder)
+        self.captured = compiled_backward.CapturedFolds(self.ledger, self.flat_groups)
         self._finalizer = weakref.finalize(self, _detach_all, self._arrivals, self._handles)
 
     @property
@@ -240,20 +245,6 @@ class GradientWindow:
                 slot.param.grad = None
         self.detached_because = reason
 
-    def hand_over(self, reason: str) -> None:
-        """Detach, leaving each accumulated gradient in ``.grad`` as autograd would have it
-        (a tensor of the parameter's dtype), for another optimizer to step."""
-        with self.lock:
-            self.flush()
-            self.reconcile()
-            for slot in self.slots:
-                p = slot.param
-                if slot.has_grad and p.grad is slot.grad_view and slot.grad_view is not slot.placeholder:
-                    p.grad = slot.grad_view.to(p.dtype, copy=True)
-                    self.ledger.cleared(slot)
-            self.ledger.clear_table()
-            self.detach(reason)
-
     def check_attached(self) -> None:
         if self.detached_because is not None:
             raise RuntimeError(f"{self.label} can no longer step: {self.detached_because}. Use the newer optimizer.")
@@ -300,18 +291,24 @@ class GradientWindow:
         with self.lock, self.ledger.planning():
             if self.resolve_topology().stands_aside:
                 return
-            changed = self._look()
-            self._folder.take_report()  # (of a backward that raised before its end)
-            self.topology.before_backward(self.ledger)
-            if self.ledger.shown:
-                self.reconcile(changed, before_backward=True)
-            else:
-                self._exposure.take_assigned_grads(changed)
+            self.take_edits()
             self.ledger.checked()
             # Seen from now, not only from the first arrival: should this backward raise before
             # one, .grad must still show the window again (see _backward_raised).
             self._queue_end_of_backward(arrived=False)
             self._folder.grant_fast_folds()
+
+    def take_edits(self) -> None:
+        """Before a backward touches any ``.grad`` (eager, or captured by compiled autograd):
+        nodes autograd rebuilt, what the user did to ``.grad``, the report of a backward that
+        raised before its end."""
+        changed = self._look()
+        self._folder.take_report()
+        self.topology.before_backward(self.ledger)
+        if self.ledger.shown:
+            self.reconcile(changed, before_backward=True)
+        else:
+            self._exposure.take_assigned_grads(changed)
 
     def wgrad_target(self, param: Tensor, hooked: bool = False) -> Optional[WgradTarget]:
         """Where ``param``'s gradient may be written in place now (fold.Folder.in_place_target);
@@ -339,18 +336,6 @@ class GradientWindow:
             slot.param.grad = slot.grad_view  # (as the table would show it at the end)
         return True
 
-    @_untraced  # (called from FSDP2's post-accumulate-grad hook: see arrivals._untraced)
-    def take_grad(self, key: int, grad: Tensor) -> None:
-        """A gradient handed to the window whole (FSDP2 reduce-scattered a micro-batch into the
-        parameter's ``.grad``): copied into its slot's slice, which ``.grad`` shows from then."""
-        slot = self.slots[key]
-        with self.lock:
-            if grad is not slot.grad_view:
-                local = self.flat_groups[slot.flat_index].user_grad(slot, grad)
-                slot.acc.copy_(local.reshape(-1))
-                slot.param.grad = slot.grad_view
-            self.ledger.took_grad(slot)
-
     def _backward_raised(self, task: Optional[int]) -> None:
         """A backward raised before its end (``task``: its graph task, None for one the hooks
         ran quietly). What arrived before the error is in ``.grad`` natively (AccumulateGrad
@@ -368,42 +353,12 @@ class GradientWindow:
             self.placement.discarded(self.flat_groups)  # (what it took lacks the retried backward)
             self.expose()
 
-    # --- compiled autograd -----------------------------------------------------------------------
-
-    def _compiled_backward(self) -> list:
-        """Compiled autograd captures a backward that reaches the window's parameters (the hooks'
-        compile_with: once per backward, before its graph runs). What the window does at the
-        start and the end of an eager backward is done here, as no end callback runs under
-        compiled autograd (it drops the engine's queued callbacks): the checks of
-        before_backward, the micro-batch counted, ``.grad`` shown; returned, by key, what the
-        graph folds each slot with (Folder.compiled_folds). Covered: one process, the step on
-        the device (the placement and topology say; the others are refused here)."""
-        with self.lock, self.ledger.planning():
-            topology = self.resolve_topology()
-            refusal = topology.compiled_autograd_refusal or self.placement.compiled_autograd_refusal
-            if refusal is not None:
-                raise RuntimeError(
-                    f"{self.label} cannot take gradients from a compiled autograd backward with {refusal}. "
-                    "Run this backward without compiled autograd (torch._dynamo.config.compiled_autograd = False, "
-                    "or outside torch._dynamo.compiled_autograd._enable); torch.compile(model) with an eager "
-                    "backward is supported"
-                )
-            changed = self._look()
-            self._folder.take_report()  # (of an eager backward that raised before its end)
-            if self.ledger.shown:
-                self.reconcile(changed, before_backward=True)
-            else:
-                self._exposure.take_assigned_grads(changed)
-            self._folder.revoke_fast()
-            self.ledger.backward_ended()
-            self.expose()  # (with the plan handed at the block's end: the slots that hold a gradient)
-            return self._folder.compiled_folds()
-
-    def _compiled_first(self, key: int) -> tuple:
-        """The compiled backward being captured reaches slot ``key``, which holds no gradient
-        of the window yet: what its graph overwrites the slot with (Folder.compiled_first)."""
-        with self.lock:
-            return self._folder.compiled_first(self.slots[key])
+    def count_captured(self) -> None:
+        """A backward compiled autograd captures is counted as it is captured (compiled_backward:
+        no end of backward is seen), and ``.grad`` shows the window with the plan handed."""
+        self._folder.revoke_fast()
+        self.ledger.backward_ended()
+        self.expose()
 
     def _queue_end_of_backward(self, arrived: bool) -> None:
         """Queue ``_end_of_backward`` once per backward (graph task). Keyed by the task rather

@@ -7,50 +7,52 @@ what else happens. :class:`Topology` declares each one, with what one process do
 topology sees the window's state through the window's ledger (fused_accum.ledger), whose event
 methods are how it changes it.
 
-===========================  ================================================================
-``stands_aside``             another engine fills ``.grad`` (DDP, FSDP2): the hooks do nothing
-``fast_folds``               the hooks may fold and run backwards without Python (nothing to
-                             reduce after a fold)
-``sharded``                  no full gradient survives the window's reduction
-``picklable``                the optimizer may be pickled (a process group cannot)
-``exact_norm``               the norm is the world-size invariant one (reduce_dtype="exact"
-                             without a process group: :func:`one_process_chunk_sums`)
-``decided``                  the topology is final (else ``resolve`` is asked at the first
-                             backward)
-``join``                     parameters join: the topology from now on (DTensors: FSDP2's)
-``resolve``                  at the first backward: the topology for good (a DDP wrapper)
-``layout``                   the layout of a new flat group's buffers (fused_accum.flat.Layout)
-``check_optimizer``          raise if the optimizer cannot step these parameters
-``default_bucket_mb``        the bucket size when ``bucket_cap_mb`` is not given
-``attach``                   a slot is hooked (FSDP2 adds a hook of its own)
-``add``                      a flat group joins the window
-``before_backward``          a backward starts (zero: none may follow the window's reduction)
-``stage``                    fold a bucket's gradients somewhere else than the accumulator
-                             (shard="grads": a buffer reduce-scattered after the backward)
-``in_place_ok``              a gradient may be written straight into its slice (fused wgrad)
-``added``                    gradients were folded (so a reduction is owed)
-``bucket_complete``          a bucket's local values are final for this backward
-``syncs``                    the backward now running ends with the reduction
-``final_at_bucket``          a bucket the window's last backward completed holds the window's
-                             gradient here already (offload may step it as it lands)
-``backward_ended``           a backward that reached the parameters ended
-``backward_raised``          a backward raised before its end (a reduction it began is ended)
-``finish``                   complete the reduction owed (the window's last backward, the step)
-``take_user_grad``           a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
-``dropped``                  the user cleared a ``.grad`` (zero-grads: its sharded piece goes)
-``norm_terms``               the window's sum of squares and non-finite count, over every rank
-``step_divisor``             what the window's gradient is divided by when no ``num_items`` is
-                             given (shard="grads" with reduce_dtype="exact": the world size)
-``average_``                 the window's item count, as the group's mean (``num_items``)
-``before_flat_step``         a flat group is about to step
-``after_step_params``        every flat group stepped (sharded: gather the parameters)
-``after_step``               the window ended (stepped, zeroed, discarded)
-``reset``                    the window was discarded (forget a reduction in flight)
-``no_sync``                  ``opt.no_sync()``'s context
-``saved_value``              a per-parameter value as a checkpoint holds it
-``gather_full``              a whole local buffer, in the one-process layout (sharded
-                             checkpoints), or None where this process holds it whole
-===========================  ================================================================
+===============================  ================================================================
+``stands_aside``                 another engine fills ``.grad`` (DDP, FSDP2): the hooks do nothing
+``fast_folds``                   the hooks may fold and run backwards without Python (nothing to
+                                 reduce after a fold)
+``sharded``                      no full gradient survives the window's reduction
+``picklable``                    the optimizer may be pickled (a process group cannot)
+``exact_norm``                   the norm is the world-size invariant one (reduce_dtype="exact"
+                                 without a process group: :func:`one_process_chunk_sums`)
+``decided``                      the topology is final (else ``resolve`` is asked at the first
+                                 backward)
+``join``                         parameters join: the topology from now on (DTensors: FSDP2's)
+``resolve``                      at the first backward: the topology for good (a DDP wrapper)
+``layout``                       the layout of a new flat group's buffers (fused_accum.flat.Layout)
+``check_optimizer``              raise if the optimizer cannot step these parameters
+``default_bucket_mb``            the bucket size when ``bucket_cap_mb`` is not given
+``attach``                       a slot is hooked (FSDP2 adds a hook of its own)
+``add``                          a flat group joins the window
+``before_backward``              a backward starts (zero: none may follow the window's reduction)
+``stage``                        fold a bucket's gradients somewhere else than the accumulator
+                                 (shard="grads": a buffer reduce-scattered after the backward)
+``in_place_ok``                  a gradient may be written straight into its slice (fused wgrad)
+``added``                        gradients were folded (so a reduction is owed)
+``bucket_complete``              a bucket's local values are final for this backward
+``syncs``                        the backward now running ends with the reduction
+``final_at_bucket``              a bucket the window's last backward completed holds the window's
+                                 gradient here already (offload may step it as it lands)
+``backward_ended``               a backward that reached the parameters ended
+``backward_raised``              a backward raised before its end (a reduction it began is ended)
+``finish``                       complete the reduction owed (the window's last backward, the step)
+``take_user_grad``               a ``.grad`` the user assigned (True: taken here; zero-grads stages it)
+``dropped``                      the user cleared a ``.grad`` (zero-grads: its sharded piece goes)
+``norm_terms``                   the window's sum of squares and non-finite count, over every rank
+``step_divisor``                 what the window's gradient is divided by when no ``num_items`` is
+                                 given (shard="grads" with reduce_dtype="exact": the world size)
+``average_``                     the window's item count, as the group's mean (``num_items``)
+``before_flat_step``             a flat group is about to step
+``after_step_params``            every flat group stepped (sharded: gather the parameters)
+``after_step``                   the window ended (stepped, zeroed, discarded)
+``reset``                        the window was discarded (forget a reduction in flight)
+``no_sync``                      ``opt.no_sync()``'s context
+``saved_value``                  a per-parameter value as a checkpoint holds it
+``gather_full``                  a whole local buffer, in the one-process layout (sharded
+                                 checkpoints), or None where this process holds it whole
+``compiled_autograd_refusal``    why a backward compiled autograd captures is refused (its
+                                 folds are in the graph, where no reduction is), or None
+===============================  ================================================================
 
 The choice is made once: at construction (:func:`fused_accum.topology.choose`), except that
 one process's (``Local``) becomes FSDP2's when DTensor parameters join, or DDP's (``Native``)

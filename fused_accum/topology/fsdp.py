@@ -40,7 +40,18 @@ def _grad_ready(window_ref, key: int, param: Tensor) -> None:
     parameter."""
     window = window_ref()
     if window is not None and window.detached_because is None and param.grad is not None:
-        window.take_grad(key, param.grad)
+        _take_grad(window, window.slots[key], param.grad)
+
+
+def _take_grad(window, slot, grad: Tensor) -> None:
+    """FSDP2's micro-batch gradient, handed to the window whole: copied into the slot's slice,
+    which ``.grad`` shows from then."""
+    with window.lock:
+        if grad is not slot.grad_view:
+            local = window.flat_groups[slot.flat_index].user_grad(slot, grad)
+            slot.acc.copy_(local.reshape(-1))
+            slot.param.grad = slot.grad_view
+        window.ledger.took_grad(slot)
 
 
 def _local(t: Tensor) -> Tensor:
