@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, checkpoint, masters
-from .algorithms import state_keys, validate_hyperparameters
+from .registry import initial_states, validate_hyperparameters
 from .flat import SUPPORTED_DTYPES, FlatGroup
 
 
@@ -80,7 +80,7 @@ class Members:
                 len(window.slots),
                 dtype,
                 device,
-                state_keys(self.algorithm, group),
+                initial_states(self.algorithm, group),
                 self.master_weights,
                 resolved[(device, dtype)],
                 self._bucket_numel(device),
