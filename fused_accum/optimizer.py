@@ -96,7 +96,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     ``optimizer``: the name of a fused algorithm (one of :data:`fused_accum.registry.ALGORITHMS`,
     each defined in :mod:`fused_accum.algorithms`), or any ``torch.optim.Optimizer`` class (the
-    generic path); its hyper-parameters take torch.optim's names and defaults. The keywords (``accum_steps``,
+    generic path, built with the hyper-parameter keywords as torch's constructor takes them);
+    its hyper-parameters take torch.optim's names and defaults. The keywords (``accum_steps``,
     ``master_weights``, ``backend``, ``bucket_cap_mb``, ``step_in_backward``,
     ``max_grad_norm``, ``skip_nonfinite``, ``process_group``, ``shard``, ``reduce_dtype``) and
     FSDP2 use are documented in the README: "What the optimizer does" and "Data parallel and
@@ -194,7 +195,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._master_weights = True if master_weights is None else master_weights
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
-        self._generic = GenericPath(generic_class) if generic_class is not None else None
+        self._generic = GenericPath(generic_class, defaults) if generic_class is not None else None
         self._stepper.generic = self._generic
         self._window = GradientWindow(
             accum_steps=accum_steps,
@@ -229,7 +230,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         parameters buffers and, once the optimizer is built, hooks. All or nothing."""
         super().add_param_group(param_group)
         try:
-            self._members.add_group(self.param_groups, len(self.param_groups) - 1)
+            self._members.add_group(self.param_groups, len(self.param_groups) - 1, self.state)
         except BaseException:
             self.param_groups.pop()
             raise

@@ -687,3 +687,73 @@ def test_lions_defaults_are_the_papers():
     want = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
     assert fused_accum.FusedAccumOptimizer(params, "lion").defaults == want
     assert fused_accum.Lion(params).defaults == want
+
+
+# --- the generic path: optimizer= any torch.optim class ----------------------------------------
+
+# Every torch.optim class, with constructor keywords that shape its state where it has such
+# keywords (Adagrad's initial_accumulator_value: the sum starts there, built by the constructor
+# from its arguments, not from the groups), or why the generic path does not step it.
+GENERIC = {
+    "ASGD": dict(lr=0.01, t0=1, lambd=1e-3),
+    "Adadelta": dict(lr=0.5, rho=0.8, weight_decay=0.01),
+    "Adafactor": dict(lr=0.01, beta2_decay=-0.7),
+    "Adagrad": dict(lr=0.1, initial_accumulator_value=0.1, lr_decay=0.01),
+    "Adam": dict(lr=1e-2, amsgrad=True),
+    "AdamW": dict(lr=1e-2, amsgrad=True),
+    "Adamax": dict(lr=1e-2, weight_decay=0.01),
+    "Muon": dict(lr=1e-2, momentum=0.9),
+    "NAdam": dict(lr=1e-2, momentum_decay=3e-3),
+    "RAdam": dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "RMSprop": dict(lr=1e-2, momentum=0.5, centered=True),
+    "Rprop": dict(lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)),
+    "SGD": dict(lr=0.1, momentum=0.9),
+}
+NOT_GENERIC = {
+    "LBFGS": "its step needs a closure that reevaluates the loss, which no accumulation window has",
+    "SparseAdam": "it takes sparse gradients: the accumulators are dense",
+}
+
+
+def test_every_torch_optim_class_is_listed_for_the_generic_path():
+    classes = {
+        name
+        for name, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    assert classes == set(GENERIC) | set(NOT_GENERIC)
+
+
+def _same_state(ours: dict, theirs: dict, when: str) -> None:
+    assert ours.keys() == theirs.keys(), when
+    for key, want in theirs.items():
+        got = ours[key]
+        same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+        assert same, f"{when}: state {key!r}"
+
+
+@pytest.mark.parametrize("name", list(GENERIC))
+def test_the_generic_path_keeps_each_classs_state_as_torch_builds_it(name):
+    """``FusedAccumOptimizer(params, torch.optim.<name>, **keywords)`` against torch's own
+    optimizer on the same gradients (one micro-batch per window: the same fp32 gradient): its
+    state as torch builds it, at construction (Adagrad's sum at initial_accumulator_value) and
+    after each of 3 steps, and the parameters, bit for bit. (Matrices: Muon steps 2-D ones only.)"""
+    cls, keywords = getattr(torch.optim, name), GENERIC[name]
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(4, 3), (5, 2)]
+    start = [torch.randn(shape, generator=gen) for shape in shapes]
+    ours_params = [nn.Parameter(x.clone()) for x in start]
+    torch_params = [nn.Parameter(x.clone()) for x in start]
+    opt = fused_accum.FusedAccumOptimizer(ours_params, cls, **keywords)
+    ref = cls(torch_params, **keywords)
+    for p, q in zip(ours_params, torch_params):
+        _same_state(opt.state.get(p, {}), ref.state.get(q, {}), "at construction")
+    for k in range(3):
+        grads = [torch.randn(shape, generator=gen) for shape in shapes]
+        for params, o in ((ours_params, opt), (torch_params, ref)):
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(ours_params, torch_params):
+            assert torch.equal(p, q), f"step {k + 1}: parameters"
+            _same_state(opt.state[p], ref.state[q], f"step {k + 1}")
