@@ -464,18 +464,18 @@ def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
     state = [s.views(buf) for buf in s.state]
     if op == "sgd":
         hp = SGD_HP
-        hyper = ops.SgdHyper(hp["momentum"], hp["dampening"], hp["weight_decay"], hp["nesterov"], False)
-        records = (tensors, ops.SgdStates(state[0]), hyper)
-        return lambda: module.sgd_step(*records)
+        hyper = ops.sgd_step.hyper(hp["momentum"], hp["dampening"], hp["weight_decay"], hp["nesterov"], False)
+        records = (tensors, ops.sgd_step.states(state[0]), hyper)
+        return lambda: module.step(ops.sgd_step, *records)
     if op == "lion":
         hp = LION_HP
-        hyper = ops.LionHyper(hp["beta1"], hp["beta2"], hp["weight_decay"], False)
-        records = (tensors, ops.LionStates(state[0]), hyper)
-        return lambda: module.lion_step(*records)
+        hyper = ops.lion_step.hyper(hp["beta1"], hp["beta2"], hp["weight_decay"], False)
+        records = (tensors, ops.lion_step.states(state[0]), hyper)
+        return lambda: module.step(ops.lion_step, *records)
     hp = ADAMW_HP
-    hyper = ops.AdamHyper(hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], True, False)
-    records = (tensors, ops.AdamStates(state[0], state[1]), hyper)
-    return lambda: module.adam_step(*records)
+    hyper = ops.adam_step.hyper(hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], True, False)
+    records = (tensors, ops.adam_step.states(state[0], state[1]), hyper)
+    return lambda: module.step(ops.adam_step, *records)
 
 
 def _step_provider(op: str, provider: str, s: StepSet) -> Callable[[], None]:
@@ -706,7 +706,7 @@ def is_goal_group(group: Group) -> bool:
 # runs 1 and 2 threads, so thread scaling is read off one run.
 #
 # Providers, each on its own copy of the params and state (gradients are shared, read-only):
-#   cpu          fused_accum's C++ kernel: ext.adam_step from the fp32 gradient, coef 1
+#   cpu          fused_accum's C++ kernel: ext.step(ops.adam_step, ...) from the fp32 gradient, coef 1
 #   torch_fused  torch.optim.AdamW(fused=True), .grad = the gradient
 #   deepspeed    deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), when deepspeed is
 #                installed (optional: it builds its C++ op with ninja on first use)
@@ -763,13 +763,13 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
                 torch.tensor(1.0),
                 remainders=remainders,
             ),
-            ops.AdamStates(m, v),
-            ops.AdamHyper(b1, b2, eps, wd, True, False),
+            ops.adam_step.states(m, v),
+            ops.adam_step.hyper(b1, b2, eps, wd, True, False),
         )
         ours = backends.get("cpu")
 
         def call():
-            ours.adam_step(*records)
+            ours.step(ops.adam_step, *records)
 
         call.masters = lambda: [  # the fp32 masters the step holds now
             reference.rebuild_master(w, r).view(p.shape) for w, r, p in zip(weights, remainders, params)
@@ -786,10 +786,10 @@ def _cpu_adam_step(provider: str, params, grads, lp, hp) -> Callable[[], None]:
         lp_flat = [x.view(-1) for x in lp]
         records = (
             ops.StepTensors(flat_params, accs, steps, lr_t, coef, lp_params=lp_flat),
-            ops.AdamStates(m, v),
-            ops.AdamHyper(b1, b2, eps, wd, True, False),
+            ops.adam_step.states(m, v),
+            ops.adam_step.hyper(b1, b2, eps, wd, True, False),
         )
-        return lambda: ours.adam_step(*records)
+        return lambda: ours.step(ops.adam_step, *records)
     leaves = [torch.nn.Parameter(p, requires_grad=True) for p in params]
     for leaf, g in zip(leaves, grads):
         leaf.grad = g
@@ -949,7 +949,9 @@ def format_cpu_adam_row(r: Dict) -> str:
 #     .venv/bin/python -m benchmarks.kernels [--sizes-mb 4 25] [--threads 1 2] [--repeats 15] [--cold]
 
 
-STEP_SOURCES_HYPER = ops.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+STEP_SOURCES_HYPER = ops.adam_step.hyper(
+    beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False
+)
 
 
 def _sources_bucket(fmt: str, mb: float):
@@ -965,7 +967,7 @@ def _sources_bucket(fmt: str, mb: float):
         [master], [acc], torch.ones(1), torch.tensor(1e-4, dtype=torch.float64), torch.ones(()), lp_params=lp
     )
     written = [master, *lp, m, v]
-    return n, t, ops.AdamStates([m], [v]), written
+    return n, t, ops.adam_step.states([m], [v]), written
 
 
 def run_step_sources(sizes_mb, threads, repeats: int, backend: str = "cpu", cold: bool = False) -> list:

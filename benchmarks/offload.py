@@ -43,7 +43,6 @@ import torch  # noqa: E402
 import fused_accum  # noqa: E402
 from benchmarks import common  # noqa: E402
 from fused_accum import ops  # noqa: E402
-from fused_accum.algorithms import AdamHyper  # noqa: E402
 
 
 def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
@@ -63,8 +62,8 @@ def host_step_rows(sizes, threads, repeats=11, out=None) -> list:
             [master], [acc], steps, torch.tensor(1e-3, dtype=torch.float64), torch.ones(()), lp_params=[lp]
         )
         speculated = t._replace(sources=[live for _, live in aside])  # out of place: live -> twins
-        s = ops.AdamStates([m], [v])
-        h = AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+        s = ops.adam_step.states([m], [v])
+        h = ops.adam_step.hyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
         backend = "cpu" if fused_accum.backends.availability("cpu", "cpu") == "" else "reference"
         for n_threads in threads:
             torch.set_num_threads(n_threads)

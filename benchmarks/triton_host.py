@@ -60,7 +60,7 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def stubbed_kernels(tb):
-    names = ["accumulate_kernel", "reduce_stats_kernel", "sgd_kernel", "adam_kernel", "lion_kernel"]
+    names = ["accumulate_kernel", "reduce_stats_kernel", "step_kernel"]
     saved = {n: getattr(tb.kernels, n) for n in names}
     try:
         for n in names:
@@ -114,18 +114,18 @@ def measure(n: int, repeat: int, on_row=lambda row: None):
     # the step ops' records (fused_accum.ops): made once, as the tensors they hold; lp_params,
     # the model's tensors, are replaced per call, as the optimizer passes them
     step_tensors = ops.StepTensors(masters, accs, steps, lr, coef)
-    adam_states, adam_hyper = ops.AdamStates(ms, vs), ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)
-    sgd_states, sgd_hyper = ops.SgdStates(ms), ops.SgdHyper(0.9, 0.0, 0.01, False, False)
-    lion_states, lion_hyper = ops.LionStates(ms), ops.LionHyper(0.9, 0.99, 0.01, False)
+    adam_states, adam_hyper = ops.adam_step.states(ms, vs), ops.adam_step.hyper(0.9, 0.999, 1e-8, 0.01, True, False)
+    sgd_states, sgd_hyper = ops.sgd_step.states(ms), ops.sgd_step.hyper(0.9, 0.0, 0.01, False, False)
+    lion_states, lion_hyper = ops.lion_step.states(ms), ops.lion_step.hyper(0.9, 0.99, 0.01, False)
 
     def adamw(lp, plan):
-        tb.adam_step(step_tensors._replace(lp_params=lp), adam_states, adam_hyper, plan=plan)
+        tb.step(ops.adam_step, step_tensors._replace(lp_params=lp), adam_states, adam_hyper, plan=plan)
 
     def sgd(lp, plan):
-        tb.sgd_step(step_tensors._replace(lp_params=lp), sgd_states, sgd_hyper, plan=plan)
+        tb.step(ops.sgd_step, step_tensors._replace(lp_params=lp), sgd_states, sgd_hyper, plan=plan)
 
     def lion(lp, plan):
-        tb.lion_step(step_tensors._replace(lp_params=lp), lion_states, lion_hyper, plan=plan)
+        tb.step(ops.lion_step, step_tensors._replace(lp_params=lp), lion_states, lion_hyper, plan=plan)
 
     calls = {"accumulate": (accumulate, grads), "adamw": (adamw, lp), "sgd": (sgd, lp), "lion": (lion, lp)}
     rows = []

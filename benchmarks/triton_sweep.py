@@ -103,11 +103,11 @@ def _main(argv=None) -> int:
         torch.tensor(1e-4, device="cuda"),
         torch.tensor(1.0, device="cuda"),
     )
-    hyper = ops.AdamHyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
-    adamw = (ops.StepTensors([master], [acc], steps, lr, coef, lp_params=[lp]), ops.AdamStates([m], [v]), hyper)
+    hyper = ops.adam_step.hyper(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False)
+    adamw = (ops.StepTensors([master], [acc], steps, lr, coef, lp_params=[lp]), ops.adam_step.states([m], [v]), hyper)
     ops = {
         "accumulate": lambda: tb.accumulate(acc, offsets, [grad], 1.0, False),
-        "adamw": lambda: tb.adam_step(*adamw),
+        "adamw": lambda: tb.step(ops.adam_step, *adamw),
     }
     # correctness of the default shape once, on fresh data (a sweep of wrong kernels is worthless)
     want = acc.clone()

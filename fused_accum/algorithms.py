@@ -1,37 +1,37 @@
-"""The fused algorithms as data: torch.optim's defaults and checks, the state each keeps, and the
-hyper-parameter record its step op takes, built from a param group.
+"""The fused algorithms: each one's record (torch.optim's defaults and checks, its state, the
+hyper-parameter record its step op takes) and its drop-in class (torch's signature).
 
-Pure: no buffers, no kernels. :mod:`fused_accum.step` reads this table to take a step and
-:mod:`fused_accum.optimizer` to accept param groups; :mod:`fused_accum.ops` declares the step ops
-from the records here.
+Registering a record (:func:`fused_accum.registry.register`) is all the layers need: the
+optimizer, the window, the topologies and placements ask :mod:`fused_accum.registry` about it
+by name, and never name an algorithm (``tests/test_structure.py`` holds that). Its math is one
+function per backend.
 
-Adding an algorithm (say ``"foo"``, with one state buffer ``bar`` and hyper-parameters ``beta``
-and ``maximize``), in this order:
+Adding an algorithm (say an elementwise ``"foo"`` with one state buffer ``bar``) touches five
+source files:
 
-1. Here: a frozen record ``FooHyper(NamedTuple)`` whose fields (``float``/``bool``, in the order
-   the kernels take them) are the op's scalar arguments, with ``of(algorithm, group)``; an entry
-   ``ALGORITHMS["foo"] = Algorithm(defaults, ("bar",), has_step, op="foo_step")``; its checks in
-   :func:`validate_hyperparameters` and, if a hyper-parameter adds or removes a buffer, in
-   :func:`state_keys`. The public class in :mod:`fused_accum.optimizer` (torch's signature).
-2. :mod:`fused_accum.ops`: a record ``FooStates(NamedTuple)`` of its state lists, each named
-   for its torch state key plus "s" (``bars: WrittenLists``; an optional one defaults to
-   ``()``), and ``foo_step = StepOp("foo_step", FooStates, FooHyper)`` in ``STEP_OPS``. That
-   is the whole declaration: the Python call, the backend contract ``foo_step(t, s, h)`` and
-   both custom-op schemas (``fused_accum::foo_step_``, ``fused_accum_ext::foo_step_``) follow,
-   and ``Stepper.fused_step`` needs no change.
-3. Each backend, ``foo_step(t: StepTensors, s: FooStates, h: FooHyper)``: the spec first
-   (:mod:`fused_accum.backends.reference`), then ``backends/triton/`` (a kernel in
-   ``kernels.py``, its launch in ``launch.py``, ``plan=None`` too), and one line in
-   ``backends/ext.py`` (``foo_step = _step_function(ops.foo_step)``: it flattens the records
-   into the C++ operator's arguments).
-4. C++: the update rule once in ``csrc/math.h`` (``FooHyper``, ``foo_hyper``), the CPU and
-   CUDA kernels (``csrc/cpu``, ``csrc/cuda``, declared in ``csrc/kernels.h``), and
-   ``foo_step_impl`` in ``csrc/bindings.h`` (``FUSED_ACCUM_STEP_PARAMETERS``, then the states'
-   and the record's fields, in the declaration's order: the dispatcher refuses any other types
-   when :mod:`fused_accum.backends.ext` defines the schema) with its line in ``register_impls``
-   and a ``step`` overload in each ``*Backend`` struct.
-5. Tests: its row in ``tests/test_kernels.py``'s ``ALGOS`` and ``tests/test_ext.py``'s
-   ``_step_args``; ``tests/test_ops.py`` checks the registered schemas against the declaration.
+1. Here: its hyper-parameter record ``FooHyper(NamedTuple)`` (``float``/``bool`` fields, the
+   step op's scalar arguments in the order the kernels take them, and ``of =
+   classmethod(read_hyper)``); its check function (torch's checks in torch's order, from the
+   pieces in :mod:`fused_accum.registry`); ``register(Algorithm("foo", defaults,
+   (State("bar"),), FooHyper, _check_foo, has_step, op="foo_step", reads=...))``; and the
+   drop-in class ``Foo(FusedAccumOptimizer)`` with torch's (or the published peer's) exact
+   signature. A buffer that a hyper-parameter turns on is ``State("bar", when="key")``; one that
+   does not start at zero, ``State("bar", init=...)``. The registration declares the step op
+   (``ops.foo_step``, both custom-op schemas, ``fused_accum::foo_step_`` and
+   ``fused_accum_ext::foo_step_``) and everything the layers ask (state keys and their initial
+   values, checks, defaults).
+2. ``backends/reference.py``: ``foo_step(t, s, h)``, the specification (the function named for
+   the op: the reference backend's ``step`` calls it).
+3. ``backends/triton/kernels.py``: its update rule for the generic step kernel, ``_foo_prepare``
+   (per tensor) and ``_foo_update`` (per element block), and its row in ``UPDATES``.
+4. ``csrc/math.h``: its trait struct and the line that instantiates the C++ and CUDA kernels of
+   it (the C++ half's own notes there say what the struct holds).
+5. ``fused_accum/__init__.py``: export ``Foo``.
+
+Then its row in ``tests/cases.py`` (its torch class or peer, hyper-parameter cases, the modes it
+runs in) puts it through the kernel, optimizer and mode tests. An algorithm whose step is not
+elementwise (Muon's orthogonalization) also gives its record a ``middle``: see
+:class:`fused_accum.registry.Algorithm`.
 """
 
 from __future__ import annotations
@@ -39,72 +39,32 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-import torch
-from torch import Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Algorithm:
-    """A fused algorithm: its torch.optim-named defaults, the state it keeps per parameter (what
-    hyper-parameters add or remove: :func:`state_keys`) and the step op that updates it."""
-
-    defaults: dict
-    state_keys: tuple
-    has_step: bool  # torch keeps a ``step`` entry in its state
-    op: str  # its step op in fused_accum.ops.STEP_OPS, which names the hyper-parameter record
-
+from .optimizer import FusedAccumOptimizer
+from .registry import (
+    Algorithm,
+    State,
+    check_at_least_zero,
+    check_beta_ranges,
+    check_beta_types,
+    check_not_differentiable,
+    check_tensor_lr,
+    read_hyper,
+    register,
+)
 
 # torch.optim keywords that choose torch's implementation (kept in the param groups, as torch
 # keeps them, and otherwise ignored: the implementation here is always ours).
 _TORCH_IMPL = dict(foreach=None, differentiable=False, fused=None)
-ALGORITHMS = {
-    "sgd": Algorithm(
-        dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, **_TORCH_IMPL),
-        ("momentum_buffer",),
-        False,
-        "sgd_step",
-    ),
-    "adam": Algorithm(
-        dict(
-            lr=1e-3,
-            betas=(0.9, 0.999),
-            eps=1e-8,
-            weight_decay=0.0,
-            amsgrad=False,
-            maximize=False,
-            capturable=False,
-            decoupled_weight_decay=False,
-            **_TORCH_IMPL,
-        ),
-        ("exp_avg", "exp_avg_sq"),
-        True,
-        "adam_step",
-    ),
-    "adamw": Algorithm(
-        dict(
-            lr=1e-3,
-            betas=(0.9, 0.999),
-            eps=1e-8,
-            weight_decay=1e-2,
-            amsgrad=False,
-            maximize=False,
-            capturable=False,
-            decoupled_weight_decay=True,
-            **_TORCH_IMPL,
-        ),
-        ("exp_avg", "exp_avg_sq"),
-        True,
-        "adam_step",
-    ),
-    "lion": Algorithm(
-        dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False), ("exp_avg",), False, "lion_step"
-    ),
-}
+
+_ACCUMULATION_DOC = """
+    Accumulation keywords (keyword-only), as for :class:`FusedAccumOptimizer`: ``accum_steps``,
+    ``master_weights``, ``backend``, ``bucket_cap_mb``, ``step_in_backward``, ``max_grad_norm``,
+    ``skip_nonfinite``, ``process_group``. ``foreach``, ``fused`` and ``capturable`` choose
+    torch's implementation: kept in the param groups and otherwise ignored.
+"""
 
 
-# --- the hyper-parameter records: a step op's scalar arguments, built from a param group --------
-# Frozen (a NamedTuple), in the order the op's schema and kernels take them; each ``of`` reads
-# the group once per step (a tensor beta is read on the host, as torch's fused optimizers do).
+# --- SGD -------------------------------------------------------------------------------------
 
 
 class SgdHyper(NamedTuple):
@@ -116,15 +76,71 @@ class SgdHyper(NamedTuple):
     nesterov: bool
     maximize: bool
 
-    @classmethod
-    def of(cls, algorithm: str, group: dict) -> "SgdHyper":
-        return cls(
-            scalar(group["momentum"]),
-            scalar(group["dampening"]),
-            scalar(group["weight_decay"]),
-            bool(group["nesterov"]),
-            bool(group["maximize"]),
+    of = classmethod(read_hyper)
+
+
+def _check_sgd(group: dict, constructor: bool) -> None:
+    check_tensor_lr(group, constructor)
+    if group["lr"] < 0.0:  # (torch's SGD test: a NaN lr passes it, as there)
+        raise ValueError(f"Invalid learning rate: {group['lr']}")
+    if group["momentum"] < 0.0:
+        raise ValueError(f"Invalid momentum value: {group['momentum']}")
+    if group["weight_decay"] < 0.0:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+register(
+    Algorithm(
+        "sgd",
+        dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, **_TORCH_IMPL),
+        # no buffer without momentum (torch keeps none then; allocated if momentum is turned on
+        # later), and torch's buffer starts as a copy of the gradient at its first step with one
+        (State("momentum_buffer", when="momentum", from_first_gradient=True),),
+        SgdHyper,
+        _check_sgd,
+        has_step=False,
+        op="sgd_step",
+    )
+)
+
+
+class SGD(FusedAccumOptimizer):
+    __doc__ = "torch.optim.SGD's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        maximize=False,
+        foreach=None,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            "sgd",
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
         )
+
+
+# --- Adam and AdamW --------------------------------------------------------------------------
 
 
 class AdamHyper(NamedTuple):
@@ -135,20 +151,129 @@ class AdamHyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
-    decoupled: bool  # AdamW's weight decay (the "adamw" algorithm), else Adam's
+    decoupled: bool  # AdamW's weight decay (decoupled_weight_decay), else Adam's
     maximize: bool
 
-    @classmethod
-    def of(cls, algorithm: str, group: dict) -> "AdamHyper":
-        beta1, beta2 = (scalar(b) for b in group["betas"])
-        return cls(
-            beta1,
-            beta2,
-            scalar(group["eps"]),
-            scalar(group["weight_decay"]),
-            algorithm == "adamw",
-            bool(group["maximize"]),
+    of = classmethod(read_hyper)
+
+
+def _check_adam(group: dict, constructor: bool) -> None:
+    check_tensor_lr(group, constructor, foreach_refuses_tensors=True)
+    check_at_least_zero(group, "lr", "learning rate")
+    check_at_least_zero(group, "eps", "epsilon value")
+    check_beta_ranges(group)
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+    check_beta_types(group, constructor, foreach_refuses_tensors=True)
+    check_not_differentiable(group)
+
+
+_ADAM_DEFAULTS = dict(
+    lr=1e-3,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    weight_decay=0.0,
+    amsgrad=False,
+    maximize=False,
+    capturable=False,
+    decoupled_weight_decay=False,
+    **_TORCH_IMPL,
+)
+_ADAM = register(
+    Algorithm(
+        "adam",
+        _ADAM_DEFAULTS,
+        (State("exp_avg"), State("exp_avg_sq"), State("max_exp_avg_sq", when="amsgrad")),
+        AdamHyper,
+        _check_adam,
+        has_step=True,
+        op="adam_step",
+        reads=dict(beta1=("betas", 0), beta2=("betas", 1), decoupled="decoupled_weight_decay"),
+    )
+)
+# AdamW is Adam with decoupled weight decay (its groups' decoupled_weight_decay), other defaults
+register(
+    dataclasses.replace(
+        _ADAM, name="adamw", defaults=dict(_ADAM_DEFAULTS, weight_decay=1e-2, decoupled_weight_decay=True)
+    )
+)
+
+
+class Adam(FusedAccumOptimizer):
+    __doc__ = "torch.optim.Adam's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+    _name = "adam"
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        foreach=None,
+        maximize=False,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        decoupled_weight_decay=False,
+        **accumulation,
+    ):
+        name = "adamw" if decoupled_weight_decay or self._name == "adamw" else "adam"
+        super().__init__(
+            params,
+            name,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
         )
+
+
+class AdamW(Adam):
+    __doc__ = "torch.optim.AdamW's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+    _name = "adamw"
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )
+
+
+# --- Lion ------------------------------------------------------------------------------------
 
 
 class LionHyper(NamedTuple):
@@ -159,100 +284,36 @@ class LionHyper(NamedTuple):
     weight_decay: float
     maximize: bool
 
-    @classmethod
-    def of(cls, algorithm: str, group: dict) -> "LionHyper":
-        beta1, beta2 = (scalar(b) for b in group["betas"])
-        return cls(beta1, beta2, scalar(group["weight_decay"]), bool(group["maximize"]))
+    of = classmethod(read_hyper)
 
 
-def validate_hyperparameters(algorithm: str, h: dict, constructor: bool = False) -> None:
-    """torch.optim's checks, in torch's order and with torch's messages (Lion: the same style).
-    ``constructor``: also those torch makes of its constructor's arguments only (not of a group
-    added later): a tensor lr or betas with ``foreach=True``."""
-    lr = h["lr"]
-    adam = algorithm in ("adam", "adamw")
-    foreach_refuses_tensors = constructor and adam and h.get("foreach") and not h.get("capturable")
-    if isinstance(lr, Tensor) and foreach_refuses_tensors:
-        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if algorithm == "sgd":
-        if lr < 0.0:  # (torch's SGD test: a NaN lr passes it, as there)
-            raise ValueError(f"Invalid learning rate: {lr}")
-    elif not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if algorithm == "sgd":
-        if h["momentum"] < 0.0:
-            raise ValueError(f"Invalid momentum value: {h['momentum']}")
-        if h["weight_decay"] < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
-        if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        return
-    if "eps" in h and not 0.0 <= h["eps"]:
-        raise ValueError(f"Invalid epsilon value: {h['eps']}")
-    betas = h["betas"]
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= h["weight_decay"]:
-        raise ValueError(f"Invalid weight_decay value: {h['weight_decay']}")
-    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, Tensor) for b in betas)):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, Tensor) and foreach_refuses_tensors:
-            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
-        if isinstance(b, Tensor) and b.numel() != 1:
-            raise ValueError(f"Tensor betas[{i}] must be 1-element")
-    if h.get("differentiable"):
-        raise NotImplementedError("differentiable=True is not supported by fused_accum's optimizers")
+def _check_lion(group: dict, constructor: bool) -> None:
+    """Adam's checks, in torch's style, of the hyper-parameters Lion has."""
+    check_tensor_lr(group, constructor)
+    check_at_least_zero(group, "lr", "learning rate")
+    check_beta_ranges(group)
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+    check_beta_types(group, constructor)
 
 
-def parse_algorithm(optimizer, hyperparameters: dict) -> tuple:
-    """``optimizer=`` and the hyper-parameter keywords -> (fused algorithm name or None, torch.optim
-    class or None, the param groups' defaults). The caller refuses its own classes first."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "optimizer= takes an optimizer class (e.g. torch.optim.RMSprop) or a name, "
-            f"not an instance of {type(optimizer).__name__}"
+register(
+    Algorithm(
+        "lion",
+        dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False),
+        (State("exp_avg"),),
+        LionHyper,
+        _check_lion,
+        has_step=False,
+        op="lion_step",
+        reads=dict(beta1=("betas", 0), beta2=("betas", 1)),
+    )
+)
+
+
+class Lion(FusedAccumOptimizer):
+    __doc__ = "Lion (Chen et al. 2023), fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **accumulation):
+        super().__init__(
+            params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, **accumulation
         )
-    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
-        return None, optimizer, dict(hyperparameters)
-    if not isinstance(optimizer, str) or optimizer.lower() not in ALGORITHMS:
-        raise ValueError(
-            f"optimizer must be one of {sorted(ALGORITHMS)} or a torch.optim.Optimizer subclass, got {optimizer!r}"
-        )
-    name = optimizer.lower()
-    defaults = dict(ALGORITHMS[name].defaults)
-    for key, value in hyperparameters.items():
-        if key not in defaults:
-            raise TypeError(f"unexpected keyword {key!r} for optimizer {name!r}; expected one of {sorted(defaults)}")
-        defaults[key] = value
-    validate_hyperparameters(name, defaults, constructor=True)
-    return name, None, defaults
-
-
-def check_after_groups(algorithm, defaults: dict) -> None:
-    """The check torch's SGD, Adam and AdamW make once their groups are accepted (before any
-    hook is attached here: a constructor that fails changes nothing)."""
-    if algorithm in ("sgd", "adam", "adamw") and defaults.get("fused") and defaults.get("foreach"):
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-
-
-def state_keys(algorithm, group: dict) -> tuple:
-    """The state buffers ``group``'s hyper-parameters ask of ``algorithm`` now (None: the generic
-    path, whose torch.optim optimizer keeps its own state)."""
-    if algorithm is None:
-        return ()
-    keys = ALGORITHMS[algorithm].state_keys
-    if algorithm == "sgd" and group["momentum"] == 0:
-        return ()  # no buffer without momentum (allocated if momentum is turned on later)
-    if algorithm in ("adam", "adamw") and group["amsgrad"]:
-        keys = keys + ("max_exp_avg_sq",)
-    return keys
-
-
-def scalar(value) -> float:
-    """A hyper-parameter or a saved step as a Python float (a 1-element tensor read once)."""
-    return float(value.item()) if isinstance(value, Tensor) else float(value)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .algorithms import ALGORITHMS, state_keys
+from .registry import ALGORITHMS, initial_states
 from .flat import Slot
 from .step import fp32_piece
 
@@ -84,17 +84,17 @@ def state_dict(opt) -> dict:
 def _first_state(opt, flat, slot: Slot) -> dict:
     """The state a parameter that has not stepped yet starts its first step from, as torch
     would hold it: for the algorithms whose torch state counts steps (Adam, AdamW), a step count
-    of 0 and zero buffers, so that an entry that holds its ``master`` (or ``accum``) is one torch
-    can load (its ``load_state_dict`` reads the ``step`` of every entry) and steps from as from
-    none. None for the others: SGD's momentum starts from the first gradient, not from zeros;
+    of 0 and each buffer at its record's initial value, so that an entry that holds its
+    ``master`` (or ``accum``) is one torch can load (its ``load_state_dict`` reads the ``step``
+    of every entry) and steps from as from none. None for the others: SGD's momentum starts from the first gradient, not from zeros;
     the generic path's state is its torch optimizer's."""
     algorithm = opt._stepper.algorithm
     if algorithm is None or not ALGORITHMS[algorithm].has_step:
         return {}
     template = next(iter(slot.state.values()))  # (every state buffer has the slot's layout)
-    keys = state_keys(algorithm, opt.param_groups[flat.group_index])
+    initial = initial_states(algorithm, opt.param_groups[flat.group_index])
     entry = {"step": torch.zeros_like(flat.steps[slot.index])}
-    entry.update({key: flat.state_view(slot, torch.zeros_like(template)) for key in keys})
+    entry.update({key: flat.state_view(slot, torch.full_like(template, value)) for key, value in initial.items()})
     return entry
 
 

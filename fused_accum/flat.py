@@ -214,7 +214,7 @@ class FlatGroup:
         first_key,
         dtype,
         device,
-        state_keys,
+        states,
         master_weights,
         backend,
         bucket_numel,
@@ -246,7 +246,8 @@ class FlatGroup:
         self.acc = torch.zeros(layout.acc_numel(total), dtype=torch.float32, device=device)
         fp32 = dict(dtype=torch.float32, device=layout.state_device(device))
         self.master = self.masters.new_buffer(self.local_numel, fp32["device"])  # (the format's: or None)
-        self.state = {key: torch.zeros(self.local_numel, **fp32) for key in state_keys}
+        # the optimizer-state buffers: key -> its initial value
+        self.state = {key: torch.full((self.local_numel,), initial, **fp32) for key, initial in states.items()}
         self.steps = torch.zeros(len(params), **fp32)  # per-parameter step counts
         # float64, as torch's fused optimizers take lr: a Python float lr keeps every bit
         self.lr = torch.zeros((), dtype=torch.float64, device=fp32["device"])
@@ -345,12 +346,13 @@ class FlatGroup:
         what a written weight means (fused_accum.masters)."""
         self.masters.follow(self)
 
-    def ensure_state(self, key: str) -> bool:
+    def ensure_state(self, key: str, initial: float = 0.0) -> bool:
         """Allocate an optimizer state buffer first needed after construction (momentum turned
-        on, amsgrad enabled by editing a param group); True when it was allocated now."""
+        on, amsgrad enabled by editing a param group), at ``initial``; True when it was
+        allocated now."""
         if key in self.state:
             return False
-        buf = self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.steps.device)
+        buf = self.state[key] = torch.full((self.local_numel,), initial, dtype=torch.float32, device=self.steps.device)
         for slot in self.slots:  # (only the state views: .grad keeps showing the same tensor)
             slot.state[key] = buf[slot.local]
         return True

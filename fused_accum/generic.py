@@ -17,13 +17,20 @@ import torch
 class GenericPath:
     """The inner ``torch.optim`` optimizer and what it steps for each of our parameters."""
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type, hyperparameters: dict) -> None:
         self.cls = cls
+        # The keywords the optimizer was given, which the inner optimizer's constructor takes
+        # as torch's would: some classes build their state from them and not from the groups
+        # (Adagrad's initial_accumulator_value: its sum starts there, at construction and for
+        # each parameter added later, from its defaults).
+        self.hyperparameters = dict(hyperparameters)
         self.inner: Optional[torch.optim.Optimizer] = None  # built with the first group
         self.targets: dict = {}  # id(param) -> what the inner optimizer steps for it
 
-    def add(self, group: dict, group_index: int, slots: list) -> None:
-        """Give the inner optimizer the new ``slots`` of param group ``group_index``."""
+    def add(self, group: dict, group_index: int, slots: list, state: dict) -> None:
+        """Give the inner optimizer the new ``slots`` of param group ``group_index``; ``state``
+        (``opt.state``) shows the state its constructor built for them (Adagrad's sum), as
+        torch's optimizer shows it before a step."""
         inner_params = []
         for slot in slots:
             target = self._target(slot)
@@ -32,7 +39,7 @@ class GenericPath:
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         try:
             if self.inner is None:
-                self.inner = self.cls([dict(params=inner_params, **hyper)])
+                self.inner = self.cls([dict(params=inner_params, **hyper)], **self.hyperparameters)
                 self.inner._fused_accum_inner = True  # ours: its steps take nothing over (window.py)
             elif len(self.inner.param_groups) > group_index:  # an unfrozen parameter joins its group
                 self.inner.param_groups[group_index]["params"].extend(inner_params)
@@ -40,6 +47,9 @@ class GenericPath:
                 self.inner.add_param_group(dict(params=inner_params, **hyper))
         except TypeError as err:
             raise TypeError(f"{self.cls.__name__} rejected param_groups[{group_index}]: {err}") from err
+        for slot in slots:
+            if self.targets[id(slot.param)] in self.inner.state:
+                state[slot.param] = self.inner.state[self.targets[id(slot.param)]]
 
     def _target(self, slot):
         p = slot.param

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import backends, checkpoint, masters
-from .algorithms import state_keys, validate_hyperparameters
+from .registry import initial_states, validate_hyperparameters
 from .flat import SUPPORTED_DTYPES, FlatGroup
 
 
@@ -37,8 +37,9 @@ class Members:
         self.frozen: list = []  # (param, group index, label): no buffers until unfrozen
         self.group_ids: list = []  # by group: ids of its params as added (see check_unchanged)
 
-    def add_group(self, param_groups: list, group_index: int) -> None:
-        """Buffers for the trainable parameters of ``param_groups[group_index]`` (just added)."""
+    def add_group(self, param_groups: list, group_index: int, state: dict) -> None:
+        """Buffers for the trainable parameters of ``param_groups[group_index]`` (just added);
+        ``state``: ``opt.state`` (the generic path shows its optimizer's state there)."""
         group = param_groups[group_index]
         if self.algorithm is not None:
             validate_hyperparameters(self.algorithm, group)
@@ -55,10 +56,10 @@ class Members:
                 trainable.append((p, label))
             else:  # any dtype: an integer counter kept in a group is never trained
                 self.frozen.append((p, group_index, label))
-        self._make_flat_groups(group, group_index, trainable)
+        self._make_flat_groups(group, group_index, trainable, state)
         self.group_ids.append(list(map(id, group["params"])))
 
-    def _make_flat_groups(self, group: dict, group_index: int, members: list) -> list:
+    def _make_flat_groups(self, group: dict, group_index: int, members: list, state: dict) -> list:
         """Buffers for ``members`` ((param, label) pairs of one param group), one flat group per
         (device, dtype); hooks too once the optimizer is built. Returns the new slots."""
         by_key: dict = {}
@@ -80,7 +81,7 @@ class Members:
                 len(window.slots),
                 dtype,
                 device,
-                state_keys(self.algorithm, group),
+                initial_states(self.algorithm, group),
                 self.master_weights,
                 resolved[(device, dtype)],
                 self._bucket_numel(device),
@@ -90,7 +91,7 @@ class Members:
             new_slots.extend(flat.slots)
         window.topology.check_optimizer(window.ledger, self.generic.cls.__name__ if self.generic else None)
         if self.generic is not None:
-            self.generic.add(group, group_index, new_slots)
+            self.generic.add(group, group_index, new_slots, state)
         if self.attached:
             window.attach(new_slots)
         return new_slots
@@ -124,7 +125,7 @@ class Members:
             by_group.setdefault(group_index, []).append((p, label))
         window, taken = self.window, []
         for group_index, members in by_group.items():
-            for slot in self._make_flat_groups(opt.param_groups[group_index], group_index, members):
+            for slot in self._make_flat_groups(opt.param_groups[group_index], group_index, members, opt.state):
                 checkpoint.adopt_saved(opt, slot)
                 if slot.param.grad is not None:
                     taken.append((slot, window.flat_groups[slot.flat_index].user_grad(slot, slot.param.grad)))

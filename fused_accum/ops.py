@@ -8,9 +8,12 @@ Adding an algorithm: the checklist is at the top of :mod:`fused_accum.algorithms
 - ``fold_pieces``: :class:`FoldPieces` (several same-sized pieces summed into one accumulator,
   in order: the receive side of issue 38's reduce-scatter);
 - every step op: :class:`StepTensors` (the tensor lists and device scalars all steps take),
-  then its own state lists (:class:`SgdStates`, :class:`AdamStates`, :class:`LionStates`), then
-  its hyper-parameter record (:class:`~fused_accum.algorithms.SgdHyper`, ``AdamHyper``,
-  ``LionHyper``, built from a param group); :class:`StepOp` puts the three together.
+  then its own state lists (a record of one list per :class:`~fused_accum.registry.State` of
+  its algorithm, named for its torch state key plus "s": ``op.states``), then its
+  hyper-parameter record (the algorithm's ``hyper``, built from a param group: ``op.hyper``);
+  :class:`StepOp` puts the three together. :func:`declare_step` makes one from an algorithm's
+  record when :mod:`fused_accum.registry` registers it (:data:`STEP_OPS`; each is also
+  ``ops.<name>``, its custom op ``ops.<name>_``).
 
 From them follow, in field order, with ``Written`` fields marked ``(x!)`` (what the op mutates):
 
@@ -20,15 +23,16 @@ From them follow, in field order, with ``Written`` fields marked ``(x!)`` (what 
   from :func:`ext_schemas` once ``_C`` has registered its kernels, and the dispatcher then
   checks each C++ kernel's parameter types against the declaration (a mismatch is refused with
   both signatures, naming the first differing argument);
-- the backend contract: each backend's ``<op>(t, s, h)`` takes the three records (contracts and
-  conventions in :mod:`fused_accum.backends.reference`); ``accumulate`` keeps its flat
+- the backend contract: each backend's ``step(op, t, s, h)`` takes the op and its three records
+  (contracts and conventions in :mod:`fused_accum.backends.reference`, which specifies each
+  op in a function of its name); ``accumulate`` keeps its flat
   arguments (its call is the per-micro-batch hot path, and ``csrc/hooks.cpp`` calls
   ``fused_accum_ext::accumulate_`` with that typed signature).
 
 ``tests/test_ops.py`` checks the registered schemas of both namespaces, and the signatures of
 ``accumulate`` here and in every backend, against the declarations.
 
-**The calls.** Callers use the plain names (``accumulate``, ``adam_step``, ...): they go
+**The calls.** Callers use the plain names (``accumulate``, a step op): they go
 through the custom op while torch.compile traces, and straight to the backend in eager mode,
 where the custom-op wrapper costs ~30 us per call plus ~0.2 us per tensor (accumulate on the cpu
 backend, one thread, warm caches, ``ops.accumulate_`` timed against ``ops.accumulate`` on the
@@ -50,6 +54,7 @@ trace).
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Annotated, List, NamedTuple, Optional, Sequence
 
@@ -57,7 +62,6 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .algorithms import ALGORITHMS, AdamHyper, LionHyper, SgdHyper  # (the hyper records: importable here too)
 
 # --- the argument types ----------------------------------------------------------------------
 
@@ -234,25 +238,6 @@ class StepTensors(NamedTuple):
     sources: Lists = ()
 
 
-# Each step op's optimizer-state lists (fp32, one per parameter, written), in the kernels'
-# column order. A list is named for the torch state key it holds, plus "s"; one with a default
-# may be empty (absent).
-
-
-class SgdStates(NamedTuple):
-    momentum_buffers: WrittenLists = ()  # empty without momentum (torch keeps none then)
-
-
-class AdamStates(NamedTuple):
-    exp_avgs: WrittenLists
-    exp_avg_sqs: WrittenLists
-    max_exp_avg_sqs: WrittenLists = ()  # amsgrad's running maximum; empty: amsgrad off
-
-
-class LionStates(NamedTuple):
-    exp_avgs: WrittenLists
-
-
 def _plain(x):
     """A record's field as the schema takes it: a tuple of tensors (a default ``()``) as a list."""
     return list(x) if isinstance(x, tuple) else x
@@ -264,7 +249,7 @@ class StepOp:
     ``op.custom_op`` is ``fused_accum::<name>_``."""
 
     def __init__(self, name: str, states: type, hyper: type) -> None:
-        self.name = name  # each backend's function, and "<name>_" the custom ops
+        self.name = name  # the reference's spec function of it, and "<name>_" its custom ops
         self.states = states
         self.hyper = hyper
         self.arguments = arguments(StepTensors, states, hyper)
@@ -279,11 +264,11 @@ class StepOp:
     def __call__(self, t: StepTensors, s, h, backend: str, plan=None) -> None:
         if torch.compiler.is_compiling():
             return self.custom_op(*self.flatten(t, s, h), backend)
-        getattr(backends.get(backend), self.name)(t, s, h, **_hint(backend, plan))
+        backends.get(backend).step(self, t, s, h, **_hint(backend, plan))
 
     def _traced(self, *args) -> None:  # the custom op's body
         *flat, backend = args
-        getattr(backends.get(backend), self.name)(*self.unflatten(flat))
+        backends.get(backend).step(self, *self.unflatten(flat))
 
     def flatten(self, t: StepTensors, s, h) -> list:
         """The three records as the schema's positional arguments (lists as lists)."""
@@ -306,20 +291,55 @@ class StepOp:
     def states_of(self, slot_states: Sequence[dict], keys: Sequence[str]):
         """The states record for slots whose state buffers are ``slot_states`` (torch's key ->
         tensor, one dict per slot): a list for each key in ``keys`` (what the param group keeps
-        now: :func:`fused_accum.algorithms.state_keys`), empty for the others."""
+        now: :func:`fused_accum.registry.state_keys`), empty for the others."""
         return self.states(*([st[key] for st in slot_states] if key in keys else [] for key in self.state_keys))
 
 
-sgd_step = StepOp("sgd_step", SgdStates, SgdHyper)
-adam_step = StepOp("adam_step", AdamStates, AdamHyper)
-lion_step = StepOp("lion_step", LionStates, LionHyper)
-STEP_OPS = {op.name: op for op in (sgd_step, adam_step, lion_step)}
-sgd_step_, adam_step_, lion_step_ = (op.custom_op for op in STEP_OPS.values())
+STEP_OPS: dict = {}  # op name -> StepOp, as the registered algorithms declare them
+_OF_ALGORITHM: dict = {}  # algorithm name -> its StepOp
+
+
+def _states_record(op_name: str, states: Sequence) -> type:
+    """The op's optimizer-state lists as a record (``AdamStates`` for ``adam_step``): one written
+    list of fp32 tensors per ``State`` (one tensor per parameter), named for its torch state
+    key plus "s", in the kernels' column order; an optional one (``State.when``) defaults to
+    ``()``, absent (SGD's momentum buffers without momentum, Adam's running max without amsgrad)."""
+    name = "".join(part.title() for part in op_name.removesuffix("_step").split("_")) + "States"
+    body = {"__module__": __name__, "__annotations__": {f"{s.key}s": WrittenLists for s in states}}
+    body.update({f"{s.key}s": () for s in states if s.when is not None})
+    return types.new_class(name, (NamedTuple,), exec_body=lambda namespace: namespace.update(body))
+
+
+def declare_step(algorithm) -> StepOp:
+    """The step op of ``algorithm`` (a :class:`fused_accum.registry.Algorithm`), declared now or,
+    for an algorithm that shares another's update rule (adamw, adam's), the one declared then,
+    which must take the same states and hyper-parameter record."""
+    op = STEP_OPS.get(algorithm.op)
+    keys = tuple(s.key for s in algorithm.states)
+    if op is None:
+        op = STEP_OPS[algorithm.op] = StepOp(
+            algorithm.op, _states_record(algorithm.op, algorithm.states), algorithm.hyper
+        )
+    elif (op.state_keys, op.hyper) != (keys, algorithm.hyper):
+        raise ValueError(
+            f"{algorithm.name}: {algorithm.op} is declared with states {op.state_keys} and {op.hyper.__name__}, "
+            f"not {keys} and {algorithm.hyper.__name__}"
+        )
+    _OF_ALGORITHM[algorithm.name] = op
+    return op
 
 
 def step_op(algorithm: str) -> StepOp:
     """The step op of fused algorithm ``algorithm`` (its hyper-parameters: ``op.hyper.of``)."""
-    return STEP_OPS[ALGORITHMS[algorithm].op]
+    return _OF_ALGORITHM[algorithm]
+
+
+def __getattr__(name: str):
+    """``ops.<op name>``, a declared step op, and ``ops.<op name>_``, its custom op."""
+    op = STEP_OPS.get(name.removesuffix("_"))
+    if op is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return op.custom_op if name.endswith("_") else op
 
 
 def ext_schemas() -> dict:

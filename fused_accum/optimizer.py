@@ -1,10 +1,11 @@
 """FusedAccumOptimizer: the ``torch.optim`` face of fused gradient accumulation.
 
 This module holds what a user or a trainer sees: param groups and their hyper-parameters,
-``step``, ``zero_grad``, ``state`` and ``state_dict``, and the four algorithm classes. It does
-no math and no hook plumbing:
+``step``, ``zero_grad``, ``state`` and ``state_dict``. It does no math and no hook plumbing,
+and names no algorithm:
 
-- :mod:`fused_accum.algorithms`: the algorithm table and torch's hyper-parameter checks;
+- :mod:`fused_accum.registry`: what it asks of the fused algorithms (their defaults, torch's
+  checks, their state); :mod:`fused_accum.algorithms`: each one's record and drop-in class;
 - :mod:`fused_accum.step`: the fused step (``Stepper``),
   and ``opt.state``'s views of the buffers;
 - :mod:`fused_accum.checkpoint`: ``state_dict``, ``gathered_state_dict``, ``load_state_dict``;
@@ -30,8 +31,8 @@ import torch
 from torch import Tensor
 
 from . import backends, checkpoint
-from .algorithms import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
-from .algorithms import check_after_groups, parse_algorithm
+from .registry import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
+from .registry import check_after_groups, fused_names, parse_algorithm
 from . import topology
 from .flat import padded_offsets  # noqa: F401 (re-exported)
 from .members import Members
@@ -51,7 +52,7 @@ def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None
     if not isinstance(optimizer, str):
         raise ValueError(
             "offload='cpu' steps on the host with the package's kernels: a fused algorithm only "
-            "(sgd, adam, adamw, lion), not a torch.optim class"
+            f"({fused_names()}), not a torch.optim class"
         )
     if master_weights is False:
         raise ValueError("offload='cpu' keeps the masters on the host: master_weights=False leaves none to keep")
@@ -68,7 +69,7 @@ def _check_arguments(
         raise ValueError(f"master_weights must be True, False, 'remainder' or None, got {master_weights!r}")
     if master_weights == "remainder" and not isinstance(optimizer, str):
         raise ValueError(
-            "master_weights='remainder' needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim "
+            f"master_weights='remainder' needs a fused algorithm ({fused_names()}): a torch.optim "
             "class steps fp32 master tensors, which this mode does not keep"
         )
     if accum_steps is not None and (not isinstance(accum_steps, int) or accum_steps < 1):
@@ -87,18 +88,20 @@ def _check_arguments(
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm!r}")
     if step_in_backward and not isinstance(optimizer, str):
-        raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
+        raise ValueError(f"step_in_backward=True needs a fused algorithm ({fused_names()})")
 
 
 class FusedAccumOptimizer(torch.optim.Optimizer):
     """Gradient accumulation into fp32 buffers with a fused optimizer step; a drop-in optimizer.
 
-    ``optimizer``: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"lion"`` (fused), or any
-    ``torch.optim.Optimizer`` class (the generic path); its hyper-parameters take torch.optim's
-    names and defaults. The keywords (``accum_steps``, ``master_weights``, ``backend``,
-    ``bucket_cap_mb``, ``step_in_backward``, ``max_grad_norm``, ``skip_nonfinite``,
-    ``process_group``, ``shard``, ``reduce_dtype``) and FSDP2 use are documented in docs/optimizer.md
-    and docs/distributed.md.
+    ``optimizer``: the name of a fused algorithm (one of :data:`fused_accum.registry.ALGORITHMS`,
+    each defined in :mod:`fused_accum.algorithms`), or any ``torch.optim.Optimizer`` class (the
+    generic path, built with the hyper-parameter keywords as torch's constructor takes them);
+    its hyper-parameters take torch.optim's names and defaults. The keywords (``accum_steps``,
+    ``master_weights``, ``backend``, ``bucket_cap_mb``, ``step_in_backward``,
+    ``max_grad_norm``, ``skip_nonfinite``, ``process_group``, ``shard``, ``reduce_dtype``) and
+    FSDP2 use are documented in docs/optimizer.md and
+    docs/distributed.md.
     """
 
     _fused_accum_owner = True  # (fused_accum.owners: a torch.optim step pre-hook tells ours apart)
@@ -192,7 +195,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._master_weights = True if master_weights is None else master_weights
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
-        self._generic = GenericPath(generic_class) if generic_class is not None else None
+        self._generic = GenericPath(generic_class, defaults) if generic_class is not None else None
         self._stepper.generic = self._generic
         self._window = GradientWindow(
             accum_steps=accum_steps,
@@ -227,7 +230,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         parameters buffers and, once the optimizer is built, hooks. All or nothing."""
         super().add_param_group(param_group)
         try:
-            self._members.add_group(self.param_groups, len(self.param_groups) - 1)
+            self._members.add_group(self.param_groups, len(self.param_groups) - 1, self.state)
         except BaseException:
             self.param_groups.pop()
             raise
@@ -384,7 +387,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         return checkpoint.gathered_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load our own state_dict, or a plain torch SGD/Adam/AdamW one (missing keys default)."""
+        """Load our own state_dict, or a plain torch.optim one of the same algorithm (missing keys
+        default)."""
         checkpoint.load_state_dict(self, state_dict)
 
     # --- pickling: rebuild buffers and hooks from the constructor arguments and the state -------
@@ -423,127 +427,12 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         )
 
 
-_ACCUMULATION_DOC = """
-    Accumulation keywords (keyword-only), as for :class:`FusedAccumOptimizer`: ``accum_steps``,
-    ``master_weights``, ``backend``, ``bucket_cap_mb``, ``step_in_backward``, ``max_grad_norm``,
-    ``skip_nonfinite``, ``process_group``. ``foreach``, ``fused`` and ``capturable`` choose
-    torch's implementation: kept in the param groups and otherwise ignored.
-"""
+def __getattr__(name: str):
+    # The drop-in classes lived here until they moved to fused_accum.algorithms: an optimizer
+    # pickled before names its class here.
+    from . import algorithms
 
-
-class SGD(FusedAccumOptimizer):
-    __doc__ = "torch.optim.SGD's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        momentum=0.0,
-        dampening=0.0,
-        weight_decay=0.0,
-        nesterov=False,
-        *,
-        maximize=False,
-        foreach=None,
-        differentiable=False,
-        fused=None,
-        **accumulation,
-    ):
-        super().__init__(
-            params,
-            "sgd",
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            maximize=maximize,
-            foreach=foreach,
-            differentiable=differentiable,
-            fused=fused,
-            **accumulation,
-        )
-
-
-class Adam(FusedAccumOptimizer):
-    __doc__ = "torch.optim.Adam's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
-    _name = "adam"
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
-        *,
-        foreach=None,
-        maximize=False,
-        capturable=False,
-        differentiable=False,
-        fused=None,
-        decoupled_weight_decay=False,
-        **accumulation,
-    ):
-        name = "adamw" if decoupled_weight_decay or self._name == "adamw" else "adam"
-        super().__init__(
-            params,
-            name,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            maximize=maximize,
-            foreach=foreach,
-            capturable=capturable,
-            differentiable=differentiable,
-            fused=fused,
-            **accumulation,
-        )
-
-
-class AdamW(Adam):
-    __doc__ = "torch.optim.AdamW's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
-    _name = "adamw"
-
-    def __init__(
-        self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        amsgrad=False,
-        *,
-        maximize=False,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        fused=None,
-        **accumulation,
-    ):
-        super().__init__(
-            params,
-            lr,
-            betas,
-            eps,
-            weight_decay,
-            amsgrad,
-            maximize=maximize,
-            foreach=foreach,
-            capturable=capturable,
-            differentiable=differentiable,
-            fused=fused,
-            **accumulation,
-        )
-
-
-class Lion(FusedAccumOptimizer):
-    __doc__ = "Lion (Chen et al. 2023), fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **accumulation):
-        super().__init__(
-            params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, **accumulation
-        )
+    cls = getattr(algorithms, name, None)
+    if isinstance(cls, type) and issubclass(cls, FusedAccumOptimizer):
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

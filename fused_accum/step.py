@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import backends, ops
-from .algorithms import ALGORITHMS, scalar, state_keys
+from .registry import ALGORITHMS, initial_states, scalar, state_keys
 from .flat import FlatGroup, Slot
 
 
@@ -161,16 +161,18 @@ class Stepper:
         did to ``opt.state`` (an entry deleted, cleared or replaced by ``{}`` starts afresh, as
         torch's would; tensors assigned into it become the state) before the kernels read the
         buffers. Step counts change here, before the step adds to them."""
+        algorithm = ALGORITHMS[self.algorithm]
         for key in state_keys(self.algorithm, group):
-            if flat.ensure_state(key):
-                if key == "momentum_buffer":
-                    # torch's buffer starts as a copy of the gradient at its first step with
-                    # momentum (the kernels' first step: a step count of 1), not at the first step.
+            # (its initial value read only when it is allocated: a tensor one is read on the host)
+            if key not in flat.state and flat.ensure_state(key, algorithm.state(key).initial(group)):
+                if algorithm.state(key).from_first_gradient:
+                    # torch's buffer starts as a copy of the gradient at its first step with it
+                    # (the kernels' first step: a step count of 1), not at the first step.
                     flat.steps.zero_()
                 for slot in flat.slots:  # show the new buffer too
                     if self.shown.get(slot.key) is not None:
                         self.show_state(flat, slot, group)
-        if not (flat.state or ALGORITHMS[self.algorithm].has_step):
+        if not (flat.state or algorithm.has_step):
             return  # torch keeps no entry without state
         for slot in active:
             entry = self.state.get(slot.param)
@@ -182,11 +184,13 @@ class Stepper:
             self.show_state(flat, slot, group)
 
     def load_slot_state(self, flat: FlatGroup, slot: Slot, state: dict) -> None:
-        """One slot's optimizer state from torch-named values (a missing one starts at zero, and
-        an empty ``state`` at step 0, as torch's would), shown in ``opt.state``."""
+        """One slot's optimizer state from torch-named values (a missing one starts at its
+        initial value, and an empty ``state`` at step 0, as torch's would), shown in
+        ``opt.state``."""
         group = self.param_groups[flat.group_index]
-        for key in state_keys(self.algorithm, group):
-            flat.ensure_state(key)
+        algorithm = ALGORITHMS[self.algorithm]
+        for key, initial in initial_states(self.algorithm, group).items():
+            flat.ensure_state(key, initial)
         # torch's SGD saves no step: a saved momentum buffer means at least one step was taken
         # (else the next step would re-initialise the buffer from the gradient).
         has_state = any(state.get(key) is not None for key in slot.state)
@@ -194,8 +198,8 @@ class Stepper:
         flat.steps[slot.index] = scalar(step)
         for key, view in slot.state.items():
             value = state.get(key)
-            if value is None:  # missing (or torch SGD's momentum_buffer=None): defaults to zero
-                view.zero_()
+            if value is None:  # missing (or torch SGD's momentum_buffer=None): its initial value
+                view.fill_(algorithm.state(key).initial(group))
             else:
                 view.copy_(fp32_piece(flat, slot, value))
         self.show_state(flat, slot, group)

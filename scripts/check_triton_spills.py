@@ -45,6 +45,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fused_accum import ops, registry  # noqa: E402
 from fused_accum.backends import triton as tb  # noqa: E402
 
 kernels = tb.kernels
@@ -52,9 +53,10 @@ POINTERS = {"chunks": "*i64", "tensors": "*i64"}
 INTS = ("first", "chunk", "n")
 
 
-def compile_kernel(fn, arch: int, num_warps: int, **constexprs):
-    """``fn`` compiled for sm_<arch>: tables int64 pointers, other pointers fp32, the ints and
-    *_bits int64, every other runtime argument an fp32 scalar."""
+def compile_kernel(fn, arch: int, num_warps: int, hyper: tuple = (), **constexprs):
+    """``fn`` compiled for sm_<arch>: tables int64 pointers, other pointers fp32, the ints int64,
+    ``hyper`` (a step's tuple of scalars) the types of the values given, every other runtime
+    argument an fp32 scalar."""
     pointer_args = {"partial_sumsq", "partial_bad", "sumsq", "found_inf", "steps", "lr_ptr", "coef_ptr"}
     signature = {}
     for name in fn.arg_names:
@@ -64,8 +66,10 @@ def compile_kernel(fn, arch: int, num_warps: int, **constexprs):
             signature[name] = POINTERS[name]
         elif name in pointer_args:
             signature[name] = "*fp32"
-        elif name in INTS or name.endswith("_bits"):
+        elif name in INTS:
             signature[name] = "i64"
+        elif name == "hyper":
+            signature[name] = tuple("i64" if isinstance(x, int) else "fp32" for x in hyper)
         else:
             signature[name] = "fp32"
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
@@ -192,24 +196,27 @@ def variants():
             **block,
         )
         tag = f"param={param} lp={lp} fused={fused} switches={'on' if on else 'off'}"
-        # at the warps the launcher gives the variant
-        warps = {
-            k: tb.step_num_warps(k, param.primitive_bitwidth, common["HAS_LP"], rem) for k in ("sgd", "adam", "lion")
-        }
-        yield (
-            f"sgd {tag}",
-            kernels.sgd_kernel,
-            warps["sgd"],
-            dict(common, HAS_WEIGHT_DECAY=on, HAS_MOMENTUM=True, NESTEROV=on),
-        )
-        for amsgrad in (False, True):
-            yield (
-                f"adam amsgrad={amsgrad} {tag}",
-                kernels.adam_kernel,
-                warps["adam"],
-                dict(common, HAS_WEIGHT_DECAY=True, DECOUPLED=on, AMSGRAD=amsgrad),
-            )
-        yield (f"lion {tag}", kernels.lion_kernel, warps["lion"], common)
+        for op_name, update in kernels.UPDATES.items():
+            # at the warps the launcher gives the variant, its switches all on and all on but
+            # the last (Adam: amsgrad on and off)
+            warps = tb.step_num_warps(op_name, param.primitive_bitwidth, common["HAS_LP"], rem)
+            hyper, switches = update.arguments(*_sample_records(op_name))
+            for n_on in sorted({len(switches), max(len(switches) - 1, 0)}, reverse=True):
+                which = (True,) * n_on + (False,) * (len(switches) - n_on)
+                yield (
+                    f"{op_name} switches={which} {tag}",
+                    kernels.step_kernel,
+                    warps,
+                    dict(common, PREPARE=update.prepare, UPDATE=update.update, SWITCHES=which, hyper=hyper),
+                )
+
+
+def _sample_records(op_name: str) -> tuple:
+    """(hyper, states) records of step op ``op_name`` at an algorithm's defaults: what its
+    ``arguments`` turns into the kernel's scalars (their types are the signature's)."""
+    algorithm = next(a for a in registry.ALGORITHMS.values() if a.op == op_name)
+    op = ops.STEP_OPS[op_name]
+    return op.hyper.of(algorithm.name, algorithm.defaults), op.states(*([] for _ in op.state_keys))
 
 
 def main() -> int:
@@ -226,7 +233,7 @@ def main() -> int:
         compiled = compile_kernel(fn, args.arch, warps, **constexprs)
         usage = resource_usage(compiled)
         n += 1
-        kernel = name.split()[0]
+        kernel = name.split()[0]  # accumulate, reduce_stats, or the step op
         worst[kernel] = max(worst.get(kernel, 0), usage.get("REG", 0))
         if not (usage.get("STACK", 0) or usage.get("LOCAL", 0)):
             continue

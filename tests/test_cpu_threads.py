@@ -66,12 +66,12 @@ def _records(algo: str, masters: str, seed: int = 0):
         remainders=rem,
     )
     if algo == "adam":
-        states = ops.AdamStates(
+        states = ops.adam_step.states(
             [torch.rand(n, generator=gen) for n in sizes], [torch.rand(n, generator=gen) for n in sizes]
         )
-        return t, states, ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)
-    states = ops.LionStates([torch.randn(n, generator=gen) for n in sizes])
-    return t, states, ops.LionHyper(0.9, 0.99, 0.01, False)
+        return t, states, ops.adam_step.hyper(0.9, 0.999, 1e-8, 0.01, True, False)
+    states = ops.lion_step.states([torch.randn(n, generator=gen) for n in sizes])
+    return t, states, ops.lion_step.hyper(0.9, 0.99, 0.01, False)
 
 
 def _written(records):
@@ -81,7 +81,7 @@ def _written(records):
 
 def _step(algo: str, records):
     cpu = backends.get("cpu")
-    (cpu.adam_step if algo == "adam" else cpu.lion_step)(*records)
+    cpu.step(ops.adam_step if algo == "adam" else ops.lion_step, *records)
     return _last_call_threads()
 
 
@@ -203,8 +203,10 @@ def test_adam_divide_by_the_bias_correction_matches_the_reference_bit_for_bit(be
                 torch.tensor(1e-3, dtype=torch.float64),
                 torch.tensor(1.0),
             )
-            states = ops.AdamStates([m.clone()], [v.clone()], [v.clone() * 1.5] if amsgrad else [])
-            backends.get(backend).adam_step(t, states, ops.AdamHyper(0.9, beta2, 1e-8, 0.01, True, False))
+            states = ops.adam_step.states([m.clone()], [v.clone()], [v.clone() * 1.5] if amsgrad else [])
+            backends.get(backend).step(
+                ops.adam_step, t, states, ops.adam_step.hyper(0.9, beta2, 1e-8, 0.01, True, False)
+            )
             outs.append([t.params[0], *states.exp_avgs, *states.exp_avg_sqs, *states.max_exp_avg_sqs])
         for got, want in zip(*outs):
             same = got.view(torch.int32) == want.view(torch.int32)
@@ -234,10 +236,10 @@ def test_adam_over_4m_elements_on_two_threads_matches_the_reference_bit_for_bit(
             torch.tensor(1e-3, dtype=torch.float64),
             torch.tensor(0.25),
         )
-        states = ops.AdamStates(
+        states = ops.adam_step.states(
             [m.clone() for m in ms], [v.clone() for v in vs], [v * 1.25 for v in vs] if amsgrad else []
         )
-        backends.get(backend).adam_step(t, states, ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False))
+        backends.get(backend).step(ops.adam_step, t, states, ops.adam_step.hyper(0.9, 0.999, 1e-8, 0.01, True, False))
         outs.append([*t.params, *states.exp_avgs, *states.exp_avg_sqs, *states.max_exp_avg_sqs])
     for got, want in zip(*outs):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -28,18 +28,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 import fused_accum.distributed as fd
 from helpers import spawn_ranks  # tests/helpers.py
 
 K, WINDOWS, SIZES = 2, 3, (1, 2, 3, 4)
 CAP = 2e-3  # MB: a few buckets per flat group
-ALGORITHMS = {
-    "sgd": dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
-    "adam": dict(lr=1e-2, weight_decay=1e-2),
-    "adamw": dict(lr=1e-2, weight_decay=1e-2),
-    "lion": dict(lr=1e-3, weight_decay=1e-2),
-}
+ALGORITHMS = {c.algorithm: c.kwargs for c in cases.cases(cases.EXACT_WIRE)}  # each one's default case
 # name: (algorithm, optimizer keywords, loss reduction, step's num_items, parameters' dtype)
 CLIP_SKIP = dict(max_grad_norm=0.5, skip_nonfinite=True)
 ITEMS_REMAINDER = dict(master_weights="remainder", max_grad_norm=50.0)

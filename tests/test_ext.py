@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 
+import cases  # tests/cases.py: every algorithm and its step-op cases
 from fused_accum import backends, ops
 from fused_accum.backends import ext, reference
 from helpers import GPU_KERNEL_BACKENDS, PAD, flat_layout  # tests/helpers.py
@@ -44,12 +45,14 @@ def _accumulate_args(device, gen, sizes=(5, 300, 1), pad=PAD):
     return acc, offsets, grads
 
 
+ALGOS = cases.kernel_cases()  # every algorithm's step-op cases (tests/cases.py), by name
+
+
 def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
-    """The arguments of backend.<algo>_step by name (the flat keyword form of its records: see
-    _step), fp32 masters with bf16/fp16 copies. algo "adam_amsgrad": adam with max_exp_avg_sqs."""
-    amsgrad = algo == "adam_amsgrad"
-    algo = "adam" if amsgrad else algo
-    states = {"sgd": ("momentum_buffers",), "adam": ("exp_avgs", "exp_avg_sqs"), "lion": ("exp_avgs",)}[algo]
+    """The arguments of kernel case ``algo``'s step op by name (the flat keyword form of its
+    records: see _step), fp32 masters with bf16/fp16 copies, the state lists its case keeps."""
+    _, hyper, keys = cases.op_records(ALGOS[algo])
+    states = [f"{key}s" for key in keys]
     named = dict(
         params=flat_layout(sizes, device, gen=gen).views,
         **{name: [s.abs() for s in flat_layout(sizes, device, gen=gen).views] for name in states},
@@ -68,28 +71,21 @@ def _step_args(algo, device, gen, sizes=(5, 300, 1), fused=True, lp=True):
         grads_overwrite=False,
         found_inf=torch.zeros((), device=device),
     )
-    if amsgrad:
-        named["max_exp_avg_sqs"] = [s.abs() for s in flat_layout(sizes, device, gen=gen).views]
-    hyper = {
-        "sgd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, maximize=False),
-        "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),
-        "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
-    }[algo]
-    return {**named, **hyper}
+    return {**named, **hyper._asdict()}
 
 
 def _op(algo) -> ops.StepOp:
-    return ops.STEP_OPS[f"{algo.replace('_amsgrad', '')}_step"]
+    return cases.op_records(ALGOS[algo])[0]
 
 
 def _step(module, algo, named):
     """module's step op of ``algo`` on _step_args' arguments."""
     op = _op(algo)
-    getattr(module, op.name)(*op.records(**named))
+    module.step(op, *op.records(**named))
 
 
 def _op_args(algo, named):
-    """The positional argument list of torch.ops.fused_accum_ext.<algo>_step_ for _step_args' output."""
+    """The positional argument list of torch.ops.fused_accum_ext.<op>_ for _step_args' output."""
     op = _op(algo)
     return tuple(op.flatten(*op.records(**named)))
 
@@ -132,12 +128,13 @@ def test_opcheck_accumulate(device, stats):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
+@pytest.mark.parametrize("algo", list(ALGOS))
 @pytest.mark.parametrize("fused", [True, False])
 def test_opcheck_steps(device, algo, fused):
+    """(sgd_plain: SGD without momentum, no momentum buffers)"""
     gen = torch.Generator().manual_seed(1)
     named = _step_args(algo, device, gen, fused=fused, lp=fused)
-    op = getattr(OPS, f"{algo.replace('_amsgrad', '')}_step_").default
+    op = getattr(OPS, f"{_op(algo).name}_").default
     torch.library.opcheck(op, _op_args(algo, named))
 
 
@@ -149,22 +146,14 @@ def _remainder_args(algo, device, gen, named):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
+@pytest.mark.parametrize("algo", list(ALGOS))
 def test_opcheck_remainder_steps(device, algo):
     """With remainders the kernels write the bf16 params and the remainders: the schema says so
     (opcheck fails on an undeclared mutation)."""
     gen = torch.Generator().manual_seed(11)
     named = _remainder_args(algo, device, gen, _step_args(algo, device, gen, fused=True, lp=False))
-    op = getattr(OPS, f"{algo.replace('_amsgrad', '')}_step_").default
+    op = getattr(OPS, f"{_op(algo).name}_").default
     torch.library.opcheck(op, _op_args(algo, named))
-
-
-def test_opcheck_sgd_without_momentum():
-    gen = torch.Generator().manual_seed(2)
-    named = _step_args("sgd", "cpu", gen)
-    named["momentum"] = 0.0
-    named["momentum_buffers"] = []  # no momentum buffers
-    torch.library.opcheck(OPS.sgd_step_.default, _op_args("sgd", named))
 
 
 def test_compiles_without_graph_break():
@@ -175,7 +164,7 @@ def test_compiles_without_graph_break():
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(t, s, h):
-        ext.adam_step(t, s, h)
+        ext.step(ops.adam_step, t, s, h)
 
     step(*ops.adam_step.records(**named))
     _step(reference, "adam", named_ref)
@@ -337,7 +326,7 @@ def test_rejected_call_changes_nothing():
 # --- layouts -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("algo", ["sgd", "adam", "adam_amsgrad", "lion"])
+@pytest.mark.parametrize("algo", list(ALGOS))
 def test_strided_params_are_written_back(algo):
     """Params and low-precision copies that are transposed views (channels-last-like layouts) are
     updated in their logical element order, as the reference does."""
@@ -352,7 +341,7 @@ def test_strided_params_are_written_back(algo):
     _assert_trees_close(named, named_ref, **STEP_TOL)
 
 
-@pytest.mark.parametrize("algo", ["sgd", "adam", "lion"])
+@pytest.mark.parametrize("algo", list(ALGOS))
 def test_strided_remainders_and_params_are_written_back(algo):
     """A remainder that is a strided view (every other element of a buffer) and a transposed
     bf16 param: the binding copies both, the kernel updates the copies, both are written back,
@@ -464,7 +453,7 @@ def _cuda_backends():
 
 
 @gpu
-@pytest.mark.parametrize("algo", ["accumulate", "sgd", "adam", "lion"])
+@pytest.mark.parametrize("algo", ["accumulate", *ALGOS])
 def test_cuda_triton_and_reference_agree(algo):
     """The same inputs through every GPU backend and the reference: each matches the reference,
     and the kernel backends match each other (sizes up to 2^20 + 3, several chunks per tensor)."""

@@ -21,14 +21,18 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 from helpers import spawn_ranks  # tests/helpers.py
 
 WORLD, K, WINDOWS, CLIP = 2, 3, 3, 0.05
-HYPER = dict(lr=1e-2, weight_decay=0.1)
+# FSDP2 shards parameters, not the update: one algorithm (tests/cases.py: its FSDP2 case),
+# against its torch.optim class
+(CASE,) = cases.cases(cases.FSDP2)
+HYPER = dict(CASE.kwargs)
 # bf16 parameters: steps smaller than a bf16 ulp of most weights (2**-9 x |w| ~ 1e-3), which a
 # bf16 parameter alone cannot take and an fp32 master accumulates
-BF16_HYPER = dict(lr=1e-3, weight_decay=0.1)
+BF16_HYPER = dict(HYPER, lr=1e-3)
 BF16_COMPUTE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -112,11 +116,11 @@ def pair(rank, mp_policy=None, dtype=torch.float32, clip=None, foreach=False):
     extra = {} if clip is None else dict(max_grad_norm=clip)
     hyper = HYPER if dtype == torch.float32 else BF16_HYPER
     opts = [
-        fused_accum.AdamW(models[0].parameters(), accum_steps=K, **hyper, **extra),
-        torch.optim.AdamW(models[1].parameters(), fused=True, **hyper),
+        CASE.cls(models[0].parameters(), accum_steps=K, **hyper, **extra),
+        CASE.peer(models[1].parameters(), fused=True, **hyper),
     ]
     if foreach:
-        opts.append(torch.optim.AdamW(models[2].parameters(), foreach=True, **hyper))
+        opts.append(CASE.peer(models[2].parameters(), foreach=True, **hyper))
     return models, opts
 
 

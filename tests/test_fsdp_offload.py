@@ -8,7 +8,7 @@ window steps at ``step()``, bucket by bucket on the host (here one parameter per
 
 One spawn of two gloo ranks runs every case, each twice on identical FSDP2 models (with and
 without offload); the parent compares the whole parameters and each rank's state, bit for bit:
-every fused algorithm (sgd, adam, adamw, lion) on bf16 parameters with fp32 masters, clipped by
+every fused algorithm (tests/cases.py, its default case) on bf16 parameters with fp32 masters, clipped by
 ``max_grad_norm`` through three windows, the second of which has a non-finite gradient and is
 skipped (``skip_nonfinite``); AdamW on fp32 parameters; ``master_weights="remainder"``; and a
 resume through torch.distributed.checkpoint. Also counted: the device and host bytes per
@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 from fused_accum.backends import ext
 from helpers import spawn_ranks  # tests/helpers.py
@@ -38,12 +39,7 @@ pytestmark = pytest.mark.skipif(ext._C is None, reason="the offloaded host step 
 
 WINDOWS, SKIPPED = 3, 1  # the window whose gradient is non-finite (rank 0's second micro-batch)
 BUCKET_MB = 1e-4  # 26 elements: one parameter per bucket, so the host steps bucket by bucket
-ALGORITHMS = {  # name: (class, hyper-parameters)
-    "sgd": (fused_accum.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
-    "adam": (fused_accum.Adam, dict(lr=1e-3, weight_decay=0.1)),
-    "adamw": (fused_accum.AdamW, dict(lr=1e-3, weight_decay=0.1)),
-    "lion": (fused_accum.Lion, dict(lr=1e-4, weight_decay=0.1)),
-}
+ALGORITHMS = {c.algorithm: c for c in cases.cases(cases.OFFLOAD)}  # name: its default case
 CASES = {  # name: (algorithm, parameter dtype, master_weights)
     **{name: (name, torch.bfloat16, True) for name in ALGORITHMS},
     "adamw_fp32": ("adamw", torch.float32, True),
@@ -53,8 +49,7 @@ CASES = {  # name: (algorithm, parameter dtype, master_weights)
 
 def optimizer(model, case: str, offload):
     algorithm, _, master = CASES[case]
-    cls, hyper = ALGORITHMS[algorithm]
-    return cls(
+    return ALGORITHMS[algorithm].make(
         model.parameters(),
         accum_steps=K,
         max_grad_norm=CLIP,
@@ -62,7 +57,6 @@ def optimizer(model, case: str, offload):
         master_weights=master,
         bucket_cap_mb=BUCKET_MB,
         offload=offload,
-        **hyper,
     )
 
 

@@ -19,9 +19,12 @@ are stated where used.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+import cases  # tests/cases.py: every algorithm and its step-op cases
 from fused_accum import backends, ops
 from fused_accum.backends import reference
 
@@ -45,11 +48,11 @@ ACC_TOL = {"triton": dict(rtol=0.0, atol=0.0), "cuda": dict(rtol=1.2e-7, atol=1e
 
 
 def _adam(module, params, m, v, accs, steps, lr, coef, **named):
-    """module.adam_step on these lists; the other arguments by name (HYPER's too)."""
+    """module's adam_step on these lists; the other arguments by name (HYPER's too)."""
     records = ops.adam_step.records(
         params=params, exp_avgs=m, exp_avg_sqs=v, accs=accs, steps=steps, lr=lr, coef=coef, **named
     )
-    module.adam_step(*records)
+    module.step(ops.adam_step, *records)
 
 
 def _backend(name):
@@ -394,7 +397,7 @@ def _first_difference(got, want, sizes, what):
 
 
 @pytest.mark.parametrize("name", ["cuda", "triton"])
-@pytest.mark.parametrize("algo", ["adamw", "adam_amsgrad", "sgd", "lion"])
+@pytest.mark.parametrize("algo", list(cases.per_update_rule()))
 def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
     """The remainder mode (bf16 params + int16 remainders) against the same backend's
     fp32-master mode: 500 tensors (more than a CUDA step table), odd sizes, every fourth param
@@ -425,7 +428,8 @@ def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
         w, r = reference.split_master(master)
         weights.append(at_offset(w, i % 4 == 1))
         remainders.append(at_offset(r, i % 5 == 2))
-    n_states = {"adamw": 2, "adam_amsgrad": 3, "sgd": 1, "lion": 1}[algo]
+    op, hyper, keys = cases.op_records(cases.kernel_cases()[algo])  # (each update rule once: tests/cases.py)
+    n_states = len(keys)
     states = [[torch.rand(n, generator=gen).to(DEV) for n in sizes] for _ in range(n_states)]
     states_r = [[x.clone() for x in s] for s in states]
     lp = [m.to(torch.bfloat16) for m in masters]  # (their masters' rounding, as the optimizer keeps them)
@@ -438,13 +442,6 @@ def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
         total += (n + 1 + PAD - 1) // PAD * PAD
     grad_flat = torch.empty(total, device=DEV, dtype=torch.bfloat16)
     grad_views = [grad_flat[o : o + n] for o, n in zip(grad_offsets, sizes)]
-    op = {"adamw": ops.adam_step, "adam_amsgrad": ops.adam_step, "sgd": ops.sgd_step, "lion": ops.lion_step}[algo]
-    hyper = {
-        "adamw": ops.AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False),
-        "adam_amsgrad": ops.AdamHyper(0.3, 0.99, 1e-6, 0.1, True, True),
-        "sgd": ops.SgdHyper(0.9, 0.1, 0.01, True, False),
-        "lion": ops.LionHyper(0.9, 0.99, 0.1, False),
-    }[algo]
     fp32_lists = ["master"] + [f"state {j}" for j in range(n_states)]
     for k in range(20):
         acc_flat.copy_(torch.randn(acc_flat.numel(), generator=gen))
@@ -458,7 +455,7 @@ def test_remainder_steps_500_tensors_bit_for_bit_with_fp32_masters(name, algo):
         found_inf = torch.tensor(float(k == 13), device=DEV)
         common = dict(accs=accs, steps=steps, lr=lr, coef=coef, grads=grads, grad_alpha=0.25, found_inf=found_inf)
         before = torch.cat(weights) if k == 13 else None
-        be_call = getattr(be, op.name)
+        be_call = functools.partial(be.step, op)
         be_call(ops.StepTensors(params=masters, lp_params=lp, **common), op.states(*states), hyper)
         be_call(ops.StepTensors(params=weights, remainders=remainders, **common), op.states(*states_r), hyper)
         # every tensor's bits at once: the fp32 mode's masters and states against the rebuilt

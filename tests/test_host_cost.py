@@ -32,6 +32,7 @@ import sys
 import pytest
 import torch
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 from fused_accum.backends import ext
 from helpers import spawn_ranks  # tests/helpers.py
@@ -92,16 +93,9 @@ def syncs(ops: collections.Counter) -> dict:
     return {name: n for name, n in ops.items() if name in SYNC_OPS}
 
 
-ALGORITHMS = {
-    "sgd": lambda params, **kw: fused_accum.SGD(params, lr=0.1, momentum=0.9, **kw),
-    "sgd-nesterov-wd": lambda params, **kw: fused_accum.SGD(
-        params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, **kw
-    ),
-    "adam": lambda params, **kw: fused_accum.Adam(params, lr=1e-3, **kw),
-    "adamw": lambda params, **kw: fused_accum.AdamW(params, lr=1e-3, weight_decay=0.1, **kw),
-    "adamw-amsgrad": lambda params, **kw: fused_accum.AdamW(params, lr=1e-3, amsgrad=True, **kw),
-    "lion": lambda params, **kw: fused_accum.Lion(params, lr=1e-4, **kw),
-}
+ALGORITHMS = {c.id: c for c in cases.cases(cases.HOST_COST, every=True)}  # tests/cases.py
+DEFAULTS = [c.id for c in cases.cases(cases.HOST_COST)]  # each algorithm's default case
+SGD = next(c.id for c in cases.cases(cases.HOST_COST) if c.algorithm == "sgd")
 # parameter dtype, master_weights
 PRECISIONS = {
     "bf16-master": (torch.bfloat16, True),
@@ -121,7 +115,7 @@ class Run:
         self.grads = [torch.randn(NUMEL, generator=gen).to(dtype) * 1e-2 for _ in range(n)]
         if master is not None:
             kwargs["master_weights"] = master
-        self.opt = ALGORITHMS[algorithm](
+        self.opt = ALGORITHMS[algorithm].make(
             self.params, accum_steps=accum_steps, backend="cpu", bucket_cap_mb=64, **kwargs
         )
         self.accum_steps = accum_steps
@@ -157,9 +151,16 @@ def _step_ops(n, algorithm, precision, step_kwargs=None, **kwargs) -> collection
     return aten_ops(lambda: run.step(**step_kwargs))
 
 
-STEP_CASES = [pytest.param(a, p, {}, {}, id=f"{a}-{p}") for a in ALGORITHMS for p in PRECISIONS] + [
+# every case of every algorithm with bf16 params and fp32 masters, each algorithm's default case
+# in the other precisions, then the window's options
+STEP_CASES = [
+    pytest.param(a, p, {}, {}, id=f"{a}-{p}")
+    for a in ALGORITHMS
+    for p in PRECISIONS
+    if p == "bf16-master" or a in DEFAULTS
+] + [
     pytest.param("adamw", "bf16-master", {"max_grad_norm": 1.0}, {}, id="adamw-clip"),
-    pytest.param("sgd", "fp32", {"max_grad_norm": 1.0}, {}, id="sgd-clip"),
+    pytest.param(SGD, "fp32", {"max_grad_norm": 1.0}, {}, id="sgd-clip"),
     pytest.param("lion", "bf16-master", {"max_grad_norm": 1.0, "skip_nonfinite": True}, {}, id="lion-clip-skip"),
     pytest.param("adamw", "bf16-master", {"skip_nonfinite": True}, {}, id="adamw-skip"),
     pytest.param("adamw", "bf16-master", {}, {"num_items": torch.tensor(123.0)}, id="adamw-num_items-tensor"),
@@ -168,7 +169,7 @@ STEP_CASES = [pytest.param(a, p, {}, {}, id=f"{a}-{p}") for a in ALGORITHMS for 
         "adamw", "bf16-master", {"max_grad_norm": 1.0}, {"num_items": torch.tensor(9.0)}, id="adamw-clip-items"
     ),
     pytest.param("adamw", "fp32", {"scaler": True}, {}, id="adamw-gradscaler"),
-    pytest.param("sgd", "fp32", {"scaler": True, "max_grad_norm": 1.0}, {}, id="sgd-gradscaler-clip"),
+    pytest.param(SGD, "fp32", {"scaler": True, "max_grad_norm": 1.0}, {}, id="sgd-gradscaler-clip"),
 ]
 
 
@@ -225,7 +226,7 @@ def _python_calls_into_package(fn) -> list:
 
 BACKWARD_CASES = [
     pytest.param("adamw", "bf16-master", {}, id="adamw-bf16"),
-    pytest.param("sgd", "fp32", {}, id="sgd-fp32"),
+    pytest.param(SGD, "fp32", {}, id="sgd-fp32"),
     pytest.param("lion", "bf16-nomaster", {}, id="lion-bf16-nomaster"),
     pytest.param("adamw", "bf16-master", {"max_grad_norm": 1.0, "skip_nonfinite": True}, id="adamw-clip-skip"),
     pytest.param("adamw", "bf16-remainder", {}, id="adamw-bf16-remainder"),

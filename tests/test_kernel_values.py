@@ -22,8 +22,9 @@ import zlib
 import pytest
 import torch
 from helpers import CPU_KERNEL_BACKENDS, GPU_KERNEL_BACKENDS, device_cases, flat_layout
-from test_kernels import ALGOS  # (the algorithms and hyper-parameters every kernel test steps)
+from test_kernels import ALGOS, _n_states  # (the step-op cases every kernel test steps: tests/cases.py)
 
+import cases  # tests/cases.py
 from fused_accum import backends, ops
 from fused_accum.backends import reference
 
@@ -35,7 +36,6 @@ MANY = 130  # tensors in one call: past where a kernel-argument table typically 
 LOW = [torch.bfloat16, torch.float16]
 STEP_TOL = dict(rtol=1e-5, atol=1e-6, equal_nan=True)  # tests/test_kernels.py's, NaN-aware
 
-N_STATES = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}
 NAN_PAYLOAD = 0x7FC01234  # a quiet NaN master with a payload the bf16/fp16 rounding drops
 
 
@@ -100,7 +100,7 @@ class Inputs:
             self.params.append(p)
             self.lp.append(low)
             start += n
-        self.states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(N_STATES[algo])]
+        self.states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(_n_states(algo))]
         self.accs = flat_layout(sizes, device, fill=0.0).views
         for a in self.accs:
             a.copy_(torch.randn(a.numel(), generator=gen))
@@ -127,13 +127,10 @@ def _clone_view(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _op(algo) -> ops.StepOp:
-    return {"sgd": ops.sgd_step, "adam": ops.adam_step, "lion": ops.lion_step}[algo.split("_")[0].rstrip("w")]
-
-
 def call(module, algo, x: Inputs, lr, coef, *, lp=True, fused=None, found_inf=None, hyper=None):
-    """module's step op of ``algo`` on ``x`` (its lp_params unless ``lp`` is False)."""
-    op = _op(algo)
+    """module's step op of kernel case ``algo`` on ``x`` (its lp_params unless ``lp`` is False),
+    with the case's hyper-parameters or ``hyper`` (the op's record's fields, by name)."""
+    op = cases.op_records(ALGOS[algo])[0]
     t = ops.StepTensors(
         x.params,
         x.accs,
@@ -146,7 +143,7 @@ def call(module, algo, x: Inputs, lr, coef, *, lp=True, fused=None, found_inf=No
         grad_alpha=0.5,
         grads_overwrite=fused == "overwrite",
     )
-    getattr(module, op.name)(t, op.states(*x.states), op.hyper(**(hyper or ALGOS[algo])))
+    cases.op_call(module, ALGOS[algo], t, x.states, op.hyper(**hyper) if hyper else None)
 
 
 def _rounded_bits(master: torch.Tensor, dtype) -> torch.Tensor:

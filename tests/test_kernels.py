@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-import fused_accum
+import cases  # tests/cases.py: every algorithm, its peer, its cases
 from fused_accum import backends, ops
 from fused_accum.backends import reference
 from helpers import (  # tests/helpers.py
@@ -198,21 +198,18 @@ def test_accumulate_rejects_bad_layouts(backend, device, case):
 # amplifies a 1-ulp difference in v by at most ~2x).
 STEP_TOL = dict(rtol=1e-5, atol=1e-6)
 
-ALGOS = {
-    "sgd": dict(momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True, maximize=False),
-    "sgd_plain": dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=True),
-    "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False),
-    "adamw": dict(beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True, maximize=True),
-    # amsgrad, and beta1 < 0.5 (exp_avg's lerp from the other end)
-    "adam_amsgrad": dict(beta1=0.3, beta2=0.99, eps=1e-6, weight_decay=0.1, decoupled=True, maximize=False),
-    "lion": dict(beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=False),
-}
+ALGOS = cases.kernel_cases(cases.FP32)  # every algorithm's step-op cases (tests/cases.py), by name
+
+
+def _n_states(algo: str) -> int:
+    """How many state lists the step op of kernel case ``algo`` is given."""
+    return len(cases.op_records(ALGOS[algo])[2])
 
 
 def _step_inputs(algo, sizes, param_kind, device, gen):
     """Inputs of one step op. param_kind: 'master' (fp32 master + bf16/fp16 params, read and
     written), 'fp32' (fp32 params are their own master) or 'bf16' (bf16 params, no master)."""
-    n_state = {"sgd": 1, "sgd_plain": 0, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}[algo]
+    n_state = _n_states(algo)
     param_dtype = torch.bfloat16 if param_kind == "bf16" else torch.float32
     params = [torch.randn(n, generator=gen).to(device=device, dtype=param_dtype) for n in sizes]
     states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(n_state)]
@@ -232,17 +229,11 @@ def _step_inputs(algo, sizes, param_kind, device, gen):
     return params, states, lp, accs, steps
 
 
-def _op(algo) -> ops.StepOp:
-    """The step op of an ALGOS (or TORCH_FUSED) case: sgd_*, adam*, lion."""
-    return {"sgd": ops.sgd_step, "adam": ops.adam_step, "lion": ops.lion_step}[algo.split("_")[0].rstrip("w")]
-
-
 def _call(module, algo, params, states, lp, accs, steps, lr, coef, grads=(), overwrite=False, found_inf=None):
-    """module's step op of ``algo``; ``states`` in the op's order (amsgrad's max third)."""
-    op = _op(algo)
+    """module's step op of kernel case ``algo``; ``states`` in the op's order (amsgrad's max third)."""
     optional = dict(lp_params=lp, grads=list(grads), found_inf=found_inf, grad_alpha=0.5, grads_overwrite=overwrite)
     tensors = ops.StepTensors(params, accs, steps, lr, coef, **optional)
-    getattr(module, op.name)(tensors, op.states(*states), op.hyper(**ALGOS[algo]))
+    cases.op_call(module, ALGOS[algo], tensors, states)
 
 
 def _clone(xs):
@@ -335,7 +326,8 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
         assert torch.equal(got, want), f"{what}: got {got[0].item()!r}, want {value!r}"
 
     got = run(
-        lambda mod, ps, m, v, accs, steps: mod.sgd_step(
+        lambda mod, ps, m, v, accs, steps: mod.step(
+            ops.sgd_step,
             *ops.sgd_step.records(
                 params=ps,
                 accs=accs,
@@ -347,7 +339,7 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
                 weight_decay=0.0,
                 nesterov=False,
                 maximize=False,
-            )
+            ),
         ),
         p=0.0,
         m=0.0,
@@ -356,7 +348,8 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     )
     expect(got, _f32(-held), "SGD's -lr")
     got = run(
-        lambda mod, ps, m, v, accs, steps: mod.adam_step(
+        lambda mod, ps, m, v, accs, steps: mod.step(
+            ops.adam_step,
             *ops.adam_step.records(
                 params=ps,
                 exp_avgs=m,
@@ -371,7 +364,7 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
                 weight_decay=0.0,
                 decoupled=False,
                 maximize=False,
-            )
+            ),
         ),
         p=0.0,
         m=1.0,
@@ -380,7 +373,8 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     )
     expect(got, step_size(held), "Adam's step size")
     got = run(
-        lambda mod, ps, m, v, accs, steps: mod.adam_step(
+        lambda mod, ps, m, v, accs, steps: mod.step(
+            ops.adam_step,
             *ops.adam_step.records(
                 params=ps,
                 exp_avgs=m,
@@ -395,7 +389,7 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
                 weight_decay=wd,
                 decoupled=True,
                 maximize=False,
-            )
+            ),
         ),
         p=1.0,
         m=0.0,
@@ -404,7 +398,8 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
     )
     expect(got, _f32(1 - held * wd), "AdamW's decay factor")
     got = run(
-        lambda mod, ps, m, v, accs, steps: mod.lion_step(
+        lambda mod, ps, m, v, accs, steps: mod.step(
+            ops.lion_step,
             *ops.lion_step.records(
                 params=ps,
                 exp_avgs=m,
@@ -416,7 +411,7 @@ def test_step_scalars_start_from_the_double_lr(backend, device, lr_dtype):
                 beta2=0.99,
                 weight_decay=wd,
                 maximize=False,
-            )
+            ),
         ),
         p=1.0,
         m=0.0,
@@ -435,7 +430,8 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
     lr = torch.full(shape, 1e-3, dtype=dtype, device=device)
     p, accs = torch.zeros(4, device=device), flat_layout([4], device, fill=1.0).views
     with pytest.raises((ValueError, RuntimeError), match=r"lr must be a one-element float64 or float32 tensor"):
-        backends.get(backend).sgd_step(
+        backends.get(backend).step(
+            ops.sgd_step,
             *ops.sgd_step.records(
                 params=[p],
                 accs=accs,
@@ -447,30 +443,22 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
                 weight_decay=0.0,
                 nesterov=False,
                 maximize=False,
-            )
+            ),
         )
 
 
 # --- the same numbers as torch.optim's fused CPU optimizers ----------------------------------
 
-# The optimizer configurations, as torch.optim keyword arguments. Together they cover coupled and
+# The optimizer configurations: every case of the algorithms whose torch.optim class has a fused
+# CPU step (tests/cases.py), as torch's keywords but lr. Together they cover coupled and
 # decoupled weight decay, amsgrad, maximize, both ends of exp_avg's lerp (1 - beta1 below and
 # above 0.5), SGD's dampening and nesterov, and SGD without momentum.
 TORCH_FUSED = {
-    "adam": (torch.optim.Adam, dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)),
-    "adam_amsgrad_maximize": (
-        torch.optim.Adam,
-        dict(betas=(0.9, 0.99), weight_decay=0.01, amsgrad=True, maximize=True),
-    ),
-    "adamw": (torch.optim.AdamW, dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
-    "adamw_amsgrad_beta1_low": (torch.optim.AdamW, dict(betas=(0.3, 0.999), weight_decay=0.05, amsgrad=True)),
-    "sgd_momentum": (torch.optim.SGD, dict(momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    "sgd_nesterov_maximize": (torch.optim.SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01, maximize=True)),
-    "sgd_plain": (torch.optim.SGD, dict(weight_decay=0.01)),
+    c.id: c._replace(kwargs={k: v for k, v in c.kwargs.items() if k != "lr"})
+    for c in cases.cases(every=True)
+    if cases.TABLE[c.algorithm].torch_fused
 }
 TORCH_FUSED_BACKENDS = CPU_BACKENDS  # the reference too: here every backend is checked against torch
-# The states torch keeps, in the order _run_op_steps keeps them.
-STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 # lr = 1e-3 is not exact in fp32: torch's fused CPU optimizers take it as a double (a tensor lr
@@ -490,51 +478,28 @@ def _op_lr(lr):
     return lr.clone() if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float64)
 
 
-def _run_torch_fused(cls, opts, lr, params0, grads):
+def _run_torch_fused(case, lr, params0, grads):
+    """torch's fused CPU optimizer of ``case``: the params, and its states in the op's order."""
     params = [p.clone().requires_grad_() for p in params0]
-    opt = cls(params, lr=lr.clone() if isinstance(lr, torch.Tensor) else lr, fused=True, **opts)
+    opt = case.peer(params, lr=lr.clone() if isinstance(lr, torch.Tensor) else lr, fused=True, **case.kwargs)
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
         opt.step()
-    kind = "sgd" if cls is torch.optim.SGD else "adam"
-    states = [[opt.state[p][name] for p in params] for name in STATE_NAMES[kind] if name in opt.state[params[0]]]
+    states = [[opt.state[p][name] for p in params] for name in cases.op_records(case)[2]]
     return [p.detach() for p in params], states
 
 
-def _run_op_steps(module, cls, opts, lr, params0, grads):
+def _run_op_steps(module, case, lr, params0, grads):
     """The same steps through a backend's op: the gradient in acc, coef 1, per-tensor step counts."""
     params = [p.clone() for p in params0]
     n = len(params)
-    zeros = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
     lr_t, coef = _op_lr(lr), torch.tensor(1.0)
-    if cls is torch.optim.SGD:
-        states = [zeros()] if opts.get("momentum", 0) else []
-    else:
-        states = [zeros(), zeros()] + ([zeros()] if opts.get("amsgrad") else [])
+    states = [[torch.zeros_like(p) for p in params] for _ in range(len(cases.op_records(case)[2]))]
     for i, step_grads in enumerate(grads):
         accs = [g.clone() for g in step_grads]
         steps = torch.full((n,), float(i + 1))
-        tensors = ops.StepTensors(params, accs, steps, lr_t, coef)
-        if cls is torch.optim.SGD:
-            hyper = ops.SgdHyper(
-                momentum=opts.get("momentum", 0.0),
-                dampening=opts.get("dampening", 0.0),
-                weight_decay=opts.get("weight_decay", 0.0),
-                nesterov=opts.get("nesterov", False),
-                maximize=opts.get("maximize", False),
-            )
-            module.sgd_step(tensors, ops.SgdStates(*states), hyper)
-        else:
-            hyper = ops.AdamHyper(
-                beta1=opts["betas"][0],
-                beta2=opts["betas"][1],
-                eps=opts.get("eps", 1e-8),
-                weight_decay=opts["weight_decay"],
-                decoupled=cls is torch.optim.AdamW,
-                maximize=opts.get("maximize", False),
-            )
-            module.adam_step(tensors, ops.AdamStates(*states), hyper)
+        cases.op_call(module, case, ops.StepTensors(params, accs, steps, lr_t, coef), states)
     return params, states
 
 
@@ -559,10 +524,9 @@ def test_steps_match_torch_fused_bit_for_bit(backend, case, lr):
     formulas: it is held to the 1e-7 test only."""
     if backend == "triton":
         pytest.skip("triton is held to test_steps_match_torch_fused_within_1e_7")
-    cls, opts = TORCH_FUSED[case]
     params0, grads = _random_run([16, 48, 1024, 4112], _seed("bitwise", case))
-    want_p, want_s = _run_torch_fused(cls, opts, LRS[lr](), params0, grads)
-    got_p, got_s = _run_op_steps(backends.get(backend), cls, opts, LRS[lr](), params0, grads)
+    want_p, want_s = _run_torch_fused(TORCH_FUSED[case], LRS[lr](), params0, grads)
+    got_p, got_s = _run_op_steps(backends.get(backend), TORCH_FUSED[case], LRS[lr](), params0, grads)
     assert len(got_s) == len(want_s)
     for got, want in zip(got_p + sum(got_s, []), want_p + sum(want_s, [])):
         assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
@@ -578,24 +542,15 @@ def test_steps_match_torch_fused_within_1e_7(backend, case):
     Measured after 100 steps: at most 1.3e-9 (reference, cpu, and triton in the interpreter);
     1e-7 leaves a 77x margin, while a formula difference (fp32 bias corrections: 5e-6 per step)
     fails it."""
-    cls, opts = TORCH_FUSED[case]
     params0, grads = _random_run([1, 7, 13, 1000, 4099], _seed("1e-7", case))
-    want_p, want_s = _run_torch_fused(cls, opts, 1e-3, params0, grads)
-    got_p, got_s = _run_op_steps(backends.get(backend), cls, opts, 1e-3, params0, grads)
+    want_p, want_s = _run_torch_fused(TORCH_FUSED[case], 1e-3, params0, grads)
+    got_p, got_s = _run_op_steps(backends.get(backend), TORCH_FUSED[case], 1e-3, params0, grads)
     want, got = torch.cat(want_p), torch.cat(got_p)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 1e-7, rel
     for got_list, want_list in zip(got_s, want_s):
         g, w = torch.cat(got_list), torch.cat(want_list)
         assert ((g - w).norm() / w.norm()).item() <= 1e-7
-
-
-# fused_accum's optimizer of each torch.optim class, with the same keyword arguments.
-FUSED_CLASSES = {
-    torch.optim.SGD: fused_accum.SGD,
-    torch.optim.Adam: fused_accum.Adam,
-    torch.optim.AdamW: fused_accum.AdamW,
-}
 
 
 def _optimizer_run(make, lr, params0, grads):
@@ -628,12 +583,13 @@ def test_optimizer_matches_torch_fused_bit_for_bit(backend, case, lr):
     test_steps_match_torch_fused_bit_for_bit (torch's scalar tail)."""
     if backend == "triton":
         pytest.skip("triton is held to test_steps_match_torch_fused_within_1e_7")
-    cls, opts = TORCH_FUSED[case]
+    c = TORCH_FUSED[case]
     params0, grads = _random_run([16, 48, 1024, 4112], _seed("optimizer", case), steps=20)
     params0 = [p * 0.02 for p in params0]
-    want_p, want_s = _optimizer_run(lambda ps, lr_: cls(ps, lr=lr_, fused=True, **opts), LRS[lr](), params0, grads)
-    ours = FUSED_CLASSES[cls]
-    got_p, got_s = _optimizer_run(lambda ps, lr_: ours(ps, lr=lr_, backend=backend, **opts), LRS[lr](), params0, grads)
+    want_p, want_s = _optimizer_run(
+        lambda ps, lr_: c.peer(ps, lr=lr_, fused=True, **c.kwargs), LRS[lr](), params0, grads
+    )
+    got_p, got_s = _optimizer_run(lambda ps, lr_: c.make(ps, lr=lr_, backend=backend), LRS[lr](), params0, grads)
     for got, want in zip(got_p, want_p):
         assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
     for got, want in zip(got_s, want_s):
@@ -672,7 +628,8 @@ def test_lion_matches_an_independent_implementation(backend):
     exp_avgs = [torch.zeros_like(p) for p in params]
     module = backends.get(backend)
     for i, step_grads in enumerate(grads):
-        module.lion_step(
+        module.step(
+            ops.lion_step,
             ops.StepTensors(
                 params,
                 [g.clone() for g in step_grads],
@@ -680,8 +637,8 @@ def test_lion_matches_an_independent_implementation(backend):
                 _op_lr(lr),
                 torch.tensor(1.0),
             ),
-            ops.LionStates(exp_avgs),
-            ops.LionHyper(beta1=beta1, beta2=beta2, weight_decay=wd, maximize=False),
+            ops.lion_step.states(exp_avgs),
+            ops.lion_step.hyper(beta1=beta1, beta2=beta2, weight_decay=wd, maximize=False),
         )
     for got, want in zip(params + exp_avgs, want_p + want_m):
         if backend == "triton":
@@ -722,8 +679,8 @@ def test_interpreter_process_really_checks_triton():
 # rounds away from zero). Comparisons are of bit patterns (NaN-safe), never tolerances.
 
 REMAINDER_ALGOS = {
-    **ALGOS,
-    "sgd_momentum": dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+    **cases.kernel_cases(cases.REMAINDER),
+    "sgd_momentum": cases.Case("sgd_momentum", "sgd", dict(momentum=0.9)),
 }
 REMAINDER_SIZES = [1, 7, 257, 1030]  # 1030: a block and a tail past any vector width
 _OVERFLOWING, _INF_BITS = 0x7F7F8000, 0x7F800000
@@ -830,7 +787,6 @@ def check_split_weights(masters, weights, remainders) -> TieCount:
 
 
 def _remainder_call(module, algo, params, remainders, lp, states, accs, steps, lr, coef, grads, overwrite, found_inf):
-    op = _op(algo)
     t = ops.StepTensors(
         params,
         accs,
@@ -844,11 +800,11 @@ def _remainder_call(module, algo, params, remainders, lp, states, accs, steps, l
         grad_alpha=0.5,
         grads_overwrite=overwrite,
     )
-    getattr(module, op.name)(t, op.states(*states), op.hyper(**REMAINDER_ALGOS[algo]))
+    cases.op_call(module, REMAINDER_ALGOS[algo], t, states)
 
 
-def _n_states(algo: str) -> int:
-    return {"sgd": 1, "sgd_plain": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adam_amsgrad": 3, "lion": 1}[algo]
+def _n_states_of(algo: str) -> int:
+    return len(cases.op_records(REMAINDER_ALGOS[algo])[2])
 
 
 def _strided_bf16(n: int, i: int, device="cpu") -> torch.Tensor:
@@ -878,7 +834,7 @@ def run_both_modes(module, algo, sizes, n_steps, seed, device="cpu"):
         w0, r0 = reference.split_master(master)
         w.copy_(w0.view(w.shape))  # in the logical order of a strided weight
         r.copy_(r0)
-    states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(_n_states(algo))]
+    states = [[torch.randn(n, generator=gen).abs().to(device) for n in sizes] for _ in range(_n_states_of(algo))]
     states_r = [_clone(s) for s in states]
     accs = flat_layout(sizes, device, fill=0.0).views
     # an eighth of the elements never get a gradient: without weight decay their masters (at a
@@ -1074,14 +1030,14 @@ def test_remainder_step_special_values(backend, device):
             torch.ones((), device=device),
             remainders=rem,
         )
-        module.lion_step(t, ops.LionStates(m), ops.LionHyper(0.9, 0.99, 0.0, False))
+        module.step(ops.lion_step, t, ops.lion_step.states(m), ops.lion_step.hyper(0.9, 0.99, 0.0, False))
     assert torch.equal(_u32(reference.rebuild_master(weight.cpu(), remainder.cpu())), _u32(canonical(masters[0].cpu())))
     count = check_split_weights([masters[0].cpu()], [weight.cpu()], [remainder.cpu()])
     assert count.ties >= 4 and count.differing >= 2, count
     for algo in REMAINDER_ALGOS:  # both modes from the masters the remainder mode keeps
         masters = [canonical(masters0).to(device)]
         weight, remainder = (x.to(device) for x in reference.split_master(masters0))
-        states = [[torch.randn(n, generator=gen).abs().to(device)] for _ in range(_n_states(algo))]
+        states = [[torch.randn(n, generator=gen).abs().to(device)] for _ in range(_n_states_of(algo))]
         states_r = [_clone(s) for s in states]
         accs = flat_layout([n], device, fill=0.0).views
         accs[0].copy_(torch.randn(n, generator=gen))
@@ -1130,6 +1086,9 @@ def test_remainder_mode_rejects_what_it_cannot_rebuild(backend, device, case):
         remainders=remainders,
     )
     with pytest.raises((ValueError, RuntimeError), match=message):
-        backends.get(backend).lion_step(
-            t, ops.LionStates([torch.zeros(4, device=device)] * 2), ops.LionHyper(0.9, 0.99, 0.0, False)
+        backends.get(backend).step(
+            ops.lion_step,
+            t,
+            ops.lion_step.states([torch.zeros(4, device=device)] * 2),
+            ops.lion_step.hyper(0.9, 0.99, 0.0, False),
         )

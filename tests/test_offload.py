@@ -22,17 +22,14 @@ from torch import nn
 import fused_accum
 from fused_accum import host as host_module
 from fused_accum import offload as offload_module
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 from fused_accum.backends import ext
 from helpers import RaiseWhenArmed  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(ext._C is None, reason="the host step runs the C++ CPU kernels")
 
-ALGORITHMS = {
-    "sgd": (fused_accum.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "adamw": (fused_accum.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "adam-amsgrad": (fused_accum.Adam, dict(lr=1e-2, amsgrad=True)),
-    "lion": (fused_accum.Lion, dict(lr=1e-3, weight_decay=0.1)),
-}
+ALGORITHMS = {c.id: c for c in cases.cases(cases.OFFLOAD, every=True)}  # tests/cases.py
+SGD = next(c.id for c in cases.cases(cases.OFFLOAD) if c.algorithm == "sgd")  # (its default case)
 
 
 def net(dtype, seed=0):
@@ -89,13 +86,14 @@ def assert_equal_runs(ours, ours_opt, ref, ref_opt, when):
 
 
 CASES = [
-    # name, algorithm, param dtype, master mode, k, optimizer keywords, loop options
+    # name, algorithm (its case in tests/cases.py), param dtype, master mode, k, optimizer
+    # keywords, loop options. What the offload does around the step, on one algorithm each,
     ("adamw-bf16-k8-clips", "adamw", torch.bfloat16, True, 8, dict(max_grad_norm=0.02), {}),
     ("adamw-bf16-k3-no-clip", "adamw", torch.bfloat16, True, 3, dict(max_grad_norm=1e6), {}),
     ("adamw-fp32-k1", "adamw", torch.float32, True, 1, {}, {}),
     (
         "sgd-bf16-k3-skip",
-        "sgd",
+        SGD,
         torch.bfloat16,
         True,
         3,
@@ -103,10 +101,20 @@ CASES = [
         dict(poison=(2,)),
     ),
     ("lion-fp32-k8", "lion", torch.float32, True, 8, {}, {}),
-    ("amsgrad-bf16-remainder-k3", "adam-amsgrad", torch.bfloat16, "remainder", 3, dict(max_grad_norm=0.05), {}),
+    (
+        "amsgrad-bf16-remainder-k3",
+        "adam_amsgrad_maximize",
+        torch.bfloat16,
+        "remainder",
+        3,
+        dict(max_grad_norm=0.05),
+        {},
+    ),
     ("adamw-bf16-num_items", "adamw", torch.bfloat16, True, 3, {}, dict(num_items=True)),
     ("adamw-bf16-user-edit", "adamw", torch.bfloat16, True, 3, {}, dict(edit_at=3)),
-    ("sgd-fp16-gradscaler", "sgd", torch.float16, True, 3, {}, dict(scaler=True)),
+    ("sgd-fp16-gradscaler", SGD, torch.float16, True, 3, {}, dict(scaler=True)),
+    # then each algorithm's default case plainly (every speculation is the step)
+    *((f"{c.id}-bf16-k3-plain", c.id, torch.bfloat16, True, 3, {}, {}) for c in cases.cases(cases.OFFLOAD)),
 ]
 
 
@@ -114,11 +122,11 @@ CASES = [
 def test_offload_is_bit_identical_to_the_same_optimizer_without(
     name, algorithm, dtype, master, k, kwargs, loop, one_thread
 ):
-    cls, hyper = ALGORITHMS[algorithm]
+    case = ALGORITHMS[algorithm]
     ours, ref = net(dtype), net(dtype)
-    common = dict(master_weights=master, accum_steps=k, backend="cpu", **hyper, **kwargs)
-    ours_opt = cls(ours.parameters(), offload="cpu", **common)
-    ref_opt = cls(ref.parameters(), **common)
+    common = dict(master_weights=master, accum_steps=k, backend="cpu", **kwargs)
+    ours_opt = case.make(ours.parameters(), offload="cpu", **common)
+    ref_opt = case.make(ref.parameters(), **common)
     loop = dict(loop)
     scalers = (
         [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
@@ -134,7 +142,7 @@ def test_offload_is_bit_identical_to_the_same_optimizer_without(
     offload = ours_opt._window.placement
     if "clips" in name or "skip" in name or "remainder" in name:
         assert offload.redone > 0  # (a clip or a skip: the speculation was put back and redone)
-    if "no-clip" in name or name == "lion-fp32-k8":
+    if "no-clip" in name or "plain" in name or name == "lion-fp32-k8":
         assert offload.committed > 0 and offload.redone == 0  # (every speculation was the step)
     if "num_items" in name or "gradscaler" in name:
         assert not offload.speculate  # (after the first step: such a loop steps at step())

@@ -40,7 +40,7 @@ def _adam_records(n=5, with_grads=False):
     tensors = ops.StepTensors(
         params, accs, torch.tensor([1.0, 3.0]), lr, torch.tensor(0.5), grads=grads, found_inf=torch.zeros(())
     )
-    return acc, (tensors, ops.AdamStates(m, v, []), AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False))
+    return acc, (tensors, ops.adam_step.states(m, v, []), AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False))
 
 
 def _flat(op, records, backend="reference"):
@@ -67,11 +67,11 @@ def test_opcheck_sgd_and_lion():
     common = (torch.tensor([2.0]), torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0))
     sgd = (
         ops.StepTensors(t(), t(), *common, lp_params=[torch.empty(4, dtype=torch.bfloat16)]),
-        ops.SgdStates(t()),
+        ops.sgd_step.states(t()),
         SgdHyper(0.9, 0.0, 0.0, True, False),
     )
     torch.library.opcheck(ops.sgd_step_, _flat(ops.sgd_step, sgd))
-    lion = (ops.StepTensors(t(), t(), *common), ops.LionStates(t()), LionHyper(0.9, 0.99, 0.1, False))
+    lion = (ops.StepTensors(t(), t(), *common), ops.lion_step.states(t()), LionHyper(0.9, 0.99, 0.1, False))
     torch.library.opcheck(ops.lion_step_, _flat(ops.lion_step, lion))
 
 
@@ -85,7 +85,7 @@ def test_opcheck_remainders():
     common = (torch.tensor([2.0]), torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.0))
     adam = (
         ops.StepTensors(params, t(), *common, remainders=remainders),
-        ops.AdamStates(t(), [x.abs() for x in t()]),
+        ops.adam_step.states(t(), [x.abs() for x in t()]),
         AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False),
     )
     torch.library.opcheck(ops.adam_step_, _flat(ops.adam_step, adam))
@@ -137,11 +137,43 @@ ACCUMULATE_SCHEMA = (
 )
 
 
+# The step ops' schemas, pinned: the C++ kernels (csrc/bindings.h) take these arguments, in this
+# order and of these types; the records in fused_accum/algorithms.py declare them (a change to a
+# record changes its op's schema: change the C++ parameters with it).
+STEP_SCHEMAS = {
+    "sgd_step_": (
+        "sgd_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, Tensor(b!)[] lp_params, "
+        "Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
+        "Tensor[] sources, Tensor(d!)[] momentum_buffers, float momentum, float dampening, float weight_decay, "
+        "bool nesterov, bool maximize) -> ()"
+    ),
+    "adam_step_": (
+        "adam_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, Tensor(b!)[] lp_params, "
+        "Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
+        "Tensor[] sources, Tensor(d!)[] exp_avgs, Tensor(e!)[] exp_avg_sqs, Tensor(f!)[] max_exp_avg_sqs, "
+        "float beta1, float beta2, float eps, float weight_decay, bool decoupled, bool maximize) -> ()"
+    ),
+    "lion_step_": (
+        "lion_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, Tensor(b!)[] lp_params, "
+        "Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
+        "Tensor[] sources, Tensor(d!)[] exp_avgs, float beta1, float beta2, float weight_decay, bool maximize) -> ()"
+    ),
+}
+
+
+def test_the_step_schemas_are_the_pinned_ones():
+    """Made from the algorithms' records, each existing op's schema is what the C++ kernels were
+    written against, to the character."""
+    declared = ops.ext_schemas()
+    for name, text in STEP_SCHEMAS.items():
+        assert declared[name] == text, name
+
+
 def test_schemas_follow_the_declarations():
     """Each step op's schema is StepTensors' fields, its states' and its hyper-parameters', in
     that order, each written list with an alias set of its own; accumulate's is pinned."""
     declared = ops.ext_schemas()
-    assert set(declared) == {"accumulate_", "fold_pieces_", "sgd_step_", "adam_step_", "lion_step_"}
+    assert set(declared) == {"accumulate_", "fold_pieces_", *(f"{name}_" for name in ops.STEP_OPS)}
     assert declared["accumulate_"] == ACCUMULATE_SCHEMA
     assert declared["fold_pieces_"] == "fold_pieces_(Tensor(a!) acc, Tensor[] pieces, bool overwrite) -> ()"
     for op in ops.STEP_OPS.values():
@@ -243,11 +275,13 @@ def test_fold_pieces_signatures_follow_the_declaration():
 
 
 def test_backends_take_the_step_records():
-    """Each backend's step functions take the three records (and plan= where the registry says)."""
+    """Each backend's one step function takes the op and its three records (and plan= where the
+    registry says); the reference specifies each op in a function of the op's name."""
     for name, module in _backend_modules().items():
         plan = ["plan"] if backends.takes_plan(name) else []
-        for op in ops.STEP_OPS.values():
-            assert list(inspect.signature(getattr(module, op.name)).parameters) == ["t", "s", "h", *plan], (name, op)
+        assert list(inspect.signature(module.step).parameters) == ["op", "t", "s", "h", *plan], name
+    for op in ops.STEP_OPS.values():
+        assert list(inspect.signature(getattr(backends.get("reference"), op.name)).parameters) == ["t", "s", "h"]
 
 
 def test_records_and_states_of():
@@ -256,9 +290,9 @@ def test_records_and_states_of():
     t, s, h = ops.adam_step.records(
         params=[1], accs=[2], steps=3, lr=4, coef=5, exp_avgs=[6], exp_avg_sqs=[7], **AdamHyper(*range(6))._asdict()
     )
-    assert t == ops.StepTensors([1], [2], 3, 4, 5) and s == ops.AdamStates([6], [7]) and h == AdamHyper(*range(6))
+    assert t == ops.StepTensors([1], [2], 3, 4, 5) and s == ops.adam_step.states([6], [7]) and h == AdamHyper(*range(6))
     with pytest.raises(TypeError, match="unexpected arguments"):
         ops.lion_step.records(eps=1.0)
     buffers = [{"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}, {"exp_avg": 4, "exp_avg_sq": 5}]
-    assert ops.adam_step.states_of(buffers, ("exp_avg", "exp_avg_sq")) == ops.AdamStates([1, 4], [2, 5], [])
-    assert ops.sgd_step.states_of([{}, {}], ()) == ops.SgdStates([])
+    assert ops.adam_step.states_of(buffers, ("exp_avg", "exp_avg_sq")) == ops.adam_step.states([1, 4], [2, 5], [])
+    assert ops.sgd_step.states_of([{}, {}], ()) == ops.sgd_step.states([])

@@ -19,7 +19,7 @@ from torch import nn
 import fused_accum
 from fused_accum import FusedAccumOptimizer
 from helpers import CPU_BACKENDS, GPU_BACKENDS  # tests/helpers.py
-from lion_reference import LionReference  # tests/lion_reference.py
+import cases  # tests/cases.py: every algorithm, its peer, its cases
 
 # fp32 parameters and state after 3 steps: the accumulated gradient sums k micro-batch
 # gradients where torch sums one batch in another order (a few ulp, ~1e-7 relative), and
@@ -50,15 +50,10 @@ def mse_mean(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
 
-ALGOS = {
-    "sgd_momentum": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
-    "sgd_nesterov": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, maximize=True)),
-    "sgd_dampening": ("sgd", torch.optim.SGD, dict(lr=0.05, momentum=0.5, dampening=0.3)),
-    "adam": ("adam", torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
-    "adamw": ("adamw", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, eps=1e-6)),
-    "lion": ("lion", LionReference, dict(lr=1e-3, weight_decay=0.1)),
-    "generic_rmsprop": (torch.optim.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),
-}
+# Every case of every algorithm (tests/cases.py: its peer, torch's class or an independent
+# implementation), and the generic path.
+ALGOS = {c.id: (c.algorithm, c.peer, c.kwargs) for c in cases.cases(cases.FP32, every=True)}
+ALGOS["generic_rmsprop"] = (torch.optim.RMSprop, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5))
 
 
 def run_pair(algo, backend, k, windows, partial_last=None):
@@ -93,7 +88,7 @@ def test_k_microbatches_equal_one_large_batch(backend, algo, k):
         torch.testing.assert_close(p, q, **TOL)
     saved = opt.state_dict()["state"]
     for i, q in enumerate(big.parameters()):  # optimizer state too, under torch's names
-        theirs, mine = ref.state[q], saved[i]
+        theirs, mine = ref.state[q], saved.get(i, {})  # (SGD without momentum keeps none)
         for key, value in theirs.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 torch.testing.assert_close(mine[key], value, **TOL)
@@ -590,7 +585,7 @@ def test_step_hooks_and_schedulers_see_a_torch_optimizer():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("algo", ["sgd_nesterov", "adamw", "lion"])
+@pytest.mark.parametrize("algo", [c.id for c in cases.cases(cases.STEP_IN_BACKWARD)])
 def test_step_in_backward_equals_the_separate_step(backend, algo):
     """The fused last micro-batch gives the same update as accumulate-then-step; a param that
     gets no gradient in the last micro-batch is still stepped from its accumulator."""
@@ -643,7 +638,7 @@ def test_max_grad_norm_equals_clip_grad_norm(backend, accum_steps):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw", "lion"])
+@pytest.mark.parametrize("algo", [c.id for c in cases.cases(cases.FP32)])
 def test_skip_nonfinite_leaves_everything_untouched(backend, algo):
     name, _, hyper = ALGOS[algo]
     model = make_model()
@@ -903,3 +898,41 @@ def test_cpu_buckets_default_to_half_a_megabyte_and_an_explicit_cap_wins():
     assert len(sizes(whole)) == 1
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
         fused_accum.AdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0)
+
+
+def test_a_state_buffer_starts_at_its_records_initial_value():
+    """An algorithm's record says where each state buffer starts (``State.init``: a number, or a
+    param-group key holding one; Adagrad's sum at initial_accumulator_value): at construction,
+    when a hyper-parameter turns the buffer on later, and when ``opt.state`` is cleared. Here
+    Adam's record with its second moment starting at the group's ``v0`` and amsgrad's running
+    maximum at 0.5, stepped with zero gradients: each buffer then shows its start times beta2
+    (or, the maximum, the start itself)."""
+    import dataclasses
+
+    from fused_accum import ops, registry
+    from fused_accum.registry import State
+
+    adam = registry.ALGORITHMS["adam"]
+    states = (State("exp_avg"), State("exp_avg_sq", init="v0"), State("max_exp_avg_sq", when="amsgrad", init=0.5))
+    record = dataclasses.replace(adam, name="adam_from_v0", defaults=dict(adam.defaults, v0=0.25), states=states)
+    registry.register(record)
+    try:
+        p = nn.Parameter(torch.ones(5))
+        opt = FusedAccumOptimizer([p], "adam_from_v0", lr=1e-3, betas=(0.9, 0.999), accum_steps=1)
+
+        def zero_step():
+            (p * 0.0).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        v0 = torch.full((5,), 0.25)
+        zero_step()
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v0 * 0.999)
+        opt.param_groups[0]["amsgrad"] = True  # the running maximum, allocated now, at 0.5
+        zero_step()
+        assert torch.equal(opt.state[p]["max_exp_avg_sq"], torch.full((5,), 0.5))
+        opt.state.clear()  # a fresh start: every buffer at its initial value, the step count at 0
+        zero_step()
+        assert torch.equal(opt.state[p]["exp_avg_sq"], v0 * 0.999) and float(opt.state[p]["step"]) == 1.0
+    finally:
+        del registry.ALGORITHMS[record.name], ops._OF_ALGORITHM[record.name]

@@ -28,6 +28,7 @@ import pytest
 import torch
 from torch import nn
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 from fused_accum.backends.reference import rebuild_master, split_master
 from helpers import CPU_BACKENDS, data
@@ -45,13 +46,8 @@ def loss_of(model, batch):
     return (model(x.to(torch.bfloat16)).float() - y).square().mean()
 
 
-ALGORITHMS = {
-    "sgd": (fused_accum.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "adam": (fused_accum.Adam, dict(lr=1e-2, weight_decay=0.1)),
-    "adamw": (fused_accum.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "adamw-amsgrad": (fused_accum.AdamW, dict(lr=1e-2, amsgrad=True)),
-    "lion": (fused_accum.Lion, dict(lr=1e-3, weight_decay=0.1)),
-}
+ALGORITHMS = {c.id: c for c in cases.cases(cases.REMAINDER, every=True)}  # tests/cases.py
+SGD = next(c.id for c in cases.cases(cases.REMAINDER) if c.algorithm == "sgd")  # (its default case)
 
 
 def masters(opt) -> list:
@@ -106,11 +102,11 @@ def assert_bit_equal(ours_model, ours_opt, twin_model, twin_opt, losses=None):
 
 CASES = [pytest.param(a, {}, {}, id=a) for a in ALGORITHMS] + [
     pytest.param("adamw", {"max_grad_norm": 0.05}, {}, id="adamw-clip"),
-    pytest.param("sgd", {"max_grad_norm": 0.05, "skip_nonfinite": True}, {}, id="sgd-clip-skip"),
+    pytest.param(SGD, {"max_grad_norm": 0.05, "skip_nonfinite": True}, {}, id="sgd-clip-skip"),
     pytest.param("lion", {"skip_nonfinite": True}, {}, id="lion-skip"),
     pytest.param("adam", {}, {"num_items": torch.tensor(3.0)}, id="adam-num_items"),
     pytest.param("adamw", {"accum_steps": 2, "step_in_backward": True}, {}, id="adamw-step_in_backward"),
-    pytest.param("sgd", {"accum_steps": 2, "step_in_backward": True}, {}, id="sgd-step_in_backward"),
+    pytest.param(SGD, {"accum_steps": 2, "step_in_backward": True}, {}, id="sgd-step_in_backward"),
     pytest.param("adamw", {"scaler": True}, {}, id="adamw-gradscaler"),
 ]
 
@@ -120,13 +116,13 @@ CASES = [pytest.param(a, {}, {}, id=a) for a in ALGORITHMS] + [
 def test_the_remainder_mode_steps_as_the_fp32_master_mode_with_tie_rounded_weights(
     algorithm, kwargs, step_kwargs, backend, one_thread
 ):
-    cls, hyper = ALGORITHMS[algorithm]
+    case = ALGORITHMS[algorithm]
     kwargs = dict(kwargs)
     use_scaler = kwargs.pop("scaler", False)
     skip = kwargs.get("skip_nonfinite", False)
     ours, twin = bf16_net(), bf16_net()
-    ours_opt = cls(ours.parameters(), master_weights="remainder", backend=backend, **hyper, **kwargs)
-    twin_opt = cls(twin.parameters(), master_weights=True, backend=backend, **hyper, **kwargs)
+    ours_opt = case.make(ours.parameters(), master_weights="remainder", backend=backend, **kwargs)
+    twin_opt = case.make(twin.parameters(), master_weights=True, backend=backend, **kwargs)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**14) if use_scaler else None for _ in range(2)]
     poison = 2 if skip else None
     got = run(ours, ours_opt, 6, step_kwargs=step_kwargs, poison=poison, scaler=scalers[0])
@@ -292,10 +288,9 @@ EVENTS = ("none", "edit_weight", "clip_grad_value", "clear_grad", "zero_grad_mid
 
 def _with_events(cfg, mode):
     """``cfg``'s loop on a fresh bf16 net in ``mode`` ("remainder", or "twin"); its weights."""
-    cls, hyper = ALGORITHMS[cfg["algorithm"]]
     master = "remainder" if mode == "remainder" else True
     model = bf16_net(cfg["seed"])
-    opt = cls(model.parameters(), master_weights=master, max_grad_norm=cfg["clip"], **hyper)
+    opt = ALGORITHMS[cfg["algorithm"]].make(model.parameters(), master_weights=master, max_grad_norm=cfg["clip"])
     batches = data(len(cfg["windows"]) * 3, seed=cfg["seed"])
     for w, (k, event) in enumerate(zip(cfg["windows"], cfg["events"])):
         for j in range(k):
@@ -326,7 +321,9 @@ def _with_events(cfg, mode):
             saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
             model = bf16_net(cfg["seed"] + 1)
             model.load_state_dict(saved[0])
-            opt = cls(model.parameters(), master_weights=master, max_grad_norm=cfg["clip"], **hyper)
+            opt = ALGORITHMS[cfg["algorithm"]].make(
+                model.parameters(), master_weights=master, max_grad_norm=cfg["clip"]
+            )
             opt.load_state_dict(saved[1])
     return model
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
 from fused_accum.topology.zero import ShardedGrad
 import torch.distributed.checkpoint as dcp
@@ -372,22 +373,17 @@ def _worker(rank, path):
         opt = _optimizer(model, "grads", "adamw", "clip", 1e-5, "accum_steps", reduce_dtype=torch.bfloat16)
         _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
         results["grads_bf16_wire"] = [p.detach().clone() for p in model.parameters()]
-        # Lion, and skip_nonfinite with a NaN on rank 1 only in window 1 (the skip is global):
-        # the sharded modes against the replicated one on the same ranks
+        # Every algorithm (each rank steps its shard of each state buffer: tests/cases.py), and
+        # skip_nonfinite with a NaN on rank 1 only in window 1 (the skip is global): the sharded
+        # modes against the replicated one on the same ranks
         for shard in (None, "state", "grads"):
-            torch.manual_seed(0)
-            model = Net()
-            opt = fused_accum.Lion(
-                model.parameters(),
-                lr=1e-3,
-                weight_decay=0.1,
-                accum_steps=K,
-                process_group=dist.group.WORLD,
-                shard=shard,
-                bucket_cap_mb=1e-5,
-            )
-            _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
-            results[f"lion_{shard}"] = [p.detach().clone() for p in model.parameters()]
+            for case in cases.cases(cases.SHARDING):
+                torch.manual_seed(0)
+                model = Net()
+                common = dict(accum_steps=K, process_group=dist.group.WORLD, shard=shard, bucket_cap_mb=1e-5)
+                opt = case.make(model.parameters(), **common)
+                _train(model, opt, rank, "clip", "accum_steps", range(WINDOWS))
+                results[f"{case.id}_{shard}"] = [p.detach().clone() for p in model.parameters()]
             model = Net()
             opt = fused_accum.AdamW(
                 model.parameters(),
@@ -704,9 +700,10 @@ def test_dcp_save_load_of_per_rank_state_resumes_bit_exactly(ranks, shard):
 
 
 @pytest.mark.parametrize("shard", ["state", "grads"])
-def test_lion_and_global_skip_match_replicated(ranks, shard):
+def test_every_algorithm_and_global_skip_match_replicated(ranks, shard):
     for rank in ranks:
-        assert _rel(rank[f"lion_{shard}"], rank["lion_None"]) <= REL
+        for case in cases.cases(cases.SHARDING):
+            assert _rel(rank[f"{case.id}_{shard}"], rank[f"{case.id}_None"]) <= REL, case.id
         after, want = rank[f"skip_{shard}"], rank["skip_None"]
         for got_window, want_window in zip(after, want):
             assert _rel(got_window, want_window) <= REL

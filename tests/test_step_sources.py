@@ -22,8 +22,8 @@ import zlib
 import pytest
 import torch
 
+import cases  # tests/cases.py: every algorithm and its step-op cases
 from fused_accum import ops
-from fused_accum.algorithms import AdamHyper, LionHyper, SgdHyper
 from helpers import CPU_KERNEL_BACKENDS  # tests/helpers.py
 
 HOST = ["reference"] + [b for b in CPU_KERNEL_BACKENDS if b == "cpu"]
@@ -31,14 +31,10 @@ HOST = ["reference"] + [b for b in CPU_KERNEL_BACKENDS if b == "cpu"]
 HOST_STORES = ["reference"] + [pytest.param(("cpu", s), id=f"cpu-{s}") for s in ("streamed", "direct") if "cpu" in HOST]
 SIZES = [1, 7, 1000, 20_000]  # 20,000: past one 16K-element block of the C++ loop
 
-ALGOS = {
-    "sgd_momentum": (ops.sgd_step, SgdHyper(0.9, 0.1, 0.01, True, False)),
-    "sgd_plain": (ops.sgd_step, SgdHyper(0.0, 0.0, 0.01, False, False)),
-    "adam": (ops.adam_step, AdamHyper(0.9, 0.99, 1e-8, 0.01, False, False)),
-    "adamw": (ops.adam_step, AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)),
-    "adamw_amsgrad": (ops.adam_step, AdamHyper(0.9, 0.999, 1e-8, 0.01, True, False)),  # amsgrad: max_exp_avg_sqs
-    "lion": (ops.lion_step, LionHyper(0.9, 0.99, 0.1, False)),
-}
+# every algorithm's step-op cases (tests/cases.py), and of each update rule the case that writes
+# the most lists (the most operands streamed)
+ALGOS = cases.kernel_cases(cases.STEP_SOURCES)
+WIDEST = cases.per_update_rule(cases.STEP_SOURCES)
 # fp32 params; fp32 masters with bf16, fp16 or fp32 copies; bf16 params stepped in place; bf16
 # params with int16 remainders (exact 2-byte masters)
 FORMATS = ["fp32", "master_bf16", "master_f16", "master_f32", "bf16", "remainder"]
@@ -50,7 +46,7 @@ def _seed(*case) -> int:
 
 
 def _records(algo, fmt, fused, skip, gen):
-    op, hyper = ALGOS[algo]
+    op, hyper, keys = cases.op_records(ALGOS[algo])
     n = len(SIZES)
     randn = lambda size: torch.randn(size, generator=gen)  # noqa: E731
     accs = [randn(s) for s in SIZES]
@@ -67,13 +63,8 @@ def _records(algo, fmt, fused, skip, gen):
         if fmt == "remainder"
         else []
     )
-    states = {
-        "momentum_buffers": [randn(s) for s in SIZES] if hyper.__class__ is SgdHyper and hyper.momentum else [],
-        "exp_avgs": [randn(s) for s in SIZES],
-        "exp_avg_sqs": [randn(s).abs() for s in SIZES],
-        "max_exp_avg_sqs": [randn(s).abs() + 1 for s in SIZES] if algo == "adamw_amsgrad" else [],
-    }
-    s = op.states(*(states[f] for f in op.states._fields))
+    # the state lists the case keeps (positive: valid for any state, a second moment's too)
+    s = op.states(*([randn(n).abs() for n in SIZES] if key in keys else [] for key in op.state_keys))
     t = ops.StepTensors(
         params,
         accs,
@@ -90,10 +81,7 @@ def _records(algo, fmt, fused, skip, gen):
 
 def _written(op, t, s, hyper):
     """The lists the step writes, in the sources' order (ops.StepTensors.sources)."""
-    states = [x for x in s if len(x)]
-    if op is ops.sgd_step and hyper.momentum == 0:
-        states = []
-    return [t.params, *(x for x in (t.lp_params, t.remainders) if x), *states]
+    return [t.params, *(x for x in (t.lp_params, t.remainders) if x), *(x for x in s if len(x))]
 
 
 def _clone(records):
@@ -167,7 +155,7 @@ def test_out_of_place_is_the_in_place_step(stores, algo, fmt):
 
 @pytest.mark.skipif("cpu" not in HOST, reason="the C++ extension is not built")
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("algo", ["sgd_momentum", "adamw_amsgrad", "lion"])
+@pytest.mark.parametrize("algo", list(WIDEST))
 def test_streamed_into_views_at_any_alignment(algo, fmt):
     """Written tensors that are views at element offsets 0..33 into larger allocations, each
     list at its own offset (so lists whose lines start at different elements: those blocks store
@@ -251,6 +239,6 @@ def test_cuda_refuses_sources():
         [x.clone()], [x.clone()], torch.ones(1, device="cuda"), torch.tensor(1e-3, dtype=torch.float64, device="cuda"),
         torch.ones((), device="cuda"), sources=[torch.empty_like(x)] * 3,
     )  # fmt: skip
-    s = ops.AdamStates([x.clone()], [x.abs()])
+    s = ops.adam_step.states([x.clone()], [x.abs()])
     with pytest.raises(RuntimeError, match="sources are for host"):
-        ops.adam_step(t, s, ALGOS["adamw"][1], "cuda")
+        ops.adam_step(t, s, cases.op_records(ALGOS["adamw"])[1], "cuda")

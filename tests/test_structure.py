@@ -114,3 +114,97 @@ def test_no_import_circle():
         if m not in state:
             visit(m, [m])
     assert circles == []
+
+
+# --- the algorithm as the unit (issue 45) -------------------------------------------------------
+
+# Where an algorithm may be named: its record and drop-in class, its update rule in each backend
+# (the reference's spec, the Triton kernels: the C++ one is csrc/math.h's), the package's exports,
+# and the demo and the command line's help (users of the public API). Everything else, every
+# layer from the optimizer's face down to the backends' launchers, asks fused_accum.registry and
+# names none.
+NAMES_ALGORITHMS = {
+    "algorithms.py",
+    "backends/reference.py",
+    "backends/triton/kernels.py",
+    "__init__.py",
+    "demo.py",
+    "__main__.py",
+}
+# The one deliberate exception: FusedAccumOptimizer's default optimizer=, the public signature.
+NAMED_ON_PURPOSE = {("optimizer.py", "adamw")}
+
+
+def _docstrings(tree: ast.AST) -> set:
+    """The string constants that are docstrings (prose, as comments are)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                found.add(id(first.value))
+    return found
+
+
+def _words(tree: ast.AST):
+    """Each identifier (split at its camel-case humps: AdamHyper -> adam_hyper) and each string
+    constant that is not a docstring, lower case."""
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, ast.alias):
+            names = [node.name, node.asname or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.value.lower()
+        for name in names:
+            yield re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _algorithm_names_in(source: str, names) -> set:
+    pattern = re.compile(
+        rf"(?<![a-z0-9])({'|'.join(map(re.escape, sorted(names, key=len, reverse=True)))})(?![a-z0-9])"
+    )
+    return {m for word in _words(ast.parse(source)) for m in pattern.findall(word)}
+
+
+def test_an_algorithms_name_appears_in_no_layer_module():
+    from fused_accum.registry import ALGORITHMS  # (every registered one: a new one too)
+
+    found = {}
+    for path in SOURCES:
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel not in NAMES_ALGORITHMS:
+            hits = {h for h in _algorithm_names_in(path.read_text(), ALGORITHMS) if (rel, h) not in NAMED_ON_PURPOSE}
+            if hits:
+                found[rel] = sorted(hits)
+    assert found == {}
+
+
+def test_the_algorithm_name_check_sees_identifiers_and_strings_not_prose():
+    """The test above can fail: an identifier, a camel-cased class, an attribute, a keyword and a
+    string each count; a docstring or a comment does not, nor a word that only contains a name."""
+    names = ["adamw", "adam", "sgd", "lion"]
+    cases = {
+        "x = opt.adam_step": ["adam"],
+        "class LionHyper: pass": ["lion"],
+        "f(momentum_of_sgd=1)": ["sgd"],
+        "raise ValueError('needs (adamw, lion)')": ["adamw", "lion"],
+        "def f():\n    'Adam and Lion are prose here'\n    return 1  # sgd too": [],
+        "million = lionel = adamant = 1": [],
+    }
+    for source, want in cases.items():
+        assert _algorithm_names_in(source, names) == set(want), source

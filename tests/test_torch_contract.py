@@ -23,14 +23,17 @@ the same order: measured equal bit for bit), the Triton backend against the refe
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
 import torch
 from torch import nn
 
+import cases  # tests/cases.py: every algorithm, its peer, its cases
 import fused_accum
 import fused_accum.nn as fnn
+from fused_accum import registry
 from helpers import (  # tests/helpers.py
     CPU_BACKENDS,
     RTOL,
@@ -615,18 +618,66 @@ def test_skip_nonfinite_when_only_the_sum_of_squares_overflows(backend, accum_st
 # --- the defaults table ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+TORCH_PEERS = [name for name, row in cases.TABLE.items() if row.peer.__module__.startswith("torch.optim")]
+
+
+def test_the_test_table_lists_every_registered_algorithm():
+    """tests/cases.py has one row per fused algorithm: a new one is in every table-driven test."""
+    assert list(cases.TABLE) == list(registry.ALGORITHMS)
+
+
+@pytest.mark.parametrize("name", TORCH_PEERS)
 def test_each_algorithms_defaults_are_torchs(name):
     """``FusedAccumOptimizer(params, name)`` and our class of that name take torch.optim's
     defaults, every key and value (a wrong default, e.g. AdamW's weight decay, changes every
     run that relies on it)."""
-    torch_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-    ours_cls = {"sgd": fused_accum.SGD, "adam": fused_accum.Adam, "adamw": fused_accum.AdamW}[name]
+    torch_cls, ours_cls = cases.TABLE[name].peer, cases.TABLE[name].cls
     params = [nn.Parameter(torch.randn(2))]
     want = torch_cls(params).defaults
     assert fused_accum.FusedAccumOptimizer(params, name).defaults == want
     assert fused_accum.FusedAccumOptimizer(params, name.upper()).defaults == want
     assert ours_cls(params).defaults == want
+
+
+@pytest.mark.parametrize("name", TORCH_PEERS)
+def test_each_drop_in_class_has_its_torch_classs_signature(name):
+    """The drop-in class's constructor is torch's, parameter for parameter (name, kind, default,
+    order), then the accumulation keywords (``**accumulation``): code that passes torch's
+    arguments positionally or by name runs unchanged."""
+    ours = inspect.signature(cases.TABLE[name].cls.__init__).parameters.values()
+    theirs = inspect.signature(cases.TABLE[name].peer.__init__).parameters.values()
+    *mine, accumulation = [(p.name, p.kind, p.default) for p in ours]
+    assert mine == [(p.name, p.kind, p.default) for p in theirs]
+    assert accumulation == ("accumulation", inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty)
+
+
+@pytest.mark.parametrize("how", ["by_name", "per_group"])
+def test_decoupled_weight_decay_is_read_from_each_group_as_torch_reads_it(how):
+    """torch's Adam steps each group by its ``decoupled_weight_decay`` (AdamW is Adam with it
+    on): ``FusedAccumOptimizer(params, "adam", decoupled_weight_decay=True)`` is AdamW, and a
+    group of an AdamW that turns it off steps Adam's coupled decay. Bit for bit against
+    torch.optim.Adam(fused=True) on fp32 params (the fused step's order of operations)."""
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(32, generator=gen) * 0.02 for _ in range(2)]
+    ours_params = [nn.Parameter(x.clone()) for x in start]
+    torch_params = [nn.Parameter(x.clone()) for x in start]
+    if how == "by_name":
+        opt = fused_accum.FusedAccumOptimizer(
+            ours_params, "adam", lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True
+        )
+        ref = torch.optim.Adam(torch_params, lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True, fused=True)
+    else:
+        groups = lambda ps: [{"params": [ps[0]]}, {"params": [ps[1]], "decoupled_weight_decay": False}]  # noqa: E731
+        opt = fused_accum.AdamW(groups(ours_params), lr=1e-2, weight_decay=0.5)
+        ref = torch.optim.AdamW(groups(torch_params), lr=1e-2, weight_decay=0.5, fused=True)
+    for _ in range(5):
+        grads = [torch.randn(32, generator=gen) for _ in start]
+        for params, o in ((ours_params, opt), (torch_params, ref)):
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(ours_params, torch_params):
+        assert torch.equal(p, q)
 
 
 def test_lions_defaults_are_the_papers():
@@ -636,3 +687,73 @@ def test_lions_defaults_are_the_papers():
     want = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
     assert fused_accum.FusedAccumOptimizer(params, "lion").defaults == want
     assert fused_accum.Lion(params).defaults == want
+
+
+# --- the generic path: optimizer= any torch.optim class ----------------------------------------
+
+# Every torch.optim class, with constructor keywords that shape its state where it has such
+# keywords (Adagrad's initial_accumulator_value: the sum starts there, built by the constructor
+# from its arguments, not from the groups), or why the generic path does not step it.
+GENERIC = {
+    "ASGD": dict(lr=0.01, t0=1, lambd=1e-3),
+    "Adadelta": dict(lr=0.5, rho=0.8, weight_decay=0.01),
+    "Adafactor": dict(lr=0.01, beta2_decay=-0.7),
+    "Adagrad": dict(lr=0.1, initial_accumulator_value=0.1, lr_decay=0.01),
+    "Adam": dict(lr=1e-2, amsgrad=True),
+    "AdamW": dict(lr=1e-2, amsgrad=True),
+    "Adamax": dict(lr=1e-2, weight_decay=0.01),
+    "Muon": dict(lr=1e-2, momentum=0.9),
+    "NAdam": dict(lr=1e-2, momentum_decay=3e-3),
+    "RAdam": dict(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+    "RMSprop": dict(lr=1e-2, momentum=0.5, centered=True),
+    "Rprop": dict(lr=1e-2, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)),
+    "SGD": dict(lr=0.1, momentum=0.9),
+}
+NOT_GENERIC = {
+    "LBFGS": "its step needs a closure that reevaluates the loss, which no accumulation window has",
+    "SparseAdam": "it takes sparse gradients: the accumulators are dense",
+}
+
+
+def test_every_torch_optim_class_is_listed_for_the_generic_path():
+    classes = {
+        name
+        for name, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    }
+    assert classes == set(GENERIC) | set(NOT_GENERIC)
+
+
+def _same_state(ours: dict, theirs: dict, when: str) -> None:
+    assert ours.keys() == theirs.keys(), when
+    for key, want in theirs.items():
+        got = ours[key]
+        same = torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+        assert same, f"{when}: state {key!r}"
+
+
+@pytest.mark.parametrize("name", list(GENERIC))
+def test_the_generic_path_keeps_each_classs_state_as_torch_builds_it(name):
+    """``FusedAccumOptimizer(params, torch.optim.<name>, **keywords)`` against torch's own
+    optimizer on the same gradients (one micro-batch per window: the same fp32 gradient): its
+    state as torch builds it, at construction (Adagrad's sum at initial_accumulator_value) and
+    after each of 3 steps, and the parameters, bit for bit. (Matrices: Muon steps 2-D ones only.)"""
+    cls, keywords = getattr(torch.optim, name), GENERIC[name]
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(4, 3), (5, 2)]
+    start = [torch.randn(shape, generator=gen) for shape in shapes]
+    ours_params = [nn.Parameter(x.clone()) for x in start]
+    torch_params = [nn.Parameter(x.clone()) for x in start]
+    opt = fused_accum.FusedAccumOptimizer(ours_params, cls, **keywords)
+    ref = cls(torch_params, **keywords)
+    for p, q in zip(ours_params, torch_params):
+        _same_state(opt.state.get(p, {}), ref.state.get(q, {}), "at construction")
+    for k in range(3):
+        grads = [torch.randn(shape, generator=gen) for shape in shapes]
+        for params, o in ((ours_params, opt), (torch_params, ref)):
+            sum((p * g).sum() for p, g in zip(params, grads)).backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(ours_params, torch_params):
+            assert torch.equal(p, q), f"step {k + 1}: parameters"
+            _same_state(opt.state[p], ref.state[q], f"step {k + 1}")

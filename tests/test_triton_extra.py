@@ -129,7 +129,7 @@ def test_table_rows_match_the_kernels_columns():
     assert tables.chunks.tolist() == [[0, 0]]
 
 
-_KERNELS = ["accumulate_kernel", "reduce_stats_kernel", "sgd_kernel", "adam_kernel", "lion_kernel"]
+_KERNELS = ["accumulate_kernel", "reduce_stats_kernel", "step_kernel"]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not specialise")
@@ -160,7 +160,7 @@ def test_step_requires_exactly_one_step_count_per_tensor():
             params=p, momentum_buffers=bufs, accs=accs, steps=steps, lr=one, coef=one, **hyper
         )
         with pytest.raises(ValueError, match="2 step counts"):
-            tb.sgd_step(t, s, h)
+            tb.step(ops.sgd_step, t, s, h)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,8 @@ def test_step_validation_names_the_bad_tensor(case, message):
         lp[1] = torch.zeros(3, dtype=torch.int32)
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match=message):
-        tb.adam_step(
+        tb.step(
+            ops.adam_step,
             *ops.adam_step.records(
                 params=params,
                 exp_avgs=m,
@@ -203,7 +204,7 @@ def test_step_validation_names_the_bad_tensor(case, message):
                 weight_decay=0.0,
                 decoupled=True,
                 maximize=False,
-            )
+            ),
         )
 
 
@@ -273,10 +274,10 @@ def test_plan_cache_is_locked_and_bounded_under_threads(monkeypatch):
 # --- what the compiler makes of the kernels (no GPU needed) ----------------------------------
 
 
-def _compile_sm90(fn, pointers, **constexprs):
+def _compile_sm90(fn, pointers, hyper=(), **constexprs):
     """``fn`` compiled for sm_90 (``.asm["ptx"]``, ``.asm["ttgir"]``...): ``pointers`` name its
-    fp32-tensor arguments; the tables are int64 tensors and every other non-constexpr argument
-    is an fp32 scalar."""
+    fp32-tensor arguments; the tables are int64 tensors, ``hyper`` (a step's tuple of scalars)
+    has the types of the values given and every other non-constexpr argument is an fp32 scalar."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -288,7 +289,7 @@ def _compile_sm90(fn, pointers, **constexprs):
         "n": "i64",
         **{name: "*fp32" for name in pointers},
     }
-    types.update({name: "i64" for name in fn.arg_names if name.endswith("_bits")})
+    types["hyper"] = tuple("i64" if isinstance(x, int) else "fp32" for x in hyper)
     signature = {n: "constexpr" if n in constexprs else types.get(n, "fp32") for n in fn.arg_names}
     src = ASTSource(
         fn=fn,
@@ -351,19 +352,26 @@ def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
 
 
 def _compile_adamw_sm90(**dtypes):
-    """The fused AdamW kernel (fused last micro-batch, found_inf, decoupled decay) for sm_90."""
+    """The fused AdamW step (fused last micro-batch, found_inf, decoupled decay) for sm_90: the
+    generic step kernel with Adam's update rule, its arguments as the launcher makes them."""
+    update = kernels.UPDATES["adam_step"]
+    hyper, switches = update.arguments(
+        ops.adam_step.hyper(0.9, 0.999, 1e-8, 0.01, True, False), ops.adam_step.states([], [])
+    )
+    assert switches == (True, True, False)  # weight decay, decoupled, no amsgrad
     return _compile_sm90(
-        kernels.adam_kernel,
+        kernels.step_kernel,
         ("steps", "lr_ptr", "coef_ptr", "found_inf"),
+        hyper,
         **dtypes,
         GRAD_DTYPE=tl.bfloat16,
         FUSED=True,
         GRADS_OVERWRITE=False,
         HAS_FOUND_INF=True,
         MAXIMIZE=False,
-        HAS_WEIGHT_DECAY=True,
-        DECOUPLED=True,
-        AMSGRAD=False,
+        PREPARE=update.prepare,
+        UPDATE=update.update,
+        SWITCHES=switches,
         BLOCK=tb.BLOCK,
     )
 
@@ -420,11 +428,11 @@ def test_adam_on_16_bit_params_in_place_launches_at_the_warps_the_spill_gate_com
     """The launch shape of each Adam variant is step_num_warps's (what
     scripts/check_triton_spills.py compiles): twice the warps for bf16 params without a master
     (under triton 3.6 they spill at 4), NUM_WARPS with fp32 masters and with remainders."""
-    recorder = _RecordLaunches(kernels.adam_kernel)
-    monkeypatch.setattr(kernels, "adam_kernel", recorder)
+    recorder = _RecordLaunches(kernels.step_kernel)
+    monkeypatch.setattr(kernels, "step_kernel", recorder)
     n = 70
     views = lambda: _flat_views([n], device)[2]  # noqa: E731
-    hyper = ops.AdamHyper(0.9, 0.99, 1e-8, 0.01, True, False)
+    hyper = ops.adam_step.hyper(0.9, 0.99, 1e-8, 0.01, True, False)
     common = (torch.ones(1, device=device), torch.tensor(1e-3, dtype=torch.float64, device=device))
     common += (torch.ones((), device=device),)
     masters = views()
@@ -442,9 +450,9 @@ def test_adam_on_16_bit_params_in_place_launches_at_the_warps_the_spill_gate_com
         for x in (accs, m, v):
             x[0].fill_(0.5)
         t = ops.StepTensors(case.pop("params"), accs, *common, **case)
-        tb.adam_step(t, ops.AdamStates(m, v), hyper)
+        tb.step(ops.adam_step, t, ops.adam_step.states(m, v), hyper)
     assert recorder.warps == [2 * tb.NUM_WARPS, tb.NUM_WARPS, tb.NUM_WARPS]
-    assert tb.step_num_warps("adam", 16, False, False) == 2 * tb.NUM_WARPS
+    assert tb.step_num_warps("adam_step", 16, False, False) == 2 * tb.NUM_WARPS
 
 
 @needs_device
@@ -493,10 +501,10 @@ def test_triton_step_over_many_tensors_is_one_launch(device, monkeypatch):
     lr, coef = torch.tensor(1e-3, device=device), torch.tensor(0.5, device=device)
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, maximize=False)
     want = [[t.clone() for t in ts] for ts in (params, m, v, lp)]
-    counter = _CountLaunches(kernels.adam_kernel)
-    monkeypatch.setattr(kernels, "adam_kernel", counter)
+    counter = _CountLaunches(kernels.step_kernel)
+    monkeypatch.setattr(kernels, "step_kernel", counter)
     common = dict(accs=accs, steps=steps, lr=lr, coef=coef, **hyper)
-    tb.adam_step(*ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, lp_params=lp, **common))
+    tb.step(ops.adam_step, *ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, lp_params=lp, **common))
     reference.adam_step(
         *ops.adam_step.records(params=want[0], exp_avgs=want[1], exp_avg_sqs=want[2], lp_params=want[3], **common)
     )
@@ -598,8 +606,9 @@ def test_triton_adam_amsgrad_matches_reference(device, found):
     hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=False, maximize=False)
     want = [[t.clone() for t in ts] for ts in (params, m, v, vmax, lp)]
     common = dict(accs=accs, steps=steps, lr=lr, coef=coef, found_inf=found_inf, **hyper)
-    tb.adam_step(
-        *ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=vmax, lp_params=lp, **common)
+    tb.step(
+        ops.adam_step,
+        *ops.adam_step.records(params=params, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=vmax, lp_params=lp, **common),
     )
     reference.adam_step(
         *ops.adam_step.records(
@@ -650,7 +659,7 @@ def test_triton_step_writes_back_non_contiguous_params(device):
     hyper = dict(momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
     want_p, want_b = [p.clone() for p in params], [b.clone() for b in bufs]
     common = dict(accs=accs, steps=steps, lr=lr, coef=coef, **hyper)
-    tb.sgd_step(*ops.sgd_step.records(params=params, momentum_buffers=bufs, **common))
+    tb.step(ops.sgd_step, *ops.sgd_step.records(params=params, momentum_buffers=bufs, **common))
     reference.sgd_step(*ops.sgd_step.records(params=want_p, momentum_buffers=want_b, **common))
     for got, exp in zip(params + bufs, want_p + want_b):
         torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
@@ -803,7 +812,8 @@ def test_triton_adamw_with_a_plan_follows_new_parameters_active_sets_and_moved_b
         pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         wlp = [t.clone() for t in lp_now]
         common = dict(accs=pick(accs), steps=steps[rows], lr=lr, coef=coef, grads=list(grads), **hyper)
-        tb.adam_step(
+        tb.step(
+            ops.adam_step,
             *ops.adam_step.records(
                 params=pick(masters), exp_avgs=pick(m), exp_avg_sqs=pick(v), lp_params=lp_now, **common
             ),
@@ -860,8 +870,8 @@ def test_triton_fp32_step_with_a_plan_rereads_the_parameters(device, algo):
     state = op.states._fields[0]  # momentum_buffers, exp_avgs
 
     def call(backend, params, bufs, **plan):
-        getattr(backend, op.name)(
-            *op.records(params=params, **{state: bufs}, accs=accs, steps=steps, lr=lr, coef=coef, **hyper), **plan
+        backend.step(
+            op, *op.records(params=params, **{state: bufs}, accs=accs, steps=steps, lr=lr, coef=coef, **hyper), **plan
         )
 
     want_b = [b.clone() for b in bufs]
@@ -882,7 +892,7 @@ def test_ops_pass_the_plan_to_triton_only():
     real = tb.accumulate
     flat, offsets, _ = _flat_views([3], "cpu")
     grads = [torch.ones(3)]
-    real_step = tb.lion_step
+    real_step = tb.step
     records = ops.lion_step.records(
         params=[torch.zeros(3)],
         exp_avgs=[torch.zeros(3)],
@@ -897,7 +907,7 @@ def test_ops_pass_the_plan_to_triton_only():
     )
     try:
         tb.accumulate = lambda *args, **kwargs: seen.append(kwargs)
-        tb.lion_step = lambda *args, **kwargs: seen.append(kwargs)
+        tb.step = lambda *args, **kwargs: seen.append(kwargs)
         plan = object()
         ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton", plan=plan)
         ops.accumulate(flat, offsets, grads, 1.0, True, None, None, "triton")
@@ -905,9 +915,9 @@ def test_ops_pass_the_plan_to_triton_only():
         ops.lion_step(*records, "triton")
     finally:
         tb.accumulate = real
-        tb.lion_step = real_step
+        tb.step = real_step
     assert seen == [{"plan": plan}, {}, {"plan": plan}, {}]
-    ops.lion_step(*records, "reference", plan=object())  # (reference.lion_step takes no plan=)
+    ops.lion_step(*records, "reference", plan=object())  # (reference.step takes no plan=)
     ops.accumulate(flat, offsets, grads, 2.0, True, None, None, "reference", plan=object())
     assert flat[:3].tolist() == [2.0, 2.0, 2.0]
 
@@ -926,9 +936,9 @@ def test_host_benchmark_runs_every_row_and_restores_the_kernels(tmp_path):
     spec = importlib.util.spec_from_file_location("triton_host", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    before = kernels.accumulate_kernel, kernels.adam_kernel
+    before = kernels.accumulate_kernel, kernels.step_kernel
     assert module.main(["--tensors", "16", "2048", "--repeat", "3", "--out", str(tmp_path)]) == 0
-    assert (kernels.accumulate_kernel, kernels.adam_kernel) == before
+    assert (kernels.accumulate_kernel, kernels.step_kernel) == before
     with open(tmp_path / "triton_host.csv") as f:
         rows = list(csv.DictReader(f))
     cases = [(r["op"], r["case"], r["tensors"]) for r in rows]

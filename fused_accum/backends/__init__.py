@@ -1,8 +1,8 @@
 """Backends: the one registry of what each backend is, and the one place that picks one.
 
-A backend is a module exposing ``accumulate`` and one function per step op of
-:data:`fused_accum.ops.STEP_OPS` (``sgd_step``, ``adam_step``, ``lion_step``: each takes the
-records ``t, s, h`` declared there), with the contracts of :mod:`fused_accum.backends.reference`. Each is declared once in
+A backend is a module exposing ``accumulate``, ``fold_pieces`` and ``step(op, t, s, h)``, which
+runs any step op of :data:`fused_accum.ops.STEP_OPS` on the records ``t, s, h`` declared there,
+with the contracts of :mod:`fused_accum.backends.reference`. Each is declared once in
 ``_REGISTRY`` below with everything the rest of the package asks about it, and asked through
 these functions only: :func:`availability` (where it can run), :func:`get` (its module),
 :func:`takes_plan`, :func:`fast_folds`, :func:`wgrad_kernel`. The backend modules are imported by

@@ -11,8 +11,8 @@ reference (or Triton) backend, as it does for a ``_C`` built for another torch.
 
 It registers fake implementations so that ``torch.compile`` can trace the operators (all of
 them mutate their arguments in place and return nothing), and exposes the backend contract of
-:mod:`fused_accum.backends.reference`: ``accumulate`` with its flat arguments, each step op
-``<op>(t, s, h)`` made from its declaration (the records in their schema's order).
+:mod:`fused_accum.backends.reference`: ``accumulate`` with its flat arguments, ``fold_pieces``,
+and ``step(op, t, s, h)`` for every declared step op (the records in their schema's order).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..extension import REBUILD
 from ..extension import WHY_NOT as _WHY_NOT
 from ..extension import _C
 
-OPS = tuple(ops.ext_schemas())  # the operator names: accumulate_, fold_pieces_, sgd_step_, ...
+OPS = tuple(ops.ext_schemas())  # the operator names: accumulate_, fold_pieces_, then each step op's
 
 
 def _dispatcher_says(err: Exception) -> str:
@@ -114,18 +114,9 @@ def fold_pieces(acc: Tensor, pieces: List[Tensor], overwrite: bool) -> None:
         reference.fold_pieces(acc, pieces, overwrite)
 
 
-def _step_function(op: ops.StepOp):
-    """``op``'s backend function: its records flattened into fused_accum_ext::<op>_'s arguments."""
-    name = f"{op.name}_"
-
-    def step(t: ops.StepTensors, s, h) -> None:
-        getattr(torch.ops.fused_accum_ext, name)(*op.flatten(t, s, h))
-
-    step.__name__ = step.__qualname__ = op.name
-    step.__doc__ = f"reference.{op.name} in C++ (CPU) or CUDA: fused_accum_ext::{name}."
-    return step
-
-
-sgd_step = _step_function(ops.sgd_step)
-adam_step = _step_function(ops.adam_step)
-lion_step = _step_function(ops.lion_step)
+def step(op: ops.StepOp, t: ops.StepTensors, s, h) -> None:
+    """The reference's spec of ``op`` in C++ (CPU) or CUDA: its records flattened into the
+    arguments of ``fused_accum_ext::<op>_`` (``ops.adam_step``'s into ``adam_step_``'s), whose
+    schema the declaration gave (the C++ kernels are instantiated per algorithm from
+    csrc/math.h)."""
+    getattr(torch.ops.fused_accum_ext, f"{op.name}_")(*op.flatten(t, s, h))

@@ -16,8 +16,10 @@ Conventions shared by all ops (and so by all backends):
   Python costs ~0.2 us, the whole kernel time of a 256-element slice on a CPU.
 - Each step op takes three records, declared once in :mod:`fused_accum.ops`: ``t``, the
   :class:`~fused_accum.ops.StepTensors` every step takes (the tensor lists and device scalars
-  below), ``s``, the op's optimizer-state lists (``SgdStates``, ``AdamStates``,
-  ``LionStates``), and ``h``, its hyper-parameters (``fused_accum.algorithms.SgdHyper``...).
+  below), ``s``, the op's optimizer-state lists (``op.states``: ``AdamStates``...), and ``h``,
+  its hyper-parameters (``op.hyper``: ``fused_accum.algorithms.AdamHyper``...). Every backend
+  runs them as ``step(op, t, s, h)``; here that is the spec function named for the op
+  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`), one per update rule.
 - The step ops take ``accs``, a list of 1-D contiguous fp32 views into that buffer, one per
   parameter, like every other list they take (they run once per window).
 - ``grads`` are the incoming gradients, bf16/fp16/fp32, any shape and strides, read in their own
@@ -81,8 +83,11 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
-    from ..algorithms import AdamHyper, LionHyper, SgdHyper
-    from ..ops import AdamStates, LionStates, SgdStates, StepTensors
+    from ..ops import StepOp, StepTensors
+
+    # each op's states record (ops.declare_step makes it: op.states) and hyper-parameter record
+    # (fused_accum.algorithms declares it: op.hyper), NamedTuples both
+    AdamStates = LionStates = SgdStates = AdamHyper = LionHyper = SgdHyper = tuple
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[int]:
@@ -458,6 +463,11 @@ def _commit(found_inf, pairs):
         if found_inf is not None:
             new = torch.where(found_inf > 0, dst.reshape(-1), new)
         dst.copy_(new.view_as(dst))
+
+
+def step(op: StepOp, t: StepTensors, s, h) -> None:
+    """Step op ``op``: its spec, the function of this module named for it."""
+    globals()[op.name](t, s, h)
 
 
 def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..registry import fused_names
 from .base import Topology
 
 SHARD_MODES = (None, "state", "grads")
@@ -36,7 +37,7 @@ def check_arguments(process_group, shard, reduce_dtype, *, fused: bool, step_in_
         raise ValueError(f"shard={shard!r} needs a process_group to shard across")
     if shard is not None and not fused:
         raise ValueError(
-            "shard= needs a fused algorithm (sgd, adam, adamw, lion): a torch.optim class steps whole parameters"
+            f"shard= needs a fused algorithm ({fused_names()}): a torch.optim class steps whole parameters"
         )
     if isinstance(reduce_dtype, str):
         if reduce_dtype != EXACT:

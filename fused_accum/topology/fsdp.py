@@ -29,6 +29,7 @@ from torch import Tensor
 from ..arrivals import _untraced
 from ..distributed import ShardSums, is_dtensor, local_tensor
 from ..flat import Layout
+from ..registry import fused_names
 from .base import Topology
 
 
@@ -158,7 +159,7 @@ class FSDP2(Topology):
         if generic is not None:
             raise ValueError(
                 f"optimizer={generic} cannot step DTensor parameters (it would see local "
-                "shards as whole parameters); use a fused algorithm (sgd, adam, adamw, lion)"
+                f"shards as whole parameters); use a fused algorithm ({fused_names()})"
             )
         if ledger.wants_stats:  # (made now: it refuses parameters on more than one mesh)
             self._sums = ShardSums(s.param for s in ledger.slots)

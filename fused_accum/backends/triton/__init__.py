@@ -1,6 +1,6 @@
-"""Triton backend: the four ops of :mod:`fused_accum.backends.reference`, same signatures and
+"""Triton backend: the ops of :mod:`fused_accum.backends.reference`, same signatures and
 contracts, each in one launch per dtype group (plus one tiny launch folding the norm/non-finite
-partials when those are asked for): any number of tensors, from 1 element to billions, goes
+partials when those are asked for): any number of tensors, from 1 element to past 2**31, goes
 through a device table of raw addresses and sizes rather than one launch per tensor.
 
 It is chosen for CUDA tensors when the C++/CUDA extension is absent, and runs on CPU tensors
@@ -59,7 +59,7 @@ import triton  # an ImportError here makes the backend unavailable (see backends
 
 from . import kernels, plans, tables  # noqa: F401  (kernels: tests and benchmarks reach it here)
 from .fold import fold_pieces  # noqa: F401  (the op)
-from .launch import _step, accumulate, adam_step, lion_step, sgd_step  # noqa: F401  (the ops)
+from .launch import accumulate, step  # noqa: F401  (the ops)
 from .tables import chunk_table  # noqa: F401  (part of this backend's face: tests, benchmarks)
 
 # --- launch configuration ------------------------------------------------------------------------
@@ -80,19 +80,21 @@ NUM_WARPS = 4
 PROGRAMS_PER_SM = 16
 MAX_CHUNK_BLOCKS = 64
 # Warps per program of a step kernel variant (step_num_warps): NUM_WARPS, but twice that for
-# Adam on 16-bit params stepped in place (no master, no remainder).
+# an update rule that asks for it (kernels.Update.wide_in_place_16bit) on 16-bit params stepped
+# in place (no master, no remainder).
 
 
-def step_num_warps(kernel: str, param_bits: int, has_lp: bool, has_rem: bool) -> int:
-    """The warps a step kernel variant is launched with (``kernel``: "sgd", "adam", "lion";
-    ``param_bits``: 16 or 32). triton 3.6 (the GPU machine's) compiles Adam on 16-bit params
-    without a master (amsgrad or not) at BLOCK 1024 and 4 warps to 48 registers with one or two
-    saved around the out-of-line IEEE div/sqrt calls inside the main loop: 4 + 4 B of spill
-    stores and loads per iteration (amsgrad 8 + 36). At 8 warps (40 registers) or BLOCK 512 it
-    has no stack; 8 warps keeps BLOCK, so every variant cuts the same chunks. triton 3.9 spills
-    in neither shape; the other variants, the remainder ones included, in neither version
-    (scripts/check_triton_spills.py compiles each variant at the shape this returns)."""
-    if kernel == "adam" and param_bits == 16 and not has_lp and not has_rem:
+def step_num_warps(op_name: str, param_bits: int, has_lp: bool, has_rem: bool) -> int:
+    """The warps a step kernel variant is launched with (``op_name``: the step op's, whose
+    update rule is ``kernels.UPDATES[op_name]``; ``param_bits``: 16 or 32). triton 3.6 (the GPU
+    machine's) compiles Adam's update on 16-bit params without a master (amsgrad or not) at
+    BLOCK 1024 and 4 warps to 48 registers with one or two saved around the out-of-line IEEE
+    div/sqrt calls inside the main loop: 4 + 4 B of spill stores and loads per iteration
+    (amsgrad 8 + 36). At 8 warps (40 registers) or BLOCK 512 it has no stack; 8 warps keeps
+    BLOCK, so every variant cuts the same chunks. triton 3.9 spills in neither shape; the other
+    variants, the remainder ones included, in neither version (scripts/check_triton_spills.py
+    compiles each variant at the shape this returns)."""
+    if kernels.UPDATES[op_name].wide_in_place_16bit and param_bits == 16 and not has_lp and not has_rem:
         return 2 * NUM_WARPS
     return NUM_WARPS
 

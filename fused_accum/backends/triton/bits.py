@@ -4,6 +4,8 @@ bf16 as torch does, following a weight written from outside (reference.follow_we
 the fp64 a launcher passes as bits. Each is the reference's rule, bit for bit, as csrc/math.h's is.
 """
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -97,8 +99,26 @@ def _pow_whole(base, n):
     return result
 
 
+# The doubles a step's update reads (betas, weight decay: torch forms the per-tensor scalars in
+# double from them) travel in the update's tuple of scalars, as two int64s each. Triton passes a
+# Python float as fp32, and specialises an int inside a tuple on its value (equal to 1,
+# divisible by 16, fits int32: triton 3.9's argument specialisation ignores do_not_specialize
+# there), which would compile a variant per value (issue 10 item 8). So each half of the bits is
+# sent as an odd int64 above 2**40: of one type, never 1, never divisible by 16.
+_MARK = 1 << 40
+
+
+def packed_double(x: float) -> tuple:
+    """``x`` as the two int64s :func:`_double` takes (the host side)."""
+    bits = struct.unpack("<Q", struct.pack("<d", float(x)))[0]
+    return _MARK | (bits >> 32) << 1 | 1, _MARK | (bits & 0xFFFFFFFF) << 1 | 1
+
+
+_UNMARK = tl.constexpr(_MARK + 1)  # (an int64 constant: no mask whose type Triton could narrow)
+
+
 @triton.jit
-def _double(bits):
-    """The fp64 whose IEEE bits the launcher passed as an int64 (Triton passes a Python float
-    as fp32; torch computes Adam's bias corrections from the double betas)."""
-    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+def _double(high, low):
+    """The fp64 that :func:`packed_double` sent as ``(high, low)``, every bit of it."""
+    bits = ((high - _UNMARK) >> 1) << 32 | ((low - _UNMARK) >> 1)
+    return bits.to(tl.float64, bitcast=True)

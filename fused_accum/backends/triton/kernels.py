@@ -49,10 +49,12 @@ elements, the 16 bytes the fp32 master's one access moves, in the same layout.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import triton
 import triton.language as tl
 
-from .bits import _double, _follow_weight, _pow_whole, _rebuild_master, _round, _split_master
+from .bits import _double, _follow_weight, _pow_whole, _rebuild_master, _round, _split_master, packed_double
 
 # Columns of the tensor table; the launcher writes rows in this order.
 NUMEL = tl.constexpr(0)  # elements of this tensor
@@ -289,56 +291,122 @@ def reduce_stats_kernel(
         tl.store(found_inf, tl.maximum(tl.load(found_inf), tl.max(bad, axis=0)))
 
 
-# --- optimizer steps -------------------------------------------------------------------------
-# Scalar hyper-parameters that the reference computes in Python double (1 - beta1, 1 - dampening)
-# arrive precomputed as kernel arguments, so they round to fp32 exactly as the reference's do.
-# ``lr_ptr`` points to an fp64 scalar (the launcher widens an fp32 lr, so one compiled variant
-# serves both): the scalars derived from lr are formed in double, once per program, and rounded
-# to fp32 once, as torch's fused optimizers and the reference do.
-# Each kernel is a two-way branch on the row's alignment into its ``_*_chunk`` body, and each
-# body walks its vector blocks, then (aligned rows) its scalar tail, through one ``_*_block``.
+# --- optimizer steps: one generic kernel, each algorithm's update rule passed to it -----------
+# step_kernel walks the chunks (aligned rows vectorised, their tails and other rows scalar, as
+# accumulate), reads each block's effective gradient and fp32 master (_effective_grad,
+# _load_param) and writes the updated parameter (_store_param); what is an algorithm's own is
+# two @triton.jit functions passed as constexprs (one compiled kernel per algorithm and
+# configuration, as the hand-written kernels were):
+#
+#   prepare(row, steps, lr_ptr, hyper, SWITCHES) -> per: the per-tensor scalars, once per
+#       program. ``lr_ptr`` points to an fp64 scalar (the launcher widens an fp32 lr, so one
+#       variant serves both): the scalars derived from lr are formed in double and rounded to
+#       fp32 once, as torch's fused optimizers and the reference do;
+#   update(row, idx, mask, g, p, per, hyper, SWITCHES, ALIGNED) -> new p: one block, its state
+#       (columns STATE0..STATE2 of the row) read and written here.
+#
+# ``hyper`` is a tuple of the update's scalar arguments and ``SWITCHES`` a tuple of its constexpr
+# switches, both made on the host by its ``arguments(h, s)``. Scalars the reference computes in
+# Python double (1 - beta1, 1 - dampening) arrive precomputed, so they round to fp32 exactly as
+# the reference's do; a double itself (a beta torch raises to the step count in double) as
+# packed_double's two ints (bits._double reads them).
+
+
+class Update(NamedTuple):
+    """One algorithm's update rule in the generic step kernel (see above)."""
+
+    prepare: object  # @triton.jit: the per-tensor scalars
+    update: object  # @triton.jit: one block
+    arguments: Callable  # (h, s) -> (hyper: tuple of floats and packed doubles, SWITCHES: tuple of bools)
+    reads_steps: bool = True  # its prepare reads the step counts (the launcher checks them)
+    # triton 3.6 spills the update on 16-bit parameters without a master at NUM_WARPS (see
+    # step_num_warps in the package's __init__): launched at twice the warps there
+    wide_in_place_16bit: bool = False
 
 
 @_jit
-def sgd_kernel(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, momentum, one_minus_dampening, weight_decay,
+def step_kernel(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
+    PREPARE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """reference.sgd_step, one chunk per program."""
+    """The reference's step op of the update rule UPDATE (with PREPARE), one chunk per program."""
     if _row_is_aligned(chunks, tensors):
-        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-                   grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                   HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-                   True, BLOCK)
+        _step_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, True, BLOCK)
     else:
-        _sgd_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-                   grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                   HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV,
-                   False, BLOCK // VEC)
+        _step_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
+                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, False, BLOCK // VEC)
 
 
 @triton.jit
-def _sgd_block(
-    row, idx, mask, neg_lr, coef, first_step, grad_alpha, momentum, one_minus_dampening, weight_decay,
+def _step_block(
+    row, idx, mask, coef, grad_alpha, per, hyper,
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, ALIGNED: tl.constexpr,
+    MAXIMIZE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    buf = _address(row, STATE0, tl.float32)
     g = _effective_grad(row, idx, mask, coef, grad_alpha,
                         GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
     p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+    new_p = UPDATE(row, idx, mask, g, p, per, hyper, SWITCHES, ALIGNED)
+    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+
+
+@triton.jit
+def _step_chunk(
+    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
+    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
+    PREPARE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
+    coef = tl.load(coef_ptr)
+    per = PREPARE(row, steps, lr_ptr, hyper, SWITCHES)
+    for off in range(start, body_end, BLOCK):
+        idx = _block(off, BLOCK)
+        _step_block(row, idx, idx < body_end, coef, grad_alpha, per, hyper,
+                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
+                    MAXIMIZE, UPDATE, SWITCHES, ALIGNED)
+    if ALIGNED:
+        if body_end < end:
+            idx = body_end + tl.arange(0, VEC)
+            _step_block(row, idx, idx < end, coef, grad_alpha, per, hyper,
+                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
+                        MAXIMIZE, UPDATE, SWITCHES, False)
+
+
+@triton.jit
+def _step_count(steps, row):
+    """This tensor's step count (counting this step), from the op's ``steps``."""
+    return tl.load(steps + tl.load(row + INDEX))
+
+
+# --- SGD: reference.sgd_step -------------------------------------------------------------------
+
+
+@triton.jit
+def _sgd_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    neg_lr = (-tl.load(lr_ptr)).to(tl.float32)  # torch's fused SGD: its double -lr, in fp32
+    return neg_lr, _step_count(steps, row) == 1.0
+
+
+@triton.jit
+def _sgd_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    neg_lr, first_step = per
+    momentum, one_minus_dampening, weight_decay = hyper
+    HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV = SWITCHES
     if HAS_WEIGHT_DECAY:
         g = tl.fma(p, weight_decay, g)
     if HAS_MOMENTUM:
         # torch starts the buffer as a copy of the first gradient, without dampening
+        buf = _address(row, STATE0, tl.float32)
         new_buf = tl.where(
             first_step, g,
             tl.fma(g, one_minus_dampening, tl.load(_at(buf, idx, ALIGNED), mask=mask, other=0.0) * momentum),
@@ -348,80 +416,39 @@ def _sgd_block(
             g = tl.fma(new_buf, momentum, g)
         else:
             g = new_buf
-    _store_param(row, idx, mask, tl.fma(g, neg_lr, p), PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+    return tl.fma(g, neg_lr, p)
+
+
+def _sgd_arguments(h, s) -> tuple:
+    hyper = (float(h.momentum), 1.0 - float(h.dampening), float(h.weight_decay))
+    return hyper, (h.weight_decay != 0, h.momentum != 0, bool(h.nesterov))
+
+
+# --- Adam and AdamW: reference.adam_step -------------------------------------------------------
 
 
 @triton.jit
-def _sgd_chunk(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, momentum, one_minus_dampening, weight_decay,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    neg_lr = (-tl.load(lr_ptr)).to(tl.float32)  # torch's fused SGD: its double -lr, in fp32
-    coef = tl.load(coef_ptr)
-    first_step = tl.load(steps + tl.load(row + INDEX)) == 1.0
-    for off in range(start, body_end, BLOCK):
-        idx = _block(off, BLOCK)
-        _sgd_block(row, idx, idx < body_end, neg_lr, coef, first_step,
-                   grad_alpha, momentum, one_minus_dampening, weight_decay,
-                   PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                   MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, ALIGNED)
-    if ALIGNED:
-        if body_end < end:
-            idx = body_end + tl.arange(0, VEC)
-            _sgd_block(row, idx, idx < end, neg_lr, coef, first_step,
-                       grad_alpha, momentum, one_minus_dampening, weight_decay,
-                       PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                       MAXIMIZE, HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV, False)
-
-
-@_jit
-def adam_kernel(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
-    one_minus_beta2, eps, weight_decay,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """reference.adam_step (Adam, or AdamW with DECOUPLED; amsgrad with AMSGRAD), one chunk
-    per program. ``*_bits`` are the IEEE bits of the double betas and weight decay, for the
-    per-tensor scalars that torch computes in double."""
-    if _row_is_aligned(chunks, tensors):
-        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-                    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
-                    one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, True, BLOCK)
-    else:
-        _adam_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-                    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
-                    one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False,
-                    BLOCK // VEC)
+def _adam_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    beta1_high, beta1_low, beta2_high, beta2_low, decay_high, decay_low, _, _, _, _, _ = hyper
+    lr64 = tl.load(lr_ptr)
+    step = _step_count(steps, row)
+    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double lr,
+    # betas and weight decay and the step count), rounded to fp32 once: -lr / (1 - beta1**step),
+    # sqrt(1 - beta2**step), 1 - lr * weight_decay. Once per program: fp64 speed does not matter.
+    neg_step_size = (-(lr64 / (1.0 - _pow_whole(_double(beta1_high, beta1_low), step)))).to(tl.float32)
+    # fp64 tl.sqrt is IEEE-rounded (sqrt.rn.f64); only fp32's is approximate
+    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_high, beta2_low), step)).to(tl.float32)
+    decay = (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32)
+    return neg_step_size, bias_correction2_sqrt, decay
 
 
 @triton.jit
-def _adam_block(
-    row, idx, mask, coef, neg_step_size, bias_correction2_sqrt, decay,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
-    AMSGRAD: tl.constexpr, ALIGNED: tl.constexpr,
-):
+def _adam_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    neg_step_size, bias_correction2_sqrt, decay = per
+    _, _, _, _, _, _, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay = hyper
+    HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD = SWITCHES
     exp_avg = _address(row, STATE0, tl.float32)
     exp_avg_sq = _address(row, STATE1, tl.float32)
-    g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
             p = p * decay
@@ -440,119 +467,54 @@ def _adam_block(
         v = tl.maximum(tl.load(_at(max_exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0), v,
                        propagate_nan=tl.PropagateNan.ALL)
         tl.store(_at(max_exp_avg_sq, idx, ALIGNED), v, mask=mask)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    new_p = p + tl.div_rn(neg_step_size * m, denom)
-    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
-
-
-@triton.jit
-def _adam_chunk(
-    chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, beta1_bits, beta2_bits, weight_decay_bits, beta1, beta2, one_minus_beta1,
-    one_minus_beta2, eps, weight_decay,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-    DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    lr64 = tl.load(lr_ptr)
-    coef = tl.load(coef_ptr)
-    step = tl.load(steps + tl.load(row + INDEX))
-    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double lr,
-    # betas and weight decay and the step count), rounded to fp32 once: -lr / (1 - beta1**step),
-    # sqrt(1 - beta2**step), 1 - lr * weight_decay. Once per program: fp64 speed does not matter.
-    neg_step_size = (-(lr64 / (1.0 - _pow_whole(_double(beta1_bits), step)))).to(tl.float32)
-    # fp64 tl.sqrt is IEEE-rounded (sqrt.rn.f64); only fp32's is approximate
-    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_bits), step)).to(tl.float32)
-    decay = (1.0 - lr64 * _double(weight_decay_bits)).to(tl.float32)
     # IEEE-rounded sqrt and division, as torch's: tl.sqrt and / compile to sqrt.approx.ftz and
     # div.full (~2 ulp, denormal v flushed to 0) and would save nothing here: at 30 bytes per
     # element an H200 (4.8 TB/s, 67 fp32 TFLOP/s) has ~200 instructions per element to spare.
-    for off in range(start, body_end, BLOCK):
-        idx = _block(off, BLOCK)
-        _adam_block(row, idx, idx < body_end, coef, neg_step_size, bias_correction2_sqrt, decay,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, ALIGNED)
-    if ALIGNED:
-        if body_end < end:
-            idx = body_end + tl.arange(0, VEC)
-            _adam_block(row, idx, idx < end, coef, neg_step_size, bias_correction2_sqrt, decay,
-                        grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
-                        weight_decay,
-                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                        MAXIMIZE, HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD, False)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    return p + tl.div_rn(neg_step_size * m, denom)
 
 
-@_jit
-def lion_kernel(
-    chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """reference.lion_step, one chunk per program (no step count: Lion has no bias correction)."""
-    if _row_is_aligned(chunks, tensors):
-        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, True, BLOCK)
-    else:
-        _lion_chunk(chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
-                    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, False, BLOCK // VEC)
+def _adam_arguments(h, s) -> tuple:
+    beta1, beta2, weight_decay = float(h.beta1), float(h.beta2), float(h.weight_decay)
+    doubles = (*packed_double(beta1), *packed_double(beta2), *packed_double(weight_decay))
+    hyper = (*doubles, beta2, 1.0 - beta1, 1.0 - beta2, float(h.eps), weight_decay)
+    return hyper, (weight_decay != 0, bool(h.decoupled), bool(s.max_exp_avg_sqs))
+
+
+# --- Lion: reference.lion_step (no step count: Lion has no bias correction) --------------------
 
 
 @triton.jit
-def _lion_block(
-    row, idx, mask, lr, coef, decay, grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr,
-):
+def _lion_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    decay_high, decay_low, _, _, _, _ = hyper
+    lr64 = tl.load(lr_ptr)
+    # as the reference (lucidrains' ops with a Python float lr): lr rounded to fp32, the decay
+    # factor formed in double
+    return lr64.to(tl.float32), (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32)
+
+
+@triton.jit
+def _lion_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    lr, decay = per
+    _, _, beta1, beta2, one_minus_beta1, one_minus_beta2 = hyper
     exp_avg = _address(row, STATE0, tl.float32)
-    g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED) * decay
+    p = p * decay
     m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
     c = tl.fma(g, one_minus_beta1, m * beta1)
     # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
     direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
     tl.store(_at(exp_avg, idx, ALIGNED), tl.fma(g, one_minus_beta2, m * beta2), mask=mask)
-    # direction is -1, 0 or 1: the product is exact
-    _store_param(row, idx, mask, p - lr * direction, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+    return p - lr * direction  # direction is -1, 0 or 1: the product is exact
 
 
-@triton.jit
-def _lion_chunk(
-    chunks, tensors, lr_ptr, coef_ptr, found_inf, chunk,
-    grad_alpha, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay_bits,
-    PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
-    lr64 = tl.load(lr_ptr)
-    coef = tl.load(coef_ptr)
-    # as the reference (lucidrains' ops with a Python float lr): lr rounded to fp32, the decay
-    # factor formed in double
-    lr = lr64.to(tl.float32)
-    decay = (1.0 - lr64 * _double(weight_decay_bits)).to(tl.float32)
-    for off in range(start, body_end, BLOCK):
-        idx = _block(off, BLOCK)
-        _lion_block(row, idx, idx < body_end, lr, coef, decay, grad_alpha, beta1, beta2,
-                    one_minus_beta1, one_minus_beta2,
-                    PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    MAXIMIZE, ALIGNED)
-    if ALIGNED:
-        if body_end < end:
-            idx = body_end + tl.arange(0, VEC)
-            _lion_block(row, idx, idx < end, lr, coef, decay, grad_alpha, beta1, beta2,
-                        one_minus_beta1, one_minus_beta2,
-                        PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                        MAXIMIZE, False)
+def _lion_arguments(h, s) -> tuple:
+    beta1, beta2 = float(h.beta1), float(h.beta2)
+    return (*packed_double(h.weight_decay), beta1, beta2, 1.0 - beta1, 1.0 - beta2), ()
+
+
+# Each step op's update rule, by the op's name (fused_accum.ops.STEP_OPS).
+UPDATES = {
+    "sgd_step": Update(_sgd_prepare, _sgd_update, _sgd_arguments),
+    "adam_step": Update(_adam_prepare, _adam_update, _adam_arguments, wide_in_place_16bit=True),
+    "lion_step": Update(_lion_prepare, _lion_update, _lion_arguments, reads_steps=False),
+}

@@ -1,7 +1,8 @@
-"""The four ops: argument checks, the plan looked up (or built) in the package's cache, and
-the launches. :func:`accumulate` has its own launcher; the three steps share :func:`_step`.
-Each takes the backend contract of :mod:`fused_accum.backends.reference` (a step: the records
-``t``, ``s``, ``h`` declared in :mod:`fused_accum.ops`), plus ``plan=``.
+"""The ops: argument checks, the plan looked up (or built) in the package's cache, and
+the launches. :func:`accumulate` has its own launcher, and every step op the one :func:`step`
+(the generic step kernel with the op's update rule). Each takes the backend contract of
+:mod:`fused_accum.backends.reference` (a step: the op and its records ``t``, ``s``, ``h``
+declared in :mod:`fused_accum.ops`), plus ``plan=``.
 
 What the package (``__init__``) owns, the plan cache, the CUDA-graph registry and arena and the
 launch configuration (``BLOCK``, ``NUM_WARPS``...), is read from it at call time through
@@ -13,7 +14,6 @@ value. The package re-exports the ops, so callers find them where they always we
 from __future__ import annotations
 
 import contextlib
-import struct
 import sys
 from collections import OrderedDict
 from typing import TYPE_CHECKING, List, Optional
@@ -27,8 +27,7 @@ from .. import reference
 from . import checks, kernels, plans
 
 if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
-    from ...algorithms import AdamHyper, LionHyper, SgdHyper
-    from ...ops import AdamStates, LionStates, SgdStates, StepTensors
+    from ...ops import StepOp, StepTensors
 
 # The package module itself, partly initialised while it imports this one; only its attributes
 # at call time are read, by which point it is complete.
@@ -50,12 +49,6 @@ def _stream(device: torch.device) -> int:
 def _on(device: torch.device):
     """Triton launches on the current CUDA device, not on the tensors' one."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _bits(x: float) -> int:
-    """The IEEE bits of a double, as the int64 that the kernels bitcast back (Triton would pass
-    a Python float as fp32)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 # --- accumulate ------------------------------------------------------------------------------
@@ -150,25 +143,15 @@ def accumulate(
 # --- optimizer steps -------------------------------------------------------------------------
 
 
-def _step(
-    kernel,
-    name: str,
-    t: StepTensors,
-    states: "OrderedDict[str, List[Tensor]]",
-    scalars: tuple,
-    flags: dict,
-    plan=None,
-    takes_steps: bool = True,
-) -> None:
-    """The launcher shared by the three step ops: check, look the plan up, launch.
+def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
+    """The reference's step op ``op`` in one launch per dtype group of the generic step kernel,
+    with the op's update rule (``kernels.UPDATES``): check, look the plan up, launch.
 
-    ``t`` is the step's :class:`~fused_accum.ops.StepTensors`; ``states`` are the optimizer-state
-    lists the kernel reads by argument name (0 to 3 of them, fp32 like accs, in table columns
-    STATE0..STATE2); ``scalars`` and ``flags`` are the kernel's own hyper-parameters and
-    constexpr switches; ``takes_steps``: whether the kernel reads the step counts. Without ``plan``,
-    per call each tensor's address is read, with the sizes of accs and grads, the dtypes of
-    params, lp_params and grads and their contiguity; a miss of the table cache checks everything
-    else.
+    ``t``, ``s``, ``h`` are the op's records (:mod:`fused_accum.ops`); the state lists the
+    kernel reads are the non-empty ones of ``s`` (0 to 3 of them, fp32 like accs, in table
+    columns STATE0..STATE2, in the record's order). Without ``plan``, per call each tensor's
+    address is read, with the sizes of accs and grads, the dtypes of params, lp_params and
+    grads and their contiguity; a miss of the table cache checks everything else.
 
     ``plan``: optional, any hashable the caller never reuses for other parameters. It promises
     that in every call with this plan the lists hold the same parameters in the same order, and
@@ -183,11 +166,14 @@ def _step(
     the kernels run HAS_REM: they rebuild each master from the bf16 param and its remainder and
     split the update back into both (kernels._rebuild_master / _split_master).
     """
+    name, rule = op.name, kernels.UPDATES[op.name]
     if t.sources:
         raise ValueError(f"{name}: sources are for host (CPU) steps; the triton backend does not read them")
     params, accs, lp_params, grads, remainders = t.params, t.accs, t.lp_params, t.grads, t.remainders
     lr, coef, found_inf = t.lr, t.coef, t.found_inf
-    steps = t.steps if takes_steps else None
+    steps = t.steps if rule.reads_steps else None
+    states = OrderedDict((field, lists) for field, lists in s._asdict().items() if lists)
+    hyper, switches = rule.arguments(h, s)
     checks.step_lengths(name, params, states, accs, lp_params, grads, remainders)
     n = len(params)
     if n == 0:
@@ -229,20 +215,18 @@ def _step(
         launch = _pkg._make_plan(device, template.numels, columns, keys, capturing)
         _pkg._store(key, launch, capturing)
 
-    steps_arg = () if steps is None else (steps.contiguous(),)
-    kind = name[: -len("_step")]  # the kernel: sgd, adam, lion
     with _on(device):
         for (param_dtype, lp_dtype, grad_dtype), group_tables, _ in launch.launches:
-            kernel[(group_tables.n_chunks,)](
+            kernels.step_kernel[(group_tables.n_chunks,)](
                 group_tables.chunks,
                 group_tables.tensors,
-                *steps_arg,
+                coef if steps is None else steps.contiguous(),  # (not read without rule.reads_steps)
                 lr,
                 coef,
                 found_inf if found_inf is not None else coef,  # not read unless HAS_FOUND_INF
                 group_tables.chunk,
                 float(t.grad_alpha),
-                *scalars,
+                hyper,
                 PARAM_DTYPE=_TL_DTYPE[param_dtype],
                 LP_DTYPE=_TL_DTYPE[lp_dtype],
                 GRAD_DTYPE=_TL_DTYPE[grad_dtype],
@@ -251,79 +235,14 @@ def _step(
                 FUSED=bool(grads),
                 GRADS_OVERWRITE=bool(t.grads_overwrite),
                 HAS_FOUND_INF=found_inf is not None,
-                **flags,
+                MAXIMIZE=bool(getattr(h, "maximize", False)),
+                PREPARE=rule.prepare,
+                UPDATE=rule.update,
+                SWITCHES=switches,
                 BLOCK=_pkg.BLOCK,
-                num_warps=_pkg.step_num_warps(kind, param_dtype.itemsize * 8, bool(lp_params), bool(remainders)),
+                num_warps=_pkg.step_num_warps(name, param_dtype.itemsize * 8, bool(lp_params), bool(remainders)),
                 enable_fp_fusion=_pkg.FP_FUSION,
             )
     for original, copy in write_back:
         original.copy_(copy)
     del keep
-
-
-def sgd_step(t: StepTensors, s: SgdStates, h: SgdHyper, plan=None) -> None:
-    """reference.sgd_step in one launch per dtype group (``plan``: see _step)."""
-    states = OrderedDict(momentum_buffers=s.momentum_buffers) if h.momentum != 0 else OrderedDict()
-    _step(
-        kernels.sgd_kernel,
-        "sgd_step",
-        t,
-        states,
-        scalars=(float(h.momentum), 1.0 - float(h.dampening), float(h.weight_decay)),
-        flags=dict(
-            MAXIMIZE=bool(h.maximize),
-            HAS_WEIGHT_DECAY=h.weight_decay != 0,
-            HAS_MOMENTUM=h.momentum != 0,
-            NESTEROV=bool(h.nesterov),
-        ),
-        plan=plan,
-    )
-
-
-def adam_step(t: StepTensors, s: AdamStates, h: AdamHyper, plan=None) -> None:
-    """reference.adam_step (Adam / AdamW; amsgrad with a non-empty ``s.max_exp_avg_sqs``) in
-    one launch per dtype group (``plan``: see _step)."""
-    states = OrderedDict(exp_avgs=s.exp_avgs, exp_avg_sqs=s.exp_avg_sqs)
-    if s.max_exp_avg_sqs:
-        states["max_exp_avg_sqs"] = s.max_exp_avg_sqs
-    beta1, beta2, weight_decay = float(h.beta1), float(h.beta2), float(h.weight_decay)
-    _step(
-        kernels.adam_kernel,
-        "adam_step",
-        t,
-        states,
-        scalars=(
-            _bits(beta1),
-            _bits(beta2),
-            _bits(weight_decay),
-            beta1,
-            beta2,
-            1.0 - beta1,
-            1.0 - beta2,
-            float(h.eps),
-            weight_decay,
-        ),
-        flags=dict(
-            MAXIMIZE=bool(h.maximize),
-            HAS_WEIGHT_DECAY=weight_decay != 0,
-            DECOUPLED=bool(h.decoupled),
-            AMSGRAD=bool(s.max_exp_avg_sqs),
-        ),
-        plan=plan,
-    )
-
-
-def lion_step(t: StepTensors, s: LionStates, h: LionHyper, plan=None) -> None:
-    """reference.lion_step in one launch per dtype group (``t.steps`` is unused, as there;
-    ``plan``: see _step)."""
-    beta1, beta2 = float(h.beta1), float(h.beta2)
-    _step(
-        kernels.lion_kernel,
-        "lion_step",
-        t,
-        OrderedDict(exp_avgs=s.exp_avgs),
-        scalars=(beta1, beta2, 1.0 - beta1, 1.0 - beta2, _bits(h.weight_decay)),
-        flags=dict(MAXIMIZE=bool(h.maximize)),
-        plan=plan,
-        takes_steps=False,
-    )
