@@ -26,6 +26,7 @@
 #include <c10/util/ScopeExit.h>
 
 #include <algorithm>
+#include <utility>
 #include <tuple>
 
 namespace fused_accum {
@@ -47,14 +48,23 @@ void fold_into(const at::Tensor& acc, const at::Tensor& offsets, at::TensorList 
   op.call(acc, offsets, grads, 1.0, overwrite, std::nullopt, std::nullopt);
 }
 
-void ungrant(BucketArrivals& bucket) {
+// A grant's tensors were handed by Python (the window's plan), so dropping the last reference to
+// one may take the GIL (torch gives a tensor's Python object back to Python then). A caller that
+// holds the table's lock without the GIL (an autograd thread in arrive) passes `dropped`, and
+// lets those references go after it unlocked: another thread, holding the GIL, may be waiting on
+// that lock (Folder.take_report -> report).
+void ungrant(BucketArrivals& bucket, std::vector<at::Tensor>* dropped = nullptr) {
   bucket.fast = bucket.overwrite = false;
+  if (dropped != nullptr) {
+    dropped->push_back(std::move(bucket.acc));
+    dropped->push_back(std::move(bucket.offsets));
+  }
   bucket.acc.reset();
   bucket.offsets.reset();
 }
 
-void revoke(BucketArrivals& bucket) {
-  ungrant(bucket);
+void revoke(BucketArrivals& bucket, std::vector<at::Tensor>* dropped = nullptr) {
+  ungrant(bucket, dropped);
   bucket.folded_task = -1;
 }
 
@@ -354,6 +364,7 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
   bool new_task = false;
   int64_t complete = -1;
   std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> dropped;  // (a grant's tensors, let go once unlocked: see ungrant)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(key >= 0 && key < (int64_t)slot_bucket_.size(), "Arrivals: no slot ", key);
@@ -368,7 +379,12 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
       // A second gradient in one backward (a parameter used inside and outside a reentrant
       // checkpoint) is summed, as autograd would have summed it into .grad.
       at::Tensor& held = bucket.grads[pos];
-      held = held.defined() ? held + grad : std::move(grad);
+      if (held.defined()) {
+        at::Tensor sum = held + grad;
+        dropped.push_back(std::exchange(held, std::move(sum)));  // (a user's hook may have made it in Python)
+      } else {
+        held = std::move(grad);
+      }
     }
     if (!bucket.arrived[pos]) {
       bucket.arrived[pos] = 1;
@@ -384,12 +400,12 @@ void Arrivals::arrive(int64_t key, at::Tensor grad) {
           bucket.folded_task = task;
           if (bucket.overwrite) {
             overwritten_.push_back(complete);
-            revoke(bucket);  // the window's first gradients: the next backward adds
+            revoke(bucket, &dropped);  // the window's first gradients: the next backward adds
           }
           complete = -1;
         } else {
           quiet_clean_ = false;
-          ungrant(bucket);  // (the window folds these: a fold of the grant's would race it)
+          ungrant(bucket, &dropped);  // (the window folds these: a fold of the grant's would race it)
           bucket.with_window = true;
         }
       }

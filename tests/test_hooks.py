@@ -845,11 +845,14 @@ def _backwards_on_threads(params, opt, *, windows, threads, rounds):
                 errors.append(e)
                 barrier.abort()
 
-        workers = [threading.Thread(target=backwards, args=(cs,)) for cs in coefs]
+        # (daemon threads joined with a deadline: a deadlock of the hooks' lock and the GIL fails
+        # the test instead of hanging the suite; a window takes well under a second here)
+        workers = [threading.Thread(target=backwards, args=(cs,), daemon=True) for cs in coefs]
         for worker in workers:
             worker.start()
         for worker in workers:
-            worker.join()
+            worker.join(timeout=300)
+        assert not any(w.is_alive() for w in workers), "backward threads deadlocked"
         assert not errors, errors
         opt.step()
         opt.zero_grad()
