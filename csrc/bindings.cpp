@@ -311,13 +311,13 @@ struct CpuBackend {
   }
   static void fold_pieces(const Call&, const FoldArgs& f) { fold_pieces_cpu(f, parallel_for); }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
-    sgd_step_cpu(c.lists, a, h, parallel_for);
+    step_cpu<math::Sgd>(c.lists, a, h, parallel_for);
   }
   static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
-    adam_step_cpu(c.lists, a, h, parallel_for);
+    step_cpu<math::Adam>(c.lists, a, h, parallel_for);
   }
   static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
-    lion_step_cpu(c.lists, a, h, parallel_for);
+    step_cpu<math::Lion>(c.lists, a, h, parallel_for);
   }
 };
 

@@ -129,7 +129,7 @@ void sgd_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList momentum_buffers,
   const bool has_buf = momentum != 0.0;  // as in torch, no buffer exists without momentum
   const StepStates states{{{momentum_buffers, has_buf ? "momentum_buffers" : nullptr}}};
   run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("sgd_step_"), states, maximize,
-                    math::sgd_hyper(momentum, dampening, weight_decay, nesterov));
+                    math::Sgd::hyper(momentum, dampening, weight_decay, nesterov));
 }
 
 // fused_accum.ops.adam_step: StepTensors, AdamStates, algorithms.AdamHyper. A non-empty
@@ -143,7 +143,7 @@ void adam_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs,
                            {exp_avg_sqs, "exp_avg_sqs"},
                            {max_exp_avg_sqs, amsgrad ? "max_exp_avg_sqs" : nullptr}}};
   run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("adam_step_"), states, maximize,
-                    math::adam_hyper(beta1, beta2, eps, weight_decay, decoupled));
+                    math::Adam::hyper(beta1, beta2, eps, weight_decay, decoupled));
 }
 
 // fused_accum.ops.lion_step: StepTensors, LionStates, algorithms.LionHyper.
@@ -152,7 +152,7 @@ void lion_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs, double
                     double beta2, double weight_decay, bool maximize) {
   const StepStates states{{{exp_avgs, "exp_avgs"}}};
   run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("lion_step_"), states, maximize,
-                    math::lion_hyper(beta1, beta2, weight_decay));
+                    math::Lion::hyper(beta1, beta2, weight_decay));
 }
 
 // Registers the implementations above for one dispatch key (CPU, CUDA). The operators are not

@@ -48,15 +48,15 @@ struct CudaBackend {
   }
   static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
     refuse_sources(c, "sgd_step_");
-    launch_on(c, "sgd_step_", [&](void* s) { return sgd_step_cuda(c.lists, a, h, s); });
+    launch_on(c, "sgd_step_", [&](void* s) { return step_cuda<math::Sgd>(c.lists, a, h, s); });
   }
   static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
     refuse_sources(c, "adam_step_");
-    launch_on(c, "adam_step_", [&](void* s) { return adam_step_cuda(c.lists, a, h, s); });
+    launch_on(c, "adam_step_", [&](void* s) { return step_cuda<math::Adam>(c.lists, a, h, s); });
   }
   static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
     refuse_sources(c, "lion_step_");
-    launch_on(c, "lion_step_", [&](void* s) { return lion_step_cuda(c.lists, a, h, s); });
+    launch_on(c, "lion_step_", [&](void* s) { return step_cuda<math::Lion>(c.lists, a, h, s); });
   }
 };
 

@@ -687,7 +687,7 @@ inline __attribute__((always_inline)) void sgd_loop(const float* __restrict g, f
   for (int64_t j = 0; j < n; ++j) {
     float pj = p.load(j);
     float bj = (kMomentum && !kFirst) ? buf.load(j) : 0.0f;
-    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, pj, bj, h, s);
+    math::Sgd::update<(kWd ? 8 : 0) | (kMomentum ? 4 : 0) | (kFirst ? 2 : 0) | (kNesterov ? 1 : 0)>(g[j] * c, pj, bj, bj, bj, h, s);
     p.store(j, pj);
     if (kMomentum) buf.store(j, bj);
   }
@@ -779,7 +779,7 @@ inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, 
   for (int64_t j = 0; j < n; ++j) {
     float pj = p.load(j), mj = m.load(j), vj = v.load(j);
     float xj = (kMode & 1) ? max_v.load(j) : 0.0f;
-    math::adam_update_mode<kMode>(g[j] * c, pj, mj, vj, xj, h, s, divide_bc2);
+    math::Adam::update<kMode>(g[j] * c, pj, mj, vj, xj, h, s, divide_bc2);
     p.store(j, pj);
     m.store(j, mj);
     v.store(j, vj);
@@ -793,7 +793,7 @@ inline __attribute__((always_inline)) void adam_block_t(const float* __restrict 
                                                         S m, S v, S max_v, int64_t n,
                                                         const math::AdamHyper& h,
                                                         const math::AdamScalars& s, D divide_bc2) {
-  switch (math::adam_mode(h, max_v.present())) {
+  switch (math::Adam::mode(h, s, max_v.present())) {
 #define FA_ADAM_CASE(k)                                                                   \
   case k:                                                                                \
     run_block(                                                                           \
@@ -873,7 +873,7 @@ inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, 
                                                      const math::LionScalars& s) {
   for (int64_t j = 0; j < n; ++j) {
     float pj = p.load(j), mj = m.load(j);
-    math::lion_update(g[j] * c, pj, mj, h, s);
+    math::Lion::update<0>(g[j] * c, pj, mj, mj, mj, h, s);
     p.store(j, pj);
     m.store(j, mj);
   }
@@ -967,7 +967,7 @@ inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_
 // staged is staged from its source (and its weight followed from the source's), then written
 // to the operand.
 template <class Update>
-void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
+void walk_step(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
   const std::vector<int64_t> starts = element_starts(t);
   const bool sourced = t.sourced();
   if (a.found_inf && *a.found_inf != 0.0f) {  // skip-all: nothing changes (out of place: copied)
@@ -1057,35 +1057,38 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
 }  // namespace
 }  // namespace cpu
 
-void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
+template <>
+void step_cpu<math::Sgd>(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
                   const ParallelFor& pf) {
   using namespace cpu;
   const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
-    sgd_block(g, c, p, s1, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
+  walk_step(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
+    sgd_block(g, c, p, s1, n, h, math::Sgd::scalars(lr, a.steps[t.index[i]], h));
   });
 }
 
-void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
+template <>
+void step_cpu<math::Adam>(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
                    const ParallelFor& pf) {
   using namespace cpu;
   // Per tensor, once (two pow() in double each): not per block.
   std::vector<math::AdamScalars> scalars(t.size());
   std::vector<float> inv_bc2(t.size());
   for (int64_t i = 0; i < t.size(); ++i) {
-    scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
+    scalars[i] = math::Adam::scalars(*a.lr, a.steps[t.index[i]], h);
     inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
   }
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto s2, auto s3) {
+  walk_step(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto s2, auto s3) {
     adam_block(g, c, p, s1, s2, s3, n, h, scalars[i], inv_bc2[i]);
   });
 }
 
-void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
+template <>
+void step_cpu<math::Lion>(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
                    const ParallelFor& pf) {
   using namespace cpu;
-  const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
+  const math::LionScalars s = math::Lion::scalars(*a.lr, 0.0f, h);
+  walk_step(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
     lion_block(g, c, p, s1, n, h, s);
   });
 }

@@ -19,10 +19,10 @@ enum class ParamKind { kMaster, kF32, kBF16, kRemainder };
 enum class Fused { kNone, kAdd, kOverwrite };
 
 // The hyperparameters of tests/test_kernels.py's ALGOS.
-const math::SgdHyper kSgdHyper = math::sgd_hyper(0.9, 0.1, 0.01, true);
-const math::SgdHyper kSgdPlainHyper = math::sgd_hyper(0.0, 0.0, 0.0, false);
-const math::AdamHyper kAdamHyper = math::adam_hyper(0.8, 0.99, 1e-6, 0.1, true);
-const math::LionHyper kLionHyper = math::lion_hyper(0.9, 0.99, 0.1);
+const math::SgdHyper kSgdHyper = math::Sgd::hyper(0.9, 0.1, 0.01, true);
+const math::SgdHyper kSgdPlainHyper = math::Sgd::hyper(0.0, 0.0, 0.0, false);
+const math::AdamHyper kAdamHyper = math::Adam::hyper(0.8, 0.99, 1e-6, 0.1, true);
+const math::LionHyper kLionHyper = math::Lion::hyper(0.9, 0.99, 0.1);
 
 // Bit-identical: the kernels and this per-element loop run the same math.h code, every FMA
 // explicit and nothing else contracted (-ffp-contract=off), so no rounding may differ, whatever
@@ -146,13 +146,13 @@ struct StepCase {
           const float g = math::effective_grad(before.acc.value(i, j),
                                                fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
           switch (algo) {
-            case Algo::kSgd: math::sgd_update(g, p, m, kSgdHyper, math::sgd_scalars(lr, steps[i])); break;
-            case Algo::kSgdPlain: math::sgd_update(g, p, m, kSgdPlainHyper, math::sgd_scalars(lr, steps[i])); break;
-            case Algo::kAdam: math::adam_update(g, p, m, v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper)); break;
+            case Algo::kSgd: math::update<math::Sgd>(g, p, m, v, max_v, false, kSgdHyper, math::Sgd::scalars(lr, steps[i], kSgdHyper)); break;
+            case Algo::kSgdPlain: math::update<math::Sgd>(g, p, m, v, max_v, false, kSgdPlainHyper, math::Sgd::scalars(lr, steps[i], kSgdPlainHyper)); break;
+            case Algo::kAdam: math::update<math::Adam>(g, p, m, v, max_v, false, kAdamHyper, math::Adam::scalars(lr, steps[i], kAdamHyper)); break;
             case Algo::kAdamAmsgrad:
-              math::adam_update_amsgrad(g, p, m, v, max_v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper));
+              math::update<math::Adam>(g, p, m, v, max_v, true, kAdamHyper, math::Adam::scalars(lr, steps[i], kAdamHyper));
               break;
-            case Algo::kLion: math::lion_update(g, p, m, kLionHyper, math::lion_scalars(lr, kLionHyper)); break;
+            case Algo::kLion: math::update<math::Lion>(g, p, m, v, max_v, false, kLionHyper, math::Lion::scalars(lr, steps[i], kLionHyper)); break;
           }
         }
         bool ok = true;

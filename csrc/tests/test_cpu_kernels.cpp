@@ -60,11 +60,11 @@ void test_accumulate(bool overwrite) {
 
 void run_cpu_step(const TensorLists& t, const StepArgs& a, Algo algo) {
   switch (algo) {
-    case Algo::kSgd: sgd_step_cpu(t, a, kSgdHyper, odd_ranges); break;
-    case Algo::kSgdPlain: sgd_step_cpu(t, a, kSgdPlainHyper, odd_ranges); break;
+    case Algo::kSgd: step_cpu<math::Sgd>(t, a, kSgdHyper, odd_ranges); break;
+    case Algo::kSgdPlain: step_cpu<math::Sgd>(t, a, kSgdPlainHyper, odd_ranges); break;
     case Algo::kAdam:
-    case Algo::kAdamAmsgrad: adam_step_cpu(t, a, kAdamHyper, odd_ranges); break;  // by t.state3
-    case Algo::kLion: lion_step_cpu(t, a, kLionHyper, odd_ranges); break;
+    case Algo::kAdamAmsgrad: step_cpu<math::Adam>(t, a, kAdamHyper, odd_ranges); break;  // by t.state3
+    case Algo::kLion: step_cpu<math::Lion>(t, a, kLionHyper, odd_ranges); break;
   }
 }
 

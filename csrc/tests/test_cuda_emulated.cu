@@ -81,7 +81,7 @@ void test_accumulate(bool overwrite) {
   CHECK(!nonfinite, "non-finite flagged on finite values");
 }
 
-template <class Rule>
+template <class Rule, bool kState3 = false>
 void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::Hyper& h) {
   // As launch_step in step.cu builds them.
   const cuda::DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha,
@@ -93,7 +93,7 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
         cuda::step_thread<Rule>(table, args, h, chunk, thread);
     return static_cast<const char*>(nullptr);
   };
-  if constexpr (Rule::kAmsgrad) {  // amsgrad's max_exp_avg_sq is a 7th operand, last
+  if constexpr (kState3) {  // amsgrad's max_exp_avg_sq is a 7th operand, last
     const Operand* const ops[7] = {&t.acc,    &t.grad,             &t.param, &t.state1,
                                    &t.state2, cuda::lp_column(t), &t.state3};
     cuda::for_each_table(t, ops, run);
@@ -105,11 +105,11 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
 
 void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
   switch (algo) {
-    case Algo::kSgd: emulate_step<cuda::Sgd>(t, a, kSgdHyper); break;
-    case Algo::kSgdPlain: emulate_step<cuda::Sgd>(t, a, kSgdPlainHyper); break;
-    case Algo::kAdam: emulate_step<cuda::Adam>(t, a, kAdamHyper); break;
-    case Algo::kLion: emulate_step<cuda::Lion>(t, a, kLionHyper); break;
-    case Algo::kAdamAmsgrad: emulate_step<cuda::AdamAmsgrad>(t, a, kAdamHyper); break;
+    case Algo::kSgd: emulate_step<math::Sgd>(t, a, kSgdHyper); break;
+    case Algo::kSgdPlain: emulate_step<math::Sgd>(t, a, kSgdPlainHyper); break;
+    case Algo::kAdam: emulate_step<math::Adam>(t, a, kAdamHyper); break;
+    case Algo::kLion: emulate_step<math::Lion>(t, a, kLionHyper); break;
+    case Algo::kAdamAmsgrad: emulate_step<math::Adam, true>(t, a, kAdamHyper); break;
   }
 }
 
@@ -122,7 +122,7 @@ void test_steps() {
       .run_and_check(run_emulated_step, "cuda-emulated, two tables");
   CHECK(launches == 2, "launches %d", launches);
   launches = 0;  // amsgrad's 7-operand table holds fewer tensors
-  const int ams_count = cuda::AmsgradStepTable::kCapacity + 5;
+  const int ams_count = cuda::State3StepTable::kCapacity + 5;
   StepCase(sizes_for(ams_count, 6), Algo::kAdamAmsgrad, ParamKind::kMaster, Fused::kAdd, false, 98)
       .run_and_check(run_emulated_step, "cuda-emulated amsgrad, two tables");
   CHECK(launches == 2, "launches %d", launches);
