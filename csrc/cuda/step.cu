@@ -31,11 +31,10 @@ using State3StepTable = Table<7>;
 // software prefetch of the next pack into registers costs the same registers as the second
 // pack, so none is done; whether an L2 prefetch hint helps is for the GPU sweep to show.
 // Occupancy comes from blocks instead: __launch_bounds__(128, kMinBlocks) caps a thread at
-// 65536 / (128 * kMinBlocks) registers. Each rule's bound (math.h: its kCudaMinBlocks) is the
+// 65536 / (128 * kMinBlocks) registers: 6 blocks 80 registers (24 warps per SM), 5 blocks 96
+// (20 warps), 4 blocks 128 (16 warps). Each rule's bound (math.h: its kCudaMinBlocks) is the
 // largest that compiles without a spill (nvcc 13.0, sm_90, -fmad=false; the gate in
-// scripts/check_cuda_build.sh fails on any): SGD and Lion 6 blocks (<= 80 registers, 24 warps per
-// SM), Adam 5 (94, 20 warps), Adam with amsgrad 4 (~105, 16 warps). 256-thread blocks at 88
-// registers gave Adam 16 warps.
+// scripts/check_cuda_build.sh fails on any). 256-thread blocks at 88 registers gave Adam 16 warps.
 constexpr int kStepUnroll = 1;
 constexpr int kStepStride = kThreads * kPack * kStepUnroll;
 static_assert(kChunk % kStepStride == 0, "a chunk is a whole number of iterations");
