@@ -310,14 +310,9 @@ struct CpuBackend {
     accumulate_cpu(c.lists, a, parallel_for);
   }
   static void fold_pieces(const Call&, const FoldArgs& f) { fold_pieces_cpu(f, parallel_for); }
-  static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
-    step_cpu<math::Sgd>(c.lists, a, h, parallel_for);
-  }
-  static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
-    step_cpu<math::Adam>(c.lists, a, h, parallel_for);
-  }
-  static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
-    step_cpu<math::Lion>(c.lists, a, h, parallel_for);
+  template <class Algo>
+  static void step(const Call& c, const StepArgs& a, const typename Algo::Hyper& h) {
+    step_cpu<Algo>(c.lists, a, h, parallel_for);
   }
 };
 
