@@ -68,10 +68,10 @@ inline std::vector<int64_t> element_starts(const TensorLists& t) {
   return starts;
 }
 
-// Where a step stages nothing (fp32 params, no fused micro-batch, no low-precision copy, no
-// remainders: unstaged_fp32) its element loops run on the tensors themselves, in blocks of this many:
-// a block costs a call through the clone's resolver, a switch and the loop's set-up, which at
-// 1024 elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
+// Where a step stages nothing (no fused micro-batch, params read and written directly:
+// direct_params) its element loops run on the tensors themselves, in blocks of this many: a block
+// costs a call through the clone's resolver, a switch and the loop's set-up, which at 1024
+// elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
 constexpr int64_t kUnstagedBlock = 1 << 14;
 
 // Calls block(i, offset, n) for every block of at most block_size elements of tensor i that lies
@@ -315,12 +315,19 @@ void fold_pieces_cpu(const FoldArgs& f, const ParallelFor& pf) {
 // accumulator (optionally plus the last micro-batch), the update of the fp32 state and param,
 // and the write of the low-precision param copy, over many tensors per call.
 //
-// Per block of kBlock elements: stage the gradient as fp32 (effective_grad), stage the param as
-// fp32 when it is bf16/fp16, let the master follow the low-precision param where that was
-// written from outside (follow_lp: math.h's follow_weight), run the update rule on fp32
-// arrays, write back. Staging keeps one
-// update loop per rule however many dtype combinations a call mixes (grads, params and lp params
-// each bf16/fp16/fp32), at the cost of L1 traffic only.
+// The element loops read and write the params where they are (direct_params): fp32 params, and
+// fp32 masters with their bf16/fp16 copies, whose master follows the copy where that was written
+// from outside (math.h's follow_weight) and whose copy takes the updated master's rounding, both
+// in the loop itself (MasterParam). Other params (bf16/fp16 params without a master, an fp32
+// copy) are staged as fp32 per block of kBlock elements (follow_lp, the update, from_float);
+// so is a fused micro-batch's gradient (effective_grad). Staging keeps one update loop per rule
+// however many dtype combinations a call mixes, at the cost of L1 traffic only.
+// The fp32 master with a bf16 copy was staged too, in three passes over each 1024-element block
+// (follow_lp, the update, from_float), since the follow check came in (87a2b94): the AdamW step
+// then took 1.09-1.25x the time of 48dd599's two passes (update, from_float); in one loop it
+// takes 0.90-0.98x of 48dd599's, 0.78-0.85x of the three passes' (benchmarks/cpu_step.cpp:
+// thread CPU time per element, min of 15-30 calls, one thread, 1M warm and cold, 16M; load 8-9
+// on 2 cores, Sapphire Rapids, AVX-512).
 //
 // Exact 2-byte masters (remainders, issue 28) are not staged: the element loop itself rebuilds
 // each master from its bf16 param and int16 remainder and splits the update back into both
@@ -363,12 +370,11 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
 // whole block, are stored directly (ordinary stores); so are calls that write less than
 // stream_min_bytes, whose operands the benchmark finds in cache.
 // The fp32 master with its low-precision copy (MasterIO) follows the copy and rounds to it in
-// the loop itself (follow_lp's and from_float's per-element functions, so the same bits as the
-// in-place step's three passes), and exact 2-byte masters rebuild and split in it as in place:
-// none of them staged, so the blocks are kUnstagedBlock long. Other params (bf16/fp16 params
-// without a master, an fp32 copy) and fused micro-batches are staged as in place (from the
-// sources), 1024-element blocks, the staged param written back with ordinary stores (no offload
-// layout has them).
+// the loop itself (follow_lp's and from_float's per-element functions, as in place: MasterParam),
+// and exact 2-byte masters rebuild and split in it as in place: none of them staged, so the
+// blocks are kUnstagedBlock long (kBlock with a fused micro-batch, whose gradient is staged).
+// Other params (bf16/fp16 params without a master, an fp32 copy) are staged as in place (from
+// the sources), the staged param written back with ordinary stores (no offload layout has them).
 // Measured with python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy; the 2-core
 // AMD EPYC (Zen 4, AVX-512), shared with other work), speculated_over_step at 0.5 / 4 / 16 /
 // 25 MB, old and new interleaved from two worktrees at load 0.8 (two rounds each), plus
@@ -565,9 +571,37 @@ struct StateIO {
   }
   static StateIO none() { return {nullptr, nullptr, false}; }
 };
-// The fp32 master, and its low-precision copy of dtype kLp (kF32: none) which it follows where
-// the copy was written from outside (follow_lp's rule) and which takes its rounding
-// (from_float's) after the update.
+// An fp32 master and its bf16 or fp16 copy (kLp), element by element: the master as the update
+// starts from it, following the copy where that was written from outside (follow_lp's rule),
+// and the copy of an updated master (from_float's rounding).
+template <DType kLp>
+FA_ALWAYS_INLINE uint16_t round_to(float v) {
+  return kLp == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+}
+template <DType kLp>
+FA_ALWAYS_INLINE float followed(float master, uint16_t lp) {
+  return math::follow_weight(master, round_to<kLp>(master), lp, kLp == DType::kBF16 ? bf16_to_float(lp) : f16_to_float(lp));
+}
+
+// The fp32 master with its bf16 or fp16 copy (kLp), in place: followed and rounded in the element
+// loop itself, one pass, where the staged form took three (follow_lp, the update, from_float)
+// over a 1024-element block.
+template <DType kLp>
+struct MasterParam : InPlaceAccessor {
+  float* __restrict p;
+  uint16_t* __restrict lp;
+  MasterParam(float* p_, uint16_t* lp_) : p(p_), lp(lp_) {}
+  FA_ALWAYS_INLINE float load(int64_t j) const { return followed<kLp>(p[j], lp[j]); }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const {
+    p[j] = v;
+    lp[j] = round_to<kLp>(v);
+  }
+  FA_ALWAYS_INLINE MasterParam at(int64_t o) const { return {p + o, lp + o}; }
+  FA_ALWAYS_INLINE MasterParam chunk(int64_t o, NoBuf&) const { return at(o); }
+};
+
+// The fp32 master, and its low-precision copy of dtype kLp (kF32: none) out of place, followed
+// and rounded as MasterParam's.
 template <DType kLp>
 struct MasterIO {
   const float* __restrict in;
@@ -581,18 +615,13 @@ struct MasterIO {
     alignas(64) float p[kChunk];
     alignas(64) uint16_t lp[kHasLp ? kChunk : 1];
   };
-  static FA_ALWAYS_INLINE uint16_t round(float v) {
-    return kLp == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
-  }
   FA_ALWAYS_INLINE float load(int64_t j) const {
-    const float p = in[j];
-    if (!kHasLp) return p;
-    const uint16_t l = lp_in[j];
-    return math::follow_weight(p, round(p), l, kLp == DType::kBF16 ? bf16_to_float(l) : f16_to_float(l));
+    if constexpr (kHasLp) return followed<kLp>(in[j], lp_in[j]);
+    else return in[j];
   }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const {
     out[j] = v;
-    if (kHasLp) lp_out[j] = round(v);
+    if constexpr (kHasLp) lp_out[j] = round_to<kLp>(v);
   }
   FA_ALWAYS_INLINE MasterIO at(int64_t o) const {
     return {in + o, kHasLp ? lp_in + o : nullptr, out + o, kHasLp ? lp_out + o : nullptr, stream};
@@ -780,21 +809,11 @@ FA_CPU_CLONES void step_block(const float* __restrict g, float c, P p, S s1, S s
   });
 }
 
-// Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
-// low-precision copy, no remainders, every param fp32 (nothing staged).
-inline bool unstaged_fp32(const TensorLists& t) {
-  if (t.grad.present() || t.lp.present() || t.rem.present()) return false;
-  for (const DType dt : t.param.dtype) {
-    if (dt != DType::kF32) return false;
-  }
-  return true;
-}
-
-// Whether an out-of-place step's element loops read every param straight from its sources
-// (nothing staged: no fused micro-batch; exact 2-byte masters, or fp32 masters without a
-// low-precision copy or with a bf16/fp16 one: MasterIO).
-inline bool sourced_direct(const TensorLists& t) {
-  if (t.grad.present()) return false;
+// Whether a step's element loops read and write every param directly, unstaged: exact 2-byte
+// masters (RemainderParam, RemainderParamIO), or fp32 params without a low-precision copy
+// (Fp32Param, MasterIO<kF32>) or with a bf16/fp16 one (MasterParam, MasterIO). Else (bf16/fp16
+// params without a master, an fp32 copy) the param is staged as fp32 in 1024-element blocks.
+inline bool direct_params(const TensorLists& t) {
   if (t.rem.present()) return true;
   for (int64_t i = 0; i < t.size(); ++i) {
     if (t.param.dtype[i] != DType::kF32) return false;
@@ -860,8 +879,9 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
     if constexpr (HasDivisor<Algo>::value) reciprocal[i] = divide_by_constant_reciprocal(Algo::divisor(scalars[i]));
   }
   const bool has_rem = t.rem.present();
-  const bool unstaged = sourced ? sourced_direct(t) : unstaged_fp32(t);
-  const int64_t block_size = unstaged ? kUnstagedBlock : kBlock;
+  const bool direct = direct_params(t);
+  // (a fused micro-batch's gradient is staged: 1024-element blocks, in L1)
+  const int64_t block_size = direct && !t.grad.present() ? kUnstagedBlock : kBlock;
   const bool stream = sourced && written_bytes(t) >= stream_min_bytes.load(std::memory_order_relaxed);
   constexpr int kP = TensorLists::kParam, kL = TensorLists::kLp, kR = TensorLists::kRem;
   ThreadCount threads;
@@ -904,18 +924,24 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
         return;
       }
       const DType param_dtype = t.param.dtype[i];
-      if (sourced && unstaged) {  // an fp32 master, without or with its copy (sourced_direct)
+      if (direct) {  // an fp32 master, without or with its bf16/fp16 copy (direct_params)
         auto master = [&](auto lp_dtype) {
-          run_io(MasterIO<decltype(lp_dtype)::value>{
-              static_cast<const float*>(in(kP)), static_cast<const uint16_t*>(in(kL)),
-              static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL)), stream});
+          constexpr DType kLp = decltype(lp_dtype)::value;
+          if (sourced) {
+            run_io(MasterIO<kLp>{static_cast<const float*>(in(kP)), static_cast<const uint16_t*>(in(kL)),
+                                 static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL)), stream});
+          } else if constexpr (kLp == DType::kF32) {
+            run_in(Fp32Param{static_cast<float*>(out(kP))});
+          } else {
+            run_in(MasterParam<kLp>{static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL))});
+          }
         };
         if (!t.lp.present()) master(std::integral_constant<DType, DType::kF32>{});
         else if (t.lp.dtype[i] == DType::kBF16) master(std::integral_constant<DType, DType::kBF16>{});
         else master(std::integral_constant<DType, DType::kF16>{});
         return;
       }
-      // staged (in place: params other than fp32 ones; out of place: every param)
+      // staged (bf16/fp16 params without a master, fp32 params with an fp32 copy)
       float* p = p_staged;
       if (param_dtype == DType::kF32 && !sourced) p = static_cast<float*>(out(kP));
       else to_float(in(kP), param_dtype, n, p_staged);
