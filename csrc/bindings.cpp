@@ -310,14 +310,9 @@ struct CpuBackend {
     accumulate_cpu(c.lists, a, parallel_for);
   }
   static void fold_pieces(const Call&, const FoldArgs& f) { fold_pieces_cpu(f, parallel_for); }
-  static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
-    sgd_step_cpu(c.lists, a, h, parallel_for);
-  }
-  static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
-    adam_step_cpu(c.lists, a, h, parallel_for);
-  }
-  static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
-    lion_step_cpu(c.lists, a, h, parallel_for);
+  template <class Algo>
+  static void step(const Call& c, const StepArgs& a, const typename Algo::Hyper& h) {
+    step_cpu<Algo>(c.lists, a, h, parallel_for);
   }
 };
 

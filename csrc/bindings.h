@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstddef>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -59,7 +60,7 @@ Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool over
   }
 
 struct StepTensors {
-  const char* op;  // for messages: "adam_step_"
+  const char* op;  // for messages: the operator's name
   at::TensorList params, accs;
   const at::Tensor& steps;
   const at::Tensor& lr;
@@ -78,8 +79,8 @@ struct StepTensors {
 };
 
 // An op's optimizer-state lists, TensorLists::state1..state3 in order (fp32, written). A list the
-// call does not use (SGD without momentum, Adam without amsgrad, Lion's second and third) has a
-// null name and is not read.
+// call does not use (math.h: the algorithm's uses_state; and past its kStateLists) has a null
+// name and is not read.
 struct StateList {
   at::TensorList list;
   const char* name = nullptr;  // the schema's name, for messages
@@ -92,7 +93,7 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
 // The operator implementations, one per operator of fused_accum/ops.py, for a Backend with
 //   static void accumulate(const Call&, const AccumulateArgs&);
 //   static void fold_pieces(const Call&, const FoldArgs&);
-//   static void step(const Call&, const StepArgs&, const math::{Sgd,Adam,Lion}Hyper&);
+//   template <class Algo> static void step(const Call&, const StepArgs&, const typename Algo::Hyper&);
 // (CpuBackend in bindings.cpp, CudaBackend in bindings_cuda.cpp).
 
 // fused_accum.ops.Accumulate (csrc/hooks.cpp calls it with this signature, through the dispatcher).
@@ -114,46 +115,29 @@ void fold_pieces_impl(const at::Tensor& acc, at::TensorList pieces, bool overwri
   if (args.numel > 0) Backend::fold_pieces(call, args);
 }
 
-template <class Backend, class Hyper>
-void run_step(const StepTensors& t, const StepStates& states, bool maximize, const Hyper& hyper) {
-  StepArgs args{};
-  Call call = prepare_step(t, states, maximize, args);
-  if (call.lists.size() > 0) Backend::step(call, args, hyper);
-  call.finish();
-}
-
-// fused_accum.ops.sgd_step: StepTensors, SgdStates, algorithms.SgdHyper.
-template <class Backend>
-void sgd_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList momentum_buffers, double momentum,
-                   double dampening, double weight_decay, bool nesterov, bool maximize) {
-  const bool has_buf = momentum != 0.0;  // as in torch, no buffer exists without momentum
-  const StepStates states{{{momentum_buffers, has_buf ? "momentum_buffers" : nullptr}}};
-  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("sgd_step_"), states, maximize,
-                    math::sgd_hyper(momentum, dampening, weight_decay, nesterov));
-}
-
-// fused_accum.ops.adam_step: StepTensors, AdamStates, algorithms.AdamHyper. A non-empty
-// max_exp_avg_sqs is amsgrad (TensorLists::state3).
-template <class Backend>
-void adam_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, double beta1,
-                    double beta2, double eps, double weight_decay, bool decoupled, bool maximize) {
-  const bool amsgrad = !max_exp_avg_sqs.empty();
-  const StepStates states{{{exp_avgs, "exp_avgs"},
-                           {exp_avg_sqs, "exp_avg_sqs"},
-                           {max_exp_avg_sqs, amsgrad ? "max_exp_avg_sqs" : nullptr}}};
-  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("adam_step_"), states, maximize,
-                    math::adam_hyper(beta1, beta2, eps, weight_decay, decoupled));
-}
-
-// fused_accum.ops.lion_step: StepTensors, LionStates, algorithms.LionHyper.
-template <class Backend>
-void lion_step_impl(FUSED_ACCUM_STEP_PARAMETERS, at::TensorList exp_avgs, double beta1,
-                    double beta2, double weight_decay, bool maximize) {
-  const StepStates states{{{exp_avgs, "exp_avgs"}}};
-  run_step<Backend>(FUSED_ACCUM_STEP_TENSORS("lion_step_"), states, maximize,
-                    math::lion_hyper(beta1, beta2, weight_decay));
-}
+// The step op of algorithm Algo (math.h), fused_accum.ops.<name>_step: StepTensors, then one
+// at::TensorList per state list (Algo::kStateLists), then the hyper-parameters Algo::hyper takes
+// (their types deduced from it: Hyper(*)(H...)), then maximize.
+template <size_t>
+using StateListArgument = at::TensorList;
+template <class Backend, class Algo, class HyperFunction = decltype(&Algo::hyper),
+          class Lists = std::make_index_sequence<math::kStateCount<Algo>>>
+struct StepImpl;
+template <class Backend, class Algo, class... H, size_t... k>
+struct StepImpl<Backend, Algo, typename Algo::Hyper (*)(H...), std::index_sequence<k...>> {
+  static void run(FUSED_ACCUM_STEP_PARAMETERS, StateListArgument<k>... lists, H... hyper, bool maximize) {
+    const typename Algo::Hyper h = Algo::hyper(hyper...);
+    const at::TensorList given[] = {lists...};
+    StepStates states;
+    for (size_t i = 0; i < sizeof...(k); ++i) {
+      if (Algo::uses_state(static_cast<int>(i), h, !given[i].empty())) states[i] = {given[i], Algo::kStateLists[i]};
+    }
+    StepArgs args{};
+    Call call = prepare_step(FUSED_ACCUM_STEP_TENSORS(Algo::kOp), states, maximize, args);
+    if (call.lists.size() > 0) Backend::template step<Algo>(call, args, h);
+    call.finish();
+  }
+};
 
 // Registers the implementations above for one dispatch key (CPU, CUDA). The operators are not
 // defined yet when _C loads: fused_accum/backends/ext.py defines them next, and the dispatcher
@@ -162,9 +146,9 @@ template <class Backend>
 void register_impls(torch::Library& m) {
   m.impl("accumulate_", &accumulate_impl<Backend>);
   m.impl("fold_pieces_", &fold_pieces_impl<Backend>);
-  m.impl("sgd_step_", &sgd_step_impl<Backend>);
-  m.impl("adam_step_", &adam_step_impl<Backend>);
-  m.impl("lion_step_", &lion_step_impl<Backend>);
+#define FA_REGISTER_STEP(A) m.impl(math::A::kOp, &StepImpl<Backend, math::A>::run);
+  FUSED_ACCUM_ALGORITHMS(FA_REGISTER_STEP)
+#undef FA_REGISTER_STEP
 }
 
 }  // namespace binding

@@ -46,17 +46,10 @@ struct CudaBackend {
     TORCH_CHECK(!c.lists.sourced(), "fused_accum_ext::", op,
                 ": sources are for host (CPU) steps; the cuda backend does not read them");
   }
-  static void step(const Call& c, const StepArgs& a, const math::SgdHyper& h) {
-    refuse_sources(c, "sgd_step_");
-    launch_on(c, "sgd_step_", [&](void* s) { return sgd_step_cuda(c.lists, a, h, s); });
-  }
-  static void step(const Call& c, const StepArgs& a, const math::AdamHyper& h) {
-    refuse_sources(c, "adam_step_");
-    launch_on(c, "adam_step_", [&](void* s) { return adam_step_cuda(c.lists, a, h, s); });
-  }
-  static void step(const Call& c, const StepArgs& a, const math::LionHyper& h) {
-    refuse_sources(c, "lion_step_");
-    launch_on(c, "lion_step_", [&](void* s) { return lion_step_cuda(c.lists, a, h, s); });
+  template <class Algo>
+  static void step(const Call& c, const StepArgs& a, const typename Algo::Hyper& h) {
+    refuse_sources(c, Algo::kOp);
+    launch_on(c, Algo::kOp, [&](void* s) { return step_cuda<Algo>(c.lists, a, h, s); });
   }
 };
 

@@ -36,9 +36,9 @@ struct TensorLists {
   Operand acc;      // float32 accumulators: written by accumulate, read by the steps
   Operand grad;     // incoming gradients (accumulate; a step's fused last micro-batch)
   Operand param;    // what a step updates: fp32 master, or the parameter itself
-  Operand state1;   // fp32: SGD momentum buffer, Adam/Lion exp_avg
-  Operand state2;   // fp32: Adam exp_avg_sq
-  Operand state3;   // fp32: Adam's amsgrad max_exp_avg_sq (absent: amsgrad off)
+  // fp32 optimizer states, the algorithm's state lists in order (math.h: its kStateLists), for
+  // example Adam's exp_avg, exp_avg_sq and amsgrad's max_exp_avg_sq; absent where unused
+  Operand state1, state2, state3;
   Operand lp;       // low-precision params receiving the updated param, rounded
   // int16 remainders (exact 2-byte masters): when present, param is bf16 and the master is
   // math::rebuild_master(param, rem), split back into both after the update (lp is absent)
@@ -98,12 +98,9 @@ using ParallelFor =
 
 void accumulate_cpu(const TensorLists& t, const AccumulateArgs& a, const ParallelFor& pf);
 void fold_pieces_cpu(const FoldArgs& f, const ParallelFor& pf);
-void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
-                  const ParallelFor& pf);
-void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
-                   const ParallelFor& pf);
-void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
-                   const ParallelFor& pf);
+// The step of algorithm Algo (math.h: instantiated for each of FUSED_ACCUM_ALGORITHMS).
+template <class Algo>
+void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h, const ParallelFor& pf);
 
 // ---- CUDA (csrc/cuda) ----------------------------------------------------------------------------
 
@@ -112,11 +109,7 @@ void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHype
 const char* accumulate_cuda(const TensorLists& t, const AccumulateArgs& a, void* stream);
 // One launch per kMaxFoldPieces pieces (csrc/cuda/fold.cu): one for any all-to-all up to 256 ranks.
 const char* fold_pieces_cuda(const FoldArgs& f, void* stream);
-const char* sgd_step_cuda(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
-                          void* stream);
-const char* adam_step_cuda(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
-                           void* stream);
-const char* lion_step_cuda(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
-                           void* stream);
+template <class Algo>
+const char* step_cuda(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h, void* stream);
 
 }  // namespace fused_accum

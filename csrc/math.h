@@ -69,59 +69,93 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
   return g * (s.maximize ? -s.coef : s.coef);
 }
 
+// ---- the algorithms ---------------------------------------------------------------------------
+//
+// An elementwise algorithm is one trait struct here, and one entry in FUSED_ACCUM_ALGORITHMS:
+// the CPU step (csrc/cpu/kernels.cpp), the CUDA step (csrc/cuda/step.cu) and the bindings
+// (csrc/bindings.h: the fused_accum_ext::<kOp> kernel, its arguments and checks) are templates
+// over the trait, instantiated once per entry of the list. A trait has:
+//   kOp              the operator's name, fused_accum_ext::<kOp> (its schema: fused_accum/ops.py)
+//   kStateLists      its state-list arguments' names, in the schema's order: the kernels'
+//                    TensorLists::state1..state3 (fp32, one tensor per param, written)
+//   Hyper, hyper()   the hyper-parameters, built from the schema's hyper-parameter arguments:
+//                    hyper()'s parameters are those arguments, in order and in the types the
+//                    kernel takes (float -> double, bool -> bool), the record's final `maximize`
+//                    excepted (every step op ends with it: StepArgs::maximize)
+//   uses_state(k, h, given)   whether a call uses state list k (given: the list is not empty)
+//   Scalars, scalars(lr, step, h)   the per-tensor quantities, once per tensor (lr a double,
+//                    step the tensor's step count)
+//   kModes, mode(h, s, state3)   the branches that are the same for every element of a tensor,
+//                    as a number in [0, kModes): the CPU loops take it as a template constant
+//                    (straight-line loops that vectorise), CUDA as a uniform branch
+//   reads(mode), writes(mode)   bit k: update<mode> reads / writes state k + 1
+//   update<kMode>(g, p, s1, s2, s3, h, s, divide)   one element: g the gradient the step uses,
+//                    p the fp32 param (master), s1..s3 its states; `divide` divides by the
+//                    per-tensor constant divisor(s), where the trait has one (Adam's bias
+//                    correction; csrc/cpu/kernels.cpp passes an exact divide without the divider)
+//   kCudaMinBlocks[k]   the CUDA step kernel's __launch_bounds__ blocks per SM, without (0) and
+//                    with (1) a third state list: the largest that compiles without a spill
+//                    (scripts/check_cuda_build.sh gates it on sm_90)
+#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion)
+
+// How many state lists algorithm Algo's op takes.
+template <class Algo>
+constexpr int kStateCount = sizeof(Algo::kStateLists) / sizeof(Algo::kStateLists[0]);
+
+// a / b, correctly rounded: the plain divide (the default `divide` of every update).
+struct Divide {
+  FA_HD float operator()(float a, float b) const { return a / b; }
+};
+
 // ---- SGD (torch.optim.SGD) --------------------------------------------------------------------
 
 struct SgdHyper {
   float momentum, one_minus_dampening, weight_decay;
   bool nesterov;
+  bool momentum_buffers;  // momentum != 0 in double: torch keeps a buffer (ops.SgdStates)
 };
 struct SgdScalars {
   float neg_lr;    // -lr: the update is one FMA, param + g * (-lr), as torch's fused kernel
   bool first_step; // torch starts the momentum buffer as a copy of the first gradient
 };
 
-// Hyperparameters arrive from Python as double; 1 - dampening is formed in double, as torch does,
-// then everything is rounded to fp32 once.
-inline SgdHyper sgd_hyper(double momentum, double dampening, double weight_decay, bool nesterov) {
-  return {float(momentum), float(1.0 - dampening), float(weight_decay), nesterov};
-}
-
-// torch's fused SGD rounds its double -lr to fp32 (negation commutes with rounding).
-FA_HD SgdScalars sgd_scalars(double lr, float step) { return {float(-lr), step == 1.0f}; }
-
-// Updates param (fp32 value) and, when momentum != 0, the momentum buffer:
-//   g += wd * p;  buf = g (first step) or momentum * buf + (1 - dampening) * g;
-//   g = nesterov ? g + momentum * buf : buf;  p -= lr * g
-// each `+` of a product being one FMA, as in torch's fused CPU SGD. The template takes the
-// branches as constants, so that a CPU element loop has none and vectorises; sgd_update picks
-// the instantiation (a uniform branch on the GPU).
-template <bool kWeightDecay, bool kMomentum, bool kFirstStep, bool kNesterov>
-FA_HD void sgd_update_t(float g, float& param, float& buf, const SgdHyper& h, const SgdScalars& s) {
-  if (kWeightDecay) g = fmaf(param, h.weight_decay, g);
-  if (kMomentum) {
-    buf = kFirstStep ? g : fmaf(g, h.one_minus_dampening, buf * h.momentum);
-    g = kNesterov ? fmaf(buf, h.momentum, g) : buf;
+struct Sgd {
+  static constexpr const char* kOp = "sgd_step_";
+  static constexpr const char* kStateLists[] = {"momentum_buffers"};
+  using Hyper = SgdHyper;
+  using Scalars = SgdScalars;
+  // 1 - dampening is formed in double, as torch does, then everything is rounded to fp32 once.
+  static Hyper hyper(double momentum, double dampening, double weight_decay, bool nesterov) {
+    return {float(momentum), float(1.0 - dampening), float(weight_decay), nesterov, momentum != 0.0};
   }
-  param = fmaf(g, s.neg_lr, param);
-}
-
-FA_HD void sgd_update(float g, float& param, float& buf, const SgdHyper& h, const SgdScalars& s) {
-  const bool wd = h.weight_decay != 0.0f, first = s.first_step, nesterov = h.nesterov;
-  if (h.momentum == 0.0f) {
-    if (wd) sgd_update_t<true, false, false, false>(g, param, buf, h, s);
-    else sgd_update_t<false, false, false, false>(g, param, buf, h, s);
-  } else if (wd) {
-    if (first) nesterov ? sgd_update_t<true, true, true, true>(g, param, buf, h, s)
-                        : sgd_update_t<true, true, true, false>(g, param, buf, h, s);
-    else nesterov ? sgd_update_t<true, true, false, true>(g, param, buf, h, s)
-                  : sgd_update_t<true, true, false, false>(g, param, buf, h, s);
-  } else {
-    if (first) nesterov ? sgd_update_t<false, true, true, true>(g, param, buf, h, s)
-                        : sgd_update_t<false, true, true, false>(g, param, buf, h, s);
-    else nesterov ? sgd_update_t<false, true, false, true>(g, param, buf, h, s)
-                  : sgd_update_t<false, true, false, false>(g, param, buf, h, s);
+  // as in torch, no buffer exists without momentum
+  static bool uses_state(int, const Hyper& h, bool) { return h.momentum_buffers; }
+  // torch's fused SGD rounds its double -lr to fp32 (negation commutes with rounding).
+  FA_HD static Scalars scalars(double lr, float step, const Hyper&) { return {float(-lr), step == 1.0f}; }
+  static constexpr int kModes = 16;
+  FA_HD static int mode(const Hyper& h, const Scalars& s, bool) {
+    return (h.weight_decay != 0.0f ? 8 : 0) | (h.momentum != 0.0f ? 4 : 0) | (s.first_step ? 2 : 0) |
+           (h.nesterov ? 1 : 0);
   }
-}
+  FA_HD static constexpr unsigned reads(int mode) { return (mode & 4) && !(mode & 2) ? 1 : 0; }
+  FA_HD static constexpr unsigned writes(int mode) { return (mode & 4) ? 1 : 0; }
+  // Updates param (fp32 value) and, when momentum != 0, the momentum buffer:
+  //   g += wd * p;  buf = g (first step) or momentum * buf + (1 - dampening) * g;
+  //   g = nesterov ? g + momentum * buf : buf;  p -= lr * g
+  // each `+` of a product being one FMA, as in torch's fused CPU SGD.
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& buf, float&, float&, const Hyper& h, const Scalars& s,
+                           D = D()) {
+    constexpr bool kWeightDecay = kMode & 8, kMomentum = kMode & 4, kFirstStep = kMode & 2, kNesterov = kMode & 1;
+    if (kWeightDecay) g = fmaf(param, h.weight_decay, g);
+    if (kMomentum) {
+      buf = kFirstStep ? g : fmaf(g, h.one_minus_dampening, buf * h.momentum);
+      g = kNesterov ? fmaf(buf, h.momentum, g) : buf;
+    }
+    param = fmaf(g, s.neg_lr, param);
+  }
+  static constexpr int kCudaMinBlocks[] = {6};  // 80 registers (nvcc 13.0, sm_90)
+};
 
 // ---- Adam / AdamW (torch.optim.Adam, torch.optim.AdamW, amsgrad or not) ----------------------
 
@@ -137,25 +171,6 @@ struct AdamScalars {
   float decay_factor;          // 1 - lr * weight_decay (AdamW), else 1
 };
 
-inline AdamHyper adam_hyper(double beta1, double beta2, double eps, double weight_decay,
-                            bool decoupled) {
-  return {float(beta1),        float(beta2), float(1.0 - beta1), float(1.0 - beta2),
-          float(eps),          float(weight_decay), decoupled, beta1, beta2, weight_decay};
-}
-
-// In double, rounded to float once, as torch's fused kernel: in fp32, 1 - beta2^step alone is off
-// by up to 6e-8 relative at step 1 and its error grows with the step count (0.999^step in fp32
-// loses ~log2(step) bits), which made every step differ from torch by ~5e-6 relative.
-FA_HD AdamScalars adam_scalars(double lr, float step, const AdamHyper& h) {
-  const double bias_correction1 = 1.0 - pow(h.beta1_d, double(step));
-  const double bias_correction2 = 1.0 - pow(h.beta2_d, double(step));
-  AdamScalars s;
-  s.neg_step_size = float(-(lr / bias_correction1));
-  s.bias_correction2_sqrt = float(sqrt(bias_correction2));
-  s.decay_factor = h.decoupled ? float(1.0 - lr * h.weight_decay_d) : 1.0f;
-  return s;
-}
-
 // torch.lerp(a, b, w) as torch computes it (and so its fused Adam's exp_avg.lerp_(grad, 1 - beta1)):
 // from the nearer end, one FMA.
 FA_HD float lerp(float a, float b, float w) {
@@ -165,83 +180,66 @@ FA_HD float lerp(float a, float b, float w) {
 // max that propagates NaN from either side, as torch.maximum (amsgrad's running max).
 FA_HD float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
-// a / b, correctly rounded: the plain divide. adam_update_t takes the divide by the bias
-// correction as a functor (this one by default): the CPU's AVX-512 loops pass one that rounds
-// identically and leaves the divider free for the other divide (csrc/cpu/kernels.cpp:
-// DivideByConstant).
-struct Divide {
-  FA_HD float operator()(float a, float b) const { return a / b; }
+struct Adam {
+  static constexpr const char* kOp = "adam_step_";
+  // a non-empty max_exp_avg_sqs is amsgrad
+  static constexpr const char* kStateLists[] = {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
+  using Hyper = AdamHyper;
+  using Scalars = AdamScalars;
+  static Hyper hyper(double beta1, double beta2, double eps, double weight_decay, bool decoupled) {
+    return {float(beta1),        float(beta2), float(1.0 - beta1), float(1.0 - beta2),
+            float(eps),          float(weight_decay), decoupled, beta1, beta2, weight_decay};
+  }
+  static bool uses_state(int k, const Hyper&, bool given) { return k < 2 || given; }
+  // In double, rounded to float once, as torch's fused kernel: in fp32, 1 - beta2^step alone is
+  // off by up to 6e-8 relative at step 1 and its error grows with the step count (0.999^step in
+  // fp32 loses ~log2(step) bits), which made every step differ from torch by ~5e-6 relative.
+  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
+    const double bias_correction1 = 1.0 - pow(h.beta1_d, double(step));
+    const double bias_correction2 = 1.0 - pow(h.beta2_d, double(step));
+    Scalars s;
+    s.neg_step_size = float(-(lr / bias_correction1));
+    s.bias_correction2_sqrt = float(sqrt(bias_correction2));
+    s.decay_factor = h.decoupled ? float(1.0 - lr * h.weight_decay_d) : 1.0f;
+    return s;
+  }
+  static constexpr int kModes = 16;
+  FA_HD static int mode(const Hyper& h, const Scalars&, bool amsgrad) {
+    return (h.weight_decay != 0.0f ? 8 : 0) | (h.decoupled ? 4 : 0) |
+           (fabsf(h.one_minus_beta1) < 0.5f ? 2 : 0) | (amsgrad ? 1 : 0);
+  }
+  FA_HD static constexpr unsigned reads(int mode) { return (mode & 1) ? 7 : 3; }
+  FA_HD static constexpr unsigned writes(int mode) { return reads(mode); }
+  // The update, its mode's bits: kWeightDecay (weight_decay != 0), kDecoupled (AdamW), kLerpFromM
+  // (|1 - beta1| < 0.5: which end math::lerp starts from), kAmsgrad (max_v is updated and used).
+  //   p *= 1 - lr*wd (AdamW) or g += wd * p (Adam);  m = lerp(m, g, 1 - beta1);
+  //   v = beta2 * v + (1 - beta2) * g * g;  max_v = max(max_v, v) (amsgrad);
+  //   p -= step_size * m / (sqrt(v or max_v) / sqrt(1 - beta2^step) + eps)
+  // with torch's two divides, no reciprocals: our ulp budget against torch is 0, and a multiply
+  // by a rounded reciprocal rounds differently for 2-70% of elements in the first divide (by the
+  // bias correction; the share depends on the step) and 27% in the second (measured on random
+  // fp32 data). The divide by the bias correction is divide_bc2's (a Divide, or an exact
+  // replacement: csrc/cpu/kernels.cpp's DivideByConstant).
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& exp_avg, float& exp_avg_sq, float& max_exp_avg_sq,
+                           const Hyper& h, const Scalars& s, D divide_bc2 = D()) {
+    constexpr bool kWeightDecay = kMode & 8, kDecoupled = kMode & 4, kLerpFromM = kMode & 2, kAmsgrad = kMode & 1;
+    float p = param;
+    if (kWeightDecay) {
+      if (kDecoupled) p = p * s.decay_factor;
+      else g = fmaf(p, h.weight_decay, g);
+    }
+    const float w = h.one_minus_beta1;
+    exp_avg = kLerpFromM ? fmaf(w, g - exp_avg, exp_avg) : fmaf(w - 1.0f, g - exp_avg, g);
+    exp_avg_sq = fmaf(g * h.one_minus_beta2, g, exp_avg_sq * h.beta2);
+    float v = exp_avg_sq;
+    if (kAmsgrad) v = max_exp_avg_sq = max_nan(max_exp_avg_sq, v);
+    const float denom = divide_bc2(sqrtf(v), s.bias_correction2_sqrt) + h.eps;
+    param = p + (s.neg_step_size * exp_avg) / denom;
+  }
+  FA_HD static float divisor(const Scalars& s) { return s.bias_correction2_sqrt; }
+  static constexpr int kCudaMinBlocks[] = {5, 4};  // 94, and 109-119 registers with amsgrad
 };
-
-// The update, with the branches that are the same for every element as template constants (so
-// CPU element loops have none and vectorise; adam_update picks the instantiation at run time):
-// kWeightDecay (weight_decay != 0), kDecoupled (AdamW), kLerpFromM (|1 - beta1| < 0.5: which end
-// math::lerp starts from), kAmsgrad (max_v is updated and used).
-//   p *= 1 - lr*wd (AdamW) or g += wd * p (Adam);  m = lerp(m, g, 1 - beta1);
-//   v = beta2 * v + (1 - beta2) * g * g;  max_v = max(max_v, v) (amsgrad);
-//   p -= step_size * m / (sqrt(v or max_v) / sqrt(1 - beta2^step) + eps)
-// with torch's two divides, no reciprocals: our ulp budget against torch is 0, and a multiply by
-// a rounded reciprocal rounds differently for 2-70% of elements in the first divide (by the
-// bias correction; the share depends on the step) and 27% in the second (measured on random
-// fp32 data).
-template <bool kWeightDecay, bool kDecoupled, bool kLerpFromM, bool kAmsgrad, class DivideBc2 = Divide>
-FA_HD void adam_update_t(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                         float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s,
-                         DivideBc2 divide_bc2 = DivideBc2()) {
-  float p = param;
-  if (kWeightDecay) {
-    if (kDecoupled) p = p * s.decay_factor;
-    else g = fmaf(p, h.weight_decay, g);
-  }
-  const float w = h.one_minus_beta1;
-  exp_avg = kLerpFromM ? fmaf(w, g - exp_avg, exp_avg) : fmaf(w - 1.0f, g - exp_avg, g);
-  exp_avg_sq = fmaf(g * h.one_minus_beta2, g, exp_avg_sq * h.beta2);
-  float v = exp_avg_sq;
-  if (kAmsgrad) v = max_exp_avg_sq = max_nan(max_exp_avg_sq, v);
-  const float denom = divide_bc2(sqrtf(v), s.bias_correction2_sqrt) + h.eps;
-  param = p + (s.neg_step_size * exp_avg) / denom;
-}
-
-// Which instantiation of adam_update_t a (hyper, amsgrad) pair runs, as a number 0..15; the
-// CPU kernel switches on it once per block.
-FA_HD int adam_mode(const AdamHyper& h, bool amsgrad) {
-  return (h.weight_decay != 0.0f ? 8 : 0) | (h.decoupled ? 4 : 0) |
-         (fabsf(h.one_minus_beta1) < 0.5f ? 2 : 0) | (amsgrad ? 1 : 0);
-}
-
-template <int kMode, class DivideBc2 = Divide>
-FA_HD void adam_update_mode(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                            float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s,
-                            DivideBc2 divide_bc2 = DivideBc2()) {
-  adam_update_t<(kMode & 8) != 0, (kMode & 4) != 0, (kMode & 2) != 0, (kMode & 1) != 0, DivideBc2>(
-      g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s, divide_bc2);
-}
-
-FA_HD void adam_update_any(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                           float& max_exp_avg_sq, bool amsgrad, const AdamHyper& h,
-                           const AdamScalars& s) {
-  switch (adam_mode(h, amsgrad)) {
-#define FA_ADAM_CASE(k) \
-  case k: adam_update_mode<k>(g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, h, s); break;
-    FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
-    FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
-    FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
-    FA_ADAM_CASE(15)
-#undef FA_ADAM_CASE
-  }
-}
-
-FA_HD void adam_update(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                       const AdamHyper& h, const AdamScalars& s) {
-  float unused = 0.0f;
-  adam_update_any(g, param, exp_avg, exp_avg_sq, unused, false, h, s);
-}
-
-// amsgrad: the denominator uses the running max of exp_avg_sq, which is updated first.
-FA_HD void adam_update_amsgrad(float g, float& param, float& exp_avg, float& exp_avg_sq,
-                               float& max_exp_avg_sq, const AdamHyper& h, const AdamScalars& s) {
-  adam_update_any(g, param, exp_avg, exp_avg_sq, max_exp_avg_sq, true, h, s);
-}
 
 // ---- Lion (Chen et al. 2023), decoupled weight decay ------------------------------------------
 
@@ -257,26 +255,71 @@ struct LionScalars {
   float decay_factor; // 1 - lr * weight_decay
 };
 
-inline LionHyper lion_hyper(double beta1, double beta2, double weight_decay) {
-  return {float(beta1),       float(beta2), float(1.0 - beta1),
-          float(1.0 - beta2), float(weight_decay), weight_decay};
-}
-
-// From the double lr, as lucidrains' torch ops take a Python float lr: p.add_(update, alpha=-lr)
-// rounds it to fp32, p.mul_(1 - lr * wd) forms the factor in double.
-FA_HD LionScalars lion_scalars(double lr, const LionHyper& h) {
-  return {float(lr), float(1.0 - lr * h.weight_decay_d)};
-}
-
 // torch.sign: -1, 0 or +1 (0 for 0, which copysign would not give).
 FA_HD float sign(float x) { return (x > 0.0f ? 1.0f : 0.0f) - (x < 0.0f ? 1.0f : 0.0f); }
 
-FA_HD void lion_update(float g, float& param, float& exp_avg, const LionHyper& h,
-                       const LionScalars& s) {
-  const float decayed = param * s.decay_factor;
-  const float direction = sign(fmaf(g, h.one_minus_beta1, exp_avg * h.beta1));
-  param = decayed - s.lr * direction;  // direction is -1, 0 or 1: the product is exact
-  exp_avg = fmaf(g, h.one_minus_beta2, exp_avg * h.beta2);
+struct Lion {
+  static constexpr const char* kOp = "lion_step_";
+  static constexpr const char* kStateLists[] = {"exp_avgs"};
+  using Hyper = LionHyper;
+  using Scalars = LionScalars;
+  static Hyper hyper(double beta1, double beta2, double weight_decay) {
+    return {float(beta1),       float(beta2), float(1.0 - beta1),
+            float(1.0 - beta2), float(weight_decay), weight_decay};
+  }
+  static bool uses_state(int, const Hyper&, bool) { return true; }
+  // From the double lr, as lucidrains' torch ops take a Python float lr: p.add_(update, alpha=-lr)
+  // rounds it to fp32, p.mul_(1 - lr * wd) forms the factor in double.
+  FA_HD static Scalars scalars(double lr, float, const Hyper& h) {
+    return {float(lr), float(1.0 - lr * h.weight_decay_d)};
+  }
+  static constexpr int kModes = 1;
+  FA_HD static int mode(const Hyper&, const Scalars&, bool) { return 0; }
+  FA_HD static constexpr unsigned reads(int) { return 1; }
+  FA_HD static constexpr unsigned writes(int) { return 1; }
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& exp_avg, float&, float&, const Hyper& h, const Scalars& s,
+                           D = D()) {
+    const float decayed = param * s.decay_factor;
+    const float direction = sign(fmaf(g, h.one_minus_beta1, exp_avg * h.beta1));
+    param = decayed - s.lr * direction;  // direction is -1, 0 or 1: the product is exact
+    exp_avg = fmaf(g, h.one_minus_beta2, exp_avg * h.beta2);
+  }
+  static constexpr int kCudaMinBlocks[] = {6};  // 80 registers
+};
+
+// ---- any algorithm, its mode picked at run time -------------------------------------------------
+
+// A mode as a type: Mode<k>::value.
+template <int k>
+struct Mode {
+  static constexpr int value = k;
+};
+
+// f(Mode<mode>{}), mode in [0, Algo::kModes): a chain of compares, run once per call (the CPU:
+// once per block; CUDA: per element, uniform over the grid). kState3: whether the modes that use
+// a third state list are instantiated (CUDA's kernels without the seventh operand have none).
+template <class Algo, bool kState3 = true, int kMode = 0, class F>
+FA_HD_ALWAYS_INLINE void with_mode(int mode, F&& f) {
+  if constexpr (kMode < Algo::kModes) {
+    if constexpr (!kState3 && ((Algo::reads(kMode) | Algo::writes(kMode)) & 4u) != 0) {
+      with_mode<Algo, kState3, kMode + 1>(mode, f);
+    } else if (mode == kMode) {
+      f(Mode<kMode>{});
+    } else {
+      with_mode<Algo, kState3, kMode + 1>(mode, f);
+    }
+  }
+}
+
+// One element's update, the mode picked from (h, s, state3) at run time: the CUDA kernels'
+// element loop and the tests' per-element expectations.
+template <class Algo, bool kState3 = true>
+FA_HD void update(float g, float& p, float& s1, float& s2, float& s3, bool state3, const typename Algo::Hyper& h,
+                  const typename Algo::Scalars& s) {
+  with_mode<Algo, kState3>(Algo::mode(h, s, kState3 && state3), [&](auto k) {
+    Algo::template update<decltype(k)::value>(g, p, s1, s2, s3, h, s);
+  });
 }
 
 // ---- exact 2-byte masters: a bf16 weight plus a 16-bit remainder --------------------------------

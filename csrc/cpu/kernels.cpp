@@ -1,9 +1,10 @@
-// The CPU kernels: accumulate and the optimizer steps (SGD, Adam/AdamW, Lion) over many tensors
-// per call, in the order a call walks them: how the kernels walk tensors, the dtype conversion
-// loops that stage bf16/fp16 values as fp32, accumulate, then the steps. The update rules
-// themselves are csrc/math.h's, shared with the CUDA kernels; the bf16/fp16 conversions are
-// csrc/cpu/convert.h's (tested alone by csrc/tests/test_convert.cpp). The binding
-// (csrc/bindings.cpp) calls the four functions kernels.h declares.
+// The CPU kernels: accumulate, fold_pieces and the optimizer steps over many tensors per call, in
+// the order a call walks them: how the kernels walk tensors, the dtype conversion loops that
+// stage bf16/fp16 values as fp32, accumulate, then the steps. The steps are one template over
+// math.h's algorithm traits (step_cpu<Algo>, instantiated for each of FUSED_ACCUM_ALGORITHMS):
+// the update rules themselves are math.h's, shared with the CUDA kernels; the bf16/fp16
+// conversions are csrc/cpu/convert.h's (tested alone by csrc/tests/test_convert.cpp). The
+// binding (csrc/bindings.cpp) calls the functions kernels.h declares.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -67,10 +68,10 @@ inline std::vector<int64_t> element_starts(const TensorLists& t) {
   return starts;
 }
 
-// Where a step stages nothing (fp32 params, no fused micro-batch, no low-precision copy, no
-// remainders: unstaged_fp32) its element loops run on the tensors themselves, in blocks of this many:
-// a block costs a call through the clone's resolver, a switch and the loop's set-up, which at
-// 1024 elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
+// Where a step stages nothing (no fused micro-batch, params read and written directly:
+// direct_params) its element loops run on the tensors themselves, in blocks of this many: a block
+// costs a call through the clone's resolver, a switch and the loop's set-up, which at 1024
+// elements was 4-7% of the AdamW step's time in L3 and from DRAM (one thread, AVX-512).
 constexpr int64_t kUnstagedBlock = 1 << 14;
 
 // Calls block(i, offset, n) for every block of at most block_size elements of tensor i that lies
@@ -310,16 +311,23 @@ void fold_pieces_cpu(const FoldArgs& f, const ParallelFor& pf) {
 
 // ---- the steps ------------------------------------------------------------------------------
 //
-// The optimizer steps on the CPU (SGD, Adam/AdamW, Lion), each fusing: the gradient from the
+// The optimizer steps on the CPU, each fusing: the gradient from the
 // accumulator (optionally plus the last micro-batch), the update of the fp32 state and param,
 // and the write of the low-precision param copy, over many tensors per call.
 //
-// Per block of kBlock elements: stage the gradient as fp32 (effective_grad), stage the param as
-// fp32 when it is bf16/fp16, let the master follow the low-precision param where that was
-// written from outside (follow_lp: math.h's follow_weight), run the update rule on fp32
-// arrays, write back. Staging keeps one
-// update loop per rule however many dtype combinations a call mixes (grads, params and lp params
-// each bf16/fp16/fp32), at the cost of L1 traffic only.
+// The element loops read and write the params where they are (direct_params): fp32 params, and
+// fp32 masters with their bf16/fp16 copies, whose master follows the copy where that was written
+// from outside (math.h's follow_weight) and whose copy takes the updated master's rounding, both
+// in the loop itself (MasterParam). Other params (bf16/fp16 params without a master, an fp32
+// copy) are staged as fp32 per block of kBlock elements (follow_lp, the update, from_float);
+// so is a fused micro-batch's gradient (effective_grad). Staging keeps one update loop per rule
+// however many dtype combinations a call mixes, at the cost of L1 traffic only.
+// The fp32 master with a bf16 copy was staged too, in three passes over each 1024-element block
+// (follow_lp, the update, from_float), since the follow check came in (87a2b94): the AdamW step
+// then took 1.09-1.25x the time of 48dd599's two passes (update, from_float); in one loop it
+// takes 0.90-0.98x of 48dd599's, 0.78-0.85x of the three passes' (benchmarks/cpu_step.cpp:
+// thread CPU time per element, min of 15-30 calls, one thread, 1M warm and cold, 16M; load 8-9
+// on 2 cores, Sapphire Rapids, AVX-512).
 //
 // Exact 2-byte masters (remainders, issue 28) are not staged: the element loop itself rebuilds
 // each master from its bf16 param and int16 remainder and splits the update back into both
@@ -362,12 +370,11 @@ FA_CPU_CLONES void grad_block(const float* __restrict acc, float* __restrict g, 
 // whole block, are stored directly (ordinary stores); so are calls that write less than
 // stream_min_bytes, whose operands the benchmark finds in cache.
 // The fp32 master with its low-precision copy (MasterIO) follows the copy and rounds to it in
-// the loop itself (follow_lp's and from_float's per-element functions, so the same bits as the
-// in-place step's three passes), and exact 2-byte masters rebuild and split in it as in place:
-// none of them staged, so the blocks are kUnstagedBlock long. Other params (bf16/fp16 params
-// without a master, an fp32 copy) and fused micro-batches are staged as in place (from the
-// sources), 1024-element blocks, the staged param written back with ordinary stores (no offload
-// layout has them).
+// the loop itself (follow_lp's and from_float's per-element functions, as in place: MasterParam),
+// and exact 2-byte masters rebuild and split in it as in place: none of them staged, so the
+// blocks are kUnstagedBlock long (kBlock with a fused micro-batch, whose gradient is staged).
+// Other params (bf16/fp16 params without a master, an fp32 copy) are staged as in place (from
+// the sources), the staged param written back with ordinary stores (no offload layout has them).
 // Measured with python -m fused_accum bench offload (AdamW, fp32 master + bf16 copy; the 2-core
 // AMD EPYC (Zen 4, AVX-512), shared with other work), speculated_over_step at 0.5 / 4 / 16 /
 // 25 MB, old and new interleaved from two worktrees at load 0.8 (two rounds each), plus
@@ -564,9 +571,37 @@ struct StateIO {
   }
   static StateIO none() { return {nullptr, nullptr, false}; }
 };
-// The fp32 master, and its low-precision copy of dtype kLp (kF32: none) which it follows where
-// the copy was written from outside (follow_lp's rule) and which takes its rounding
-// (from_float's) after the update.
+// An fp32 master and its bf16 or fp16 copy (kLp), element by element: the master as the update
+// starts from it, following the copy where that was written from outside (follow_lp's rule),
+// and the copy of an updated master (from_float's rounding).
+template <DType kLp>
+FA_ALWAYS_INLINE uint16_t round_to(float v) {
+  return kLp == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
+}
+template <DType kLp>
+FA_ALWAYS_INLINE float followed(float master, uint16_t lp) {
+  return math::follow_weight(master, round_to<kLp>(master), lp, kLp == DType::kBF16 ? bf16_to_float(lp) : f16_to_float(lp));
+}
+
+// The fp32 master with its bf16 or fp16 copy (kLp), in place: followed and rounded in the element
+// loop itself, one pass, where the staged form took three (follow_lp, the update, from_float)
+// over a 1024-element block.
+template <DType kLp>
+struct MasterParam : InPlaceAccessor {
+  float* __restrict p;
+  uint16_t* __restrict lp;
+  MasterParam(float* p_, uint16_t* lp_) : p(p_), lp(lp_) {}
+  FA_ALWAYS_INLINE float load(int64_t j) const { return followed<kLp>(p[j], lp[j]); }
+  FA_ALWAYS_INLINE void store(int64_t j, float v) const {
+    p[j] = v;
+    lp[j] = round_to<kLp>(v);
+  }
+  FA_ALWAYS_INLINE MasterParam at(int64_t o) const { return {p + o, lp + o}; }
+  FA_ALWAYS_INLINE MasterParam chunk(int64_t o, NoBuf&) const { return at(o); }
+};
+
+// The fp32 master, and its low-precision copy of dtype kLp (kF32: none) out of place, followed
+// and rounded as MasterParam's.
 template <DType kLp>
 struct MasterIO {
   const float* __restrict in;
@@ -580,18 +615,13 @@ struct MasterIO {
     alignas(64) float p[kChunk];
     alignas(64) uint16_t lp[kHasLp ? kChunk : 1];
   };
-  static FA_ALWAYS_INLINE uint16_t round(float v) {
-    return kLp == DType::kBF16 ? float_to_bf16(v) : float_to_f16(v);
-  }
   FA_ALWAYS_INLINE float load(int64_t j) const {
-    const float p = in[j];
-    if (!kHasLp) return p;
-    const uint16_t l = lp_in[j];
-    return math::follow_weight(p, round(p), l, kLp == DType::kBF16 ? bf16_to_float(l) : f16_to_float(l));
+    if constexpr (kHasLp) return followed<kLp>(in[j], lp_in[j]);
+    else return in[j];
   }
   FA_ALWAYS_INLINE void store(int64_t j, float v) const {
     out[j] = v;
-    if (kHasLp) lp_out[j] = round(v);
+    if constexpr (kHasLp) lp_out[j] = round_to<kLp>(v);
   }
   FA_ALWAYS_INLINE MasterIO at(int64_t o) const {
     return {in + o, kHasLp ? lp_in + o : nullptr, out + o, kHasLp ? lp_out + o : nullptr, stream};
@@ -676,72 +706,6 @@ FA_ALWAYS_INLINE void run_block(int64_t n, Loop&& loop, P p, S a, S b, S c) {
 // (a lambda given to run_block: inlined, so that a chunk's loop has a constant length)
 #define FA_INLINE_LAMBDA __attribute__((always_inline))
 
-// The element loops take the branches that are the same for every element as template
-// constants (math.h's *_update_t), so that each loop is straight-line code GCC vectorises; one
-// switch per block picks the loop. Each block function exists for both param kinds (P).
-template <bool kWd, bool kMomentum, bool kFirst, bool kNesterov, class P, class S>
-inline __attribute__((always_inline)) void sgd_loop(const float* __restrict g, float c, P p,
-                                                    S buf, int64_t n,
-                                                    const math::SgdHyper& h,
-                                                    const math::SgdScalars& s) {
-  for (int64_t j = 0; j < n; ++j) {
-    float pj = p.load(j);
-    float bj = (kMomentum && !kFirst) ? buf.load(j) : 0.0f;
-    math::sgd_update_t<kWd, kMomentum, kFirst, kNesterov>(g[j] * c, pj, bj, h, s);
-    p.store(j, pj);
-    if (kMomentum) buf.store(j, bj);
-  }
-}
-
-template <class P, class S>
-inline __attribute__((always_inline)) void sgd_block_t(const float* __restrict g, float c, P p,
-                                                       S buf, int64_t n,
-                                                       const math::SgdHyper& h,
-                                                       const math::SgdScalars& s) {
-  const int mode = (h.weight_decay != 0.0f ? 8 : 0) | (h.momentum != 0.0f ? 4 : 0) |
-                   (s.first_step ? 2 : 0) | (h.nesterov ? 1 : 0);
-  switch (mode) {
-#define FA_SGD_CASE(k)                                                                      \
-  case k:                                                                                  \
-    run_block(                                                                             \
-        n,                                                                                 \
-        [&](int64_t o, int64_t len, auto p, auto buf, auto, auto) FA_INLINE_LAMBDA {       \
-          sgd_loop<(k & 8) != 0, (k & 4) != 0, (k & 2) != 0, (k & 1) != 0>(g + o, c, p, buf, \
-                                                                            len, h, s);    \
-        },                                                                                 \
-        p, buf, S::none(), S::none());                                                     \
-    break;
-    FA_SGD_CASE(0) FA_SGD_CASE(1) FA_SGD_CASE(2) FA_SGD_CASE(3) FA_SGD_CASE(4) FA_SGD_CASE(5)
-    FA_SGD_CASE(6) FA_SGD_CASE(7) FA_SGD_CASE(8) FA_SGD_CASE(9) FA_SGD_CASE(10) FA_SGD_CASE(11)
-    FA_SGD_CASE(12) FA_SGD_CASE(13) FA_SGD_CASE(14) FA_SGD_CASE(15)
-#undef FA_SGD_CASE
-  }
-}
-
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, Fp32Param p,
-                             float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s) {
-  sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
-}
-FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, RemainderParam p,
-                             float* __restrict buf, int64_t n, math::SgdHyper h,
-                             math::SgdScalars s) {
-  sgd_block_t(g, c, p, InPlace{buf}, n, h, s);
-}
-// The params an out-of-place step's loops take: a staged fp32 param (Fp32Param), an fp32 master
-// without or with its bf16 or fp16 copy (MasterIO), a bf16 param and remainder (Adam's is
-// declared apart: it keeps the divide, see below). X(P) declares one block function's overload.
-#define FA_IO_PARAMS(X) \
-  X(Fp32Param) X(MasterIO<DType::kF32>) X(MasterIO<DType::kBF16>) X(MasterIO<DType::kF16>)
-#define FA_SGD_IO(P)                                                                         \
-  FA_CPU_CLONES void sgd_block(const float* __restrict g, float c, P p, StateIO buf, int64_t n, \
-                               math::SgdHyper h, math::SgdScalars s) {                        \
-    sgd_block_t(g, c, p, buf, n, h, s);                                                       \
-  }
-FA_IO_PARAMS(FA_SGD_IO)
-FA_SGD_IO(RemainderParamIO)
-#undef FA_SGD_IO
-
 // sqrt(v) / bias_correction2_sqrt, rounded as the divide rounds, without the divide: the divisor
 // b is the same for a whole tensor, so its reciprocal y = RN(1/b) is formed once, and each
 // quotient is a product and two FMA corrections. q0 = a*y is within 1.5 ulp of a/b; the first
@@ -771,86 +735,6 @@ struct DivideByConstant {
   }
 };
 
-template <int kMode, class P, class S, class D>
-inline __attribute__((always_inline)) void adam_loop(const float* __restrict g, float c, P p,
-                                                     S m, S v, S max_v, int64_t n,
-                                                     const math::AdamHyper& h,
-                                                     const math::AdamScalars& s, D divide_bc2) {
-  for (int64_t j = 0; j < n; ++j) {
-    float pj = p.load(j), mj = m.load(j), vj = v.load(j);
-    float xj = (kMode & 1) ? max_v.load(j) : 0.0f;
-    math::adam_update_mode<kMode>(g[j] * c, pj, mj, vj, xj, h, s, divide_bc2);
-    p.store(j, pj);
-    m.store(j, mj);
-    v.store(j, vj);
-    if (kMode & 1) max_v.store(j, xj);
-  }
-}
-
-// max_v: amsgrad's running max, or null.
-template <class P, class S, class D>
-inline __attribute__((always_inline)) void adam_block_t(const float* __restrict g, float c, P p,
-                                                        S m, S v, S max_v, int64_t n,
-                                                        const math::AdamHyper& h,
-                                                        const math::AdamScalars& s, D divide_bc2) {
-  switch (math::adam_mode(h, max_v.present())) {
-#define FA_ADAM_CASE(k)                                                                   \
-  case k:                                                                                \
-    run_block(                                                                           \
-        n,                                                                               \
-        [&](int64_t o, int64_t len, auto p, auto m, auto v, auto max_v) FA_INLINE_LAMBDA { \
-          adam_loop<k>(g + o, c, p, m, v, max_v, len, h, s, divide_bc2);                  \
-        },                                                                               \
-        p, m, v, max_v);                                                                 \
-    break;
-    FA_ADAM_CASE(0) FA_ADAM_CASE(1) FA_ADAM_CASE(2) FA_ADAM_CASE(3) FA_ADAM_CASE(4)
-    FA_ADAM_CASE(5) FA_ADAM_CASE(6) FA_ADAM_CASE(7) FA_ADAM_CASE(8) FA_ADAM_CASE(9)
-    FA_ADAM_CASE(10) FA_ADAM_CASE(11) FA_ADAM_CASE(12) FA_ADAM_CASE(13) FA_ADAM_CASE(14)
-    FA_ADAM_CASE(15)
-#undef FA_ADAM_CASE
-  }
-}
-
-// inv_bc2: RN(1 / s.bias_correction2_sqrt) where DivideByConstant may divide by it, else 0.
-template <class P, class S>
-inline __attribute__((always_inline)) void adam_block_any(const float* __restrict g, float c, P p,
-                                                          S m, S v, S max_v, int64_t n,
-                                                          const math::AdamHyper& h,
-                                                          const math::AdamScalars& s, float inv_bc2) {
-  if (inv_bc2 != 0.0f) {
-    adam_block_t(g, c, p, m, v, max_v, n, h, s, DivideByConstant{s.bias_correction2_sqrt, inv_bc2});
-  } else {
-    adam_block_t(g, c, p, m, v, max_v, n, h, s, math::Divide{});
-  }
-}
-
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, Fp32Param p,
-                              float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float inv_bc2) {
-  adam_block_any(g, c, p, InPlace{m}, InPlace{v}, InPlace{max_v}, n, h, s, inv_bc2);
-}
-#define FA_ADAM_IO(P)                                                                      \
-  FA_CPU_CLONES void adam_block(const float* __restrict g, float c, P p, StateIO m, StateIO v, \
-                                StateIO max_v, int64_t n, math::AdamHyper h,                 \
-                                math::AdamScalars s, float inv_bc2) {                        \
-    adam_block_any(g, c, p, m, v, max_v, n, h, s, inv_bc2);                                  \
-  }
-FA_IO_PARAMS(FA_ADAM_IO)
-#undef FA_ADAM_IO
-// The remainder loop keeps the divide: its 16-bit-lane split and rebuild already load the FMA
-// and shuffle units, and DivideByConstant made it slower (adamw_bf16_master cpu_remainder over
-// DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x -> 0.71-0.72x, one thread).
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParam p,
-                              float* __restrict m, float* __restrict v, float* __restrict max_v,
-                              int64_t n, math::AdamHyper h, math::AdamScalars s, float) {
-  adam_block_any(g, c, p, InPlace{m}, InPlace{v}, InPlace{max_v}, n, h, s, 0.0f);
-}
-FA_CPU_CLONES void adam_block(const float* __restrict g, float c, RemainderParamIO p, StateIO m,
-                              StateIO v, StateIO max_v, int64_t n, math::AdamHyper h,
-                              math::AdamScalars s, float) {
-  adam_block_any(g, c, p, m, v, max_v, n, h, s, 0.0f);
-}
-
 // Whether the CPU runs the AVX-512 clones (x86-64-v4), where DivideByConstant is the faster.
 inline bool divide_by_constant_pays() {
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
@@ -866,68 +750,70 @@ inline float divide_by_constant_reciprocal(float b) {
   return divide_by_constant_pays() && b >= 0x1p-62f && b <= 1.0f ? 1.0f / b : 0.0f;
 }
 
-template <class P, class S>
-inline __attribute__((always_inline)) void lion_loop(const float* __restrict g, float c, P p,
-                                                     S m, int64_t n,
-                                                     const math::LionHyper& h,
-                                                     const math::LionScalars& s) {
+// The element loop of algorithm Algo in mode kMode (math.h: the branches that are the same for
+// every element of a tensor, as template constants, so that the loop is straight-line code GCC
+// vectorises): the gradient g[j] * c, the param p and the states s1..s3 through their accessors,
+// each state read and written only where the mode does (an absent one is null).
+template <class Algo, int kMode, class P, class S, class D>
+FA_ALWAYS_INLINE void element_loop(const float* __restrict g, float c, P p, S s1, S s2, S s3, int64_t n,
+                                   const typename Algo::Hyper& h, const typename Algo::Scalars& s, D divide) {
+  constexpr unsigned kReads = Algo::reads(kMode), kWrites = Algo::writes(kMode);
   for (int64_t j = 0; j < n; ++j) {
-    float pj = p.load(j), mj = m.load(j);
-    math::lion_update(g[j] * c, pj, mj, h, s);
+    float pj = p.load(j);
+    float a = (kReads & 1u) ? s1.load(j) : 0.0f;
+    float b = (kReads & 2u) ? s2.load(j) : 0.0f;
+    float x = (kReads & 4u) ? s3.load(j) : 0.0f;
+    Algo::template update<kMode>(g[j] * c, pj, a, b, x, h, s, divide);
     p.store(j, pj);
-    m.store(j, mj);
+    if (kWrites & 1u) s1.store(j, a);
+    if (kWrites & 2u) s2.store(j, b);
+    if (kWrites & 4u) s3.store(j, x);
   }
 }
 
-template <class P, class S>
-inline __attribute__((always_inline)) void lion_block_t(const float* __restrict g, float c, P p,
-                                                        S m, int64_t n,
-                                                        const math::LionHyper& h,
-                                                        const math::LionScalars& s) {
-  run_block(
-      n,
-      [&](int64_t o, int64_t len, auto p, auto m, auto, auto) FA_INLINE_LAMBDA {
-        lion_loop(g + o, c, p, m, len, h, s);
-      },
-      p, m, S::none(), S::none());
+// Whether Algo's update divides by a per-tensor constant, Algo::divisor(scalars) (math.h).
+template <class Algo, class = void>
+struct HasDivisor : std::false_type {};
+template <class Algo>
+struct HasDivisor<Algo, std::void_t<decltype(Algo::divisor(std::declval<const typename Algo::Scalars&>()))>>
+    : std::true_type {};
+
+// The exact 2-byte masters' loops keep the divide: their 16-bit-lane split and rebuild already
+// load the FMA and shuffle units, and DivideByConstant made them slower (adamw_bf16_master
+// cpu_remainder over DeepSpeed, full cpu_adam suite: 16M 1.31x -> 1.09-1.12x, 1M 0.85x ->
+// 0.71-0.72x, one thread).
+template <class P>
+constexpr bool kKeepsDivide = std::is_same_v<P, RemainderParam> || std::is_same_v<P, RemainderParamIO>;
+
+// A block of n elements of one tensor, compiled for each SIMD level (FA_CPU_CLONES): the loop of
+// the block's mode, with DivideByConstant where `reciprocal` (RN(1 / Algo::divisor(s)), or 0) is
+// given, run over the block by run_block. P: the param's accessor (Fp32Param, RemainderParam;
+// out of place MasterIO, RemainderParamIO, or a staged Fp32Param), S: the states' (InPlace, or
+// StateIO out of place).
+template <class Algo, class P, class S>
+FA_CPU_CLONES void step_block(const float* __restrict g, float c, P p, S s1, S s2, S s3, int64_t n,
+                              typename Algo::Hyper h, typename Algo::Scalars s, float reciprocal) {
+  math::with_mode<Algo>(Algo::mode(h, s, s3.present()), [&](auto mode) FA_INLINE_LAMBDA {
+    auto run = [&](auto divide) FA_INLINE_LAMBDA {
+      run_block(
+          n,
+          [&](int64_t o, int64_t len, auto p, auto a, auto b, auto x) FA_INLINE_LAMBDA {
+            element_loop<Algo, decltype(mode)::value>(g + o, c, p, a, b, x, len, h, s, divide);
+          },
+          p, s1, s2, s3);
+    };
+    if constexpr (HasDivisor<Algo>::value && !kKeepsDivide<P>) {
+      if (reciprocal != 0.0f) return run(DivideByConstant{Algo::divisor(s), reciprocal});
+    }
+    run(math::Divide{});
+  });
 }
 
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, Fp32Param p,
-                              float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s) {
-  lion_block_t(g, c, p, InPlace{m}, n, h, s);
-}
-FA_CPU_CLONES void lion_block(const float* __restrict g, float c, RemainderParam p,
-                              float* __restrict m, int64_t n, math::LionHyper h,
-                              math::LionScalars s) {
-  lion_block_t(g, c, p, InPlace{m}, n, h, s);
-}
-
-#define FA_LION_IO(P)                                                                          \
-  FA_CPU_CLONES void lion_block(const float* __restrict g, float c, P p, StateIO m, int64_t n, \
-                                math::LionHyper h, math::LionScalars s) {                     \
-    lion_block_t(g, c, p, m, n, h, s);                                                         \
-  }
-FA_IO_PARAMS(FA_LION_IO)
-FA_LION_IO(RemainderParamIO)
-#undef FA_LION_IO
-#undef FA_IO_PARAMS
-
-// Whether a step's element loops run on fp32 masters in place: no fused micro-batch, no
-// low-precision copy, no remainders, every param fp32 (nothing staged).
-inline bool unstaged_fp32(const TensorLists& t) {
-  if (t.grad.present() || t.lp.present() || t.rem.present()) return false;
-  for (const DType dt : t.param.dtype) {
-    if (dt != DType::kF32) return false;
-  }
-  return true;
-}
-
-// Whether an out-of-place step's element loops read every param straight from its sources
-// (nothing staged: no fused micro-batch; exact 2-byte masters, or fp32 masters without a
-// low-precision copy or with a bf16/fp16 one: MasterIO).
-inline bool sourced_direct(const TensorLists& t) {
-  if (t.grad.present()) return false;
+// Whether a step's element loops read and write every param directly, unstaged: exact 2-byte
+// masters (RemainderParam, RemainderParamIO), or fp32 params without a low-precision copy
+// (Fp32Param, MasterIO<kF32>) or with a bf16/fp16 one (MasterParam, MasterIO). Else (bf16/fp16
+// params without a master, an fp32 copy) the param is staged as fp32 in 1024-element blocks.
+inline bool direct_params(const TensorLists& t) {
   if (t.rem.present()) return true;
   for (int64_t i = 0; i < t.size(); ++i) {
     if (t.param.dtype[i] != DType::kF32) return false;
@@ -956,18 +842,21 @@ inline void copy_sources(const TensorLists& t, int64_t i, int64_t offset, int64_
   }
 }
 
-// The loop every step shares. update(i, n, g, c, p, s1, s2, s3) applies the rule to tensor i's
-// block, the gradient being g[j] * c, the param p an Fp32Param or a RemainderParam (in place)
-// or an IO form (out of place: MasterIO, RemainderParamIO, or a staged Fp32Param), the state
-// s1..s3 float pointers (in place) or StateIOs (out of place; null: absent). Without a fused
-// micro-batch, g is acc itself and c the signed coef (math::effective_grad's product, so the
-// same bits) and no staging pass runs; with one, g is staged by grad_block and c = 1 (exact).
-// With sources (out of place) the same element loops read each old value from its source and
-// write the new one into the operand, in one pass (streamed: see run_block); a param that is
-// staged is staged from its source (and its weight followed from the source's), then written
-// to the operand.
-template <class Update>
-void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Update&& update) {
+}  // namespace
+}  // namespace cpu
+
+// The step of algorithm Algo over many tensors. Per block of tensor i: the gradient is g[j] * c,
+// acc itself with c the signed coef (math::effective_grad's product, so the same bits) where no
+// micro-batch is fused, else staged by grad_block with c = 1 (exact); the param an Fp32Param or
+// a RemainderParam (in place) or an IO form (out of place: MasterIO, RemainderParamIO, or a
+// staged Fp32Param), the states InPlace or StateIO (null: absent); step_block runs the
+// algorithm's loop over it. With sources (out of place) the same element loops read each old
+// value from its source and write the new one into the operand, in one pass (streamed: see
+// run_block); a param that is staged is staged from its source (and its weight followed from
+// the source's), then written to the operand.
+template <class Algo>
+void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h, const ParallelFor& pf) {
+  using namespace cpu;
   const std::vector<int64_t> starts = element_starts(t);
   const bool sourced = t.sourced();
   if (a.found_inf && *a.found_inf != 0.0f) {  // skip-all: nothing changes (out of place: copied)
@@ -981,16 +870,25 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
   }
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
+  // Per tensor, once (Adam: two pow() in double), not per block; and the reciprocal of the
+  // divisor where DivideByConstant may divide by it (AVX-512 clones, divisor in its bounds).
+  std::vector<typename Algo::Scalars> scalars(t.size());
+  std::vector<float> reciprocal(t.size(), 0.0f);
+  for (int64_t i = 0; i < t.size(); ++i) {
+    scalars[i] = Algo::scalars(*a.lr, a.steps[t.index[i]], h);
+    if constexpr (HasDivisor<Algo>::value) reciprocal[i] = divide_by_constant_reciprocal(Algo::divisor(scalars[i]));
+  }
   const bool has_rem = t.rem.present();
-  const bool unstaged = sourced ? sourced_direct(t) : unstaged_fp32(t);
-  const int64_t block_size = unstaged ? kUnstagedBlock : kBlock;
+  const bool direct = direct_params(t);
+  // (a fused micro-batch's gradient is staged: 1024-element blocks, in L1)
+  const int64_t block_size = direct && !t.grad.present() ? kUnstagedBlock : kBlock;
   const bool stream = sourced && written_bytes(t) >= stream_min_bytes.load(std::memory_order_relaxed);
   constexpr int kP = TensorLists::kParam, kL = TensorLists::kLp, kR = TensorLists::kRem;
   ThreadCount threads;
   pf(0, starts.back(), kGrain, [&](int64_t begin, int64_t end) {
     threads.add();
     float g[kBlock], p_staged[kBlock];
-    auto step_block = [&](int64_t i, int64_t offset, int64_t n) {
+    auto block = [&](int64_t i, int64_t offset, int64_t n) {
       // the block of written operand k, and where its old values are read from (in place: the
       // same)
       auto out = [&](int k) -> void* { return t.written(k).present() ? at(t.written(k), i, offset) : nullptr; };
@@ -1008,11 +906,13 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
       }
       auto run_io = [&](auto p) {  // out of place
         auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k)), stream}; };
-        update(i, n, grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3));
+        step_block<Algo>(grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3), n,
+                         h, scalars[i], reciprocal[i]);
       };
       auto run_in = [&](auto p) {  // in place
-        update(i, n, grad, c, p, static_cast<float*>(out(TensorLists::kState1)),
-               static_cast<float*>(out(TensorLists::kState2)), static_cast<float*>(out(TensorLists::kState3)));
+        auto state = [&](int k) { return InPlace{static_cast<float*>(out(k))}; };
+        step_block<Algo>(grad, c, p, state(TensorLists::kState1), state(TensorLists::kState2),
+                         state(TensorLists::kState3), n, h, scalars[i], reciprocal[i]);
       };
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
         if (sourced) {
@@ -1024,18 +924,24 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
         return;
       }
       const DType param_dtype = t.param.dtype[i];
-      if (sourced && unstaged) {  // an fp32 master, without or with its copy (sourced_direct)
+      if (direct) {  // an fp32 master, without or with its bf16/fp16 copy (direct_params)
         auto master = [&](auto lp_dtype) {
-          run_io(MasterIO<decltype(lp_dtype)::value>{
-              static_cast<const float*>(in(kP)), static_cast<const uint16_t*>(in(kL)),
-              static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL)), stream});
+          constexpr DType kLp = decltype(lp_dtype)::value;
+          if (sourced) {
+            run_io(MasterIO<kLp>{static_cast<const float*>(in(kP)), static_cast<const uint16_t*>(in(kL)),
+                                 static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL)), stream});
+          } else if constexpr (kLp == DType::kF32) {
+            run_in(Fp32Param{static_cast<float*>(out(kP))});
+          } else {
+            run_in(MasterParam<kLp>{static_cast<float*>(out(kP)), static_cast<uint16_t*>(out(kL))});
+          }
         };
         if (!t.lp.present()) master(std::integral_constant<DType, DType::kF32>{});
         else if (t.lp.dtype[i] == DType::kBF16) master(std::integral_constant<DType, DType::kBF16>{});
         else master(std::integral_constant<DType, DType::kF16>{});
         return;
       }
-      // staged (in place: params other than fp32 ones; out of place: every param)
+      // staged (bf16/fp16 params without a master, fp32 params with an fp32 copy)
       float* p = p_staged;
       if (param_dtype == DType::kF32 && !sourced) p = static_cast<float*>(out(kP));
       else to_float(in(kP), param_dtype, n, p_staged);
@@ -1049,46 +955,15 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const ParallelFor& pf, Up
     };
     // (out of place: blocks cut at multiples of block_size in each tensor, so that ranges
     // start the only partial chunks)
-    for_each_block(starts, begin, end, block_size, step_block, sourced);
+    for_each_block(starts, begin, end, block_size, block, sourced);
     if (stream) stream_fence();
   });
 }
 
-}  // namespace
-}  // namespace cpu
-
-void sgd_step_cpu(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
-                  const ParallelFor& pf) {
-  using namespace cpu;
-  const double lr = *a.lr;
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
-    sgd_block(g, c, p, s1, n, h, math::sgd_scalars(lr, a.steps[t.index[i]]));
-  });
-}
-
-void adam_step_cpu(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
-                   const ParallelFor& pf) {
-  using namespace cpu;
-  // Per tensor, once (two pow() in double each): not per block.
-  std::vector<math::AdamScalars> scalars(t.size());
-  std::vector<float> inv_bc2(t.size());
-  for (int64_t i = 0; i < t.size(); ++i) {
-    scalars[i] = math::adam_scalars(*a.lr, a.steps[t.index[i]], h);
-    inv_bc2[i] = divide_by_constant_reciprocal(scalars[i].bias_correction2_sqrt);
-  }
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto s2, auto s3) {
-    adam_block(g, c, p, s1, s2, s3, n, h, scalars[i], inv_bc2[i]);
-  });
-}
-
-void lion_step_cpu(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
-                   const ParallelFor& pf) {
-  using namespace cpu;
-  const math::LionScalars s = math::lion_scalars(*a.lr, h);
-  step_cpu(t, a, pf, [&](int64_t i, int64_t n, const float* g, float c, auto p, auto s1, auto, auto) {
-    lion_block(g, c, p, s1, n, h, s);
-  });
-}
+#define FA_CPU_STEP(A) \
+  template void step_cpu<math::A>(const TensorLists&, const StepArgs&, const math::A::Hyper&, const ParallelFor&);
+FUSED_ACCUM_ALGORITHMS(FA_CPU_STEP)
+#undef FA_CPU_STEP
 
 }  // namespace fused_accum
 

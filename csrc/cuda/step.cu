@@ -1,5 +1,5 @@
-// The optimizer steps on CUDA (SGD, Adam/AdamW, Lion): one kernel skeleton, one update rule each
-// from csrc/math.h. Each element is read and written once: the gradient from acc (plus the fused
+// The optimizer steps on CUDA: one kernel skeleton, instantiated for each algorithm of math.h's
+// FUSED_ACCUM_ALGORITHMS with its update rule. Each element is read and written once: the gradient from acc (plus the fused
 // last micro-batch), the fp32 state and param updated, the low-precision param written.
 //
 // Bytes per element, AdamW from acc with a bf16 param copy: read acc, master, m, v and the bf16
@@ -19,22 +19,22 @@
 namespace fused_accum {
 namespace cuda {
 
-// Operands of a step table. state3 (amsgrad's max_exp_avg_sq) is last and only in amsgrad's
-// 7-operand table, so every other step keeps the 6-operand table (459 tensors per 32 KB launch
-// rather than 407) and the same indices.
+// Operands of a step table. state3 (Adam's amsgrad max_exp_avg_sq) is last and only in the
+// 7-operand table of a call that has a third state list, so every other step keeps the
+// 6-operand table (459 tensors per 32 KB launch rather than 407) and the same indices.
 enum StepOperand { kStepAcc = 0, kStepGrad, kStepParam, kStepState1, kStepState2, kStepLp, kStepState3 };
 using StepTable = Table<6>;
-using AmsgradStepTable = Table<7>;
+using State3StepTable = Table<7>;
 
 // 1 pack per thread per iteration: Adam with a fused grad already has 9-10 loads of 16 bytes in
 // flight per thread, and 2 packs would need ~145 registers (spills under any useful bound). A
 // software prefetch of the next pack into registers costs the same registers as the second
 // pack, so none is done; whether an L2 prefetch hint helps is for the GPU sweep to show.
-// Occupancy comes from blocks instead: __launch_bounds__(128, Rule::kMinBlocks) caps a thread at
-// 65536 / (128 * kMinBlocks) registers. Each rule's bound is the largest that compiles without a
-// spill (nvcc 13.0, sm_90, -fmad=false; the gate in scripts/check_cuda_build.sh fails on any):
-// SGD and Lion 6 blocks (<= 80 registers, 24 warps per SM), Adam 5 (94, 20 warps), Adam with
-// amsgrad 4 (~105, 16 warps). 256-thread blocks at 88 registers gave Adam 16 warps.
+// Occupancy comes from blocks instead: __launch_bounds__(128, kMinBlocks) caps a thread at
+// 65536 / (128 * kMinBlocks) registers: 6 blocks 80 registers (24 warps per SM), 5 blocks 96
+// (20 warps), 4 blocks 128 (16 warps). Each rule's bound (math.h: its kCudaMinBlocks) is the
+// largest that compiles without a spill (nvcc 13.0, sm_90, -fmad=false; the gate in
+// scripts/check_cuda_build.sh fails on any). 256-thread blocks at 88 registers gave Adam 16 warps.
 constexpr int kStepUnroll = 1;
 constexpr int kStepStride = kThreads * kPack * kStepUnroll;
 static_assert(kChunk % kStepStride == 0, "a chunk is a whole number of iterations");
@@ -49,57 +49,6 @@ struct DeviceStepArgs {
   bool fused, grads_overwrite, maximize;
 };
 
-// An update rule: how many fp32 state arrays it keeps, its per-tensor scalars, its element update
-// (s3: amsgrad's running max, used when `amsgrad`).
-struct Sgd {
-  using Hyper = math::SgdHyper;
-  using Scalars = math::SgdScalars;
-  static constexpr int kStates = 1;  // the momentum buffer; absent when momentum == 0
-  static constexpr bool kAmsgrad = false;
-  static constexpr int kMinBlocks = 6;
-  FA_HD static Scalars scalars(double lr, float step, const Hyper&) { return math::sgd_scalars(lr, step); }
-  FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
-                           const Scalars& s) {
-    math::sgd_update(g, p, s1, h, s);
-  }
-};
-
-struct Adam {
-  using Hyper = math::AdamHyper;
-  using Scalars = math::AdamScalars;
-  static constexpr int kStates = 2;  // exp_avg, exp_avg_sq
-  static constexpr bool kAmsgrad = false;
-  static constexpr int kMinBlocks = 5;
-  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
-    return math::adam_scalars(lr, step, h);
-  }
-  FA_HD static void update(float g, float& p, float& s1, float& s2, float& s3, bool amsgrad,
-                           const Hyper& h, const Scalars& s) {
-    if (amsgrad) math::adam_update_amsgrad(g, p, s1, s2, s3, h, s);
-    else math::adam_update(g, p, s1, s2, h, s);
-  }
-};
-
-// Adam with amsgrad (max_exp_avg_sq, the 7th operand): its own instantiation, so plain Adam's
-// kernel carries none of the third state's loads, stores and registers.
-struct AdamAmsgrad : Adam {
-  static constexpr bool kAmsgrad = true;
-  static constexpr int kMinBlocks = 4;
-};
-
-struct Lion {
-  using Hyper = math::LionHyper;
-  using Scalars = math::LionScalars;
-  static constexpr int kStates = 1;  // exp_avg
-  static constexpr bool kAmsgrad = false;
-  static constexpr int kMinBlocks = 6;
-  FA_HD static Scalars scalars(double lr, float, const Hyper& h) { return math::lion_scalars(lr, h); }
-  FA_HD static void update(float g, float& p, float& s1, float&, float&, bool, const Hyper& h,
-                           const Scalars& s) {
-    math::lion_update(g, p, s1, h, s);
-  }
-};
-
 // Whether a step skips everything (found_inf set: read on the device, no host sync).
 FA_HD bool step_skipped(const DeviceStepArgs& args) {
   return args.found_inf != nullptr && *args.found_inf != 0.0f;
@@ -108,21 +57,23 @@ FA_HD bool step_skipped(const DeviceStepArgs& args) {
 // Everything thread `thread` of the block for chunk `chunk` does, given the tensor's per-tensor
 // scalars (computed once per block by the kernel: Adam's are a pair of double pow calls, whose
 // register needs inside the element loop made ptxas spill).
-template <class Rule, bool kRemainder, int kArrays>
+template <class Algo, bool kRemainder, int kArrays>
 FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& args,
-                            const typename Rule::Hyper& hyper, const typename Rule::Scalars& scalars,
+                            const typename Algo::Hyper& hyper, const typename Algo::Scalars& scalars,
                             int chunk, int thread) {
+  constexpr int kStates = math::kStateCount<Algo>;
+  constexpr bool kState3 = kArrays > kStepState3;
   const Work w = chunk_work(table, chunk);
   const int t = w.t;
   const math::GradScalars gs{*args.coef, args.grad_alpha, args.fused, args.grads_overwrite,
                              args.maximize};
   const bool read_acc = !(args.fused && args.grads_overwrite);  // overwrite: acc is not read
-  const bool has_state1 = Rule::kStates >= 1 && table.ptr[kStepState1][t] != nullptr;
-  bool amsgrad = false;
+  const bool has_state1 = kStates >= 1 && table.ptr[kStepState1][t] != nullptr;
+  bool has_state3 = false;
   float* __restrict__ state3 = nullptr;
-  if constexpr (kArrays > kStepState3) {
+  if constexpr (kState3) {
     state3 = static_cast<float*>(table.ptr[kStepState3][t]);
-    amsgrad = Rule::kAmsgrad && state3 != nullptr;
+    has_state3 = state3 != nullptr;
   }
   // the lp column holds either low-precision copies or (kRemainder) the remainders
   constexpr bool has_rem = kRemainder;
@@ -140,7 +91,7 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
   const bool param_vec = vec_ok(table, t, kStepParam), lp_vec = vec_ok(table, t, kStepLp);
   const bool s1_vec = vec_ok(table, t, kStepState1), s2_vec = vec_ok(table, t, kStepState2);
   bool s3_vec = false;
-  if constexpr (kArrays > kStepState3) s3_vec = vec_ok(table, t, kStepState3);
+  if constexpr (kState3) s3_vec = vec_ok(table, t, kStepState3);
 
   for (int64_t base = w.begin; base < w.end; base += kStepStride) {
     float a[kStepUnroll][kPack], g[kStepUnroll][kPack], p[kStepUnroll][kPack];
@@ -158,8 +109,8 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
       if constexpr (has_rem) load_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
       else load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
       if (has_state1) load_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
-      if (Rule::kStates >= 2) load_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
-      if (amsgrad) load_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
+      if (kStates >= 2) load_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
+      if (has_state3) load_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
     }
 #pragma unroll
     for (int u = 0; u < kStepUnroll; ++u) {
@@ -171,13 +122,13 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
         const float ge = math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
-        Rule::update(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], amsgrad, hyper, scalars);
+        math::update<Algo, kState3>(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], has_state3, hyper, scalars);
       }
       if constexpr (has_rem) store_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
       else store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
       if (has_state1) store_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
-      if (Rule::kStates >= 2) store_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
-      if (amsgrad) store_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
+      if (kStates >= 2) store_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
+      if (has_state3) store_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
       if (has_lp) store_pack(lp, table.dtype[kStepLp][t], idx[u], w.end, lp_vec && whole[u], p[u]);
     }
   }
@@ -185,16 +136,16 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
 
 // As step_thread_with, computing the tensor's scalars itself (the CPU emulation of the kernel),
 // in the mode of the table's lp column (kI16: the remainders), as launch_step picks the kernel.
-template <class Rule, int kArrays>
+template <class Algo, int kArrays>
 FA_HD void step_thread(const Table<kArrays>& table, const DeviceStepArgs& args,
-                       const typename Rule::Hyper& hyper, int chunk, int thread) {
+                       const typename Algo::Hyper& hyper, int chunk, int thread) {
   if (step_skipped(args)) return;  // skip-all, no host sync
   const Work w = chunk_work(table, chunk);
-  const auto scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
+  const auto scalars = Algo::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
   if (table.ptr[kStepLp][w.t] != nullptr && table.dtype[kStepLp][w.t] == static_cast<uint8_t>(DType::kI16)) {
-    step_thread_with<Rule, true>(table, args, hyper, scalars, chunk, thread);
+    step_thread_with<Algo, true>(table, args, hyper, scalars, chunk, thread);
   } else {
-    step_thread_with<Rule, false>(table, args, hyper, scalars, chunk, thread);
+    step_thread_with<Algo, false>(table, args, hyper, scalars, chunk, thread);
   }
 }
 
@@ -203,36 +154,37 @@ inline const Operand* lp_column(const TensorLists& t) { return t.rem.present() ?
 
 namespace {
 
-template <class Rule>
-using TableOf = Table<Rule::kAmsgrad ? 7 : 6>;
+// The table of a call without (6 operands) or with (7) a third state list.
+template <bool kState3>
+using TableOf = Table<kState3 ? 7 : 6>;
 
-template <class Rule, bool kRemainder>
-__global__ void __launch_bounds__(kThreads, Rule::kMinBlocks)
-    step_kernel(const __grid_constant__ TableOf<Rule> table, DeviceStepArgs args,
-                typename Rule::Hyper hyper) {
+template <class Algo, bool kState3, bool kRemainder>
+__global__ void __launch_bounds__(kThreads, Algo::kCudaMinBlocks[kState3])
+    step_kernel(const __grid_constant__ TableOf<kState3> table, DeviceStepArgs args,
+                typename Algo::Hyper hyper) {
   if (step_skipped(args)) return;  // uniform over the grid: no thread reaches the barrier
   // One thread computes the tensor's scalars (Adam: double pow, sqrt, divide) for the block.
-  __shared__ typename Rule::Scalars scalars;
+  __shared__ typename Algo::Scalars scalars;
   if (threadIdx.x == 0) {
     const Work w = chunk_work(table, blockIdx.x);
-    scalars = Rule::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
+    scalars = Algo::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
   }
   __syncthreads();
-  step_thread_with<Rule, kRemainder>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
+  step_thread_with<Algo, kRemainder>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
 }
 
-template <class Rule>
-const char* launch_step(const TensorLists& t, const StepArgs& a, const typename Rule::Hyper& h,
+template <class Algo, bool kState3>
+const char* launch_step(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h,
                         void* stream) {
   const DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha, t.grad.present(),
                             a.grads_overwrite, a.maximize};
   const bool remainders = t.rem.present();
-  const auto launch = [&](const TableOf<Rule>& table, int chunks) {
-    const auto kernel = remainders ? step_kernel<Rule, true> : step_kernel<Rule, false>;
+  const auto launch = [&](const TableOf<kState3>& table, int chunks) {
+    const auto kernel = remainders ? step_kernel<Algo, kState3, true> : step_kernel<Algo, kState3, false>;
     kernel<<<chunks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(table, args, h);
     return last_error();
   };
-  if constexpr (Rule::kAmsgrad) {
+  if constexpr (kState3) {
     const Operand* const ops[7] = {&t.acc,    &t.grad,       &t.param, &t.state1,
                                    &t.state2, lp_column(t), &t.state3};
     return for_each_table(t, ops, launch);
@@ -245,20 +197,19 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
 }  // namespace
 }  // namespace cuda
 
-const char* sgd_step_cuda(const TensorLists& t, const StepArgs& a, const math::SgdHyper& h,
-                          void* stream) {
-  return cuda::launch_step<cuda::Sgd>(t, a, h, stream);
+// A call with a third state list (Adam's amsgrad) runs its own instantiation, so the other
+// kernels carry none of the third state's loads, stores and registers.
+template <class Algo>
+const char* step_cuda(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h, void* stream) {
+  if constexpr (math::kStateCount<Algo> >= 3) {
+    if (t.state3.present()) return cuda::launch_step<Algo, true>(t, a, h, stream);
+  }
+  return cuda::launch_step<Algo, false>(t, a, h, stream);
 }
 
-const char* adam_step_cuda(const TensorLists& t, const StepArgs& a, const math::AdamHyper& h,
-                           void* stream) {
-  return t.state3.present() ? cuda::launch_step<cuda::AdamAmsgrad>(t, a, h, stream)
-                            : cuda::launch_step<cuda::Adam>(t, a, h, stream);
-}
-
-const char* lion_step_cuda(const TensorLists& t, const StepArgs& a, const math::LionHyper& h,
-                           void* stream) {
-  return cuda::launch_step<cuda::Lion>(t, a, h, stream);
-}
+#define FA_CUDA_STEP(A) \
+  template const char* step_cuda<math::A>(const TensorLists&, const StepArgs&, const math::A::Hyper&, void*);
+FUSED_ACCUM_ALGORITHMS(FA_CUDA_STEP)
+#undef FA_CUDA_STEP
 
 }  // namespace fused_accum

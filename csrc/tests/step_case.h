@@ -1,9 +1,16 @@
 // One optimizer-step test case for the standalone kernel tests (CPU kernels, and the CUDA kernels
 // emulated on the CPU): inputs for an update rule, a param kind and a fused mode, and the check of
-// every output element against a plain per-element loop over the math.h rules.
+// every output element against a plain per-element loop over the math.h rules. Every algorithm of
+// math.h's FUSED_ACCUM_ALGORITHMS runs, its hyper-parameters made from its hyper()'s signature
+// (hyper_case below).
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "../math.h"
 #include "check.h"
@@ -13,28 +20,48 @@ namespace fa_test {
 
 using namespace fused_accum;
 
-enum class Algo { kSgd, kSgdPlain, kAdam, kAdamAmsgrad, kLion };
 // fp32 master + bf16/fp16 copy; fp32; bf16, no master; bf16 + int16 remainder (an exact master)
 enum class ParamKind { kMaster, kF32, kBF16, kRemainder };
 enum class Fused { kNone, kAdd, kOverwrite };
 
-// The hyperparameters of tests/test_kernels.py's ALGOS.
-const math::SgdHyper kSgdHyper = math::sgd_hyper(0.9, 0.1, 0.01, true);
-const math::SgdHyper kSgdPlainHyper = math::sgd_hyper(0.0, 0.0, 0.0, false);
-const math::AdamHyper kAdamHyper = math::adam_hyper(0.8, 0.99, 1e-6, 0.1, true);
-const math::LionHyper kLionHyper = math::lion_hyper(0.9, 0.99, 0.1);
+// An algorithm's hyper-parameters for a case: its k-th float argument kHyperValues[k] and every
+// bool true, or (zeros) every float 0 and every bool false, so that the branches the kernels take
+// as template constants (math.h's modes: a momentum, a weight decay, a flag on or off) run both
+// ways. SGD's (momentum, dampening, weight_decay, nesterov), for example: momentum SGD with
+// weight decay and nesterov, and plain SGD; Adam's (beta1, beta2, eps, weight_decay, decoupled):
+// AdamW with weight decay and m lerped from its end (|1 - beta1| < 0.5), and Adam with beta1 =
+// beta2 = eps = 0 (lerped from g).
+constexpr double kHyperValues[] = {0.8, 0.99, 1e-6, 0.1, 0.5, 0.3, 0.7, 0.2};
+
+template <class T>
+T hyper_value(size_t k, bool zeros) {
+  if constexpr (std::is_same_v<T, bool>) return !zeros;
+  else return zeros ? 0.0 : kHyperValues[k];
+}
+template <class Algo, class... H, size_t... k>
+typename Algo::Hyper hyper_case(typename Algo::Hyper (*hyper)(H...), bool zeros, std::index_sequence<k...>) {
+  static_assert(sizeof...(H) <= sizeof(kHyperValues) / sizeof(double), "kHyperValues: a value per argument");
+  return hyper(hyper_value<H>(k, zeros)...);
+}
+template <class Algo, class... H>
+typename Algo::Hyper hyper_case(typename Algo::Hyper (*hyper)(H...), bool zeros) {
+  return hyper_case<Algo>(hyper, zeros, std::index_sequence_for<H...>{});
+}
 
 // Bit-identical: the kernels and this per-element loop run the same math.h code, every FMA
 // explicit and nothing else contracted (-ffp-contract=off), so no rounding may differ, whatever
 // SIMD clone runs.
 inline bool same(float got, float want) { return got == want || (got != got && want != want); }
 
-// runner(lists, args, algo) calls the kernel under test.
-using StepRunner = std::function<void(const TensorLists&, const StepArgs&, Algo)>;
+// runner(lists, args) calls the kernel under test; rule(g, p, s1, s2, s3, i) is the update of one
+// element of tensor i, as the algorithm's math.h rule computes it.
+using StepRunner = std::function<void(const TensorLists&, const StepArgs&)>;
+using StepRule = std::function<void(float, float&, float&, float&, float&, size_t)>;
 
 struct StepCase {
   std::vector<int64_t> sizes;
-  Algo algo;
+  std::string algo;     // for messages
+  bool uses[3];         // which state lists the case has (state1..state3)
   ParamKind kind;
   Fused fused;
   bool found;
@@ -49,8 +76,9 @@ struct StepCase {
   double lr = 0.01;  // a double, as the kernels take it; not exact in fp32
   float coef = 0.25f, found_inf, grad_alpha = 0.5f;
 
-  StepCase(std::vector<int64_t> sizes_, Algo a, ParamKind k, Fused f, bool found_, unsigned seed)
-      : sizes(sizes_), algo(a), kind(k), fused(f), found(found_), rng(seed), acc(sizes, rng),
+  StepCase(std::vector<int64_t> sizes_, std::string a, const bool* uses_, ParamKind k, Fused f, bool found_,
+           unsigned seed)
+      : sizes(sizes_), algo(a), uses{uses_[0], uses_[1], uses_[2]}, kind(k), fused(f), found(found_), rng(seed), acc(sizes, rng),
         master(sizes, rng), s1(sizes, rng, true), s2(sizes, rng, true), s3(sizes, rng, true),
         param16(sizes, rng, {DType::kBF16}), grad(sizes, rng), lp(sizes, rng, {DType::kBF16, DType::kF16}),
         found_inf(found_ ? 1.0f : 0.0f) {
@@ -104,9 +132,9 @@ struct StepCase {
     return math::rebuild_master(weight_bits(i, j), remainder(i, j));
   }
 
-  bool has_state1() const { return algo != Algo::kSgdPlain; }
-  bool has_state2() const { return algo == Algo::kAdam || algo == Algo::kAdamAmsgrad; }
-  bool has_state3() const { return algo == Algo::kAdamAmsgrad; }
+  bool has_state1() const { return uses[0]; }
+  bool has_state2() const { return uses[1]; }
+  bool has_state3() const { return uses[2]; }
 
   TensorLists lists() {
     TensorLists t;
@@ -130,10 +158,10 @@ struct StepCase {
   }
 
   // Runs the kernel, then checks every element of every output against the math.h rules.
-  void run_and_check(const StepRunner& runner, const char* what) {
+  void run_and_check(const StepRunner& runner, const StepRule& rule, const char* what) {
     const StepCase before = *this;
     const StepArgs args{&lr, &coef, steps.data(), &found_inf, grad_alpha, fused == Fused::kOverwrite, false};
-    runner(lists(), args, algo);
+    runner(lists(), args);
     const math::GradScalars gs{coef, grad_alpha, fused != Fused::kNone, fused == Fused::kOverwrite, false};
     int bad = 0;
     for (size_t i = 0; i < sizes.size() && bad < 5; ++i) {
@@ -145,15 +173,7 @@ struct StepCase {
         if (!found) {
           const float g = math::effective_grad(before.acc.value(i, j),
                                                fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
-          switch (algo) {
-            case Algo::kSgd: math::sgd_update(g, p, m, kSgdHyper, math::sgd_scalars(lr, steps[i])); break;
-            case Algo::kSgdPlain: math::sgd_update(g, p, m, kSgdPlainHyper, math::sgd_scalars(lr, steps[i])); break;
-            case Algo::kAdam: math::adam_update(g, p, m, v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper)); break;
-            case Algo::kAdamAmsgrad:
-              math::adam_update_amsgrad(g, p, m, v, max_v, kAdamHyper, math::adam_scalars(lr, steps[i], kAdamHyper));
-              break;
-            case Algo::kLion: math::lion_update(g, p, m, kLionHyper, math::lion_scalars(lr, kLionHyper)); break;
-          }
+          rule(g, p, m, v, max_v, i);
         }
         bool ok = true;
         if (kind == ParamKind::kRemainder) {
@@ -188,7 +208,8 @@ struct StepCase {
         }
         ok &= acc.value(i, j) == before.acc.value(i, j);  // acc is read, never written
         if (!ok) ++bad;
-        CHECK(ok, "%s algo=%d kind=%d fused=%d found=%d: tensor %zu [%lld]", what, int(algo),
+        CHECK(ok, "%s %s states %d%d%d kind=%d fused=%d found=%d: tensor %zu [%lld]", what, algo.c_str(),
+              int(uses[0]), int(uses[1]), int(uses[2]),
               int(kind), int(fused), int(found), i, (long long)j);
       }
     }
@@ -197,18 +218,55 @@ struct StepCase {
   }
 };
 
-const std::vector<Algo> kAllAlgos = {Algo::kSgd, Algo::kSgdPlain, Algo::kAdam, Algo::kAdamAmsgrad,
-                                     Algo::kLion};
+// f(Algo{}) for every algorithm of FUSED_ACCUM_ALGORITHMS.
+template <class F>
+void for_each_algorithm(F&& f) {
+#define FA_FOR_ALGORITHM(A) f(math::A{});
+  FUSED_ACCUM_ALGORITHMS(FA_FOR_ALGORITHM)
+#undef FA_FOR_ALGORITHM
+}
 
-// Every rule of `algos` x param kind x fused mode x found_inf on `sizes`.
-inline void check_all_steps(const std::vector<int64_t>& sizes, const StepRunner& runner, const char* what,
-                            const std::vector<Algo>& algos = kAllAlgos) {
+// The state lists a call of Algo uses (uses[k]: state k + 1) when every list it takes is given
+// (given), or every one is empty (!given: those it may leave out are left out).
+template <class Algo>
+void state_uses(const typename Algo::Hyper& h, bool given, bool (&uses)[3]) {
+  for (int k = 0; k < 3; ++k) uses[k] = k < math::kStateCount<Algo> && Algo::uses_state(k, h, given);
+}
+
+// The per-element rule of case c: Algo's update, its mode picked as the kernels pick it.
+template <class Algo>
+StepRule rule_of(const StepCase& c, const typename Algo::Hyper& h) {
+  return [&c, h](float g, float& p, float& s1, float& s2, float& s3, size_t i) {
+    math::update<Algo>(g, p, s1, s2, s3, c.uses[2], h, Algo::scalars(c.lr, c.steps[i], h));
+  };
+}
+
+// Every algorithm of FUSED_ACCUM_ALGORITHMS, in both hyper_cases, with every state list given and
+// with those it may leave out left out (Adam's amsgrad), x param kind x fused mode x found_inf,
+// on `sizes`. run.template operator()<Algo>(lists, args, hyper) calls the kernel under test.
+template <class Run>
+void check_all_steps(const std::vector<int64_t>& sizes, const Run& run, const char* what) {
   unsigned seed = 0;
-  for (Algo algo : algos)
-    for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16, ParamKind::kRemainder})
-      for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
-        for (bool found : {false, true})
-          StepCase(sizes, algo, kind, fused, found, ++seed).run_and_check(runner, what);
+  for_each_algorithm([&](auto algo) {
+    using Algo = decltype(algo);
+    for (const bool zeros : {false, true}) {
+      const typename Algo::Hyper h = hyper_case<Algo>(&Algo::hyper, zeros);
+      bool all[3], fewest[3];
+      state_uses<Algo>(h, true, all);
+      state_uses<Algo>(h, false, fewest);
+      const std::string name = std::string(Algo::kOp) + (zeros ? "(zeros)" : "(values)");
+      const StepRunner runner = [&](const TensorLists& t, const StepArgs& a) { run.template operator()<Algo>(t, a, h); };
+      for (const bool* uses : {all, fewest}) {
+        if (uses == fewest && std::equal(all, all + 3, fewest)) continue;  // (the same case again)
+        for (ParamKind kind : {ParamKind::kMaster, ParamKind::kF32, ParamKind::kBF16, ParamKind::kRemainder})
+          for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
+            for (bool found : {false, true}) {
+              StepCase c(sizes, name, uses, kind, fused, found, ++seed);
+              c.run_and_check(runner, rule_of<Algo>(c, h), what);
+            }
+      }
+    }
+  });
 }
 
 }  // namespace fa_test

@@ -58,17 +58,15 @@ void test_accumulate(bool overwrite) {
   CHECK(found_inf == 1.0f, "inf not flagged");
 }
 
-void run_cpu_step(const TensorLists& t, const StepArgs& a, Algo algo) {
-  switch (algo) {
-    case Algo::kSgd: sgd_step_cpu(t, a, kSgdHyper, odd_ranges); break;
-    case Algo::kSgdPlain: sgd_step_cpu(t, a, kSgdPlainHyper, odd_ranges); break;
-    case Algo::kAdam:
-    case Algo::kAdamAmsgrad: adam_step_cpu(t, a, kAdamHyper, odd_ranges); break;  // by t.state3
-    case Algo::kLion: lion_step_cpu(t, a, kLionHyper, odd_ranges); break;
+// The CPU step of each algorithm (step_case.h's check_all_steps calls it).
+struct CpuStep {
+  template <class Algo>
+  void operator()(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h) const {
+    step_cpu<Algo>(t, a, h, odd_ranges);
   }
-}
+};
 
 }  // namespace
 
 TEST_MAIN(test_accumulate(false); test_accumulate(true);
-          check_all_steps(kSizes, run_cpu_step, "cpu"))
+          check_all_steps(kSizes, CpuStep{}, "cpu"))

@@ -81,8 +81,8 @@ void test_accumulate(bool overwrite) {
   CHECK(!nonfinite, "non-finite flagged on finite values");
 }
 
-template <class Rule>
-void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::Hyper& h) {
+template <class Algo, bool kState3>
+void emulate_step(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h) {
   // As launch_step in step.cu builds them.
   const cuda::DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha,
                                   t.grad.present(), a.grads_overwrite, a.maximize};
@@ -90,10 +90,10 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
     ++launches;
     for (int chunk = 0; chunk < chunks; ++chunk)
       for (int thread = 0; thread < cuda::kThreads; ++thread)
-        cuda::step_thread<Rule>(table, args, h, chunk, thread);
+        cuda::step_thread<Algo>(table, args, h, chunk, thread);
     return static_cast<const char*>(nullptr);
   };
-  if constexpr (Rule::kAmsgrad) {  // amsgrad's max_exp_avg_sq is a 7th operand, last
+  if constexpr (kState3) {  // a third state list (amsgrad's max_exp_avg_sq) is a 7th operand, last
     const Operand* const ops[7] = {&t.acc,    &t.grad,             &t.param, &t.state1,
                                    &t.state2, cuda::lp_column(t), &t.state3};
     cuda::for_each_table(t, ops, run);
@@ -103,29 +103,35 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Rule::
   }
 }
 
-void run_emulated_step(const TensorLists& t, const StepArgs& a, Algo algo) {
-  switch (algo) {
-    case Algo::kSgd: emulate_step<cuda::Sgd>(t, a, kSgdHyper); break;
-    case Algo::kSgdPlain: emulate_step<cuda::Sgd>(t, a, kSgdPlainHyper); break;
-    case Algo::kAdam: emulate_step<cuda::Adam>(t, a, kAdamHyper); break;
-    case Algo::kLion: emulate_step<cuda::Lion>(t, a, kLionHyper); break;
-    case Algo::kAdamAmsgrad: emulate_step<cuda::AdamAmsgrad>(t, a, kAdamHyper); break;
+// Each algorithm's kernel, emulated, as step_cuda picks it (step_case.h's check_all_steps calls it).
+struct EmulatedStep {
+  template <class Algo>
+  void operator()(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h) const {
+    if (t.state3.present()) emulate_step<Algo, true>(t, a, h);
+    else emulate_step<Algo, false>(t, a, h);
   }
-}
+};
 
 void test_steps() {
-  check_all_steps({1, 7, 1023, kChunk + 1, 3, 5 * kChunk / 2 + 3, 8, 9, 17}, run_emulated_step,
-                  "cuda-emulated", kAllAlgos);
-  launches = 0;
-  const int count = cuda::StepTable::kCapacity + 5;  // two launches
-  StepCase(sizes_for(count, 5), Algo::kAdam, ParamKind::kMaster, Fused::kAdd, false, 99)
-      .run_and_check(run_emulated_step, "cuda-emulated, two tables");
-  CHECK(launches == 2, "launches %d", launches);
-  launches = 0;  // amsgrad's 7-operand table holds fewer tensors
-  const int ams_count = cuda::AmsgradStepTable::kCapacity + 5;
-  StepCase(sizes_for(ams_count, 6), Algo::kAdamAmsgrad, ParamKind::kMaster, Fused::kAdd, false, 98)
-      .run_and_check(run_emulated_step, "cuda-emulated amsgrad, two tables");
-  CHECK(launches == 2, "launches %d", launches);
+  check_all_steps({1, 7, 1023, kChunk + 1, 3, 5 * kChunk / 2 + 3, 8, 9, 17}, EmulatedStep{}, "cuda-emulated");
+  // More tensors than one table holds (the relaunch path), for each algorithm, without and
+  // (where it takes one) with a third state list, whose 7-operand table holds fewer tensors.
+  for_each_algorithm([&](auto algo) {
+    using Algo = decltype(algo);
+    const typename Algo::Hyper h = hyper_case<Algo>(&Algo::hyper, false);
+    bool all[3], fewest[3];
+    state_uses<Algo>(h, true, all);
+    state_uses<Algo>(h, false, fewest);
+    for (const bool* uses : {fewest, all}) {
+      if (uses == all && !all[2]) continue;
+      const int count = (uses[2] ? cuda::State3StepTable::kCapacity : cuda::StepTable::kCapacity) + 5;
+      StepCase c(sizes_for(count, 5 + uses[2]), Algo::kOp, uses, ParamKind::kMaster, Fused::kAdd, false, 99);
+      launches = 0;
+      const StepRunner runner = [&](const TensorLists& t, const StepArgs& a) { EmulatedStep{}.operator()<Algo>(t, a, h); };
+      c.run_and_check(runner, rule_of<Algo>(c, h), "cuda-emulated, two tables");
+      CHECK(launches == 2, "%s state3=%d: launches %d", Algo::kOp, int(uses[2]), launches);
+    }
+  });
 }
 
 // fold_pieces: every block and thread of each launch emulated, against the adds done here in

@@ -18,6 +18,31 @@ bool close(double got, double want, double rtol = 2e-6, double atol = 1e-7) {
   return std::fabs(got - want) <= atol + rtol * std::fabs(want);
 }
 
+// Each rule through its trait, the mode picked at run time (math::update, as the CUDA kernels and
+// the kernel tests run it), in the shape of the formulas: one call per element.
+void sgd_update(float g, float& p, float& buf, const SgdHyper& h, const SgdScalars& s) {
+  float unused = 0.0f;
+  update<Sgd>(g, p, buf, unused, unused, false, h, s);
+}
+SgdScalars sgd_scalars(double lr, float step) { return Sgd::scalars(lr, step, {}); }
+void adam_update(float g, float& p, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
+  float unused = 0.0f;
+  update<Adam>(g, p, m, v, unused, false, h, s);
+}
+void adam_update_amsgrad(float g, float& p, float& m, float& v, float& max_v, const AdamHyper& h,
+                         const AdamScalars& s) {
+  update<Adam>(g, p, m, v, max_v, true, h, s);
+}
+void lion_update(float g, float& p, float& m, const LionHyper& h, const LionScalars& s) {
+  float unused = 0.0f;
+  update<Lion>(g, p, m, unused, unused, false, h, s);
+}
+constexpr auto sgd_hyper = Sgd::hyper;
+constexpr auto adam_hyper = Adam::hyper;
+constexpr auto adam_scalars = Adam::scalars;
+constexpr auto lion_hyper = Lion::hyper;
+LionScalars lion_scalars(double lr, const LionHyper& h) { return Lion::scalars(lr, 0.0f, h); }
+
 void test_accumulate() {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   CHECK(accumulate(1.5f, 2.0f, 0.25f, false) == 2.0f, "acc + alpha*g");
