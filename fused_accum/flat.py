@@ -357,7 +357,11 @@ class FlatGroup:
 
     def active_index(self, indices: tuple) -> Tensor:
         """A device tensor of slot ``indices`` (a partial active set), made once per distinct
-        set: no host-to-device copy inside later steps (and none under CUDA-graph capture)."""
+        set: no host-to-device copy inside later steps (and none under CUDA-graph capture).
+        Traced by torch.compile, a constant of the graph (the cache is Python state: a graph
+        guarded on it would retrace as it changes)."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(indices, dtype=torch.int64, device=self.steps.device)
         cache = self._index_cache
         index = cache.pop(indices, None)
         if index is None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import backends, checkpoint
+from . import backends, checkpoint, compiled
 from .algorithms import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
 from .algorithms import check_after_groups, parse_algorithm
 from . import topology
@@ -90,6 +90,22 @@ def _check_arguments(
         raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
 
 
+def _check_num_items(num_items) -> None:
+    if not (num_items > 0 and math.isfinite(num_items)):
+        raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
+
+
+class _LastNorm:
+    """The last window's norm (``last_grad_norm``). Its own object: Dynamo does not replay a
+    compiled step's attribute stores into the optimizer itself (torch 2.13)."""
+
+    value: Optional[Tensor] = None
+
+
+def _backward(loss: Tensor) -> None:
+    loss.backward()
+
+
 class FusedAccumOptimizer(torch.optim.Optimizer):
     """Gradient accumulation into fp32 buffers with a fused optimizer step; a drop-in optimizer.
 
@@ -109,6 +125,16 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         torch.amp.GradScaler asks (the README's "GradScaler, fused": Lightning reads the flag as
         "cannot be clipped")."""
         return sys._getframe(1).f_globals.get("__name__") == "torch.amp.grad_scaler"
+
+    @property
+    def last_grad_norm(self) -> Optional[Tensor]:
+        """The last window's gradient norm (a 0-d device tensor), when ``max_grad_norm`` or
+        ``skip_nonfinite`` made the step compute it; else None."""
+        return self._last_norm.value
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value: Optional[Tensor]) -> None:
+        self._last_norm.value = value
 
     # torch's Optimizer and users rebind these two (``opt.state = {}`` restarts the state, as
     # torch's does): the stepper, which the window holds, must always read the ones shown here.
@@ -188,7 +214,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.step_in_backward = step_in_backward
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
+        self._last_norm = _LastNorm()  # (a holder: Dynamo replays a compiled step's store into it)
         self._master_weights = True if master_weights is None else master_weights
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
@@ -212,6 +238,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             bucket_cap_mb=bucket_cap_mb,
         )
         self._warned_unstarted = False  # (step_in_backward: see _warn_unstarted_window)
+        # how compiled graphs name this optimizer to their books (fused_accum.compiled)
+        self._graph_id, self._graph_token = compiled.register(self)
         super().__init__(params, defaults)
         check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
@@ -260,11 +288,34 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         after ``accum_steps`` backward passes, or after every backward when that is None."""
         return self._window.topology.no_sync()
 
-    @torch.compiler.disable  # (eager, as step: it works on the hooks' table and Python state)
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()``, and the backward a compiled window traces: inside a function
+        ``torch.compile`` traces with ``torch._dynamo.config.trace_autograd_ops = True``, this
+        optimizer's gradients of ``loss`` are folded into the window by ops of the graph (the
+        hooks see no backward there: Dynamo's own trace of ``loss.backward()`` bypasses them).
+        Compiled, it computes the gradients of this optimizer's parameters only (the README's
+        "torch.compile")."""
+        if torch.compiler.is_compiling():
+            reason = compiled.eager_reason(self)
+            if reason is None and not torch._dynamo.config.trace_autograd_ops:
+                reason = compiled.NO_AUTOGRAD_OPS
+            if reason is None:
+                return compiled.backward(self, loss)
+            return compiled.eagerly(reason, _backward, loss)
+        loss.backward()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the window. ``set_to_none=True`` (default): every ``.grad`` becomes None and
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
+        if torch.compiler.is_compiling():
+            reason = compiled.eager_reason(self) or (None if set_to_none else compiled.ZERO_IN_PLACE)
+            if reason is None:
+                return compiled.zero_grad(self)
+            return compiled.eagerly(reason, self._zero_grad, set_to_none)
+        self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         window = self._window
         window.zero_grad(set_to_none)
         for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
@@ -282,14 +333,53 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- step ---------------------------------------------------------------------------------
 
-    # Eager under torch.compile (a graph break): the step is already one fused kernel per flat
-    # group, and traced, its writes to the device scalars it reads (lr, the coefficient) were
-    # lost on Dynamo's restarts, so a compiled step moved no parameter (torch 2.13).
-    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
-        gradient by it (an int, float or device tensor; see the README's "Sums, like .grad")."""
+        gradient by it (an int, float or device tensor; see the README's "Sums, like .grad").
+        Traced by ``torch.compile`` (``fullgraph=True`` included) where fused_accum.compiled
+        says it can be; otherwise it runs eagerly there (a graph break)."""
+        if torch.compiler.is_compiling():
+            reason = self._graph_reason(closure)
+            if reason is None:
+                if num_items is not None and not isinstance(num_items, Tensor):
+                    _check_num_items(num_items)
+                norm = compiled.step(self, num_items)
+                if norm is not None:
+                    self._last_norm.value = norm
+                return None
+            return compiled.eagerly(reason, self._step, closure, num_items)
+        return self._step(closure, num_items)
+
+    def _graph_reason(self, closure) -> Optional[str]:
+        """Why this step cannot be traced (None: it can; fused_accum.compiled)."""
+        if closure is not None:
+            return compiled.CLOSURE
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            return compiled.GRAD_SCALER
+        if compiled.needs_new_state(self):
+            return compiled.NEW_STATE
+        return compiled.eager_reason(self, step=True)
+
+    def _graph_step_books(self, code: list, lrs: list) -> None:
+        """A compiled step's books, as its graph runs (fused_accum.compiled.step): what the
+        eager step checks and takes back, told the gradients' values are the graph's, each
+        group's learning rate written into ``lrs`` (its flat groups' ``lr``), and the window's
+        end. ``code``: what each slot's ``.grad`` showed when the graph was traced."""
+        window = self._window
+        window.check_attached()
+        self._members.check_unchanged(self.param_groups, type(self).__name__)
+        self._members.check_none_unfrozen(type(self).__name__)
+        window.graph_step(code)
+        for flat, lr in zip(window.flat_groups, lrs):
+            active = [slot for slot in flat.slots if slot.has_grad]
+            if active:
+                group = self.param_groups[flat.group_index]
+                self._stepper.write_lr(lr, group)
+                self._stepper.take_user_state(flat, active, group, values=False)
+        window.after_step()
+
+    def _step(self, closure: Optional[Callable[[], Any]], num_items):
         window = self._window
         window.check_attached()
         self._members.check_unchanged(self.param_groups, type(self).__name__)
@@ -298,8 +388,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if num_items is not None and not isinstance(num_items, Tensor):
-            if not (num_items > 0 and math.isfinite(num_items)):
-                raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
+            _check_num_items(num_items)
         window.flush()
         if window.ledger.stepped_in_backward:
             if num_items is not None:

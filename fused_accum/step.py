@@ -83,21 +83,37 @@ class Stepper:
     def prepare_step(
         self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
     ) -> Optional[Callable[[], None]]:
-        """Everything of a step but the kernel: the device scalars, ``opt.state`` taken back, the
-        step counts; returns the op call, or None where nothing steps (the host placement
-        calls it on its worker thread: fused_accum.placement)."""
+        """Everything of a step but the kernel: its books (the learning rate written, ``opt.state``
+        taken back), then :meth:`step_call`; returns the op call, or None where nothing steps
+        (the host placement calls it on its worker thread: fused_accum.placement)."""
         if not active:
             return None
         group = self.param_groups[flat.group_index]
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
+        self.write_lr(flat.lr, group)
+        self.take_user_state(flat, active, group)
+        return self.step_call(flat, active, coef, found_inf, grads, grads_overwrite)
+
+    @staticmethod
+    def write_lr(lr: Tensor, group: dict) -> None:
+        """``group``'s learning rate into the flat group's ``lr`` tensor, which the step op reads
+        (and a compiled step: a schedule changes it without a recompile)."""
+        value = group["lr"]
+        if isinstance(value, Tensor):
             # device to device: no host sync, capturable; an fp32 lr is exact in float64
-            flat.lr.copy_(lr.detach().reshape(()))
+            lr.copy_(value.detach().reshape(()))
         else:
-            flat.lr.fill_(float(lr))  # float64: every bit of the Python float, as torch takes it
+            lr.fill_(float(value))  # float64: every bit of the Python float, as torch takes it
+
+    def step_call(
+        self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
+    ) -> Optional[Callable[[], None]]:
+        """The step's tensor core for ``active`` slots, once its books are taken (what a
+        compiled step traces: fused_accum.compiled): the coefficient, the step counts (a skipped
+        step does not count), and the op call returned (None where this process holds none of
+        them)."""
+        group = self.param_groups[flat.group_index]
         if coef is not flat.coef:
             flat.coef.copy_(coef)
-        self.take_user_state(flat, active, group)
         # A skipped step does not count (as torch's GradScaler skips the step call itself).
         increment = flat.one if found_inf is None else 1 - found_inf
         if len(active) == len(flat.slots):
@@ -156,11 +172,12 @@ class Stepper:
 
     # --- opt.state ---------------------------------------------------------------------------
 
-    def take_user_state(self, flat: FlatGroup, active: list, group) -> None:
+    def take_user_state(self, flat: FlatGroup, active: list, group, values: bool = True) -> None:
         """Before a step: allocate state turned on since the last one, and take what the user
         did to ``opt.state`` (an entry deleted, cleared or replaced by ``{}`` starts afresh, as
         torch's would; tensors assigned into it become the state) before the kernels read the
-        buffers. Step counts change here, before the step adds to them."""
+        buffers. Step counts change here, before the step adds to them. ``values=False`` (a
+        compiled step's books): an edit is refused, as the graph cannot be handed its values."""
         for key in state_keys(self.algorithm, group):
             if flat.ensure_state(key):
                 if key == "momentum_buffer":
@@ -178,6 +195,13 @@ class Stepper:
             if entry is not None and entry is mine and not entry.edited:
                 continue
             if mine is not None or entry:  # (no entry yet and none shown: the slot's first step)
+                if not values:
+                    raise RuntimeError(
+                        f"opt.state of parameter {slot.name} was replaced or assigned into since it was shown, "
+                        "which a compiled step cannot take (its graph steps the buffers it was traced with): "
+                        "edit its tensors in place, load it with opt.load_state_dict(), or step this window "
+                        "outside the compiled function"
+                    )
                 self.load_slot_state(flat, slot, dict(entry or {}))
             self.show_state(flat, slot, group)
 

@@ -47,6 +47,7 @@ from .fold import Folder, WgradTarget
 from .ledger import Exposure, Ledger
 from .placement import Placement
 from .topology import Local
+from .topology.base import sum_of_squares
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
@@ -417,12 +418,12 @@ class GradientWindow:
 
     # --- .grad is the truth (fused_accum.exposure) ----------------------------------------------
 
-    def reconcile(self, changed: Optional[tuple] = None, before_backward: bool = False) -> None:
+    def reconcile(self, changed: Optional[tuple] = None, before_backward: bool = False, values: bool = True) -> None:
         """Take what the user did to an exposed ``.grad`` (``changed``: the keys a look found;
         None: look now), before anything reads the buffers (a backward's checks: before it
-        touches any ``.grad``)."""
+        touches any ``.grad``). ``values=False``: a compiled graph copies what the user assigned."""
         with self.lock:
-            if self._exposure.reconcile(self._look() if changed is None else changed, before_backward):
+            if self._exposure.reconcile(self._look() if changed is None else changed, before_backward, values):
                 self._forget_all()  # everything was cleared: a new window starts
 
     def take_user_grads(self, pairs: list) -> None:
@@ -459,6 +460,100 @@ class GradientWindow:
             # and that backward, now not quiet (Python changed the window), ends here and counts.
             self._queue_end_of_backward(arrived=True)
 
+    # --- a compiled graph's books (fused_accum.compiled), kept as the graph runs ------------------
+    # The graph does the tensor work (folds, copies of assigned .grad, the step); these record it
+    # as the eager hooks and step would, after taking back what the user did to .grad (told the
+    # values are the graph's). ``code``: per slot, what its .grad showed as the graph was traced
+    # (fused_accum.compiled.SHOWS_*), which the window's own look must agree with.
+
+    def params(self) -> list:
+        """The hooked parameters, by key."""
+        return self._params
+
+    def graph_backward(self, code: list) -> None:
+        """A compiled graph folds a backward's gradients (fused_accum.compiled.backward): the
+        backward's start and end, as the hooks' callbacks record them (``code``: also which
+        slots receive a gradient, ``compiled.RECEIVED``)."""
+        from .compiled import RECEIVED
+
+        self.check_attached()
+        with self.lock, self.ledger.planning():
+            self._graph_look(code, before_backward=True)
+            received = [slot for slot in self.slots if _code(code, slot.key) & RECEIVED]
+            if received:
+                self.ledger.folded(received)
+                self.topology.added()
+                self.topology.backward_ended(self.ledger, self.flat_groups)
+                self._count_microbatch()
+            self.expose()
+            self._folder.arm_quiet()
+            self.placement.backward_ended(self.flat_groups)
+
+    def graph_step(self, code: list) -> None:
+        """A compiled step takes back what the user did to ``.grad`` (the optimizer's books
+        continue: fused_accum.optimizer)."""
+        with self.lock:
+            self._graph_look(code, before_backward=False)
+            taken = [
+                (s, s.param.grad) for s in self.slots if s.param.grad is not None and s.param.grad is not s.grad_view
+            ]
+            if taken:
+                self._exposure.take_user_grads(taken, values=False)
+            self._check_graph_agrees(code)
+
+    def graph_zero_grad(self, code: list) -> None:
+        """A compiled ``zero_grad()`` (set_to_none): the window discarded."""
+        self._graph_look(code, before_backward=None)
+        self.placement.discarded(self.flat_groups)
+        self.discard()
+
+    def _graph_look(self, code: list, before_backward: Optional[bool]) -> None:
+        """The look a backward's checks or the step take first, and what the user did to
+        ``.grad`` taken back, values excepted (``before_backward`` None: none to take, the
+        window is discarded next). Refuses what the graph, traced over these buffers, cannot
+        follow: a parameter moved or cast, gradients an eager backward left unfolded, a
+        data-parallel wrapper found now."""
+        if not self.topology.decided and self.resolve_topology().name != "local":
+            raise RuntimeError(
+                f"{self.label}: a DistributedDataParallel wrapper owns these gradients, which a compiled "
+                "window cannot fold (fused_accum.compiled): run the window eagerly"
+            )
+        if self._arrivals.has_arrivals():
+            raise RuntimeError(
+                f"{self.label}: an eager backward left gradients unfolded before a compiled call "
+                "(it raised?); call opt.zero_grad() or finish the window eagerly"
+            )
+        look = self._arrivals.look(self._params)
+        if look.moved:
+            raise RuntimeError(
+                f"{self.label}: parameters moved or were cast (model.to(...)) since the compiled graph "
+                "was traced over their buffers: call opt.zero_grad() outside the compiled function "
+                "once, which moves the buffers after them"
+            )
+        if before_backward is None:
+            return
+        self._folder.take_report()
+        if self.ledger.shown:
+            self.reconcile(look.changed, before_backward=before_backward, values=False)
+        elif before_backward:
+            self._exposure.take_assigned_grads(look.changed, values=False)
+        if before_backward:
+            self.ledger.checked()
+            self._check_graph_agrees(code)
+
+    def _check_graph_agrees(self, code: list) -> None:
+        """The slots holding a gradient are those the graph was traced with (else its guards
+        missed a change: refused, never stepped wrong)."""
+        from .compiled import SHOWS_NONE
+
+        for slot in self.slots:
+            if slot.has_grad != (_code(code, slot.key) & 3 != SHOWS_NONE):
+                raise RuntimeError(
+                    f"{self.label}: parameter {slot.name} {'holds' if slot.has_grad else 'holds no'} a "
+                    "gradient in this window, unlike when the compiled graph was traced; please report "
+                    "this (fused_accum.compiled)"
+                )
+
     def discard(self) -> None:
         """Forget every gradient of the window (also any left in buckets by a raised backward)."""
         self.ledger.clear_table()
@@ -474,12 +569,18 @@ class GradientWindow:
         self.topology.after_step(self.ledger, self.flat_groups)
 
 
-def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite) -> tuple:
+def _code(code: list, key: int) -> int:
+    """A compiled graph's code for slot ``key`` (one code stands for every slot)."""
+    return code[0] if len(code) == 1 else code[key]
+
+
+def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite, active=None) -> tuple:
     """The step's coefficient for ``window``: (coef per device, skip flag per device or None, the window's
     norm or None), computed on the device without a host sync: 1/num_items x 1/grad_scale x the clip factor; skip when
     num_items is not positive and finite, when GradScaler found an inf, or (skip_nonfinite) when
     the window's gradient has one. ``grad_scale``/``found_inf``: what GradScaler.step set on the
-    optimizer."""
+    optimizer. ``active``: the slots holding the window's gradient, per flat group (a compiled
+    step's, one process; None: the topology's norm, from the ledger)."""
     devices = list(dict.fromkeys(flat.device for flat in window.flat_groups))
     if not devices:
         return {}, None, None
@@ -506,7 +607,11 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
         bad = flag if bad is None else torch.maximum(bad, flag)
     if max_grad_norm is not None or skip_nonfinite:
         # (over every rank's gradient, in a data-parallel topology)
-        total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
+        if active is None:
+            total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
+        else:
+            total = sum_of_squares(window.flat_groups, active, home)
+            any_inf = torch.zeros_like(total)
         # inf/nan anywhere makes the sum of squares non-finite too
         nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
         norm = total.sqrt() * coef
