@@ -47,9 +47,9 @@ from .window import window_scale
 # --- the books' op -----------------------------------------------------------------------------
 
 BACKWARD, STEP, ZERO_GRAD = 0, 1, 2  # what a window_event records
-# What a slot's .grad showed as the graph was traced (a backward's code adds RECEIVED for a slot
-# that gets a gradient): the books check the window agrees before recording.
-SHOWS_NONE, SHOWS_VIEW, SHOWS_TENSOR = 0, 1, 2
+# What the ledger said a slot held as the graph was traced (a backward's code adds RECEIVED for
+# a slot that gets a gradient): the books check the window agrees before recording.
+SHOWS_NONE, SHOWS_VIEW = 0, 1
 RECEIVED = 4
 
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -77,7 +77,7 @@ def _window_event(optimizer: int, event: int, code: list, token: Tensor, lrs: li
     elif event == STEP:
         opt._graph_step_books(code, lrs)
     else:
-        opt._window.graph_zero_grad(code)
+        opt._graph_zero_grad_books()
 
 
 # Tagged cudagraph-unsafe: its body is Python, which a CUDA graph's replay would skip; under
@@ -129,20 +129,9 @@ def eagerly(reason: str, fn, *args):
     return _EAGER[reason](fn, *args)
 
 
-# --- what each call traces ------------------------------------------------------------------
-
-
-def shows(slot) -> int:
-    """What ``slot``'s ``.grad`` shows (read at trace time: Dynamo guards it)."""
-    grad = slot.param.grad
-    if grad is None:
-        return SHOWS_NONE
-    return SHOWS_VIEW if grad is slot._grad_view else SHOWS_TENSOR
-
-
 def eager_reason(opt, *, step: bool = False) -> Optional[str]:
-    """Why ``opt``'s backward (or, ``step``, its step) must run eagerly inside a compiled region
-    (None: it traces)."""
+    """Why ``opt``'s backward or zero_grad (``step``: its step) must run eagerly inside a
+    compiled region (None: it traces)."""
     window = opt._window
     if window.detached_because is not None:
         return DETACHED
@@ -154,76 +143,65 @@ def eager_reason(opt, *, step: bool = False) -> Optional[str]:
     # DDP wrapper found then; reading `decided` here would retrace once it is)
     if window.topology.name != "local" or window.topology.exact_norm:
         return DATA_PARALLEL
-    if step and opt._generic is not None:
-        return GENERIC
-    if step and opt._members.unfrozen():
-        return UNFROZEN
-    if any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window.params()):
-        return OWN_HOOK
+    if step:
+        if opt._generic is not None:
+            return GENERIC
+        if opt._members.unfrozen():
+            return UNFROZEN
+    elif any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window.params()):
+        return OWN_HOOK  # (not asked of a step: it must not touch the parameters, see below)
     return None
 
 
-def _take_assigned(window, flat, taken: list) -> None:
-    """Tensors the user assigned to ``.grad`` become their slots' sums: copied into the
-    accumulator by one overwriting accumulate (as Exposure.take_user_grads does eagerly)."""
-    grads = [window.user_grad_for_fold(slot, slot.param.grad) for slot in taken]
-    offsets = torch.tensor([slot.offset for slot in taken], dtype=torch.int64)
-    ops.accumulate(flat.acc, offsets, grads, 1.0, True, None, None, flat.backend)
+# --- what each call traces ------------------------------------------------------------------
+# Each decides from the ledger's record of which slots hold the window's gradient (has_grad:
+# Python state, which Dynamo guards), never from .grad: a bf16 parameter whose .grad is the
+# window's fp32 view cannot even be an input of a graph (Dynamo refuses a gradient of another
+# dtype), so the step writes such parameters through their slots' ``weight`` aliases. A traced
+# backward or zero_grad writes has_grad as Dynamo side effects too (what the books record), so a
+# step later in the same graph sees them. What the user did to .grad since it was shown
+# (assigned or cleared: the books' look finds it) is refused where it changes that record.
 
 
-def _codes_and_takes(window) -> tuple:
-    """Each slot's code (what its ``.grad`` shows), and each flat group's slots whose ``.grad``
-    is a tensor the user assigned (copied into the accumulator first)."""
-    code, takes = [], []
-    for flat in window.flat_groups:
-        taken = []
-        for slot in flat.slots:
-            shown = shows(slot)
-            code.append(shown)
-            if shown == SHOWS_TENSOR:
-                taken.append(slot)
-        takes.append(taken)
-    return code, takes
+def _compressed(code: list) -> list:
+    """One code standing for every slot where they agree (the books' op then takes one int, not
+    one per parameter)."""
+    return code[:1] if code and code.count(code[0]) == len(code) else code
+
+
+def _held(slot) -> int:
+    return SHOWS_VIEW if slot._has_grad else SHOWS_NONE
 
 
 def backward(opt, loss: Tensor) -> None:
     """``opt.backward(loss)`` as Dynamo traces it: this optimizer's gradients of ``loss``, each
-    folded into its slice (overwriting where ``.grad`` showed None: the window's first), and
-    ``.grad`` showing the window's views, as after an eager backward."""
+    folded into its slice (overwriting where the window holds none yet)."""
     window = opt._window
     slots = [slot for slot in window.slots if slot.param.requires_grad]
     grads = torch.autograd.grad(loss, [slot.param for slot in slots], allow_unused=True)
     received = {slot.key: grad for slot, grad in zip(slots, grads) if grad is not None}
-    code, takes = _codes_and_takes(window)
-    for key in received:
-        code[key] |= RECEIVED
-    window_event(opt._graph_id, BACKWARD, code, opt._graph_token, [])
-    for flat, taken in zip(window.flat_groups, takes):
-        if taken:
-            _take_assigned(window, flat, taken)
+    code = [_held(slot) | (RECEIVED if slot.key in received else 0) for slot in window.slots]
+    window_event(opt._graph_id, BACKWARD, _compressed(code), opt._graph_token, [])
+    for flat in window.flat_groups:
         for overwrite in (True, False):
-            slots = [s for s in flat.slots if s.key in received and (code[s.key] & 3 == SHOWS_NONE) == overwrite]
+            slots = [s for s in flat.slots if s.key in received and s._has_grad != overwrite]
             if slots:
                 offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
                 grads = [received[s.key] for s in slots]
                 ops.accumulate(flat.acc, offsets, grads, 1.0, overwrite, None, None, flat.backend)
-        for slot in flat.slots:
-            if slot.key in received or code[slot.key] & 3 == SHOWS_TENSOR:
-                slot.param.grad = slot._grad_view
+    for slot in window.slots:
+        if slot.key in received:
+            slot._has_grad = True
 
 
 def step(opt, num_items) -> Optional[Tensor]:
     """``opt.step()`` as Dynamo traces it (``eager_reason`` None, and no state buffer to
     allocate): the books, then the window's coefficient and one step op per flat group, over
-    the slots whose ``.grad`` shows a gradient. Returns the window's norm (or None)."""
+    the slots holding the window's gradient. Returns the window's norm (or None)."""
     window, stepper = opt._window, opt._stepper
-    code, takes = _codes_and_takes(window)
+    code = _compressed([_held(slot) for slot in window.slots])
     window_event(opt._graph_id, STEP, code, opt._graph_token, [flat.lr for flat in window.flat_groups])
-    active = []
-    for flat, taken in zip(window.flat_groups, takes):
-        if taken:
-            _take_assigned(window, flat, taken)
-        active.append([slot for slot in flat.slots if code[slot.key] != SHOWS_NONE])
+    active = [[slot for slot in flat.slots if slot._has_grad] for flat in window.flat_groups]
     scale, skip, norm = window_scale(
         window,
         num_items,
@@ -251,10 +229,8 @@ def needs_new_state(opt) -> bool:
 
 
 def zero_grad(opt) -> None:
-    """``opt.zero_grad()`` (``set_to_none=True``) as Dynamo traces it: the window discarded by
-    the books, every ``.grad`` of the param groups None."""
-    code, _ = _codes_and_takes(opt._window)
-    window_event(opt._graph_id, ZERO_GRAD, code, opt._graph_token, [])
-    for group in opt._stepper.param_groups:
-        for p in group["params"]:
-            p.grad = None
+    """``opt.zero_grad()`` (``set_to_none=True``) as Dynamo traces it: the books discard the
+    window and set every ``.grad`` of the param groups to None as the graph runs."""
+    window_event(opt._graph_id, ZERO_GRAD, [], opt._graph_token, [])
+    for slot in opt._window.slots:
+        slot._has_grad = False

@@ -94,6 +94,10 @@ class Slot:
     # (fused_accum.masters: an fp32 copy, or the low halves under a bf16 parameter); None: none kept
     master: Optional[Tensor] = None
     state: dict = dataclasses.field(default_factory=dict)  # optimizer state name -> 1-D fp32 view
+    # the parameter as a compiled step writes it (fused_accum.compiled): a bf16/fp16 one as a
+    # detached alias of its storage, as Dynamo refuses a graph input whose .grad (the window's
+    # fp32 view) has another dtype; an fp32 one as itself
+    weight: Optional[Tensor] = None
     local: slice = dataclasses.field(
         default_factory=lambda: slice(0, 0)
     )  # where its master and state lie in the group's (local) buffers
@@ -161,6 +165,7 @@ class Layout:
         slot.local = slice(slot.offset, slot.offset + n)
         slot.acc = flat.acc[slot.local]
         slot._grad_view = slot.full_view = slot.acc.view(self.stored(slot.param).shape)
+        slot.weight = slot.param.detach() if slot.param.dtype in LOW_PRECISION else slot.param
         flat.masters.set_views(flat, slot)
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
 
@@ -180,8 +185,10 @@ class Layout:
         every one whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
         the backends walk it in logical order, the order of its accumulator slice. Passed as is,
         not detached (the step runs under no_grad, as torch's fused optimizers pass theirs): a
-        detach per parameter per step costs a microsecond each."""
-        return active, [s.acc for s in active], flat.masters.step_tensors(active, [s.param for s in active])
+        detach per parameter per step costs a microsecond each. Traced, each slot's ``weight``
+        (see Slot)."""
+        weights = [s.weight if torch.compiler.is_compiling() else s.param for s in active]
+        return active, [s.acc for s in active], flat.masters.step_tensors(active, weights)
 
     def user_grad(self, flat: "FlatGroup", slot: Slot, grad: Tensor) -> Tensor:
         """A ``.grad`` the user assigned, as the slot's slice holds it."""
@@ -338,6 +345,15 @@ class FlatGroup:
         for slot in self.slots:
             self.layout.set_views(self, slot)
             self.masters.initialise(self, slot)
+
+    def stale_weights(self) -> list:
+        """Slots whose ``weight`` alias no longer shares its parameter's storage (``p.data = t``
+        replaced it): a compiled step traced over the alias would write the old storage."""
+        return [s for s in self.slots if s.weight is not None and s.weight.data_ptr() != s.param.data_ptr()]
+
+    def refresh_weights(self) -> None:
+        for slot in self.stale_weights():
+            slot.weight = slot.param.detach()
 
     def refresh_masters(self) -> None:
         """The masters follow the weights written from outside, by value, for what reads them

@@ -330,11 +330,10 @@ class Exposure:
             return  # .grad is autograd's (and DDP's or FSDP2's)
         self.ledger.showing()
 
-    def reconcile(self, changed_keys, before_backward: bool = False, values: bool = True) -> bool:
+    def reconcile(self, changed_keys, before_backward: bool = False) -> bool:
         """Take what the user did to a shown ``.grad`` since it was shown (``changed_keys``:
         the window's look). True when every gradient of the window is gone (all cleared): a
-        new window starts. ``values=False``: a compiled graph copies the assigned tensors
-        (fused_accum.compiled); only the record is taken here."""
+        new window starts."""
         ledger = self.ledger
         if not ledger.shown:
             return False
@@ -345,11 +344,6 @@ class Exposure:
             if grad is slot.grad_view:
                 if grad.data_ptr() == slot.acc.data_ptr():
                     continue
-                if not values:  # (the graph, traced with .grad showing the view, adds into the buffer)
-                    raise RuntimeError(
-                        f"parameter {slot.name}: `p.grad.data = t` re-pointed the .grad a compiled graph "
-                        "folds into; assign `p.grad = t` instead"
-                    )
                 # `p.grad.data = t` re-pointed the view itself: t is the gradient now, as with
                 # torch; the view (no longer one of the buffer) is replaced by a new one.
                 self.take_user_grad(slot, grad)
@@ -361,23 +355,23 @@ class Exposure:
                 changed |= slot.has_grad
                 ledger.cleared(slot)
             else:
-                self.take_user_grads([(slot, grad)], values)
+                self.take_user_grad(slot, grad)
                 changed = True
                 if before_backward:
                     slot.param.grad = None  # the next gradient is added by our kernels
         ledger.shown = not before_backward
         return changed and not any(map(HAS_GRAD, ledger.slots))
 
-    def take_assigned_grads(self, changed_keys, values: bool = True) -> None:
+    def take_assigned_grads(self, changed_keys) -> None:
         """At a window's first backward: a ``.grad`` the user assigned since the window began
         (after ``zero_grad()``, or before any backward) is where native accumulation would add
         this backward's gradient: it becomes the slot's sum so far (``changed_keys``: the
-        window's look; ``values``: as for reconcile)."""
+        window's look)."""
         for key in changed_keys:  # (nothing is shown: every defined .grad is the user's)
             slot = self.ledger.slots[key]
             grad = slot.param.grad
             if grad is not None and grad is not slot.grad_view:
-                self.take_user_grads([(slot, self.flat_groups[slot.flat_index].user_grad(slot, grad))], values)
+                self.take_user_grad(slot, self.flat_groups[slot.flat_index].user_grad(slot, grad))
                 slot.param.grad = None  # the next gradient is added by our kernels
 
     def all_cleared(self) -> bool:
@@ -403,19 +397,23 @@ class Exposure:
         self.take_user_grads([(slot, grad)])
 
     @torch.no_grad()
-    def take_user_grads(self, pairs: list, values: bool = True) -> None:
+    def take_user_grads(self, pairs: list) -> None:
         """Each ``(slot, grad)``'s ``grad`` (a tensor the user assigned, or autograd's under DDP)
         is its slot's accumulated gradient now: copied into the slices by one accumulate call
         per flat group (an overwrite: exact in fp32, whatever the gradients' dtype and strides),
-        not one copy per parameter (DDP hands every gradient over at every step). ``values=False``:
-        a compiled graph copies them (fused_accum.compiled); only the record is taken here."""
+        not one copy per parameter (DDP hands every gradient over at every step)."""
         topology = self.folder.topology
         by_flat: dict = {}
         for slot, grad in pairs:
-            grad = foldable(slot, grad)
-            if not values:
-                self.ledger.took_grad(slot)
-            elif not topology.take_user_grad(self.flat_groups, slot, grad):
+            if grad.is_sparse:
+                raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
+            if slot.acc is not None and grad.numel() != slot.acc.numel():
+                raise RuntimeError(
+                    f"parameter {slot.name} has a .grad of {grad.numel()} elements, expected {slot.acc.numel()}"
+                )
+            if grad.dtype not in _FOLDED_DTYPES:  # (torch accepts any float .grad on a bf16/fp16 parameter)
+                grad = grad.float()
+            if not topology.take_user_grad(self.flat_groups, slot, grad):
                 by_flat.setdefault(slot.flat_index, []).append((slot, grad))
             else:
                 self.ledger.took_grad(slot)
@@ -432,18 +430,4 @@ class Exposure:
 
 
 _FOLDED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the accumulate kernels read
-
-
-def foldable(slot, grad: Tensor) -> Tensor:
-    """A ``.grad`` the user assigned to ``slot``'s parameter, checked and as the accumulate
-    kernels read it (a sparse or misshapen one is refused)."""
-    if grad.is_sparse:
-        raise RuntimeError(f"parameter {slot.name} has a sparse .grad; sparse gradients are not supported")
-    if slot.acc is not None and grad.numel() != slot.acc.numel():
-        raise RuntimeError(f"parameter {slot.name} has a .grad of {grad.numel()} elements, expected {slot.acc.numel()}")
-    if grad.dtype not in _FOLDED_DTYPES:  # (torch accepts any float .grad on a bf16/fp16 parameter)
-        grad = grad.float()
-    return grad
-
-
 _IS_NONE = functools.partial(operator.is_, None)  # (C-level: no Python call per gradient)

@@ -333,6 +333,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- step ---------------------------------------------------------------------------------
 
+    def _graph_zero_grad_books(self) -> None:
+        """A compiled ``zero_grad()``'s books, as its graph runs: the window discarded, every
+        ``.grad`` of the param groups None."""
+        self._window.graph_zero_grad()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
@@ -371,6 +379,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._members.check_unchanged(self.param_groups, type(self).__name__)
         self._members.check_none_unfrozen(type(self).__name__)
         window.graph_step(code)
+        stale = [slot.name for flat in window.flat_groups for slot in flat.stale_weights()]
+        if stale:
+            for flat in window.flat_groups:
+                flat.refresh_weights()  # (the next call's graph takes the new storage)
+            raise RuntimeError(
+                f"{type(self).__name__}: the .data of parameter {stale[0]} was replaced since the last step, "
+                "and this compiled step writes its old storage: it is refused; the next compiled call writes the new one"
+            )
         for flat, lr in zip(window.flat_groups, lrs):
             active = [slot for slot in flat.slots if slot.has_grad]
             if active:

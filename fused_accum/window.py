@@ -418,12 +418,12 @@ class GradientWindow:
 
     # --- .grad is the truth (fused_accum.exposure) ----------------------------------------------
 
-    def reconcile(self, changed: Optional[tuple] = None, before_backward: bool = False, values: bool = True) -> None:
+    def reconcile(self, changed: Optional[tuple] = None, before_backward: bool = False) -> None:
         """Take what the user did to an exposed ``.grad`` (``changed``: the keys a look found;
         None: look now), before anything reads the buffers (a backward's checks: before it
-        touches any ``.grad``). ``values=False``: a compiled graph copies what the user assigned."""
+        touches any ``.grad``)."""
         with self.lock:
-            if self._exposure.reconcile(self._look() if changed is None else changed, before_backward, values):
+            if self._exposure.reconcile(self._look() if changed is None else changed, before_backward):
                 self._forget_all()  # everything was cleared: a new window starts
 
     def take_user_grads(self, pairs: list) -> None:
@@ -494,25 +494,20 @@ class GradientWindow:
         continue: fused_accum.optimizer)."""
         with self.lock:
             self._graph_look(code, before_backward=False)
-            taken = [
-                (s, s.param.grad) for s in self.slots if s.param.grad is not None and s.param.grad is not s.grad_view
-            ]
-            if taken:
-                self._exposure.take_user_grads(taken, values=False)
             self._check_graph_agrees(code)
 
-    def graph_zero_grad(self, code: list) -> None:
+    def graph_zero_grad(self) -> None:
         """A compiled ``zero_grad()`` (set_to_none): the window discarded."""
-        self._graph_look(code, before_backward=None)
+        self._graph_look((), before_backward=None)
         self.placement.discarded(self.flat_groups)
         self.discard()
 
     def _graph_look(self, code: list, before_backward: Optional[bool]) -> None:
         """The look a backward's checks or the step take first, and what the user did to
-        ``.grad`` taken back, values excepted (``before_backward`` None: none to take, the
-        window is discarded next). Refuses what the graph, traced over these buffers, cannot
-        follow: a parameter moved or cast, gradients an eager backward left unfolded, a
-        data-parallel wrapper found now."""
+        ``.grad`` taken back (``before_backward`` None: nothing to take, the window is
+        discarded next). Refuses what the graph, traced over these buffers with the gradients
+        the ledger recorded, cannot follow: a ``.grad`` assigned (its values), a parameter
+        moved or cast, gradients an eager backward left unfolded, a DDP wrapper found now."""
         if not self.topology.decided and self.resolve_topology().name != "local":
             raise RuntimeError(
                 f"{self.label}: a DistributedDataParallel wrapper owns these gradients, which a compiled "
@@ -532,26 +527,35 @@ class GradientWindow:
             )
         if before_backward is None:
             return
+        for key in look.changed:  # (cleared ones are taken below: the check then refuses them)
+            slot = self.slots[key]
+            grad = slot.param.grad
+            if grad is not None and (grad is not slot.grad_view or grad.data_ptr() != slot.acc.data_ptr()):
+                raise RuntimeError(
+                    f"{self.label}: parameter {slot.name}'s .grad was assigned (or its .data re-pointed) since "
+                    "the window showed it, and a compiled call cannot read the values assigned (its graph "
+                    "folds and steps the window's buffers): edit .grad in place, or make this call outside "
+                    "the compiled function"
+                )
         self._folder.take_report()
         if self.ledger.shown:
-            self.reconcile(look.changed, before_backward=before_backward, values=False)
-        elif before_backward:
-            self._exposure.take_assigned_grads(look.changed, values=False)
+            self.reconcile(look.changed, before_backward=before_backward)
         if before_backward:
             self.ledger.checked()
             self._check_graph_agrees(code)
 
     def _check_graph_agrees(self, code: list) -> None:
-        """The slots holding a gradient are those the graph was traced with (else its guards
-        missed a change: refused, never stepped wrong)."""
+        """The slots holding a gradient are those the graph was traced with: a .grad cleared
+        since (which discards its gradient) is refused, never stepped or added to."""
         from .compiled import SHOWS_NONE
 
         for slot in self.slots:
             if slot.has_grad != (_code(code, slot.key) & 3 != SHOWS_NONE):
                 raise RuntimeError(
                     f"{self.label}: parameter {slot.name} {'holds' if slot.has_grad else 'holds no'} a "
-                    "gradient in this window, unlike when the compiled graph was traced; please report "
-                    "this (fused_accum.compiled)"
+                    "gradient in this window, unlike when the compiled graph was traced (its .grad was "
+                    "cleared since it was shown?); a compiled call follows the window's own record: clear "
+                    "gradients with opt.zero_grad(), or make this call outside the compiled function"
                 )
 
     def discard(self) -> None:
