@@ -62,7 +62,11 @@ def bucket_members(numels, bucket_numel) -> list:
     return buckets
 
 
-_UNCOUNTED = array.array("q", [0])  # the change counter of slots not (yet) in a window
+_UNCOUNTED = array.array("q", [0])
+_WEIGHT, _PARAM = (
+    operator.attrgetter("weight"),
+    operator.attrgetter("param"),
+)  # the change counter of slots not (yet) in a window
 
 
 def _read_only(stored: str) -> property:
@@ -271,9 +275,14 @@ class FlatGroup:
                 slot.bucket_index = b
             self.buckets.append(bucket)
         layout.place_buckets(self)
+        self._make_views()
+
+    def _make_views(self) -> None:
+        """Every slot's views of the buffers (the layout's), and its master from its parameter."""
         for slot in self.slots:
-            layout.set_views(self, slot)
+            self.layout.set_views(self, slot)
             self.masters.initialise(self, slot)
+        self._aliased = [s for s in self.slots if s.weight is not None and s.weight is not s.param]  # (stale_weights)
 
     def _set_master_mode(self, dtype) -> None:
         label = f"{self._first_name} (and its group's others on {self.device})"
@@ -342,14 +351,16 @@ class FlatGroup:
         self.master = self.masters.new_buffer(self.local_numel, state_device)
         self._index_cache = {}
         self.plan = object()  # new buffers: a new launch plan
-        for slot in self.slots:
-            self.layout.set_views(self, slot)
-            self.masters.initialise(self, slot)
+        self._make_views()
 
     def stale_weights(self) -> list:
         """Slots whose ``weight`` alias no longer shares its parameter's storage (``p.data = t``
         replaced it): a compiled step traced over the alias would write the old storage."""
-        return [s for s in self.slots if s.weight is not None and s.weight.data_ptr() != s.param.data_ptr()]
+        aliased = self._aliased
+        weights, params = map(_WEIGHT, aliased), map(_PARAM, aliased)
+        if list(map(Tensor.data_ptr, weights)) == list(map(Tensor.data_ptr, params)):  # (C-level)
+            return []
+        return [s for s in aliased if s.weight.data_ptr() != s.param.data_ptr()]
 
     def refresh_weights(self) -> None:
         for slot in self.stale_weights():

@@ -152,6 +152,14 @@ class Ledger:
         if slots:
             self._changed()
 
+    def folded_in_graph(self, slots: list) -> None:
+        """A compiled graph folded one gradient into each of ``slots`` (fused_accum.compiled:
+        one each, so no second piece to spot; nothing recorded where each held one already)."""
+        if not all(map(HAS_GRAD, slots)):
+            for slot in slots:
+                slot._has_grad = True
+            self._changed()
+
     def stepped_in_pass(self, slots: list) -> None:
         """step_in_backward stepped ``slots`` from their last gradient: nothing of theirs is left
         in the window."""

@@ -44,7 +44,7 @@ from . import owners
 from .arrivals import _untraced, make_arrivals
 from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
-from .ledger import Exposure, Ledger
+from .ledger import HAS_GRAD, Exposure, Ledger
 from .placement import Placement
 from .topology import Local
 from .topology.base import sum_of_squares
@@ -479,9 +479,12 @@ class GradientWindow:
         self.check_attached()
         with self.lock, self.ledger.planning():
             self._graph_look(code, before_backward=True)
-            received = [slot for slot in self.slots if _code(code, slot.key) & RECEIVED]
+            if len(code) == 1:
+                received = self.slots if code[0] & RECEIVED else []
+            else:
+                received = [slot for slot, c in zip(self.slots, code) if c & RECEIVED]
             if received:
-                self.ledger.folded(received)
+                self.ledger.folded_in_graph(received)
                 self.topology.added()
                 self.topology.backward_ended(self.ledger, self.flat_groups)
                 self._count_microbatch()
@@ -549,6 +552,13 @@ class GradientWindow:
         since (which discards its gradient) is refused, never stepped or added to."""
         from .compiled import SHOWS_NONE
 
+        held = list(map(HAS_GRAD, self.slots))  # (C-level: this runs at every call of a graph)
+        if len(code) == 1:
+            agrees = all(held) if code[0] & 3 != SHOWS_NONE else not any(held)
+        else:
+            agrees = held == [c & 3 != SHOWS_NONE for c in code]
+        if agrees:
+            return
         for slot in self.slots:
             if slot.has_grad != (_code(code, slot.key) & 3 != SHOWS_NONE):
                 raise RuntimeError(
