@@ -38,6 +38,7 @@
 #   offload       benchmarks/offload.py: the host step per bucket; a k = 8 window of a small bf16 GPT with and
 #                 without offload='cpu' (ms, peak device memory, the optimizer's device bytes per
 #                 parameter, how much of the host step hides, speculations committed and redone)
+#   compile       (only where named: see ORDER below) benchmarks/compile.py under mode="reduce-overhead"
 #   goals         scripts/device_goals.py: launches per op on 2,048 tensors, the k = 8 window's
 #                 gradient traffic, and summary.md (every goal: met, MISSED or not measured)
 # Only the GPU benchmark suites run (not `window`, the CPU thread table, nor cpu_adam).
@@ -115,8 +116,18 @@ export PYTHONUNBUFFERED=1  # else python holds its output back and a killed stag
 # (23 s measured on a step that synced per parameter, issue 26 section 1) and times the window's
 # traffic: 40-45 s.
 ALL_STAGES=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad offload goals)
+# Stages that run only where DEVICE_CHECK_STAGES names them (they do not fit beside the others):
+#   compile  benchmarks/compile.py on a GPT-2-small-like model (d 768, 12 heads, 4 layers, vocab
+#            8192, 128 tokens) at micro-batch 1, 2 and 4 (k = 4, bf16): each way of compiling a
+#            window, fused_accum against torch.optim's best, under mode="reduce-overhead" (CUDA
+#            graphs), with the CUDA graph replays per window counted; its goal (the compiled window
+#            >= 1.3x the eager loop) is in summary.md. Inductor compiles each recipe at each size
+#            (the one-graph window holds k forwards and backwards: minutes at 12 layers, so 4 here):
+#            it starts no size after 240 s. Its own run:
+#              DEVICE_CHECK_STAGES=build,device,compile,goals  (485 s of the 500)
+ORDER=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad offload compile goals)
 declare -A LIMIT=([toolchain]=20 [build]=50 [device]=15 [gpu-core]=115 [gpu-matrix]=80 [kernels]=45
-                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [offload]=20 [goals]=45)
+                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [offload]=20 [compile]=360 [goals]=45)
 KILL_AFTER=15
 TOTAL_BUDGET=500  # 8 1/3 minutes: a 10-minute command (the machine's start is not in it), 100 s to spare
 
@@ -130,15 +141,15 @@ if [[ -n ${DEVICE_CHECK_STAGES:-} ]]; then
     name=${name//[[:space:]]/}
     [[ -z $name ]] && continue
     if [[ -z ${LIMIT[$name]+x} ]]; then
-      echo "DEVICE_CHECK_STAGES: no stage '$name'; the stages are: $(IFS=,; echo "${ALL_STAGES[*]}")" >&2
+      echo "DEVICE_CHECK_STAGES: no stage '$name'; the stages are: $(IFS=,; echo "${ORDER[*]}")" >&2
       exit 2
     fi
     WANTED[$name]=1
   done
   STAGES=()
-  for s in "${ALL_STAGES[@]}"; do [[ -n ${WANTED[$s]:-} ]] && STAGES+=("$s"); done
+  for s in "${ORDER[@]}"; do [[ -n ${WANTED[$s]:-} ]] && STAGES+=("$s"); done
   if ((${#STAGES[@]} == 0)); then
-    echo "DEVICE_CHECK_STAGES='$DEVICE_CHECK_STAGES' names no stage; the stages are: $(IFS=,; echo "${ALL_STAGES[*]}")" >&2
+    echo "DEVICE_CHECK_STAGES='$DEVICE_CHECK_STAGES' names no stage; the stages are: $(IFS=,; echo "${ORDER[*]}")" >&2
     exit 2
   fi
 fi
@@ -355,6 +366,14 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
     offload)  # offload.csv stays in the scratch folder (8 files back): summary.md reports it
       if [[ $dry == 1 ]]; then CMD=("$PY" benchmarks/offload.py --quick --out "$SCRATCH")
       else CMD=("$PY" benchmarks/offload.py --out "$SCRATCH")
+      fi ;;
+    compile)  # compile.csv stays in the scratch folder: its tables are in the log, its goal in summary.md
+      if [[ $dry == 1 ]]; then
+        CMD=("$PY" benchmarks/compile.py --smoke --device cpu --threads 1 --micro-batch 1 --csv "$SCRATCH/compile.csv")
+      else
+        CMD=("$PY" benchmarks/compile.py --device cuda --mode reduce-overhead --dtype bf16 --d 768 --heads 12
+             --layers 4 --vocab 8192 --seq 128 --k 4 --micro-batch 1,2,4 --rounds 20 --time-budget 240
+             --csv "$SCRATCH/compile.csv")
       fi ;;
     goals)
       if [[ $dry == 1 ]]; then

@@ -75,14 +75,15 @@ class Net(nn.Module):
         return ((self.down(nn.functional.gelu(self.up(self.norm(x)))).float() - y) ** 2).mean() / K
 
 
-def build(algorithm, precision, **kwargs):
-    """A Net and its optimizer (clip and non-finite skip on, the CPU kernels)."""
+def build(algorithm, precision, device="cpu", **kwargs):
+    """A Net and its optimizer (clip and non-finite skip on; on the CPU, the CPU kernels)."""
     dtype, master = PRECISIONS[precision]
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = Net().to(device, dtype)
     if master is not None:
         kwargs["master_weights"] = master
-    kwargs = {**dict(max_grad_norm=1.0, skip_nonfinite=True, backend="cpu"), **HYPER.get(algorithm, {}), **kwargs}
+    backend = "cpu" if device == "cpu" else "auto"
+    kwargs = {**dict(max_grad_norm=1.0, skip_nonfinite=True, backend=backend), **HYPER.get(algorithm, {}), **kwargs}
     return model, fused_accum.FusedAccumOptimizer(model.parameters(), algorithm, lr=1e-2, **kwargs)
 
 
@@ -306,3 +307,49 @@ def test_what_cannot_trace_runs_eagerly_and_fullgraph_names_why(make, call, reas
     opt = make(model)
     with pytest.raises(torch._dynamo.exc.Unsupported, match=reason.replace("(", r"\(").replace(")", r"\)")):
         torch.compile(call, backend="aot_eager", fullgraph=True)(model, opt)
+
+
+# --- on a GPU: one CUDA graph per window --------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_the_recipe_under_reduce_overhead_replays_one_cuda_graph_per_window(precision, monkeypatch):
+    """mode="reduce-overhead": the books (the window_event op, tagged cudagraph-unsafe) run
+    ahead of one captured partition, which replays once per window (torch.cuda.CUDAGraph.replay
+    counted) and changes no bit against the same recipe compiled without CUDA graphs; and the
+    window is as close to eager as torch.compile(model) alone."""
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: (replays.append(1), real_replay(self))[1])
+    dtype = PRECISIONS[precision][0]
+    data = [[(x.cuda(), y.cuda()) for x, y in chunk] for chunk in batches(dtype, 8)]
+    data[NONFINITE] = data[0]  # (every window finite: the skip is the CPU tests')
+
+    (graphed, graphed_opt), (plain, plain_opt), (ref, ref_opt), (alone, alone_opt) = (
+        build("adamw", precision, "cuda") for _ in range(4)
+    )
+    graphed_window = torch.compile(window, mode="reduce-overhead", fullgraph=True)
+    plain_window = torch.compile(window, mode="max-autotune-no-cudagraphs", fullgraph=True)
+    alone_model = torch.compile(alone)
+    per_window = []
+    for w, chunk in enumerate(data):
+        for o in (graphed_opt, plain_opt, ref_opt, alone_opt):
+            o.param_groups[0]["lr"] = lr_of(w)
+        before = len(replays)
+        graphed_window(graphed, graphed_opt, chunk)
+        per_window.append(len(replays) - before)
+        plain_window(plain, plain_opt, chunk)
+        window(ref, ref_opt, chunk)
+        window(alone_model, alone_opt, chunk)
+    torch.cuda.synchronize()
+    # (cudagraph trees: the first call warms up, the second records; every later one replays)
+    assert per_window[2:] == [1] * (len(data) - 2), per_window
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert_same(graphed, graphed_opt, plain, plain_opt, f"reduce-overhead against no CUDA graphs, {precision}")
+
+    def distance(m):
+        return max((p.float() - q.float()).abs().max().item() for p, q in zip(m.parameters(), ref.parameters()))
+
+    assert distance(graphed) <= distance(alone), (distance(graphed), distance(alone))
