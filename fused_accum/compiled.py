@@ -10,16 +10,18 @@ ops only, so each of the three calls is split in two:
   traces under ``torch._dynamo.config.trace_autograd_ops``) folded by the ``accumulate_`` custom
   op; the step's coefficient from the accumulator's norm on the device (clip, non-finite skip,
   ``num_items``: :func:`fused_accum.window.window_scale`), the step counts and the step op
-  (:meth:`fused_accum.step.Stepper.step_call`). What the core does is decided at trace time
-  from what each ``.grad`` shows (None, the window's view, or a tensor the user assigned):
-  Dynamo guards it, so a ``.grad`` changed between calls retraces, never replays stale;
+  (:meth:`fused_accum.step.Stepper.step_call`). What the core does (which slots a fold
+  overwrites, which a step steps) is decided at trace time from the ledger's record of which
+  slots hold the window's gradient: Python state that Dynamo guards, so a window in another
+  state retraces, never replays stale;
 - **the books**, one call of the ``fused_accum::window_event`` op per traced call, run as
-  Python while the graph runs (a custom op's body): the ledger's record of the backward or step
-  (the same window methods an eager backward and step call, told the values are the graph's),
-  the checks that refuse what a graph cannot follow, and the learning rates written into the
-  flat groups' ``lr`` tensors, which the step op reads: a schedule changes them without a
-  recompile. The op writes no buffer the graph reads (a functionalized graph would not see it)
-  but the ``lr`` tensors it is handed, and declares those.
+  Python while the graph runs (a custom op's body): what the user did to ``.grad`` taken back
+  and the ledger's record of the backward or step (the window's and the optimizer's
+  ``graph_*`` methods, beside their eager twins), the checks that refuse what the graph cannot
+  follow, and the learning rates written into the flat groups' ``lr`` tensors, which the step
+  op reads: a schedule changes them without a recompile. The op writes no buffer the graph
+  reads (a functionalized graph would not see it) but the ``lr`` tensors it is handed, and
+  declares those.
 
 What stays eager (each call then breaks the graph, and ``fullgraph=True`` refuses it naming the
 reason): the step of a ``torch.optim`` class, ``offload``, ``step_in_backward``, every data-parallel
@@ -47,9 +49,10 @@ from .window import window_scale
 # --- the books' op -----------------------------------------------------------------------------
 
 BACKWARD, STEP, ZERO_GRAD = 0, 1, 2  # what a window_event records
-# What the ledger said a slot held as the graph was traced (a backward's code adds RECEIVED for
-# a slot that gets a gradient): the books check the window agrees before recording.
-SHOWS_NONE, SHOWS_VIEW = 0, 1
+# Per slot, whether the ledger said it held the window's gradient as the graph was traced (a
+# backward's code adds RECEIVED for a slot that gets a gradient): the books check the window
+# agrees before recording.
+EMPTY, HELD = 0, 1
 RECEIVED = 4
 
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -170,7 +173,7 @@ def _compressed(code: list) -> list:
 
 
 def _held(slot) -> int:
-    return SHOWS_VIEW if slot._has_grad else SHOWS_NONE
+    return HELD if slot._has_grad else EMPTY
 
 
 def backward(opt, loss: Tensor) -> None:

@@ -461,10 +461,10 @@ class GradientWindow:
             self._queue_end_of_backward(arrived=True)
 
     # --- a compiled graph's books (fused_accum.compiled), kept as the graph runs ------------------
-    # The graph does the tensor work (folds, copies of assigned .grad, the step); these record it
-    # as the eager hooks and step would, after taking back what the user did to .grad (told the
-    # values are the graph's). ``code``: per slot, what its .grad showed as the graph was traced
-    # (fused_accum.compiled.SHOWS_*), which the window's own look must agree with.
+    # The graph does the tensor work (the folds, the step); these take back what the user did to
+    # .grad and record the graph's work as the eager hooks and step would. ``code``: per slot,
+    # whether the ledger said it held the window's gradient when the graph was traced
+    # (compiled.HELD or EMPTY; one code for all where they agree), which the window must agree with.
 
     def params(self) -> list:
         """The hooked parameters, by key."""
@@ -538,7 +538,8 @@ class GradientWindow:
                     f"{self.label}: parameter {slot.name}'s .grad was assigned (or its .data re-pointed) since "
                     "the window showed it, and a compiled call cannot read the values assigned (its graph "
                     "folds and steps the window's buffers): edit .grad in place, or make this call outside "
-                    "the compiled function"
+                    "the compiled function. (A loss.backward() that Dynamo traced under trace_autograd_ops "
+                    "assigns autograd's own sums, bypassing the window: call opt.backward(loss) there.)"
                 )
         self._folder.take_report()
         if self.ledger.shown:
@@ -550,17 +551,17 @@ class GradientWindow:
     def _check_graph_agrees(self, code: list) -> None:
         """The slots holding a gradient are those the graph was traced with: a .grad cleared
         since (which discards its gradient) is refused, never stepped or added to."""
-        from .compiled import SHOWS_NONE
+        from .compiled import EMPTY
 
         held = list(map(HAS_GRAD, self.slots))  # (C-level: this runs at every call of a graph)
         if len(code) == 1:
-            agrees = all(held) if code[0] & 3 != SHOWS_NONE else not any(held)
+            agrees = all(held) if code[0] & 3 != EMPTY else not any(held)
         else:
-            agrees = held == [c & 3 != SHOWS_NONE for c in code]
+            agrees = held == [c & 3 != EMPTY for c in code]
         if agrees:
             return
         for slot in self.slots:
-            if slot.has_grad != (_code(code, slot.key) & 3 != SHOWS_NONE):
+            if slot.has_grad != (_code(code, slot.key) & 3 != EMPTY):
                 raise RuntimeError(
                     f"{self.label}: parameter {slot.name} {'holds' if slot.has_grad else 'holds no'} a "
                     "gradient in this window, unlike when the compiled graph was traced (its .grad was "

@@ -167,6 +167,34 @@ def test_a_window_compiles_into_one_graph_bit_for_bit_with_eager(algorithm, prec
     assert with_state[0] == with_state[1]
 
 
+def test_a_window_over_two_param_groups_of_two_dtypes_is_one_graph_bit_for_bit_with_eager():
+    """Three flat groups (a group per lr, its LayerNorm in fp32 beside bf16 weights): each steps
+    with its own lr, written by the books, which a schedule of the first changes every window."""
+
+    def built():
+        torch.manual_seed(0)
+        model = Net().to(torch.bfloat16)
+        model.norm.float()
+        groups = [
+            dict(params=list(model.up.parameters()) + list(model.norm.parameters())),
+            dict(params=list(model.down.parameters()) + [model.unused], lr=3e-3, weight_decay=0.0),
+        ]
+        return model, fused_accum.AdamW(groups, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, backend="cpu")
+
+    model, opt = built()
+    ref_model, ref_opt = built()
+    assert len(opt._window.flat_groups) == 3
+    compiled_window = torch.compile(window, backend="aot_eager", fullgraph=True)
+    for w, chunk in enumerate(batches(torch.bfloat16)[:NONFINITE]):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = lr_of(w)
+        window(ref_model, ref_opt, chunk)
+        compiled_window(model, opt, chunk)
+    assert graphs() == 1
+    assert_same(model, opt, ref_model, ref_opt, "two param groups")
+    assert [f.lr.item() for f in opt._window.flat_groups] == [f.lr.item() for f in ref_opt._window.flat_groups]
+
+
 def test_the_recipe_under_inductor_is_as_close_to_eager_as_compiling_the_model_alone():
     """Under inductor the model's kernels round as inductor's do: the one-graph window is held
     to the distance ``torch.compile(model)`` alone (eager backward and step) keeps from eager,
@@ -278,7 +306,7 @@ def test_the_books_refuse_a_graph_traced_for_other_gradients():
     for x, y in batches(torch.float32, 1)[0]:
         model(x, y).backward()
     with pytest.raises(RuntimeError, match="unlike when the compiled graph was traced"):
-        opt._window.graph_step([compiled.SHOWS_VIEW])  # (the unused parameter holds none)
+        opt._window.graph_step([compiled.HELD])  # (the unused parameter holds none)
 
 
 # --- what stays eager -------------------------------------------------------------------------

@@ -285,12 +285,12 @@ def _books_ops(n, algorithm, precision, k=4) -> collections.Counter:
     for _ in range(3):
         run.window()
     opt = run.opt
-    held = compiled.SHOWS_VIEW
+    held = compiled.HELD
 
     def books():
         event = compiled.window_event
         for j in range(k):
-            code = [(held if j else compiled.SHOWS_NONE) | compiled.RECEIVED]
+            code = [(held if j else compiled.EMPTY) | compiled.RECEIVED]
             event(opt._graph_id, compiled.BACKWARD, code, opt._graph_token, [])
         event(opt._graph_id, compiled.STEP, [held], opt._graph_token, [f.lr for f in opt._window.flat_groups])
         event(opt._graph_id, compiled.ZERO_GRAD, [], opt._graph_token, [])
