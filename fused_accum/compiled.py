@@ -44,7 +44,8 @@ from torch import Tensor
 
 from . import ops
 from .algorithms import state_keys
-from .window import window_scale
+from .ledger import HAS_GRAD
+from .window import check_num_items, window_scale
 
 # --- the books' op -----------------------------------------------------------------------------
 
@@ -76,11 +77,11 @@ def _window_event(optimizer: int, event: int, code: list, token: Tensor, lrs: li
         )
     token.add_(1)
     if event == BACKWARD:
-        opt._window.graph_backward(code)
+        backward_books(opt, code)
     elif event == STEP:
-        opt._graph_step_books(code, lrs)
+        step_books(opt, code, lrs)
     else:
-        opt._graph_zero_grad_books()
+        zero_grad_books(opt)
 
 
 # Tagged cudagraph-unsafe: its body is Python, which a CUDA graph's replay would skip; under
@@ -132,6 +133,17 @@ def eagerly(reason: str, fn, *args):
     return _EAGER[reason](fn, *args)
 
 
+def step_reason(opt, closure) -> Optional[str]:
+    """Why ``opt.step(closure)`` must run eagerly inside a compiled region (None: it traces)."""
+    if closure is not None:
+        return CLOSURE
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return GRAD_SCALER
+    if needs_new_state(opt):
+        return NEW_STATE
+    return eager_reason(opt, step=True)
+
+
 def eager_reason(opt, *, step: bool = False) -> Optional[str]:
     """Why ``opt``'s backward or zero_grad (``step``: its step) must run eagerly inside a
     compiled region (None: it traces)."""
@@ -151,7 +163,7 @@ def eager_reason(opt, *, step: bool = False) -> Optional[str]:
             return GENERIC
         if opt._members.unfrozen():
             return UNFROZEN
-    elif any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window.params()):
+    elif any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window._params):
         return OWN_HOOK  # (not asked of a step: it must not touch the parameters, see below)
     return None
 
@@ -177,6 +189,40 @@ def _held(slot) -> int:
 
 
 def backward(opt, loss: Tensor) -> None:
+    """``opt.backward(loss)`` inside a compiled region: traced (``_traced_backward``), or
+    ``loss.backward()`` eagerly (a graph break) where it cannot be."""
+    reason = eager_reason(opt)
+    if reason is None and not torch._dynamo.config.trace_autograd_ops:
+        reason = NO_AUTOGRAD_OPS
+    if reason is None:
+        return _traced_backward(opt, loss)
+    return eagerly(reason, loss.backward)
+
+
+def step(opt, closure, num_items):
+    """``opt.step()`` inside a compiled region: traced (``_traced_step``), or the eager step
+    (a graph break) where it cannot be."""
+    reason = step_reason(opt, closure)
+    if reason is not None:
+        return eagerly(reason, opt._step, closure, num_items)
+    if num_items is not None and not isinstance(num_items, Tensor):
+        check_num_items(num_items)
+    norm = _traced_step(opt, num_items)
+    if norm is not None:
+        opt._last_norm.value = norm
+    return None
+
+
+def zero_grad(opt, set_to_none: bool) -> None:
+    """``opt.zero_grad()`` inside a compiled region: traced (``_traced_zero_grad``), or eagerly
+    (a graph break) where it cannot be."""
+    reason = eager_reason(opt) or (None if set_to_none else ZERO_IN_PLACE)
+    if reason is not None:
+        return eagerly(reason, opt.zero_grad, set_to_none)  # (run eagerly: it is not compiling there)
+    return _traced_zero_grad(opt)
+
+
+def _traced_backward(opt, loss: Tensor) -> None:
     """``opt.backward(loss)`` as Dynamo traces it: this optimizer's gradients of ``loss``, each
     folded into its slice (overwriting where the window holds none yet)."""
     window = opt._window
@@ -192,12 +238,10 @@ def backward(opt, loss: Tensor) -> None:
                 offsets = torch.tensor([s.offset for s in slots], dtype=torch.int64)
                 grads = [received[s.key] for s in slots]
                 ops.accumulate(flat.acc, offsets, grads, 1.0, overwrite, None, None, flat.backend)
-    for slot in window.slots:
-        if slot.key in received:
-            slot._has_grad = True
+    window.ledger.held_in_trace([slot for slot in window.slots if slot.key in received], True)
 
 
-def step(opt, num_items) -> Optional[Tensor]:
+def _traced_step(opt, num_items) -> Optional[Tensor]:
     """``opt.step()`` as Dynamo traces it (``eager_reason`` None, and no state buffer to
     allocate): the books, then the window's coefficient and one step op per flat group, over
     the slots holding the window's gradient. Returns the window's norm (or None)."""
@@ -231,9 +275,147 @@ def needs_new_state(opt) -> bool:
     )
 
 
-def zero_grad(opt) -> None:
+def _traced_zero_grad(opt) -> None:
     """``opt.zero_grad()`` (``set_to_none=True``) as Dynamo traces it: the books discard the
     window and set every ``.grad`` of the param groups to None as the graph runs."""
     window_event(opt._graph_id, ZERO_GRAD, [], opt._graph_token, [])
-    for slot in opt._window.slots:
-        slot._has_grad = False
+    opt._window.ledger.held_in_trace(opt._window.slots, False)
+
+
+# --- the books, as the graph runs ---------------------------------------------------------------
+# The graph does the tensor work (the folds, the step); these take back what the user did to
+# .grad and record the graph's work as the window's hooks and the eager step would, with the
+# window's own steps (GradientWindow, Folder, Ledger: the eager backward's and step's, in that
+# order). ``code``: per slot, whether the ledger said it held the window's gradient when the graph
+# was traced (HELD or EMPTY, and RECEIVED; one code for all where they agree), which the window
+# must agree with before anything is recorded.
+
+
+def _code(code: list, key: int) -> int:
+    return code[0] if len(code) == 1 else code[key]
+
+
+def backward_books(opt, code: list) -> None:
+    """A traced backward's books: its start (the window's checks) and its end (the micro-batch
+    counted, ``.grad`` showing the window), as the hooks' callbacks record them."""
+    window = opt._window
+    window.check_attached()
+    with window.lock, window.ledger.planning():
+        _take_back(window, code, before_backward=True)
+        if len(code) == 1:
+            received = window.slots if code[0] & RECEIVED else []
+        else:
+            received = [slot for slot, c in zip(window.slots, code) if c & RECEIVED]
+        if received:
+            window.ledger.folded_in_graph(received)
+            window.topology.added()
+            window.topology.backward_ended(window.ledger, window.flat_groups)
+            window._count_microbatch()
+        window.expose()
+        window._folder.arm_quiet()
+        window.placement.backward_ended(window.flat_groups)
+
+
+def step_books(opt, code: list, lrs: list) -> None:
+    """A traced step's books: what the eager step checks and takes back (``opt.state`` too: an
+    edit refused, a first step's entries shown), each group's learning rate written into
+    ``lrs`` (its flat groups' ``lr``), and the window's end."""
+    window, stepper = opt._window, opt._stepper
+    window.check_attached()
+    opt._members.check_unchanged(opt.param_groups, type(opt).__name__)
+    opt._members.check_none_unfrozen(type(opt).__name__)
+    with window.lock:
+        _take_back(window, code, before_backward=False)
+        _check_agrees(window, code)
+    stale = [slot.name for flat in window.flat_groups for slot in flat.stale_weights()]
+    if stale:
+        for flat in window.flat_groups:
+            flat.refresh_weights()  # (the next call's graph takes the new storage)
+        raise RuntimeError(
+            f"{window.label}: the .data of parameter {stale[0]} was replaced since the last step, and this "
+            "compiled step writes its old storage: it is refused; the next compiled call writes the new one"
+        )
+    for flat, lr in zip(window.flat_groups, lrs):
+        active = [slot for slot in flat.slots if slot.has_grad]
+        if active:
+            group = stepper.param_groups[flat.group_index]
+            stepper.write_lr(lr, group)
+            stepper.take_user_state(flat, active, group, values=False)
+    window.after_step()
+
+
+def zero_grad_books(opt) -> None:
+    """A traced ``zero_grad()``'s books: the window discarded, every ``.grad`` of the param
+    groups None."""
+    window = opt._window
+    _take_back(window, (), before_backward=None)
+    window.placement.discarded(window.flat_groups)
+    window.discard()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def _take_back(window, code: list, before_backward: Optional[bool]) -> None:
+    """The look a backward's checks or the step take first, and what the user did to ``.grad``
+    taken back (``before_backward`` None: nothing to take, the window is discarded next). Refuses
+    what the graph, traced over these buffers with the gradients the ledger recorded, cannot
+    follow: a ``.grad`` assigned (its values), a parameter moved or cast, gradients an eager
+    backward left unfolded, a DDP wrapper found now."""
+    if not window.topology.decided and window.resolve_topology().name != "local":
+        raise RuntimeError(
+            f"{window.label}: a DistributedDataParallel wrapper owns these gradients, which a compiled "
+            "window cannot fold (fused_accum.compiled): run the window eagerly"
+        )
+    table = window._arrivals  # (the hooks' table: its look, without the eager one's re-homing)
+    if table.has_arrivals():
+        raise RuntimeError(
+            f"{window.label}: an eager backward left gradients unfolded before a compiled call "
+            "(it raised?); call opt.zero_grad() or finish the window eagerly"
+        )
+    look = table.look(window._params)
+    if look.moved:
+        raise RuntimeError(
+            f"{window.label}: parameters moved or were cast (model.to(...)) since the compiled graph "
+            "was traced over their buffers: call opt.zero_grad() outside the compiled function once, "
+            "which moves the buffers after them"
+        )
+    if before_backward is None:
+        return
+    for key in look.changed:  # (cleared ones are taken below: the check then refuses them)
+        slot = window.slots[key]
+        grad = slot.param.grad
+        if grad is not None and (grad is not slot.grad_view or grad.data_ptr() != slot.acc.data_ptr()):
+            raise RuntimeError(
+                f"{window.label}: parameter {slot.name}'s .grad was assigned (or its .data re-pointed) since "
+                "the window showed it, and a compiled call cannot read the values assigned (its graph "
+                "folds and steps the window's buffers): edit .grad in place, or make this call outside "
+                "the compiled function. (A loss.backward() that Dynamo traced under trace_autograd_ops "
+                "assigns autograd's own sums, bypassing the window: call opt.backward(loss) there.)"
+            )
+    window._folder.take_report()
+    if window.ledger.shown:
+        window.reconcile(look.changed, before_backward=before_backward)
+    if before_backward:
+        window.ledger.checked()
+        _check_agrees(window, code)
+
+
+def _check_agrees(window, code: list) -> None:
+    """The slots holding a gradient are those the graph was traced with: a ``.grad`` cleared
+    since (which discards its gradient) is refused, never stepped or added to."""
+    held = list(map(HAS_GRAD, window.slots))  # (C-level: this runs at every call of a graph)
+    if len(code) == 1:
+        agrees = all(held) if code[0] & HELD else not any(held)
+    else:
+        agrees = held == [bool(c & HELD) for c in code]
+    if agrees:
+        return
+    for slot in window.slots:
+        if slot.has_grad != bool(_code(code, slot.key) & HELD):
+            raise RuntimeError(
+                f"{window.label}: parameter {slot.name} {'holds' if slot.has_grad else 'holds no'} a "
+                "gradient in this window, unlike when the compiled graph was traced (its .grad was "
+                "cleared since it was shown?); a compiled call follows the window's own record: clear "
+                "gradients with opt.zero_grad(), or make this call outside the compiled function"
+            )

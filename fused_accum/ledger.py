@@ -160,6 +160,14 @@ class Ledger:
                 slot._has_grad = True
             self._changed()
 
+    def held_in_trace(self, slots: list, held: bool) -> None:
+        """While Dynamo traces a compiled call (fused_accum.compiled): ``slots`` hold the
+        window's gradient (or none) from here on in the graph, as its books will record when it
+        runs. Written as Dynamo side effects, so a later call in the same graph decides from
+        them; the books' own record (the change counter with it) is the truth."""
+        for slot in slots:
+            slot._has_grad = held
+
     def stepped_in_pass(self, slots: list) -> None:
         """step_in_backward stepped ``slots`` from their last gradient: nothing of theirs is left
         in the window."""

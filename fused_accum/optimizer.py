@@ -19,7 +19,6 @@ optimizer does", "Data parallel and sharding").
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 import weakref
@@ -39,7 +38,7 @@ from .offload import Offload
 from .placement import Placement
 from .generic import GenericPath
 from .step import StateEntry, Stepper  # noqa: F401 (StateEntry: importable here, as before)
-from .window import GradientWindow, window_scale
+from .window import GradientWindow, check_num_items, window_scale
 
 
 def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None:
@@ -90,20 +89,11 @@ def _check_arguments(
         raise ValueError("step_in_backward=True needs a fused algorithm (sgd, adam, adamw, lion)")
 
 
-def _check_num_items(num_items) -> None:
-    if not (num_items > 0 and math.isfinite(num_items)):
-        raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
-
-
 class _LastNorm:
     """The last window's norm (``last_grad_norm``). Its own object: Dynamo does not replay a
     compiled step's attribute stores into the optimizer itself (torch 2.13)."""
 
     value: Optional[Tensor] = None
-
-
-def _backward(loss: Tensor) -> None:
-    loss.backward()
 
 
 class FusedAccumOptimizer(torch.optim.Optimizer):
@@ -128,13 +118,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     @property
     def last_grad_norm(self) -> Optional[Tensor]:
-        """The last window's gradient norm (a 0-d device tensor), when ``max_grad_norm`` or
-        ``skip_nonfinite`` made the step compute it; else None."""
+        """The last window's norm (0-d, on the device), where the step computed one; else None."""
         return self._last_norm.value
-
-    @last_grad_norm.setter
-    def last_grad_norm(self, value: Optional[Tensor]) -> None:
-        self._last_norm.value = value
 
     # torch's Optimizer and users rebind these two (``opt.state = {}`` restarts the state, as
     # torch's does): the stepper, which the window holds, must always read the ones shown here.
@@ -289,19 +274,10 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         return self._window.topology.no_sync()
 
     def backward(self, loss: Tensor) -> None:
-        """``loss.backward()``, and the backward a compiled window traces: inside a function
-        ``torch.compile`` traces with ``torch._dynamo.config.trace_autograd_ops = True``, this
-        optimizer's gradients of ``loss`` are folded into the window by ops of the graph (the
-        hooks see no backward there: Dynamo's own trace of ``loss.backward()`` bypasses them).
-        Compiled, it computes the gradients of this optimizer's parameters only (the README's
-        "torch.compile")."""
+        """``loss.backward()``; traced by ``torch.compile`` under ``trace_autograd_ops``, the
+        gradients of this optimizer's parameters folded by ops of the graph (fused_accum.compiled)."""
         if torch.compiler.is_compiling():
-            reason = compiled.eager_reason(self)
-            if reason is None and not torch._dynamo.config.trace_autograd_ops:
-                reason = compiled.NO_AUTOGRAD_OPS
-            if reason is None:
-                return compiled.backward(self, loss)
-            return compiled.eagerly(reason, _backward, loss)
+            return compiled.backward(self, loss)
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -309,13 +285,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
         if torch.compiler.is_compiling():
-            reason = compiled.eager_reason(self) or (None if set_to_none else compiled.ZERO_IN_PLACE)
-            if reason is None:
-                return compiled.zero_grad(self)
-            return compiled.eagerly(reason, self._zero_grad, set_to_none)
-        self._zero_grad(set_to_none)
-
-    def _zero_grad(self, set_to_none: bool) -> None:
+            return compiled.zero_grad(self, set_to_none)
         window = self._window
         window.zero_grad(set_to_none)
         for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
@@ -333,67 +303,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- step ---------------------------------------------------------------------------------
 
-    def _graph_zero_grad_books(self) -> None:
-        """A compiled ``zero_grad()``'s books, as its graph runs: the window discarded, every
-        ``.grad`` of the param groups None."""
-        self._window.graph_zero_grad()
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
         gradient by it (an int, float or device tensor; see the README's "Sums, like .grad").
-        Traced by ``torch.compile`` (``fullgraph=True`` included) where fused_accum.compiled
-        says it can be; otherwise it runs eagerly there (a graph break)."""
+        Traced by ``torch.compile`` where it can be (fused_accum.compiled), else a graph break."""
         if torch.compiler.is_compiling():
-            reason = self._graph_reason(closure)
-            if reason is None:
-                if num_items is not None and not isinstance(num_items, Tensor):
-                    _check_num_items(num_items)
-                norm = compiled.step(self, num_items)
-                if norm is not None:
-                    self._last_norm.value = norm
-                return None
-            return compiled.eagerly(reason, self._step, closure, num_items)
+            return compiled.step(self, closure, num_items)
         return self._step(closure, num_items)
-
-    def _graph_reason(self, closure) -> Optional[str]:
-        """Why this step cannot be traced (None: it can; fused_accum.compiled)."""
-        if closure is not None:
-            return compiled.CLOSURE
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            return compiled.GRAD_SCALER
-        if compiled.needs_new_state(self):
-            return compiled.NEW_STATE
-        return compiled.eager_reason(self, step=True)
-
-    def _graph_step_books(self, code: list, lrs: list) -> None:
-        """A compiled step's books, as its graph runs (fused_accum.compiled.step): what the
-        eager step checks and takes back, told the gradients' values are the graph's, each
-        group's learning rate written into ``lrs`` (its flat groups' ``lr``), and the window's
-        end. ``code``: what each slot's ``.grad`` showed when the graph was traced."""
-        window = self._window
-        window.check_attached()
-        self._members.check_unchanged(self.param_groups, type(self).__name__)
-        self._members.check_none_unfrozen(type(self).__name__)
-        window.graph_step(code)
-        stale = [slot.name for flat in window.flat_groups for slot in flat.stale_weights()]
-        if stale:
-            for flat in window.flat_groups:
-                flat.refresh_weights()  # (the next call's graph takes the new storage)
-            raise RuntimeError(
-                f"{type(self).__name__}: the .data of parameter {stale[0]} was replaced since the last step, "
-                "and this compiled step writes its old storage: it is refused; the next compiled call writes the new one"
-            )
-        for flat, lr in zip(window.flat_groups, lrs):
-            active = [slot for slot in flat.slots if slot.has_grad]
-            if active:
-                group = self.param_groups[flat.group_index]
-                self._stepper.write_lr(lr, group)
-                self._stepper.take_user_state(flat, active, group, values=False)
-        window.after_step()
 
     def _step(self, closure: Optional[Callable[[], Any]], num_items):
         window = self._window
@@ -404,7 +321,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if num_items is not None and not isinstance(num_items, Tensor):
-            _check_num_items(num_items)
+            check_num_items(num_items)
         window.flush()
         if window.ledger.stepped_in_backward:
             if num_items is not None:
@@ -433,7 +350,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             skip_nonfinite=self.skip_nonfinite,
         )
         if norm is not None:
-            self.last_grad_norm = norm
+            self._last_norm.value = norm
         if self._generic is not None:
             for flat in window.flat_groups:
                 flat.refresh_masters()  # (torch's step does not follow a weight written from outside)

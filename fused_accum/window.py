@@ -32,6 +32,7 @@ everything at once; a finaliser then removes the hooks.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 import weakref
@@ -44,7 +45,7 @@ from . import owners
 from .arrivals import _untraced, make_arrivals
 from .flat import LOW_PRECISION, FlatGroup, Slot
 from .fold import Folder, WgradTarget
-from .ledger import HAS_GRAD, Exposure, Ledger
+from .ledger import Exposure, Ledger
 from .placement import Placement
 from .topology import Local
 from .topology.base import sum_of_squares
@@ -460,115 +461,6 @@ class GradientWindow:
             # and that backward, now not quiet (Python changed the window), ends here and counts.
             self._queue_end_of_backward(arrived=True)
 
-    # --- a compiled graph's books (fused_accum.compiled), kept as the graph runs ------------------
-    # The graph does the tensor work (the folds, the step); these take back what the user did to
-    # .grad and record the graph's work as the eager hooks and step would. ``code``: per slot,
-    # whether the ledger said it held the window's gradient when the graph was traced
-    # (compiled.HELD or EMPTY; one code for all where they agree), which the window must agree with.
-
-    def params(self) -> list:
-        """The hooked parameters, by key."""
-        return self._params
-
-    def graph_backward(self, code: list) -> None:
-        """A compiled graph folds a backward's gradients (fused_accum.compiled.backward): the
-        backward's start and end, as the hooks' callbacks record them (``code``: also which
-        slots receive a gradient, ``compiled.RECEIVED``)."""
-        from .compiled import RECEIVED
-
-        self.check_attached()
-        with self.lock, self.ledger.planning():
-            self._graph_look(code, before_backward=True)
-            if len(code) == 1:
-                received = self.slots if code[0] & RECEIVED else []
-            else:
-                received = [slot for slot, c in zip(self.slots, code) if c & RECEIVED]
-            if received:
-                self.ledger.folded_in_graph(received)
-                self.topology.added()
-                self.topology.backward_ended(self.ledger, self.flat_groups)
-                self._count_microbatch()
-            self.expose()
-            self._folder.arm_quiet()
-            self.placement.backward_ended(self.flat_groups)
-
-    def graph_step(self, code: list) -> None:
-        """A compiled step takes back what the user did to ``.grad`` (the optimizer's books
-        continue: fused_accum.optimizer)."""
-        with self.lock:
-            self._graph_look(code, before_backward=False)
-            self._check_graph_agrees(code)
-
-    def graph_zero_grad(self) -> None:
-        """A compiled ``zero_grad()`` (set_to_none): the window discarded."""
-        self._graph_look((), before_backward=None)
-        self.placement.discarded(self.flat_groups)
-        self.discard()
-
-    def _graph_look(self, code: list, before_backward: Optional[bool]) -> None:
-        """The look a backward's checks or the step take first, and what the user did to
-        ``.grad`` taken back (``before_backward`` None: nothing to take, the window is
-        discarded next). Refuses what the graph, traced over these buffers with the gradients
-        the ledger recorded, cannot follow: a ``.grad`` assigned (its values), a parameter
-        moved or cast, gradients an eager backward left unfolded, a DDP wrapper found now."""
-        if not self.topology.decided and self.resolve_topology().name != "local":
-            raise RuntimeError(
-                f"{self.label}: a DistributedDataParallel wrapper owns these gradients, which a compiled "
-                "window cannot fold (fused_accum.compiled): run the window eagerly"
-            )
-        if self._arrivals.has_arrivals():
-            raise RuntimeError(
-                f"{self.label}: an eager backward left gradients unfolded before a compiled call "
-                "(it raised?); call opt.zero_grad() or finish the window eagerly"
-            )
-        look = self._arrivals.look(self._params)
-        if look.moved:
-            raise RuntimeError(
-                f"{self.label}: parameters moved or were cast (model.to(...)) since the compiled graph "
-                "was traced over their buffers: call opt.zero_grad() outside the compiled function "
-                "once, which moves the buffers after them"
-            )
-        if before_backward is None:
-            return
-        for key in look.changed:  # (cleared ones are taken below: the check then refuses them)
-            slot = self.slots[key]
-            grad = slot.param.grad
-            if grad is not None and (grad is not slot.grad_view or grad.data_ptr() != slot.acc.data_ptr()):
-                raise RuntimeError(
-                    f"{self.label}: parameter {slot.name}'s .grad was assigned (or its .data re-pointed) since "
-                    "the window showed it, and a compiled call cannot read the values assigned (its graph "
-                    "folds and steps the window's buffers): edit .grad in place, or make this call outside "
-                    "the compiled function. (A loss.backward() that Dynamo traced under trace_autograd_ops "
-                    "assigns autograd's own sums, bypassing the window: call opt.backward(loss) there.)"
-                )
-        self._folder.take_report()
-        if self.ledger.shown:
-            self.reconcile(look.changed, before_backward=before_backward)
-        if before_backward:
-            self.ledger.checked()
-            self._check_graph_agrees(code)
-
-    def _check_graph_agrees(self, code: list) -> None:
-        """The slots holding a gradient are those the graph was traced with: a .grad cleared
-        since (which discards its gradient) is refused, never stepped or added to."""
-        from .compiled import EMPTY
-
-        held = list(map(HAS_GRAD, self.slots))  # (C-level: this runs at every call of a graph)
-        if len(code) == 1:
-            agrees = all(held) if code[0] & 3 != EMPTY else not any(held)
-        else:
-            agrees = held == [c & 3 != EMPTY for c in code]
-        if agrees:
-            return
-        for slot in self.slots:
-            if slot.has_grad != (_code(code, slot.key) & 3 != EMPTY):
-                raise RuntimeError(
-                    f"{self.label}: parameter {slot.name} {'holds' if slot.has_grad else 'holds no'} a "
-                    "gradient in this window, unlike when the compiled graph was traced (its .grad was "
-                    "cleared since it was shown?); a compiled call follows the window's own record: clear "
-                    "gradients with opt.zero_grad(), or make this call outside the compiled function"
-                )
-
     def discard(self) -> None:
         """Forget every gradient of the window (also any left in buckets by a raised backward)."""
         self.ledger.clear_table()
@@ -584,9 +476,10 @@ class GradientWindow:
         self.topology.after_step(self.ledger, self.flat_groups)
 
 
-def _code(code: list, key: int) -> int:
-    """A compiled graph's code for slot ``key`` (one code stands for every slot)."""
-    return code[0] if len(code) == 1 else code[key]
+def check_num_items(num_items) -> None:
+    """``num_items`` given as a Python number: positive and finite (a tensor's is the step's skip)."""
+    if not (num_items > 0 and math.isfinite(num_items)):
+        raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
 
 
 def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite, active=None) -> tuple:

@@ -306,7 +306,7 @@ def test_the_books_refuse_a_graph_traced_for_other_gradients():
     for x, y in batches(torch.float32, 1)[0]:
         model(x, y).backward()
     with pytest.raises(RuntimeError, match="unlike when the compiled graph was traced"):
-        opt._window.graph_step([compiled.HELD])  # (the unused parameter holds none)
+        compiled.step_books(opt, [compiled.HELD], [])  # (the unused parameter holds none)
 
 
 # --- what stays eager -------------------------------------------------------------------------
