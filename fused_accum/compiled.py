@@ -172,10 +172,11 @@ def eager_reason(opt, *, step: bool = False) -> Optional[str]:
 # Each decides from the ledger's record of which slots hold the window's gradient (has_grad:
 # Python state, which Dynamo guards), never from .grad: a bf16 parameter whose .grad is the
 # window's fp32 view cannot even be an input of a graph (Dynamo refuses a gradient of another
-# dtype), so the step writes such parameters through their slots' ``weight`` aliases. A traced
-# backward or zero_grad writes has_grad as Dynamo side effects too (what the books record), so a
-# step later in the same graph sees them. What the user did to .grad since it was shown
-# (assigned or cleared: the books' look finds it) is refused where it changes that record.
+# dtype), so a step after eager backwards writes such parameters through their slots' ``weight``
+# aliases. A traced backward or zero_grad writes has_grad as Dynamo side effects too (what the
+# books record), so a step later in the same graph sees them. What the user did to .grad since
+# it was shown (assigned or cleared: the books' look finds it) is refused where it changes that
+# record.
 
 
 def _compressed(code: list) -> list:
@@ -258,9 +259,15 @@ def _traced_step(opt, num_items) -> Optional[Tensor]:
         skip_nonfinite=opt.skip_nonfinite,
         active=active,
     )
+    # A bf16 parameter whose .grad shows the window's fp32 view cannot be an input of the graph:
+    # where the window was shown as the call began (a step after eager backwards), the step
+    # writes the parameters through their aliases (in a window compiled whole, the parameters
+    # are the forward's inputs already, and .grad was None as it began).
+    aliased = window.ledger.shown
     for flat, slots in zip(window.flat_groups, active):
         if slots:
-            stepper.step_call(flat, slots, scale[flat.device], skip[flat.device] if skip else None)()
+            skipped = skip[flat.device] if skip else None
+            stepper.step_call(flat, slots, scale[flat.device], skipped, aliased=aliased)()
     return norm
 
 

@@ -189,10 +189,8 @@ class Layout:
         every one whole. Each param as it is (any strides: a channels_last weight cannot be viewed as 1-D);
         the backends walk it in logical order, the order of its accumulator slice. Passed as is,
         not detached (the step runs under no_grad, as torch's fused optimizers pass theirs): a
-        detach per parameter per step costs a microsecond each. Traced, each slot's ``weight``
-        (see Slot)."""
-        weights = [s.weight if torch.compiler.is_compiling() else s.param for s in active]
-        return active, [s.acc for s in active], flat.masters.step_tensors(active, weights)
+        detach per parameter per step costs a microsecond each."""
+        return active, [s.acc for s in active], flat.masters.step_tensors(active, [s.param for s in active])
 
     def user_grad(self, flat: "FlatGroup", slot: Slot, grad: Tensor) -> Tensor:
         """A ``.grad`` the user assigned, as the slot's slice holds it."""
@@ -314,6 +312,17 @@ class FlatGroup:
 
     def user_grad(self, slot: Slot, grad: Tensor) -> Tensor:
         return self.layout.user_grad(self, slot, grad)
+
+    def graph_lists(self, active: list, aliased: bool) -> tuple:
+        """(accs, weights, states): ``step_lists``' and the slots' state views, as a compiled
+        step traces them (fused_accum.compiled, one process's layout): each slice taken from
+        its buffer inside the graph (a view passed in is an input of its own, which the graph
+        copies in and back out around the op), and the parameters, or where ``aliased`` their
+        slots' ``weight`` aliases."""
+        accs = [self.acc[s.local] for s in active]
+        masters = [self.master[s.local] for s in active] if self.master is not None else None
+        weights = self.masters.step_tensors(active, [s.weight if aliased else s.param for s in active], masters)
+        return accs, weights, [{key: buf[s.local] for key, buf in self.state.items()} for s in active]
 
     def loaded(self, slot: Slot, value: Tensor) -> Tensor:
         return self.layout.loaded(self, slot, value)

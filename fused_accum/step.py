@@ -105,10 +105,18 @@ class Stepper:
             lr.fill_(float(value))  # float64: every bit of the Python float, as torch takes it
 
     def step_call(
-        self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
+        self,
+        flat: FlatGroup,
+        active: list,
+        coef: Tensor,
+        found_inf=None,
+        grads=(),
+        grads_overwrite=False,
+        aliased: bool = False,
     ) -> Optional[Callable[[], None]]:
         """The step's tensor core for ``active`` slots, once its books are taken (what a
-        compiled step traces: fused_accum.compiled): the coefficient, the step counts (a skipped
+        compiled step traces: fused_accum.compiled, which says whether the weights are written
+        through their ``aliased`` slots' aliases): the coefficient, the step counts (a skipped
         step does not count), and the op call returned (None where this process holds none of
         them)."""
         group = self.param_groups[flat.group_index]
@@ -123,19 +131,23 @@ class Stepper:
             index = flat.active_index(tuple(s.index for s in active))
             flat.steps.index_add_(0, index, increment.expand(len(active)))
             steps = flat.steps.index_select(0, index)
-        held, accs, weights = flat.step_lists(active)  # sharded: this rank's pieces
-        if held is not active:
-            if not held:
-                return None
-            index = flat.active_index(tuple(s.index for s in held))
-            steps = flat.steps.index_select(0, index)
-            active = held
+        if torch.compiler.is_compiling():
+            accs, weights, slot_states = flat.graph_lists(active, aliased)
+        else:
+            held, accs, weights = flat.step_lists(active)  # sharded: this rank's pieces
+            if held is not active:
+                if not held:
+                    return None
+                index = flat.active_index(tuple(s.index for s in held))
+                steps = flat.steps.index_select(0, index)
+                active = held
+            slot_states = [slot.state for slot in active]
         op = ops.step_op(self.algorithm)
         fused = dict(grads=list(grads), grads_overwrite=grads_overwrite)  # the last micro-batch, if any
         t = ops.StepTensors(
             accs=accs, steps=steps, lr=flat.lr, coef=flat.coef, found_inf=found_inf, **weights._asdict(), **fused
         )
-        s = op.states_of([slot.state for slot in active], state_keys(self.algorithm, group))
+        s = op.states_of(slot_states, state_keys(self.algorithm, group))
         # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
         # of this flat group's buffers; what changes their layout (the active set, the lists
         # passed) is in the key.
