@@ -62,11 +62,8 @@ def bucket_members(numels, bucket_numel) -> list:
     return buckets
 
 
-_UNCOUNTED = array.array("q", [0])
-_WEIGHT, _PARAM = (
-    operator.attrgetter("weight"),
-    operator.attrgetter("param"),
-)  # the change counter of slots not (yet) in a window
+_UNCOUNTED = array.array("q", [0])  # the change counter of slots not (yet) in a window
+_WEIGHT, _PARAM = operator.attrgetter("weight"), operator.attrgetter("param")  # (C-level: stale_weights)
 
 
 def _read_only(stored: str) -> property:
@@ -280,7 +277,8 @@ class FlatGroup:
         for slot in self.slots:
             self.layout.set_views(self, slot)
             self.masters.initialise(self, slot)
-        self._aliased = [s for s in self.slots if s.weight is not None and s.weight is not s.param]  # (stale_weights)
+        # the slots whose weight is an alias (stale_weights)
+        self._aliased = [s for s in self.slots if s.weight is not None and s.weight is not s.param]
 
     def _set_master_mode(self, dtype) -> None:
         label = f"{self._first_name} (and its group's others on {self.device})"

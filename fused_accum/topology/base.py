@@ -151,8 +151,10 @@ def sum_of_squares(flat_groups, active: list, home) -> Tensor:
             # padding is zero: nothing writes outside the slices), so the op count does not
             # grow with the parameters (a CPU _foreach_norm is one op per tensor).
             accs = [flat.acc]
+        elif torch.compiler.is_compiling():  # (sliced from the graph's input, which views passed in would alias)
+            accs = [flat.acc[s.local] for s in slots]
         else:
-            accs = [flat.acc[s.local] for s in slots]  # (sliced here: in a graph, of its input)
+            accs = [s.acc for s in slots]
         if accs:
             total.add_(torch.stack(torch._foreach_norm(accs)).square().sum().to(home))
     return total
