@@ -93,17 +93,8 @@ class Cell:
         self.counting = Counting(args.backend, args.mode)
         self.breaks = 0
         self.error: Optional[str] = None
-        cfg = end_to_end.E2EConfig(
-            vocab=args.vocab,
-            d_model=args.d,
-            n_layers=args.layers,
-            n_heads=args.heads,
-            seq_len=args.seq,
-            micro_batch=args.micro_batch,
-            accum_steps=args.k,
-        )
         torch.manual_seed(0)
-        model = end_to_end.TinyGPT(cfg).to(args.device)
+        model = end_to_end.TinyGPT(gpt_config(args)).to(args.device)
         self.k = args.k
         bf16 = args.dtype == "bf16"
         if optimizer == "fused_accum":
@@ -165,16 +156,23 @@ def _dynamo_counts() -> tuple:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def prepare(args) -> List[Cell]:
-    """Every cell built, compiled and checked (``--check`` windows, from the same weights)."""
-    gpt = end_to_end.E2EConfig(
+def gpt_config(args) -> end_to_end.E2EConfig:
+    """The model and its data, as the command line sizes them (``--check`` windows of data)."""
+    return end_to_end.E2EConfig(
         vocab=args.vocab,
+        d_model=args.d,
+        n_layers=args.layers,
+        n_heads=args.heads,
         seq_len=args.seq,
         micro_batch=args.micro_batch,
         accum_steps=args.k,
         windows=args.check,
     )
-    batches = end_to_end.make_batches(gpt, torch.device(args.device))
+
+
+def prepare(args) -> List[Cell]:
+    """Every cell built, compiled and checked (``--check`` windows, from the same weights)."""
+    batches = end_to_end.make_batches(gpt_config(args), torch.device(args.device))
     cells = []
     for optimizer in OPTIMIZERS:
         for recipe in args.recipes:
