@@ -35,6 +35,7 @@ so a compiled window calls ``opt.backward``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Optional
@@ -76,12 +77,27 @@ def _window_event(optimizer: int, event: int, code: list, token: Tensor, lrs: li
             "compile it again for the new optimizer"
         )
     token.add_(1)
-    if event == BACKWARD:
-        backward_books(opt, code)
-    elif event == STEP:
-        step_books(opt, code, lrs)
-    else:
-        zero_grad_books(opt)
+    with _above_autograd():
+        if event == BACKWARD:
+            backward_books(opt, code)
+        elif event == STEP:
+            step_books(opt, code, lrs)
+        else:
+            zero_grad_books(opt)
+
+
+@contextlib.contextmanager
+def _above_autograd():
+    """Autograd's dispatch back for the books: a custom op's body runs below it (its key
+    excluded), where the Python hooks' look, which asks autograd for each parameter's
+    AccumulateGrad node (``get_gradient_edge``: a view's grad_fn), would find none."""
+    key = torch._C.DispatchKey.AutogradFunctionality
+    excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
 
 
 # Tagged cudagraph-unsafe: its body is Python, which a CUDA graph's replay would skip; under

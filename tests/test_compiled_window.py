@@ -167,9 +167,11 @@ def test_a_window_compiles_into_one_graph_bit_for_bit_with_eager(algorithm, prec
     assert with_state[0] == with_state[1]
 
 
-def test_a_window_over_two_param_groups_of_two_dtypes_is_one_graph_bit_for_bit_with_eager():
+def test_a_window_over_two_param_groups_of_two_dtypes_is_one_graph_bit_for_bit_with_eager(hooks):
     """Three flat groups (a group per lr, its LayerNorm in fp32 beside bf16 weights): each steps
-    with its own lr, written by the books, which a schedule of the first changes every window."""
+    with its own lr, written by the books, which a schedule of the first changes every window.
+    With the Python hooks too (before: their look, run by the books inside the custom op's body,
+    below autograd, found no AccumulateGrad node and raised)."""
 
     def built():
         torch.manual_seed(0)
@@ -274,7 +276,7 @@ def _clear(model):
     [(_assign, "was assigned"), (_clear, "unlike when the compiled graph was traced")],
     ids=["assigned", "cleared"],
 )
-def test_a_grad_replaced_before_a_compiled_step_is_refused(edit, message):
+def test_a_grad_replaced_before_a_compiled_step_is_refused(edit, message, hooks):
     """The graph steps the slots the window recorded, from its buffers: a .grad assigned (values
     the graph cannot read) or cleared (a slot it would step) since the backward is refused,
     before anything is written."""
