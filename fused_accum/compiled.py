@@ -346,6 +346,7 @@ def step_books(opt, code: list, lrs: list) -> None:
     window, stepper = opt._window, opt._stepper
     window.check_attached()
     opt._members.check_unchanged(opt.param_groups, type(opt).__name__)
+    opt._opt_called = True  # (for an LR scheduler: see fused_accum.optimizer, below the class)
     opt._members.check_none_unfrozen(type(opt).__name__)
     with window.lock:
         _take_back(window, code, before_backward=False)

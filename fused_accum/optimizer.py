@@ -316,6 +316,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         window = self._window
         window.check_attached()
         self._members.check_unchanged(self.param_groups, type(self).__name__)
+        self._opt_called = True  # (what an LR scheduler's wrapper would record: see below the class)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -443,6 +444,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             f"FusedAccumOptimizer({algo}, accum_steps={self.accum_steps}, backends={backends_used}, "
             f"groups={len(self.param_groups)}, params={len(self._window.slots)})"
         )
+
+
+# An LR scheduler wraps ``opt.step`` to record that it was called (``opt._opt_called``, which
+# its first step() checks), unless the step says it is wrapped already. Its wrapper is code of
+# torch/optim/lr_scheduler.py, which Dynamo skips: a window compiled whole (fused_accum.compiled)
+# would break its graph at the step. The step records the call itself (eagerly, and a compiled
+# step's books), so it says so.
+FusedAccumOptimizer.step._wrapped_by_lr_sched = True
 
 
 _ACCUMULATION_DOC = """
