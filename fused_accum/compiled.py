@@ -16,12 +16,13 @@ ops only, so each of the three calls is split in two:
   state retraces, never replays stale;
 - **the books**, one call of the ``fused_accum::window_event`` op per traced call, run as
   Python while the graph runs (a custom op's body): what the user did to ``.grad`` taken back
-  and the ledger's record of the backward or step (the window's and the optimizer's
-  ``graph_*`` methods, beside their eager twins), the checks that refuse what the graph cannot
-  follow, and the learning rates written into the flat groups' ``lr`` tensors, which the step
-  op reads: a schedule changes them without a recompile. The op writes no buffer the graph
-  reads (a functionalized graph would not see it) but the ``lr`` tensors it is handed, and
-  declares those.
+  and the ledger's record of the backward or step (``backward_books``, ``step_books``,
+  ``zero_grad_books``: the window's own steps, as its hooks and the eager step take them), the
+  checks that refuse what the graph cannot follow, and the learning rates written into the flat
+  groups' ``lr`` tensors, which the step op reads: a schedule changes them without a recompile.
+  The op writes no buffer the graph reads (a functionalized graph would not see it) but the
+  ``lr`` tensors it is handed, and declares those. Inductor runs the books first, as they
+  depend on nothing the graph computes (under CUDA graphs: ahead of the captured partition).
 
 What stays eager (each call then breaks the graph, and ``fullgraph=True`` refuses it naming the
 reason): the step of a ``torch.optim`` class, ``offload``, ``step_in_backward``, every data-parallel
