@@ -21,8 +21,10 @@ ops only, so each of the three calls is split in two:
   checks that refuse what the graph cannot follow, and the learning rates written into the flat
   groups' ``lr`` tensors, which the step op reads: a schedule changes them without a recompile.
   The op writes no buffer the graph reads (a functionalized graph would not see it) but the
-  ``lr`` tensors it is handed, and declares those. Inductor runs the books first, as they
-  depend on nothing the graph computes (under CUDA graphs: ahead of the captured partition).
+  ``lr`` tensors it is handed, and declares those. The books depend on nothing the graph
+  computes, so inductor may run them all ahead of its work (it does: under CUDA graphs, ahead
+  of the captured partition); each records what its call has done by the graph's end, and
+  nothing reads the record before then.
 
 What stays eager (each call then breaks the graph, and ``fullgraph=True`` refuses it naming the
 reason): the step of a ``torch.optim`` class, ``offload``, ``step_in_backward``, every data-parallel
