@@ -59,6 +59,7 @@ BACKWARD, STEP, ZERO_GRAD = 0, 1, 2  # what a window_event records
 # agrees before recording.
 EMPTY, HELD = 0, 1
 RECEIVED = 4
+ALIASED = 8  # (a step's code) the graph writes the parameters through their slots' weight aliases
 
 _OPTIMIZERS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -80,13 +81,20 @@ def _window_event(optimizer: int, event: int, code: list, token: Tensor, lrs: li
             "compile it again for the new optimizer"
         )
     token.add_(1)
-    with _above_autograd():
-        if event == BACKWARD:
-            backward_books(opt, code)
-        elif event == STEP:
-            step_books(opt, code, lrs)
-        else:
-            zero_grad_books(opt)
+    try:
+        with _above_autograd():
+            if event == BACKWARD:
+                backward_books(opt, code)
+            elif event == STEP:
+                step_books(opt, code, lrs)
+            else:
+                zero_grad_books(opt)
+    except Exception:
+        # A refusal: the graph's work after this call does not run, and inductor may have run
+        # every call of the books ahead of all of it (the record of a backward whose folds never
+        # ran): the window is discarded, so that nothing claims gradients the buffers lack.
+        opt._window.discard()
+        raise
 
 
 @contextlib.contextmanager
@@ -266,7 +274,12 @@ def _traced_step(opt, num_items) -> Optional[Tensor]:
     allocate): the books, then the window's coefficient and one step op per flat group, over
     the slots holding the window's gradient. Returns the window's norm (or None)."""
     window, stepper = opt._window, opt._stepper
-    code = _compressed([_held(slot) for slot in window.slots])
+    # A bf16 parameter whose .grad shows the window's fp32 view cannot be an input of the graph:
+    # where the window was shown as the call began (a step after eager backwards), the step
+    # writes the parameters through their aliases (in a window compiled whole, the parameters
+    # are the forward's inputs already, and .grad was None as it began).
+    aliased = window.ledger.shown
+    code = _compressed([_held(slot) | (ALIASED if aliased else 0) for slot in window.slots])
     window_event(opt._graph_id, STEP, code, opt._graph_token, [flat.lr for flat in window.flat_groups])
     active = [[slot for slot in flat.slots if slot._has_grad] for flat in window.flat_groups]
     scale, skip, norm = window_scale(
@@ -278,11 +291,6 @@ def _traced_step(opt, num_items) -> Optional[Tensor]:
         skip_nonfinite=opt.skip_nonfinite,
         active=active,
     )
-    # A bf16 parameter whose .grad shows the window's fp32 view cannot be an input of the graph:
-    # where the window was shown as the call began (a step after eager backwards), the step
-    # writes the parameters through their aliases (in a window compiled whole, the parameters
-    # are the forward's inputs already, and .grad was None as it began).
-    aliased = window.ledger.shown
     for flat, slots in zip(window.flat_groups, active):
         if slots:
             skipped = skip[flat.device] if skip else None
@@ -354,7 +362,7 @@ def step_books(opt, code: list, lrs: list) -> None:
     with window.lock:
         _take_back(window, code, before_backward=False)
         _check_agrees(window, code)
-    stale = [slot.name for flat in window.flat_groups for slot in flat.stale_weights()]
+    stale = [slot.name for flat in window.flat_groups for slot in flat.stale_weights()] if code[0] & ALIASED else []
     if stale:
         for flat in window.flat_groups:
             flat.refresh_weights()  # (the next call's graph takes the new storage)

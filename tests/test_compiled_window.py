@@ -289,7 +289,7 @@ def _clear(model):
 def test_a_grad_replaced_before_a_compiled_step_is_refused(edit, message, hooks):
     """The graph steps the slots the window recorded, from its buffers: a .grad assigned (values
     the graph cannot read) or cleared (a slot it would step) since the backward is refused,
-    before anything is written."""
+    before anything is written, and the window is discarded."""
     model, opt = build("adamw", "bf16-master")
     step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
     for x, y in batches(torch.bfloat16, 1)[0]:
@@ -299,17 +299,22 @@ def test_a_grad_replaced_before_a_compiled_step_is_refused(edit, message, hooks)
     with pytest.raises(RuntimeError, match=message):
         step()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    # (the window discarded: nothing claims gradients, whatever of the graph ran)
+    assert opt.microbatches == 0 and all(p.grad is None for p in model.parameters())
 
 
-def test_a_compiled_step_refuses_an_opt_state_it_cannot_take():
+def test_a_compiled_window_refuses_an_opt_state_it_cannot_take_and_claims_no_gradient():
+    """Refused in the step's books, after the backwards' books recorded the window: the window
+    is discarded (inductor may run every call of the books ahead of the folds)."""
     model, opt = build("adamw", "fp32")
-    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
-    for x, y in batches(torch.float32, 1)[0]:
-        model(x, y).backward()
-    step()
+    compiled_window = torch.compile(window, backend="aot_eager", fullgraph=True)
+    compiled_window(model, opt, batches(torch.float32, 1)[0])
     opt.state[model.up.weight] = {"step": torch.tensor(3.0)}
+    weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=r"opt.state of parameter .* compiled step cannot take"):
-        step()
+        compiled_window(model, opt, batches(torch.float32, 1)[0])
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.microbatches == 0 and not any(slot.has_grad for slot in opt._window.slots)
 
 
 def test_the_books_refuse_a_graph_traced_for_other_gradients():
