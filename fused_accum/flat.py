@@ -279,6 +279,19 @@ class FlatGroup:
             self.masters.initialise(self, slot)
         # the slots whose weight is an alias (stale_weights)
         self._aliased = [s for s in self.slots if s.weight is not None and s.weight is not s.param]
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """The buffers (and weight aliases) marked as static inputs of compiled graphs
+        (fused_accum.compiled): their addresses do not change, so a CUDA graph writes them in
+        place instead of copying each in and out around its replay (torch.optim's compiled step
+        marks its state so). One replaced later (a move) is recorded again by the CUDA graphs
+        (mark_static_address's unguarded kind)."""
+        for t in (self.acc, self.master, self.steps, self.lr, self.coef, self.one, *self.state.values()):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+        for slot in self._aliased:
+            torch._dynamo.mark_static_address(slot.weight)
 
     def _set_master_mode(self, dtype) -> None:
         label = f"{self._first_name} (and its group's others on {self.device})"
@@ -372,6 +385,7 @@ class FlatGroup:
     def refresh_weights(self) -> None:
         for slot in self.stale_weights():
             slot.weight = slot.param.detach()
+        self._mark_static()
 
     def refresh_masters(self) -> None:
         """The masters follow the weights written from outside, by value, for what reads them
@@ -385,6 +399,7 @@ class FlatGroup:
         if key in self.state:
             return False
         buf = self.state[key] = torch.zeros(self.local_numel, dtype=torch.float32, device=self.steps.device)
+        torch._dynamo.mark_static_address(buf)  # (see _mark_static)
         for slot in self.slots:  # (only the state views: .grad keeps showing the same tensor)
             slot.state[key] = buf[slot.local]
         return True
