@@ -42,7 +42,7 @@ STAGES = [
     "offload",
     "goals",
 ]
-OPT_IN_STAGES = ["compile"]  # run only where DEVICE_CHECK_STAGES names them
+OPT_IN_STAGES = ["gpu-compile", "compile"]  # run only where DEVICE_CHECK_STAGES names them
 FILES = {
     "device_check.log",
     "summary.md",
@@ -238,16 +238,20 @@ def test_the_compile_stage_runs_only_where_named_and_its_goal_reads_it(tmp_path)
     """The compile stage (benchmarks/compile.py; issue 46) is not in the default run (it would not
     fit: test_the_budget_fits_eight_minutes), its own run fits, and its dry run (a smoke on the
     CPU) leaves the rows its goal reads: measured, at each micro-batch size it ran."""
-    env = {**os.environ, "DEVICE_CHECK_STAGES": "build,device,compile,goals"}
+    env = {**os.environ, "DEVICE_CHECK_STAGES": "build,device,gpu-compile,compile,goals"}
     proc = subprocess.run(["bash", str(SCRIPT), "--budget"], env=env, capture_output=True, text=True, timeout=60)
     limits = {k: int(v) for k, v in re.findall(r"^ {4}([a-z0-9-]+) +(\d+) s$", proc.stdout, flags=re.M)}
-    assert list(limits) == ["build", "device", "compile", "goals"]
+    assert list(limits) == ["build", "device", "gpu-compile", "compile", "goals"]
     assert sum(limits.values()) + 15 <= 500 and proc.returncode == 0, proc.stdout
+    commands = subprocess.run(["bash", str(SCRIPT), "--commands"], env=env, capture_output=True, text=True, timeout=60)
+    matrix = subprocess.run(["bash", str(SCRIPT), "--commands"], capture_output=True, text=True, timeout=60)
+    assert "-m gpu" in commands.stdout and "tests/test_compiled_window.py" in commands.stdout
+    assert "--ignore=tests/test_compiled_window.py" in matrix.stdout  # (not in the default run's matrix)
     out = tmp_path / "out"
-    proc = dry_run(out, DEVICE_CHECK_STAGES="compile,goals")
+    proc = dry_run(out, DEVICE_CHECK_STAGES="gpu-compile,compile,goals")
     log = (out / "device_check.log").read_text()
     assert proc.returncode == 0, log[-3000:]
-    assert outcomes(log) == {"compile": "ok", "goals": "ok"}, log[-3000:]
+    assert outcomes(log) == {"gpu-compile": "ok", "compile": "ok", "goals": "ok"}, log[-3000:]
     assert re.search(r"^one_graph +fused_accum .* bit for bit$", log, flags=re.M), log[-3000:]  # (its tables)
     summary = (out / "summary.md").read_text()
     line = next(x for x in summary.splitlines() if x.startswith("| one CUDA graph per window"))
