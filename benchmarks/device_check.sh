@@ -38,6 +38,8 @@
 #   offload       benchmarks/offload.py: the host step per bucket; a k = 8 window of a small bf16 GPT with and
 #                 without offload='cpu' (ms, peak device memory, the optimizer's device bytes per
 #                 parameter, how much of the host step hides, speculations committed and redone)
+#   gpu-compile   (only where named: see ORDER below) pytest -m gpu tests/test_compiled_window.py
+#   compile       (only where named) benchmarks/compile.py under mode="reduce-overhead"
 #   goals         scripts/device_goals.py: launches per op on 2,048 tensors, the k = 8 window's
 #                 gradient traffic, and summary.md (every goal: met, MISSED or not measured)
 # Only the GPU benchmark suites run (not `window`, the CPU thread table, nor cpu_adam).
@@ -115,8 +117,23 @@ export PYTHONUNBUFFERED=1  # else python holds its output back and a killed stag
 # (23 s measured on a step that synced per parameter, issue 26 section 1) and times the window's
 # traffic: 40-45 s.
 ALL_STAGES=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad offload goals)
+# Stages that run only where DEVICE_CHECK_STAGES names them (they do not fit beside the others:
+# inductor compiles every graph they run). Their own run, 485 s of the 500:
+#   DEVICE_CHECK_STAGES=build,device,gpu-compile,compile,goals
+#   gpu-compile  pytest -m gpu tests/test_compiled_window.py (left out of gpu-matrix): the window
+#                compiled whole under mode="reduce-overhead" replays one CUDA graph per window, bit
+#                for bit with it compiled without CUDA graphs (three inductor compiles per case)
+#   compile      benchmarks/compile.py on a GPT-2-small-like model (d 768, 12 heads, 4 layers, vocab
+#                8192, 128 tokens) at micro-batch 1, 2 and 4 (k = 4, bf16): the eager loop,
+#                compile(model) and the one-graph window, fused_accum against torch.optim's best,
+#                under mode="reduce-overhead", with the CUDA graph replays per window counted; its
+#                goal (the one-graph window >= 1.3x the eager loop) is in summary.md. The one-graph
+#                window holds k forwards and backwards (minutes to compile at 12 layers, so 4 here);
+#                it starts no size after 150 s
+ORDER=(toolchain build device gpu-core gpu-matrix kernels e2e triton-sweep triton-host wgrad offload gpu-compile compile goals)
 declare -A LIMIT=([toolchain]=20 [build]=50 [device]=15 [gpu-core]=115 [gpu-matrix]=80 [kernels]=45
-                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [offload]=20 [goals]=45)
+                  [e2e]=25 [triton-sweep]=20 [triton-host]=15 [wgrad]=35 [offload]=20 [gpu-compile]=120
+                  [compile]=240 [goals]=45)
 KILL_AFTER=15
 TOTAL_BUDGET=500  # 8 1/3 minutes: a 10-minute command (the machine's start is not in it), 100 s to spare
 
@@ -130,15 +147,15 @@ if [[ -n ${DEVICE_CHECK_STAGES:-} ]]; then
     name=${name//[[:space:]]/}
     [[ -z $name ]] && continue
     if [[ -z ${LIMIT[$name]+x} ]]; then
-      echo "DEVICE_CHECK_STAGES: no stage '$name'; the stages are: $(IFS=,; echo "${ALL_STAGES[*]}")" >&2
+      echo "DEVICE_CHECK_STAGES: no stage '$name'; the stages are: $(IFS=,; echo "${ORDER[*]}")" >&2
       exit 2
     fi
     WANTED[$name]=1
   done
   STAGES=()
-  for s in "${ALL_STAGES[@]}"; do [[ -n ${WANTED[$s]:-} ]] && STAGES+=("$s"); done
+  for s in "${ORDER[@]}"; do [[ -n ${WANTED[$s]:-} ]] && STAGES+=("$s"); done
   if ((${#STAGES[@]} == 0)); then
-    echo "DEVICE_CHECK_STAGES='$DEVICE_CHECK_STAGES' names no stage; the stages are: $(IFS=,; echo "${ALL_STAGES[*]}")" >&2
+    echo "DEVICE_CHECK_STAGES='$DEVICE_CHECK_STAGES' names no stage; the stages are: $(IFS=,; echo "${ORDER[*]}")" >&2
     exit 2
   fi
 fi
@@ -292,7 +309,8 @@ fi
 # that, the matrix -n 8. (A --timeout of 90 could never fire inside stages of 65-115 s.)
 PYTEST=("$PY" -m pytest -m gpu -v -rfEs -p no:cacheprovider --continue-on-collection-errors --durations=10
         -o faulthandler_timeout=30 --ignore=tests/integration)
-if timeout 20 "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=40 --timeout-method=thread); fi
+LONG_TESTS=()  # (the gpu-compile stage's tests compile with inductor: 110 s each where pytest-timeout is)
+if timeout 20 "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=40 --timeout-method=thread); LONG_TESTS=(--timeout=110); fi
 XDIST=()
 SERIAL=()
 if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); SERIAL=(-n 1 --max-worker-restart=8); fi
@@ -300,6 +318,7 @@ if timeout 20 "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); SERIAL=(-n
 # the last file)
 CORE_TESTS=(tests/test_gpu_kernels.py tests/test_optimizer_gpu.py tests/test_ext.py tests/test_optimizer.py
             tests/test_benchmarks.py tests/test_triton_extra.py)
+COMPILE_TESTS=(tests/test_compiled_window.py)  # (the gpu-compile stage's: inductor compiles each case)
 if [[ $DRY_RUN == 1 ]]; then
   timeout 30 "$PY" scripts/device_check_standin.py write-tests "$SCRATCH/standin-tests"
 fi
@@ -323,7 +342,7 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
       fi ;;
     gpu-matrix)
       local ignore=()
-      for f in "${CORE_TESTS[@]}"; do ignore+=(--ignore="$f"); done
+      for f in "${CORE_TESTS[@]}" "${COMPILE_TESTS[@]}"; do ignore+=(--ignore="$f"); done
       if [[ $dry == 1 ]]; then
         CMD=("${PYTEST[@]}" "${XDIST[@]}" --junitxml="$SCRATCH/gpu-matrix.xml" "$SCRATCH/standin-tests/matrix")
       else CMD=("${PYTEST[@]}" "${XDIST[@]}" --junitxml="$SCRATCH/gpu-matrix.xml" "${ignore[@]}" tests)
@@ -355,6 +374,16 @@ stage_command() {  # sets CMD (and POST, run after CMD whatever its outcome) for
     offload)  # offload.csv stays in the scratch folder (8 files back): summary.md reports it
       if [[ $dry == 1 ]]; then CMD=("$PY" benchmarks/offload.py --quick --out "$SCRATCH")
       else CMD=("$PY" benchmarks/offload.py --out "$SCRATCH")
+      fi ;;
+    gpu-compile)  # (on the CPU of the dry run, its GPU tests skip: the command line is what it checks)
+      CMD=("${PYTEST[@]}" "${LONG_TESTS[@]}" --junitxml="$SCRATCH/gpu-compile.xml" "${COMPILE_TESTS[@]}") ;;
+    compile)  # compile.csv stays in the scratch folder: its tables are in the log, its goal in summary.md
+      if [[ $dry == 1 ]]; then
+        CMD=("$PY" benchmarks/compile.py --smoke --device cpu --threads 1 --micro-batch 1 --csv "$SCRATCH/compile.csv")
+      else
+        CMD=("$PY" benchmarks/compile.py --device cuda --mode reduce-overhead --dtype bf16 --d 768 --heads 12
+             --layers 4 --vocab 8192 --seq 128 --k 4 --micro-batch 1,2,4 --recipes eager,compile_model,one_graph
+             --rounds 20 --time-budget 150 --csv "$SCRATCH/compile.csv")
       fi ;;
     goals)
       if [[ $dry == 1 ]]; then

@@ -32,7 +32,8 @@ share; benchmarks/wire.py), ``wgrad`` (the fused weight-gradient
 GEMM, benchmarks/wgrad.py), ``triton-sweep`` and ``triton-host`` (the Triton launch shape on a
 GPU and the launcher's host time, benchmarks/triton_sweep.py and triton_host.py; both run by
 benchmarks/device_check.sh), ``offload`` (offload="cpu": the host step per bucket, and on a GPU
-a window with and without it, benchmarks/offload.py).
+a window with and without it, benchmarks/offload.py), ``compile`` (a window under each way of compiling
+it, fused_accum against torch.optim's best, paired and interleaved: benchmarks/compile.py).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -421,6 +422,7 @@ TOOLS = {  # name -> module of benchmarks/ with a main(argv)
     "triton-sweep": "triton_sweep",
     "triton-host": "triton_host",
     "offload": "offload",
+    "compile": "compile",
 }
 
 

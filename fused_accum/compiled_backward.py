@@ -94,7 +94,7 @@ class CapturedFolds:
     def first(self, slot, topology) -> tuple:
         """``slot``'s first gradient of the window, in the backward being captured: recorded now
         (its graph runs after), and folded by overwriting."""
-        self.ledger.folded_in_graph([slot])
+        self.ledger.captured_first([slot])
         topology.added()
         return self._of(slot, True)
 

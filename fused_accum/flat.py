@@ -63,6 +63,7 @@ def bucket_members(numels, bucket_numel) -> list:
 
 
 _UNCOUNTED = array.array("q", [0])  # the change counter of slots not (yet) in a window
+_WEIGHT, _PARAM = operator.attrgetter("weight"), operator.attrgetter("param")  # (C-level: stale_weights)
 
 
 def _read_only(stored: str) -> property:
@@ -94,6 +95,10 @@ class Slot:
     # (fused_accum.masters: an fp32 copy, or the low halves under a bf16 parameter); None: none kept
     master: Optional[Tensor] = None
     state: dict = dataclasses.field(default_factory=dict)  # optimizer state name -> 1-D fp32 view
+    # the parameter as a compiled step writes it (fused_accum.compiled): a bf16/fp16 one as a
+    # detached alias of its storage, as Dynamo refuses a graph input whose .grad (the window's
+    # fp32 view) has another dtype; an fp32 one as itself
+    weight: Optional[Tensor] = None
     local: slice = dataclasses.field(
         default_factory=lambda: slice(0, 0)
     )  # where its master and state lie in the group's (local) buffers
@@ -161,6 +166,7 @@ class Layout:
         slot.local = slice(slot.offset, slot.offset + n)
         slot.acc = flat.acc[slot.local]
         slot._grad_view = slot.full_view = slot.acc.view(self.stored(slot.param).shape)
+        slot.weight = slot.param.detach() if slot.param.dtype in LOW_PRECISION else slot.param
         flat.masters.set_views(flat, slot)
         slot.state = {key: buf[slot.local] for key, buf in flat.state.items()}
 
@@ -265,9 +271,28 @@ class FlatGroup:
                 slot.bucket_index = b
             self.buckets.append(bucket)
         layout.place_buckets(self)
+        self._make_views()
+
+    def _make_views(self) -> None:
+        """Every slot's views of the buffers (the layout's), and its master from its parameter."""
         for slot in self.slots:
-            layout.set_views(self, slot)
+            self.layout.set_views(self, slot)
             self.masters.initialise(self, slot)
+        # the slots whose weight is an alias (stale_weights)
+        self._aliased = [s for s in self.slots if s.weight is not None and s.weight is not s.param]
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """The buffers (and weight aliases) marked as static inputs of compiled graphs
+        (fused_accum.compiled): their addresses do not change, so a CUDA graph writes them in
+        place instead of copying each in and out around its replay (torch.optim's compiled step
+        marks its state so). One replaced later (a move) is recorded again by the CUDA graphs
+        (mark_static_address's unguarded kind)."""
+        for t in (self.acc, self.master, self.steps, self.lr, self.coef, self.one, *self.state.values()):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+        for slot in self._aliased:
+            torch._dynamo.mark_static_address(slot.weight)
 
     def _set_master_mode(self, dtype) -> None:
         label = f"{self._first_name} (and its group's others on {self.device})"
@@ -299,6 +324,17 @@ class FlatGroup:
 
     def user_grad(self, slot: Slot, grad: Tensor) -> Tensor:
         return self.layout.user_grad(self, slot, grad)
+
+    def graph_lists(self, active: list, aliased: bool) -> tuple:
+        """(accs, weights, states): ``step_lists``' and the slots' state views, as a compiled
+        step traces them (fused_accum.compiled, one process's layout): each slice taken from
+        its buffer inside the graph (a view passed in is an input of its own, which the graph
+        copies in and back out around the op), and the parameters, or where ``aliased`` their
+        slots' ``weight`` aliases."""
+        accs = [self.acc[s.local] for s in active]
+        masters = [self.master[s.local] for s in active] if self.master is not None else None
+        weights = self.masters.step_tensors(active, [s.weight if aliased else s.param for s in active], masters)
+        return accs, weights, [{key: buf[s.local] for key, buf in self.state.items()} for s in active]
 
     def loaded(self, slot: Slot, value: Tensor) -> Tensor:
         return self.layout.loaded(self, slot, value)
@@ -336,9 +372,21 @@ class FlatGroup:
         self.master = self.masters.new_buffer(self.local_numel, state_device)
         self._index_cache = {}
         self.plan = object()  # new buffers: a new launch plan
-        for slot in self.slots:
-            self.layout.set_views(self, slot)
-            self.masters.initialise(self, slot)
+        self._make_views()
+
+    def stale_weights(self) -> list:
+        """Slots whose ``weight`` alias no longer shares its parameter's storage (``p.data = t``
+        replaced it): a compiled step traced over the alias would write the old storage."""
+        aliased = self._aliased
+        weights, params = map(_WEIGHT, aliased), map(_PARAM, aliased)
+        if list(map(Tensor.data_ptr, weights)) == list(map(Tensor.data_ptr, params)):  # (C-level)
+            return []
+        return [s for s in aliased if s.weight.data_ptr() != s.param.data_ptr()]
+
+    def refresh_weights(self) -> None:
+        for slot in self.stale_weights():
+            slot.weight = slot.param.detach()
+        self._mark_static()
 
     def refresh_masters(self) -> None:
         """The masters follow the weights written from outside, by value, for what reads them
@@ -353,13 +401,18 @@ class FlatGroup:
         if key in self.state:
             return False
         buf = self.state[key] = torch.full((self.local_numel,), initial, dtype=torch.float32, device=self.steps.device)
+        torch._dynamo.mark_static_address(buf)  # (see _mark_static)
         for slot in self.slots:  # (only the state views: .grad keeps showing the same tensor)
             slot.state[key] = buf[slot.local]
         return True
 
     def active_index(self, indices: tuple) -> Tensor:
         """A device tensor of slot ``indices`` (a partial active set), made once per distinct
-        set: no host-to-device copy inside later steps (and none under CUDA-graph capture)."""
+        set: no host-to-device copy inside later steps (and none under CUDA-graph capture).
+        Traced by torch.compile, a constant of the graph (the cache is Python state: a graph
+        guarded on it would retrace as it changes)."""
+        if torch.compiler.is_compiling():
+            return torch.tensor(indices, dtype=torch.int64, device=self.steps.device)
         cache = self._index_cache
         index = cache.pop(indices, None)
         if index is None:

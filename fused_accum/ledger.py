@@ -165,6 +165,22 @@ class Ledger:
             self._changed()
 
     def folded_in_graph(self, slots: list) -> None:
+        """A compiled graph folded one gradient into each of ``slots`` (fused_accum.compiled:
+        one each, so no second piece to spot; nothing recorded where each held one already)."""
+        if not all(map(HAS_GRAD, slots)):
+            for slot in slots:
+                slot._has_grad = True
+            self._changed()
+
+    def held_in_trace(self, slots: list, held: bool) -> None:
+        """While Dynamo traces a compiled call (fused_accum.compiled): ``slots`` hold the
+        window's gradient (or none) from here on in the graph, as its books will record when it
+        runs. Written as Dynamo side effects, so a later call in the same graph decides from
+        them; the books' own record (the change counter with it) is the truth."""
+        for slot in slots:
+            slot._has_grad = held
+
+    def captured_first(self, slots: list) -> None:
         """``slots`` receive their first gradient of the window in the compiled backward being
         captured, already counted (compiled autograd: recorded before its graph runs)."""
         for slot in slots:

@@ -56,9 +56,9 @@ class WeightIsMaster:
     def initialise(self, flat, slot) -> None:
         """A new slot, or one that moved: its master from the parameter's value."""
 
-    def step_tensors(self, slots: list, weights: list) -> StepWeights:
+    def step_tensors(self, slots: list, weights: list, masters: Optional[list] = None) -> StepWeights:
         """What the step op writes for ``slots`` whose parameters (or the pieces of them this
-        process steps) are ``weights``."""
+        process steps) are ``weights`` (``masters``: their master slices, where not their views)."""
         return StepWeights(weights)
 
     def master_of(self, flat, slot) -> Tensor:
@@ -90,8 +90,8 @@ class Fp32Copy(WeightIsMaster):
     def initialise(self, flat, slot) -> None:
         slot.master.copy_(flat.param_piece(slot))
 
-    def step_tensors(self, slots: list, weights: list) -> StepWeights:
-        return StepWeights([s.master for s in slots], lp_params=weights)
+    def step_tensors(self, slots: list, weights: list, masters: Optional[list] = None) -> StepWeights:
+        return StepWeights([s.master for s in slots] if masters is None else masters, lp_params=weights)
 
     def master_of(self, flat, slot) -> Tensor:
         return slot.master
@@ -128,8 +128,8 @@ class Remainder(WeightIsMaster):
     def set_views(self, flat, slot) -> None:
         slot.master = flat.master[slot.local]  # (int16: the low halves)
 
-    def step_tensors(self, slots: list, weights: list) -> StepWeights:
-        return StepWeights(weights, remainders=[s.master for s in slots])
+    def step_tensors(self, slots: list, weights: list, masters: Optional[list] = None) -> StepWeights:
+        return StepWeights(weights, remainders=[s.master for s in slots] if masters is None else masters)
 
     def master_of(self, flat, slot) -> Tensor:
         from .backends.reference import rebuild_master

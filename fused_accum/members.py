@@ -137,6 +137,19 @@ class Members:
                 for slot, _ in taken:
                     slot.param.grad = slot.grad_view
 
+    def unfrozen(self) -> bool:
+        """Whether a parameter frozen when added is trainable now (the eager step adopts it)."""
+        return any(entry[0].requires_grad for entry in self.frozen)
+
+    def check_none_unfrozen(self, owner: str) -> None:
+        """Raise if a parameter frozen when added is trainable now: a compiled step cannot give
+        it buffers (fused_accum.compiled traces such a step eagerly; this is the books' check)."""
+        if self.unfrozen():
+            raise RuntimeError(
+                f"{owner}: a parameter frozen when its group was added is trainable now, and a compiled "
+                "step cannot give it buffers: run this window's step() outside the compiled function once"
+            )
+
     def check_unchanged(self, param_groups: list, owner: str) -> None:
         """Raise if a group's ``params`` list was edited (torch's optimizers walk the lists at
         every step; here each parameter's buffers and hooks were made when its group was added),

@@ -20,7 +20,6 @@ docs/distributed.md and docs/differences.md.
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 import weakref
@@ -30,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import backends, checkpoint
+from . import backends, checkpoint, compiled
 from .registry import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
 from .registry import check_after_groups, fused_names, parse_algorithm
 from . import topology
@@ -40,7 +39,7 @@ from .offload import Offload
 from .placement import Placement
 from .generic import GenericPath
 from .step import StateEntry, Stepper  # noqa: F401 (StateEntry: importable here, as before)
-from .window import GradientWindow, window_scale
+from .window import GradientWindow, check_num_items, window_scale
 
 
 def _check_offload(offload, optimizer, master_weights, step_in_backward) -> None:
@@ -91,6 +90,13 @@ def _check_arguments(
         raise ValueError(f"step_in_backward=True needs a fused algorithm ({fused_names()})")
 
 
+class _LastNorm:
+    """The last window's norm (``last_grad_norm``). Its own object: Dynamo does not replay a
+    compiled step's attribute stores into the optimizer itself (torch 2.13)."""
+
+    value: Optional[Tensor] = None
+
+
 class FusedAccumOptimizer(torch.optim.Optimizer):
     """Gradient accumulation into fp32 buffers with a fused optimizer step; a drop-in optimizer.
 
@@ -113,6 +119,11 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         "cannot be clipped")."""
         return sys._getframe(1).f_globals.get("__name__") == "torch.amp.grad_scaler"
 
+    @property
+    def last_grad_norm(self) -> Optional[Tensor]:
+        """The last window's norm (0-d, on the device), where the step computed one; else None."""
+        return self._last_norm.value
+
     # torch's Optimizer and users rebind these two (``opt.state = {}`` restarts the state, as
     # torch's does): the stepper, which the window holds, must always read the ones shown here.
     @property
@@ -130,11 +141,6 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, value: list) -> None:
         self._stepper.param_groups = value
-
-    @property
-    def _inner(self) -> Optional[torch.optim.Optimizer]:
-        """The generic path's torch.optim optimizer, or None."""
-        return self._generic.inner if self._generic is not None else None
 
     @torch.inference_mode(False)  # built under inference_mode, the buffers would be inference tensors
     def __init__(
@@ -191,7 +197,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self.step_in_backward = step_in_backward
         self.max_grad_norm = max_grad_norm
         self.skip_nonfinite = skip_nonfinite
-        self.last_grad_norm: Optional[Tensor] = None  # the last window's norm, when computed
+        self._last_norm = _LastNorm()  # (a holder: Dynamo replays a compiled step's store into it)
         self._master_weights = True if master_weights is None else master_weights
         # before torch's __init__, which sets self.state and self.param_groups through it
         self._stepper = Stepper(self._algorithm, backend)
@@ -215,6 +221,8 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             bucket_cap_mb=bucket_cap_mb,
         )
         self._warned_unstarted = False  # (step_in_backward: see _warn_unstarted_window)
+        # how compiled graphs name this optimizer to their books (fused_accum.compiled)
+        self._graph_id, self._graph_token = compiled.register(self)
         super().__init__(params, defaults)
         check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
@@ -263,11 +271,19 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         after ``accum_steps`` backward passes, or after every backward when that is None."""
         return self._window.topology.no_sync()
 
-    @torch.compiler.disable  # (eager, as step: it works on the hooks' table and Python state)
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()``; traced by ``torch.compile`` under ``trace_autograd_ops``, the
+        gradients of this optimizer's parameters folded by ops of the graph (fused_accum.compiled)."""
+        if torch.compiler.is_compiling():
+            return compiled.backward(self, loss)
+        loss.backward()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the window. ``set_to_none=True`` (default): every ``.grad`` becomes None and
         the next gradient of each slice overwrites it, with no zeroing pass. ``False``: the
         exposed gradients are zeroed in place and stay exposed, as in torch."""
+        if torch.compiler.is_compiling():
+            return compiled.zero_grad(self, set_to_none)
         window = self._window
         window.zero_grad(set_to_none)
         for group in self.param_groups:  # the rest: frozen parameters, or grads the window does not own
@@ -285,24 +301,26 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 
     # --- step ---------------------------------------------------------------------------------
 
-    # Eager under torch.compile (a graph break): the step is already one fused kernel per flat
-    # group, and traced, its writes to the device scalars it reads (lr, the coefficient) were
-    # lost on Dynamo's restarts, so a compiled step moved no parameter (torch 2.13).
-    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, num_items=None):
         """Apply one update from the accumulated gradients. ``num_items``: divide the summed
-        gradient by it (an int, float or device tensor; see docs/optimizer.md, "Sums, like .grad")."""
+        gradient by it (an int, float or device tensor; see docs/optimizer.md, "Sums, like .grad").
+        Traced by ``torch.compile`` where it can be (fused_accum.compiled), else a graph break."""
+        if torch.compiler.is_compiling():
+            return compiled.step(self, closure, num_items)
+        return self._step(closure, num_items)
+
+    def _step(self, closure: Optional[Callable[[], Any]], num_items):
         window = self._window
         window.check_attached()
         self._members.check_unchanged(self.param_groups, type(self).__name__)
+        self._opt_called = True  # (what an LR scheduler's wrapper would record: see below the class)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if num_items is not None and not isinstance(num_items, Tensor):
-            if not (num_items > 0 and math.isfinite(num_items)):
-                raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
+            check_num_items(num_items)
         window.flush()
         if window.ledger.stepped_in_backward:
             if num_items is not None:
@@ -331,7 +349,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             skip_nonfinite=self.skip_nonfinite,
         )
         if norm is not None:
-            self.last_grad_norm = norm
+            self._last_norm.value = norm
         if self._generic is not None:
             for flat in window.flat_groups:
                 flat.refresh_masters()  # (torch's step does not follow a weight written from outside)
@@ -425,6 +443,14 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
             f"FusedAccumOptimizer({algo}, accum_steps={self.accum_steps}, backends={backends_used}, "
             f"groups={len(self.param_groups)}, params={len(self._window.slots)})"
         )
+
+
+# An LR scheduler wraps ``opt.step`` to record that it was called (``opt._opt_called``, which
+# its first step() checks), unless the step says it is wrapped already. Its wrapper is code of
+# torch/optim/lr_scheduler.py, which Dynamo skips: a window compiled whole (fused_accum.compiled)
+# would break its graph at the step. The step records the call itself (eagerly, and a compiled
+# step's books), so it says so.
+FusedAccumOptimizer.step._wrapped_by_lr_sched = True
 
 
 def __getattr__(name: str):

@@ -112,7 +112,9 @@ def _foreign_step(optimizer, args, kwargs) -> None:
     """Before any torch.optim optimizer steps: one that is not ours, over parameters a live
     window owns, takes them over. The window hands it the accumulated gradients as ``.grad`` in
     the parameters' own dtype, which torch's kernels require, and stands aside."""
-    if not _OWNERS or is_ours(optimizer):
+    # (ours first: Dynamo, tracing a compiled step through this hook, then reads only our flag;
+    # reading the table would guard the graph on every entry of it)
+    if _is_ours(optimizer) or not _OWNERS or is_ours(optimizer):
         return
     windows = {}
     for group in optimizer.param_groups:

@@ -83,21 +83,45 @@ class Stepper:
     def prepare_step(
         self, flat: FlatGroup, active: list, coef: Tensor, found_inf=None, grads=(), grads_overwrite=False
     ) -> Optional[Callable[[], None]]:
-        """Everything of a step but the kernel: the device scalars, ``opt.state`` taken back, the
-        step counts; returns the op call, or None where nothing steps (the host placement
-        calls it on its worker thread: fused_accum.placement)."""
+        """Everything of a step but the kernel: its books (the learning rate written, ``opt.state``
+        taken back), then :meth:`step_call`; returns the op call, or None where nothing steps
+        (the host placement calls it on its worker thread: fused_accum.placement)."""
         if not active:
             return None
         group = self.param_groups[flat.group_index]
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
+        self.write_lr(flat.lr, group)
+        self.take_user_state(flat, active, group)
+        return self.step_call(flat, active, coef, found_inf, grads, grads_overwrite)
+
+    @staticmethod
+    def write_lr(lr: Tensor, group: dict) -> None:
+        """``group``'s learning rate into the flat group's ``lr`` tensor, which the step op reads
+        (and a compiled step: a schedule changes it without a recompile)."""
+        value = group["lr"]
+        if isinstance(value, Tensor):
             # device to device: no host sync, capturable; an fp32 lr is exact in float64
-            flat.lr.copy_(lr.detach().reshape(()))
+            lr.copy_(value.detach().reshape(()))
         else:
-            flat.lr.fill_(float(lr))  # float64: every bit of the Python float, as torch takes it
+            lr.fill_(float(value))  # float64: every bit of the Python float, as torch takes it
+
+    def step_call(
+        self,
+        flat: FlatGroup,
+        active: list,
+        coef: Tensor,
+        found_inf=None,
+        grads=(),
+        grads_overwrite=False,
+        aliased: bool = False,
+    ) -> Optional[Callable[[], None]]:
+        """The step's tensor core for ``active`` slots, once its books are taken (what a
+        compiled step traces: fused_accum.compiled, which says whether the weights are written
+        through their ``aliased`` slots' aliases): the coefficient, the step counts (a skipped
+        step does not count), and the op call returned (None where this process holds none of
+        them)."""
+        group = self.param_groups[flat.group_index]
         if coef is not flat.coef:
             flat.coef.copy_(coef)
-        self.take_user_state(flat, active, group)
         # A skipped step does not count (as torch's GradScaler skips the step call itself).
         increment = flat.one if found_inf is None else 1 - found_inf
         if len(active) == len(flat.slots):
@@ -107,19 +131,23 @@ class Stepper:
             index = flat.active_index(tuple(s.index for s in active))
             flat.steps.index_add_(0, index, increment.expand(len(active)))
             steps = flat.steps.index_select(0, index)
-        held, accs, weights = flat.step_lists(active)  # sharded: this rank's pieces
-        if held is not active:
-            if not held:
-                return None
-            index = flat.active_index(tuple(s.index for s in held))
-            steps = flat.steps.index_select(0, index)
-            active = held
+        if torch.compiler.is_compiling():
+            accs, weights, slot_states = flat.graph_lists(active, aliased)
+        else:
+            held, accs, weights = flat.step_lists(active)  # sharded: this rank's pieces
+            if held is not active:
+                if not held:
+                    return None
+                index = flat.active_index(tuple(s.index for s in held))
+                steps = flat.steps.index_select(0, index)
+                active = held
+            slot_states = [slot.state for slot in active]
         op = ops.step_op(self.algorithm)
         fused = dict(grads=list(grads), grads_overwrite=grads_overwrite)  # the last micro-batch, if any
         t = ops.StepTensors(
             accs=accs, steps=steps, lr=flat.lr, coef=flat.coef, found_inf=found_inf, **weights._asdict(), **fused
         )
-        s = op.states_of([slot.state for slot in active], state_keys(self.algorithm, group))
+        s = op.states_of(slot_states, state_keys(self.algorithm, group))
         # The Triton backend's launch-plan key (ops plan=): these lists are views at fixed places
         # of this flat group's buffers; what changes their layout (the active set, the lists
         # passed) is in the key.
@@ -156,11 +184,12 @@ class Stepper:
 
     # --- opt.state ---------------------------------------------------------------------------
 
-    def take_user_state(self, flat: FlatGroup, active: list, group) -> None:
+    def take_user_state(self, flat: FlatGroup, active: list, group, values: bool = True) -> None:
         """Before a step: allocate state turned on since the last one, and take what the user
         did to ``opt.state`` (an entry deleted, cleared or replaced by ``{}`` starts afresh, as
         torch's would; tensors assigned into it become the state) before the kernels read the
-        buffers. Step counts change here, before the step adds to them."""
+        buffers. Step counts change here, before the step adds to them. ``values=False`` (a
+        compiled step's books): an edit is refused, as the graph cannot be handed its values."""
         algorithm = ALGORITHMS[self.algorithm]
         for key in state_keys(self.algorithm, group):
             # (its initial value read only when it is allocated: a tensor one is read on the host)
@@ -180,6 +209,13 @@ class Stepper:
             if entry is not None and entry is mine and not entry.edited:
                 continue
             if mine is not None or entry:  # (no entry yet and none shown: the slot's first step)
+                if not values:
+                    raise RuntimeError(
+                        f"opt.state of parameter {slot.name} was replaced or assigned into since it was shown, "
+                        "which a compiled step cannot take (its graph steps the buffers it was traced with): "
+                        "edit its tensors in place, load it with opt.load_state_dict(), or step this window "
+                        "outside the compiled function"
+                    )
                 self.load_slot_state(flat, slot, dict(entry or {}))
             self.show_state(flat, slot, group)
 

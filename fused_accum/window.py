@@ -32,6 +32,7 @@ everything at once; a finaliser then removes the hooks.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 import weakref
@@ -48,6 +49,7 @@ from .fold import Folder, WgradTarget
 from .ledger import Exposure, Ledger
 from .placement import Placement
 from .topology import Local
+from .topology.base import sum_of_squares
 
 _current_graph_task_id = torch._C._current_graph_task_id
 
@@ -485,12 +487,19 @@ class GradientWindow:
         self.topology.after_step(self.ledger, self.flat_groups)
 
 
-def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite) -> tuple:
+def check_num_items(num_items) -> None:
+    """``num_items`` given as a Python number: positive and finite (a tensor's is the step's skip)."""
+    if not (num_items > 0 and math.isfinite(num_items)):
+        raise ValueError(f"num_items must be positive and finite, got {num_items!r}")
+
+
+def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, skip_nonfinite, active=None) -> tuple:
     """The step's coefficient for ``window``: (coef per device, skip flag per device or None, the window's
     norm or None), computed on the device without a host sync: 1/num_items x 1/grad_scale x the clip factor; skip when
     num_items is not positive and finite, when GradScaler found an inf, or (skip_nonfinite) when
     the window's gradient has one. ``grad_scale``/``found_inf``: what GradScaler.step set on the
-    optimizer."""
+    optimizer. ``active``: the slots holding the window's gradient, per flat group (a compiled
+    step's, one process; None: the topology's norm, from the ledger)."""
     devices = list(dict.fromkeys(flat.device for flat in window.flat_groups))
     if not devices:
         return {}, None, None
@@ -517,7 +526,11 @@ def window_scale(window, num_items, *, grad_scale, found_inf, max_grad_norm, ski
         bad = flag if bad is None else torch.maximum(bad, flag)
     if max_grad_norm is not None or skip_nonfinite:
         # (over every rank's gradient, in a data-parallel topology)
-        total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
+        if active is None:
+            total, any_inf = window.topology.norm_terms(window.ledger, window.flat_groups, home)
+        else:
+            total = sum_of_squares(window.flat_groups, active, home)
+            any_inf = torch.zeros_like(total)
         # inf/nan anywhere makes the sum of squares non-finite too
         nonfinite = torch.maximum(any_inf.clamp(max=1), (~torch.isfinite(total)).float())
         norm = total.sqrt() * coef

@@ -259,6 +259,38 @@ def goal_offload(offload_rows) -> Dict[str, str]:
     return {"measured": text, "verdict": verdict(misses)}
 
 
+COMPILE_GOAL = 1.3  # the one-graph window (one CUDA graph) against fused_accum's eager loop
+
+
+def goal_compile(compile_rows) -> Dict[str, str]:
+    """The compile stage (benchmarks/compile.py, mode="reduce-overhead"): at each micro-batch,
+    fused_accum's one-graph window against its eager loop (and the CUDA graphs it replays per
+    window), beside torch.optim's fastest recipe."""
+    sizes = sorted({int(num(r["micro_batch"])) for r in compile_rows if r.get("micro_batch")})
+    parts, misses = [], []
+    for size in sizes:
+        rows = [r for r in compile_rows if int(num(r["micro_batch"])) == size and not r.get("error")]
+        by = {(r["recipe"], r["optimizer"]): r for r in rows}
+        ours, eager = by.get(("one_graph", "fused_accum")), by.get(("eager", "fused_accum"))
+        if ours is None or eager is None:
+            parts.append(f"micro-batch {size}: no one_graph row (its error is in compile.csv)")
+            misses.append(f"micro-batch {size} not run")
+            continue
+        ratio = num(eager["ms"]) / num(ours["ms"])
+        torch_rows = [r for r in rows if r["optimizer"] == "torch"]
+        best = min(torch_rows, key=lambda r: num(r["ms"])) if torch_rows else None
+        against = f"; torch's best {best['recipe']} {num(best['ms']):.2f} ms" if best else ""
+        parts.append(
+            f"micro-batch {size}: {num(ours['ms']):.2f} ms/window against {num(eager['ms']):.2f} eager "
+            f"({ratio:.2f}x, {num(ours.get('cuda_graph_replays_per_window')):g} CUDA graph replays/window){against}"
+        )
+        if ratio < COMPILE_GOAL:
+            misses.append(f"micro-batch {size} {ratio:.2f}x")
+    if not sizes:
+        return not_measured("no compile.csv (the compile stage runs only where DEVICE_CHECK_STAGES names it)")
+    return {"measured": "; ".join(parts), "verdict": verdict(misses)}
+
+
 def goal_wgrad(wgrad_rows) -> Dict[str, str]:
     shapes: Dict[tuple, Dict[str, float]] = {}
     for r in wgrad_rows:
@@ -727,6 +759,12 @@ def summary(args, launches=None, traffic=None, notes: Dict[str, str] = None) -> 
             "graph capture of a whole window replayed equal to eager (fp32; bf16 with masters or remainders)",
             goal_capture(cases),
             "gpu-core junit",
+        ),
+        (
+            f"one CUDA graph per window (reduce-overhead): >= {COMPILE_GOAL}x the eager loop, GPT-2-small-like, "
+            "micro-batch 1-4",
+            goal_compile(read_csv(scratch / "compile.csv")),
+            "compile stage (compile.csv)",
         ),
     ]
     lines = header(args) + ["## Goals", ""]

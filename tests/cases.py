@@ -29,6 +29,8 @@ for the suite's time):
   (test_host_cost: a steady-state step never syncs, whatever the update); the window's
   backwards keep a few;
 - ``fsdp2``: the default algorithm only (test_fsdp: FSDP2 shards the parameters, not the update).
+- ``compiled_window``: each algorithm's default case, in fp32, bf16 + masters and remainder
+  (test_compiled_window: one graph per window, bit for bit with eager).
 """
 
 from __future__ import annotations
@@ -48,8 +50,20 @@ from lion_reference import LionReference  # tests/lion_reference.py
 FP32, BF16_MASTERS, REMAINDER = "fp32", "bf16_masters", "remainder"
 OFFLOAD, SHARDING, EXACT_WIRE, FSDP2 = "offload", "sharding", "exact_wire", "fsdp2"
 STEP_IN_BACKWARD, HOST_COST, STEP_SOURCES = "step_in_backward", "host_cost", "step_sources"
+COMPILED_WINDOW = "compiled_window"
 EVERY_MODE = frozenset(
-    {FP32, BF16_MASTERS, REMAINDER, OFFLOAD, SHARDING, EXACT_WIRE, STEP_IN_BACKWARD, HOST_COST, STEP_SOURCES}
+    {
+        FP32,
+        BF16_MASTERS,
+        REMAINDER,
+        OFFLOAD,
+        SHARDING,
+        EXACT_WIRE,
+        STEP_IN_BACKWARD,
+        HOST_COST,
+        STEP_SOURCES,
+        COMPILED_WINDOW,
+    }
 )
 
 

@@ -1028,3 +1028,22 @@ def test_the_offload_benchmark_writes_each_row_as_it_comes(tmp_path, monkeypatch
     assert offload.main(["--quick", "--out", str(tmp_path)]) == 1
     with open(tmp_path / "offload.csv") as f:
         assert [int(r["numel"]) for r in csv.DictReader(f)] == [2**17]
+
+
+def test_the_compile_benchmark_checks_each_recipe_and_counts_its_graphs(tmp_path):
+    """benchmarks/compile.py --smoke (aot_eager, a tiny GPT): a row per recipe and optimizer, the
+    one-graph window's fused_accum row one graph per window with no break, bit for bit with its
+    eager loop; torch's one-graph function breaks at its step (two graphs); the CSV holds them."""
+    from benchmarks import compile as compile_bench
+
+    path = tmp_path / "compile.csv"
+    assert compile_bench.main(["--smoke", "--recipes", "eager,one_graph", "--csv", str(path)]) == 0
+    with open(path) as f:
+        rows = {(r["recipe"], r["optimizer"]): r for r in csv.DictReader(f)}
+    assert set(rows) == {(r, o) for r in ("eager", "one_graph") for o in ("fused_accum", "torch")}
+    ours = rows[("one_graph", "fused_accum")]
+    assert ours["error"] == "" and ours["exact"] == "True", ours
+    assert float(ours["graphs_per_window"]) == 1.0 and ours["breaks"] == "0" and ours["graphs_compiled"] == "1"
+    theirs = rows[("one_graph", "torch")]
+    assert float(theirs["graphs_per_window"]) == 2.0 and int(theirs["breaks"]) > 0, theirs
+    assert float(rows[("eager", "fused_accum")]["vs_ours_eager"]) > 0

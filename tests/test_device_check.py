@@ -42,6 +42,7 @@ STAGES = [
     "offload",
     "goals",
 ]
+OPT_IN_STAGES = ["gpu-compile", "compile"]  # run only where DEVICE_CHECK_STAGES names them
 FILES = {
     "device_check.log",
     "summary.md",
@@ -83,7 +84,7 @@ def dry_run(out: Path, script: Path = SCRIPT, sigint_ignored=False, **env) -> su
 def outcomes(log: str) -> dict:
     """stage -> its outcome line's text, from the log's '=== stage: outcome, exit N after T s'."""
     found = re.findall(r"^=== ([a-z0-9-]+): (.*?)(?:, exit -?\d+ after \d+ s)?$", log, flags=re.M)
-    return {stage: outcome for stage, outcome in found if stage in STAGES}
+    return {stage: outcome for stage, outcome in found if stage in STAGES or stage in OPT_IN_STAGES}
 
 
 def problems(out: Path) -> list:
@@ -159,7 +160,9 @@ def test_the_summary_names_every_goal_and_each_stage(planted):
         for line in text.splitlines()
         if line.startswith("| ") and ("met" in line or "MISSED" in line or "not measured" in line)
     ]
-    assert len(goals) == 10, text  # issue 21's eight GPU goals, issue 28's and issue 29's, each with a verdict
+    # issue 21's eight GPU goals, issue 28's, issue 29's and issue 46's (the compile stage, not in the
+    # default run: not measured), each with a verdict
+    assert len(goals) == 11, text
     # the stand-in capture test passed: its goal is read from the gpu-core junit file
     assert re.search(r"\| graph capture of a whole window replayed equal to eager \(.*?\) \| met \|", text), text
     for stage in STAGES[:-1]:  # the goals stage writes the summary, so it lists those before it
@@ -229,6 +232,30 @@ def test_a_stage_selection_runs_those_stages_alone_and_refuses_an_unknown_name(t
     assert outcomes(log) == {"toolchain": "ok", "device": "ok", "triton-sweep": "ok"}, log[-3000:]
     assert "only the stages DEVICE_CHECK_STAGES names: toolchain,device,triton-sweep" in log
     assert {p.name for p in out.iterdir()} == {"device_check.log", "summary.md", "triton_sweep.csv"}
+
+
+def test_the_compile_stage_runs_only_where_named_and_its_goal_reads_it(tmp_path):
+    """The compile stage (benchmarks/compile.py; issue 46) is not in the default run (it would not
+    fit: test_the_budget_fits_eight_minutes), its own run fits, and its dry run (a smoke on the
+    CPU) leaves the rows its goal reads: measured, at each micro-batch size it ran."""
+    env = {**os.environ, "DEVICE_CHECK_STAGES": "build,device,gpu-compile,compile,goals"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--budget"], env=env, capture_output=True, text=True, timeout=60)
+    limits = {k: int(v) for k, v in re.findall(r"^ {4}([a-z0-9-]+) +(\d+) s$", proc.stdout, flags=re.M)}
+    assert list(limits) == ["build", "device", "gpu-compile", "compile", "goals"]
+    assert sum(limits.values()) + 15 <= 500 and proc.returncode == 0, proc.stdout
+    commands = subprocess.run(["bash", str(SCRIPT), "--commands"], env=env, capture_output=True, text=True, timeout=60)
+    matrix = subprocess.run(["bash", str(SCRIPT), "--commands"], capture_output=True, text=True, timeout=60)
+    assert "-m gpu" in commands.stdout and "tests/test_compiled_window.py" in commands.stdout
+    assert "--ignore=tests/test_compiled_window.py" in matrix.stdout  # (not in the default run's matrix)
+    out = tmp_path / "out"
+    proc = dry_run(out, DEVICE_CHECK_STAGES="gpu-compile,compile,goals")
+    log = (out / "device_check.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    assert outcomes(log) == {"gpu-compile": "ok", "compile": "ok", "goals": "ok"}, log[-3000:]
+    assert re.search(r"^one_graph +fused_accum .* bit for bit$", log, flags=re.M), log[-3000:]  # (its tables)
+    summary = (out / "summary.md").read_text()
+    line = next(x for x in summary.splitlines() if x.startswith("| one CUDA graph per window"))
+    assert "micro-batch 1:" in line and "not measured" not in line, line
 
 
 def test_the_device_stages_clock_starts_after_the_wait_for_nvidia_smi(tmp_path):

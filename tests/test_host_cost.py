@@ -269,6 +269,49 @@ def test_a_windows_backwards_never_sync_the_middle_ones_call_no_python_and_none_
             assert len(calls_l) < LARGE // 8, f"{which} backward: {len(calls_l)} Python calls"
 
 
+# --- a compiled window's eager part ----------------------------------------------------------------
+#
+# A window compiled whole (fused_accum.compiled, the README's "torch.compile") runs one graph; its
+# only Python of ours is its books, one fused_accum::window_event per backward, step and zero_grad,
+# which take back what the user did to .grad and record the window as the graph runs. They are
+# called here as such a graph calls them for a window whose every parameter gets a gradient (each
+# call's code is then one int: compiled._compressed), after eager windows (compiling a window of
+# 2,048 parameters takes minutes here; tests/test_compiled_window.py compiles the recipe).
+
+
+def _books_ops(n, algorithm, precision, k=4) -> collections.Counter:
+    from fused_accum import compiled
+
+    run = Run(n, algorithm, precision, accum_steps=k)
+    for _ in range(3):
+        run.window()
+    opt = run.opt
+    held = compiled.HELD
+
+    def books():
+        event = compiled.window_event
+        for j in range(k):
+            code = [(held if j else compiled.EMPTY) | compiled.RECEIVED]
+            event(opt._graph_id, compiled.BACKWARD, code, opt._graph_token, [])
+        event(opt._graph_id, compiled.STEP, [held], opt._graph_token, [f.lr for f in opt._window.flat_groups])
+        event(opt._graph_id, compiled.ZERO_GRAD, [], opt._graph_token, [])
+
+    books()  # (the first steady-state one)
+    return aten_ops(books)
+
+
+@pytest.mark.parametrize(
+    "algorithm, precision", [("adamw", "bf16-master"), ("sgd", "fp32"), ("lion", "bf16-remainder")]
+)
+def test_a_compiled_windows_books_never_sync_and_their_op_count_does_not_grow_with_the_parameters(
+    algorithm, precision, one_thread
+):
+    small, large = _books_ops(SMALL, algorithm, precision), _books_ops(LARGE, algorithm, precision)
+    assert syncs(small) == {} and syncs(large) == {}, (syncs(small), syncs(large))
+    # (the window_event calls and, inside them, the token's add and each group's lr written)
+    assert sum(large.values()) <= GROWTH * sum(small.values()), (small, large)
+
+
 # --- every topology and mode ---------------------------------------------------------------------
 #
 # The same guard on data-parallel topologies: a steady-state window's middle backward, its last

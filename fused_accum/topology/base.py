@@ -145,6 +145,25 @@ def one_process_chunk_sums(flat) -> Tensor:
     return chunk_sums(torch.cat(rows).view(-1, CHUNK))
 
 
+def sum_of_squares(flat_groups, active: list, home) -> Tensor:
+    """The sum of squares of the accumulator slices of the ``active`` slots (per flat group),
+    0-d fp32 on ``home``: one ``_foreach_norm`` per flat group, no host sync."""
+    total = torch.zeros((), dtype=torch.float32, device=home)
+    for flat, slots in zip(flat_groups, active):
+        if len(slots) == len(flat.slots):
+            # Every slice holds this window's gradient: the whole buffer is one tensor (its
+            # padding is zero: nothing writes outside the slices), so the op count does not
+            # grow with the parameters (a CPU _foreach_norm is one op per tensor).
+            accs = [flat.acc]
+        elif torch.compiler.is_compiling():  # (sliced from the graph's input, which views passed in would alias)
+            accs = [flat.acc[s.local] for s in slots]
+        else:
+            accs = [s.acc for s in slots]
+        if accs:
+            total.add_(torch.stack(torch._foreach_norm(accs)).square().sum().to(home))
+    return total
+
+
 class Topology:
     """The fixed points, each with what one process does there (see the module's table)."""
 
@@ -240,20 +259,12 @@ class Topology:
         ``.data`` edit, ``dist.all_reduce(p.grad)``, ``scaler.unscale_``) is seen whatever it
         did to the version counters, which miss the last three. (A non-finite value makes the
         sum non-finite: the flag follows from it.)"""
-        total = torch.zeros((), dtype=torch.float32, device=home)
         if self.exact_norm:
+            total = torch.zeros((), dtype=torch.float32, device=home)
             for flat in flat_groups:
                 total.add_(tree_sum(one_process_chunk_sums(flat)).to(home))
             return total, torch.zeros_like(total)
-        for flat in flat_groups:
-            accs = [s.acc for s in flat.slots if s.has_grad]
-            if len(accs) == len(flat.slots):
-                # Every slice holds this window's gradient: the whole buffer is one tensor (its
-                # padding is zero: nothing writes outside the slices), so the op count does not
-                # grow with the parameters (a CPU _foreach_norm is one op per tensor).
-                accs = [flat.acc]
-            if accs:
-                total.add_(torch.stack(torch._foreach_norm(accs)).square().sum().to(home))
+        total = sum_of_squares(flat_groups, [[s for s in flat.slots if s.has_grad] for flat in flat_groups], home)
         return total, torch.zeros_like(total)
 
     def average_(self, value: Tensor) -> Tensor:
