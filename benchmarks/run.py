@@ -33,7 +33,9 @@ GEMM, benchmarks/wgrad.py), ``triton-sweep`` and ``triton-host`` (the Triton lau
 GPU and the launcher's host time, benchmarks/triton_sweep.py and triton_host.py; both run by
 benchmarks/device_check.sh), ``offload`` (offload="cpu": the host step per bucket, and on a GPU
 a window with and without it, benchmarks/offload.py), ``compile`` (a window under each way of compiling
-it, fused_accum against torch.optim's best, paired and interleaved: benchmarks/compile.py).
+it, fused_accum against torch.optim's best, paired and interleaved: benchmarks/compile.py),
+``sharded-storage`` (shard="state"'s step with the parameters bound into its buffer against
+loose ones: aten ops and time per step, benchmarks/sharded_storage.py).
 
 Sizes: ``--smoke`` is the tiniest run (for the tests, seconds); ``--quick`` is under 2 minutes
 on a 2-core CPU; the default is the full suite (GPU sizes on CUDA). ``--time-budget`` skips the
@@ -423,6 +425,7 @@ TOOLS = {  # name -> module of benchmarks/ with a main(argv)
     "triton-host": "triton_host",
     "offload": "offload",
     "compile": "compile",
+    "sharded-storage": "sharded_storage",
 }
 
 

@@ -3,7 +3,7 @@ moved there: nothing else held it) against loose (a ``model.state_dict()`` taken
 optimizer holds every one, so each stays where it is and is copied in and out at every step):
 aten ops per step (the profiler's CPU events) and time per step, the two measured interleaved.
 
-    python -m benchmarks.sharded_storage [--params 64,1024] [--numel 4096] [--steps 30]
+    python -m fused_accum bench sharded-storage [--params 64,1024] [--numel 4096] [--steps 30]
 
 Spawns 2 gloo processes on the CPU, one thread each; bf16 parameters with fp32 masters (AdamW).
 """

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from . import optimizer
 from .optimizer import FusedAccumOptimizer
 from .registry import (
     Algorithm,
@@ -317,3 +318,8 @@ class Lion(FusedAccumOptimizer):
         super().__init__(
             params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, **accumulation
         )
+
+
+# These four lived in fused_accum.optimizer until the records moved here: an optimizer pickled
+# before names its class there.
+optimizer.SGD, optimizer.Adam, optimizer.AdamW, optimizer.Lion = SGD, Adam, AdamW, Lion

@@ -451,14 +451,3 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
 # would break its graph at the step. The step records the call itself (eagerly, and a compiled
 # step's books), so it says so.
 FusedAccumOptimizer.step._wrapped_by_lr_sched = True
-
-
-def __getattr__(name: str):
-    # The drop-in classes lived here until they moved to fused_accum.algorithms: an optimizer
-    # pickled before names its class here.
-    from . import algorithms
-
-    cls = getattr(algorithms, name, None)
-    if isinstance(cls, type) and issubclass(cls, FusedAccumOptimizer):
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
