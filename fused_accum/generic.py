@@ -47,6 +47,8 @@ class GenericPath:
                 self.inner.add_param_group(dict(params=inner_params, **hyper))
         except TypeError as err:
             raise TypeError(f"{self.cls.__name__} rejected param_groups[{group_index}]: {err}") from err
+        for key, value in self.inner.param_groups[group_index].items():  # the class's defaults, as
+            group.setdefault(key, value)  # torch's group shows them (and its load_state_dict reads them)
         for slot in slots:
             if self.targets[id(slot.param)] in self.inner.state:
                 state[slot.param] = self.inner.state[self.targets[id(slot.param)]]

@@ -757,3 +757,18 @@ def test_the_generic_path_keeps_each_classs_state_as_torch_builds_it(name):
         for p, q in zip(ours_params, torch_params):
             assert torch.equal(p, q), f"step {k + 1}: parameters"
             _same_state(opt.state[p], ref.state[q], f"step {k + 1}")
+
+
+@pytest.mark.parametrize("name", list(GENERIC))
+def test_the_generic_paths_param_groups_hold_the_classs_defaults_as_torchs_do(name):
+    """Each group shows every hyper-parameter torch's group of that class shows, with its
+    default where not given (ASGD's alpha): schedulers and trainers read them, and torch's
+    load_state_dict takes a checkpoint's groups whole (its step reads group["alpha"])."""
+    cls, keywords = getattr(torch.optim, name), GENERIC[name]
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))]
+    opt = fused_accum.FusedAccumOptimizer([dict(params=params[:1])], cls, **keywords)
+    opt.add_param_group(dict(params=params[1:], lr=0.5))
+    ref = cls([dict(params=params[:1])], **keywords)
+    ref.add_param_group(dict(params=params[1:], lr=0.5))
+    for ours, theirs in zip(opt.param_groups, ref.param_groups):
+        assert {k: v for k, v in ours.items() if k != "params"} == {k: v for k, v in theirs.items() if k != "params"}
