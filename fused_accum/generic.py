@@ -99,8 +99,9 @@ class GenericPath:
         Found on a probe, an optimizer of the class over a copy of what the inner one steps,
         whose state entry keeps a copy of the first value each key is given, stepped once from
         a gradient of ones; kept only if a second probe loaded with it takes the same step, bit
-        for bit. Not SGD's: its momentum buffer is made after the update, from the first
-        gradient (a zero buffer loaded steps as that only without dampening)."""
+        for bit. Not SGD's: its momentum buffer is first set after the update (to the first
+        gradient), so what the probe records there is a state after a step, not one to start
+        from (an SGD entry needs none: its step reads no ``step``)."""
         target = self.targets[id(param)]
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         grad = torch.ones_like(target.detach())  # (not zeros: a zero step hides what a state changes)
@@ -109,6 +110,7 @@ class GenericPath:
             weight = torch.nn.Parameter(target.detach().clone())
             weight.grad = grad
             optimizer = self.cls([dict(params=[weight], **hyper)], **self.hyperparameters)
+            optimizer._fused_accum_inner = True  # (ours: its step takes nothing over, as the inner's)
             optimizer.state[weight] = entry(optimizer.state.get(weight, {}))  # (Adagrad builds one)
             optimizer.step()
             return weight, optimizer.state[weight]
