@@ -61,12 +61,16 @@ def state_dict(opt) -> dict:
         keeps_master = flat.masters.keeps
         if not keeps_master and not slot.has_grad:
             continue
-        entry = state.setdefault(index_of[id(p)], {})
-        if not entry:  # (not stepped yet: torch keeps no entry, and loads none without its state)
-            entry.update(_first_state(opt, flat, slot))
+        saves_accum = slot.has_grad and flat.layout.saves_accum(slot)
+        index = index_of[id(p)]
+        if not state.get(index):  # (not stepped yet: torch keeps no entry, and loads none without its state)
+            if opt._generic is not None and not saves_accum and _master_is_the_weight(flat, slot):
+                continue  # (torch's form, no entry: at load the master is the weight's value)
+            state.setdefault(index, {}).update(_first_state(opt, flat, slot))
+        entry = state[index]
         if keeps_master:  # (as fp32, whatever the format keeps: fused_accum.masters)
             entry["master"] = flat.state_view(slot, flat.master_of(slot)).clone()
-        if slot.has_grad and flat.layout.saves_accum(slot):
+        if saves_accum:
             entry["accum"] = slot.grad_view.clone()
     for slot in window.slots:  # (a topology's own form: a rank's pieces as rows of DTensors)
         entry = state.get(index_of[id(slot.param)], {})
@@ -86,8 +90,12 @@ def _first_state(opt, flat, slot: Slot) -> dict:
     would hold it: for the algorithms whose torch state counts steps (Adam, AdamW), a step count
     of 0 and each buffer at its record's initial value, so that an entry that holds its
     ``master`` (or ``accum``) is one torch can load (its ``load_state_dict`` reads the ``step``
-    of every entry) and steps from as from none. None for the others: SGD's momentum starts from the first gradient, not from zeros;
-    the generic path's state is its torch optimizer's."""
+    of every entry) and steps from as from none. None for the others: SGD's momentum starts
+    from the first gradient, not from zeros. The generic path asks its torch.optim class
+    (GenericPath.first_state); it writes no entry at all where the entry would hold only a
+    master equal to the weight (state_dict), as torch writes none."""
+    if opt._generic is not None:
+        return opt._generic.first_state(slot.param, opt.param_groups[flat.group_index])
     algorithm = opt._stepper.algorithm
     if algorithm is None or not ALGORITHMS[algorithm].has_step:
         return {}
@@ -96,6 +104,12 @@ def _first_state(opt, flat, slot: Slot) -> dict:
     entry = {"step": torch.zeros_like(flat.steps[slot.index])}
     entry.update({key: flat.state_view(slot, torch.full_like(template, value)) for key, value in initial.items()})
     return entry
+
+
+def _master_is_the_weight(flat, slot: Slot) -> bool:
+    """Whether ``slot``'s master is its parameter's value widened to fp32 (or the group keeps no
+    master): what a checkpoint without the master loads back to (load_state_dict)."""
+    return not flat.masters.keeps or torch.equal(flat.master_of(slot), flat.param_piece(slot).float())
 
 
 def gathered_state_dict(opt) -> dict:

@@ -9,6 +9,7 @@ optimizers cannot skip on the device) and keeps the inner optimizer's state as `
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -47,6 +48,8 @@ class GenericPath:
                 self.inner.add_param_group(dict(params=inner_params, **hyper))
         except TypeError as err:
             raise TypeError(f"{self.cls.__name__} rejected param_groups[{group_index}]: {err}") from err
+        for key, value in self.inner.param_groups[group_index].items():  # the class's defaults, as
+            group.setdefault(key, value)  # torch's group shows them (and its load_state_dict reads them)
         for slot in slots:
             if self.targets[id(slot.param)] in self.inner.state:
                 state[slot.param] = self.inner.state[self.targets[id(slot.param)]]
@@ -86,6 +89,39 @@ class GenericPath:
         }
         return self.inner.state[target]
 
+    def first_state(self, param, group: dict) -> dict:
+        """The state the inner optimizer's first step sets up for ``param`` before it updates
+        anything, or {} where no state loaded before a step makes that step: for a checkpoint
+        entry that must exist for a parameter not stepped yet (it holds ``accum``), as torch's
+        optimizers read the ``step`` of every entry they load (torch writes none before a
+        step). ``group``: the param's group (ours, which the inner group mirrors at each step).
+
+        Found on a probe, an optimizer of the class over a copy of what the inner one steps,
+        whose state entry keeps a copy of the first value each key is given, stepped once from
+        a gradient of ones; kept only if a second probe loaded with it takes the same step, bit
+        for bit. Not SGD's: its momentum buffer is first set after the update (to the first
+        gradient), so what the probe records there is a state after a step, not one to start
+        from (an SGD entry needs none: its step reads no ``step``)."""
+        target = self.targets[id(param)]
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        grad = torch.ones_like(target.detach())  # (not zeros: a zero step hides what a state changes)
+
+        def probe(entry):
+            weight = torch.nn.Parameter(target.detach().clone())
+            weight.grad = grad
+            optimizer = self.cls([dict(params=[weight], **hyper)], **self.hyperparameters)
+            optimizer._fused_accum_inner = True  # (ours: its step takes nothing over, as the inner's)
+            optimizer.state[weight] = entry(optimizer.state.get(weight, {}))  # (Adagrad builds one)
+            optimizer.step()
+            return weight, optimizer.state[weight]
+
+        weight, recorded = probe(_FirstValues)
+        first = recorded.first
+        again, state = probe(lambda built: {k: _copy(v) for k, v in first.items()})
+        same = torch.equal(weight, again) and recorded.keys() == state.keys()
+        same = same and all(_equal(recorded[k], state[k]) for k in state)
+        return first if same else {}
+
     def step(self, param_groups: list, slots: list, state: dict, scale: dict, skip) -> None:
         """One inner step from the accumulated gradients times ``scale`` (per device), unless
         ``skip`` (per device) says so; ``state`` (``opt.state``) then shows the inner state."""
@@ -117,3 +153,29 @@ class GenericPath:
             p.grad = saved_grads[slot.key]
             if target in self.inner.state:
                 state[p] = self.inner.state[target]
+
+
+class _FirstValues(dict):
+    """An optimizer state entry that keeps a copy of the first value each key is given (the
+    state a first step sets up, before its update writes the values in place)."""
+
+    def __init__(self, built: dict) -> None:
+        super().__init__()
+        self.first = {}
+        for key, value in built.items():
+            self[key] = value
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self.first:
+            self.first[key] = _copy(value)
+        super().__setitem__(key, value)
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b

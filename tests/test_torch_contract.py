@@ -757,3 +757,102 @@ def test_the_generic_path_keeps_each_classs_state_as_torch_builds_it(name):
         for p, q in zip(ours_params, torch_params):
             assert torch.equal(p, q), f"step {k + 1}: parameters"
             _same_state(opt.state[p], ref.state[q], f"step {k + 1}")
+
+
+@pytest.mark.parametrize("name", list(GENERIC))
+def test_the_generic_paths_param_groups_hold_the_classs_defaults_as_torchs_do(name):
+    """Each group shows every hyper-parameter torch's group of that class shows, with its
+    default where not given (ASGD's alpha): schedulers and trainers read them, and torch's
+    load_state_dict takes a checkpoint's groups whole (its step reads group["alpha"])."""
+    cls, keywords = getattr(torch.optim, name), GENERIC[name]
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))]
+    opt = fused_accum.FusedAccumOptimizer([dict(params=params[:1])], cls, **keywords)
+    opt.add_param_group(dict(params=params[1:], lr=0.5))
+    ref = cls([dict(params=params[:1])], **keywords)
+    ref.add_param_group(dict(params=params[1:], lr=0.5))
+    for ours, theirs in zip(opt.param_groups, ref.param_groups):
+        assert {k: v for k, v in ours.items() if k != "params"} == {k: v for k, v in theirs.items() if k != "params"}
+
+
+def _two_branches(dtype):
+    """Two branches (no biases: Muon and Adafactor's factored state want matrices)."""
+    torch.manual_seed(0)
+    return nn.ModuleDict(dict(a=nn.Linear(4, 3, bias=False), b=nn.Linear(4, 3, bias=False))).to(dtype)
+
+
+def _train(model, opt, gen, windows: list, branches: str) -> None:
+    """``windows``: the micro-batches of each window, through ``branches`` (summed)."""
+    for microbatches in windows:
+        for _ in range(microbatches):
+            x = torch.randn(2, 4, generator=gen).to(model["a"].weight.dtype)
+            sum(model[b](x) for b in branches).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+# torch's load_state_dict casts every floating state but ``step`` to the parameter's dtype,
+# these 0-dim ones too (its first step builds them fp32): a bf16 run that loads an entry holding
+# them, its own checkpoints' included, steps them in bf16 from then on (NAdam: 1.2e-4 from the
+# run that built them, over 3 steps). In fp32 nothing is cast.
+CAST_AT_LOAD = {"NAdam": "mu_product", "ASGD": "eta, mu"}
+
+
+@pytest.mark.parametrize("when", ["after steps", "before the first step", "mid-window"])
+@pytest.mark.parametrize(
+    "name, keywords",
+    [*GENERIC.items(), ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.5))],
+    ids=[*GENERIC, "SGD-dampening"],
+)
+def test_the_generic_paths_checkpoint_of_parameters_not_stepped_yet_loads_into_torch_and_back(name, keywords, when):
+    """bf16 parameters with fp32 masters, stepped by ``torch.optim.<name>`` through the generic
+    path; branch b is never used (an unused branch, a never-routed expert), and nothing has
+    stepped before the first step. ``state_dict()`` holds no entry for what has not stepped,
+    as torch, except mid-window, where a's entry holds its ``accum`` and then also the state
+    the class's first step starts from: ``torch.optim.<name>`` loads the checkpoint (torch reads
+    ``step`` from every entry it holds: KeyError otherwise) and trains on, both branches, bit
+    for bit as from torch's own checkpoint of that state; loaded back into a new
+    FusedAccumOptimizer, it trains on bit for bit as the optimizer that saved it. (SGD with
+    dampening: its first step starts the momentum from the gradient, from no state that could
+    be written, so a's entry holds no state, which torch's SGD loads. NAdam and ASGD mid-window
+    in fp32: CAST_AT_LOAD.)"""
+    cls = getattr(torch.optim, name)
+    model = _two_branches(torch.float32 if name in CAST_AT_LOAD and when == "mid-window" else torch.bfloat16)
+    opt = fused_accum.FusedAccumOptimizer(model.parameters(), cls, accum_steps=2, **keywords)
+    gen = torch.Generator().manual_seed(1)
+    _train(model, opt, gen, [2, 2] if when == "after steps" else [], "a")
+    if when == "mid-window":
+        model["a"](torch.randn(2, 4, generator=gen).to(model["a"].weight.dtype)).float().square().mean().backward()
+    saved = opt.state_dict()
+    stepped = {0} if when == "after steps" else set()  # (a's weight is 0, b's 1)
+    held = stepped | ({0} if when == "mid-window" else set()) | ({0, 1} if name == "Adagrad" else set())
+    assert set(saved["state"]) == held  # (Adagrad builds its state in its constructor, as torch)
+    # torch's own checkpoint of that state: the stepped entries without our keys, and for the
+    # others what a torch optimizer holds before its first step (Adagrad's, from its constructor)
+    before = cls(copy.deepcopy(model).parameters(), **keywords).state_dict()["state"]
+    as_torch = copy.deepcopy(saved)
+    as_torch["state"] = {
+        i: {k: v for k, v in as_torch["state"][i].items() if k not in ("master", "accum")} for i in stepped
+    }
+    as_torch["state"].update({i: before[i] for i in before if i not in stepped})
+    runs = []
+    for checkpoint in (saved, as_torch):
+        twin = copy.deepcopy(model)
+        torch_opt = cls(twin.parameters(), **keywords)
+        torch_opt.load_state_dict(copy.deepcopy(checkpoint))
+        gen.manual_seed(2)  # (both runs see the same batches)
+        _train(twin, torch_opt, gen, [1, 1, 1], "ab")
+        runs.append((twin, torch_opt))
+    (ours, ours_opt), (theirs, theirs_opt) = runs
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, q)
+        kept = {k: v for k, v in ours_opt.state[p].items() if k not in ("master", "accum")}  # (torch keeps them)
+        _same_state(kept, theirs_opt.state[q], "torch, loaded from ours")
+    resumed_model = copy.deepcopy(model)
+    resumed = fused_accum.FusedAccumOptimizer(resumed_model.parameters(), cls, accum_steps=2, **keywords)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        gen.manual_seed(3)
+        _train(m, o, gen, [1 if when == "mid-window" else 2, 2, 2], "ab")
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+        _same_state(opt.state[p], resumed.state[q], "ours, loaded from ours")
