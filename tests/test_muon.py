@@ -224,7 +224,7 @@ def test_the_step_is_a_prologue_a_middle_and_an_epilogue_on_the_records_backend(
     assert calls == [("muon_prologue", "reference"), ("middle", len(SHAPES)), ("muon_epilogue", "reference")]
 
 
-def test_the_step_op_count_does_not_sync(one_thread):
+def test_a_steady_state_step_does_not_sync(one_thread):
     """A steady-state step reads no tensor on the host (lr stays a device tensor; the adjusted
     lr is formed from it on the device)."""
     params = matrices()
@@ -236,6 +236,27 @@ def test_the_step_op_count_does_not_sync(one_thread):
         opt.zero_grad()
     names = {e.name for e in prof.events()}
     assert not names & {"aten::item", "aten::_local_scalar_dense", "aten::nonzero"}, names
+
+
+def test_a_compiled_step_is_the_eager_step_bit_for_bit(one_thread):
+    """torch.compile(opt.step, fullgraph=True) traces the prologue and epilogue (custom ops) and
+    the middle's matmuls: under aot_eager the eager step's bits, over an lr change."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, eager = matrices(), matrices()
+    opts = [fused_accum.Muon(ps, lr=0.02) for ps in (compiled, eager)]
+    steps = [torch.compile(opts[0].step, fullgraph=True, backend="aot_eager"), opts[1].step]
+    for w, micro in enumerate(gradients(windows=4, k=1)):
+        for params, opt, step in zip((compiled, eager), opts, steps):
+            opt.param_groups[0]["lr"] = 0.02 if w < 2 else 0.01  # (a schedule)
+            backward(params, micro[0])
+            step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(compiled, eager))
+    assert counters["stats"]["unique_graphs"] == 1  # one graph, the lr change included
+    torch._dynamo.reset()
 
 
 # --- what it refuses --------------------------------------------------------------------------
