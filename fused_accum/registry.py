@@ -166,19 +166,24 @@ def check_whole_tensors(algorithm, shard=None, offload=None, params=()) -> None:
     record = ALGORITHMS.get(algorithm) if algorithm is not None else None
     if record is None or record.middle is None:
         return
-    whole = (
-        f"{record.name}'s step takes each parameter whole (its middle is not elementwise): use "
-        "process_group= without shard= or DDP (each rank steps every parameter whole, from the averaged gradient)"
+    whole = f"{record.name}'s step takes each parameter whole (its middle is not elementwise)"
+    data_parallel = (
+        "use process_group= without shard=, or DDP: each rank steps every parameter whole, from the averaged gradient"
     )
     if shard is not None:
-        raise ValueError(f"shard={shard!r} steps a slice of each parameter on each rank; {whole}")
+        raise ValueError(f"shard={shard!r} steps a slice of each parameter on each rank, and {whole}: {data_parallel}")
     if offload is not None:
-        raise ValueError(f"offload={offload!r} steps on the host bucket by bucket; {whole}, on the parameters' device")
+        raise ValueError(
+            f"offload={offload!r} steps on the host bucket by bucket, and {whole}, in torch ops on the "
+            "parameters' device: leave offload=None"
+        )
     from .distributed import is_dtensor
 
     for p in params:
         if is_dtensor(p):
-            raise ValueError(f"DTensor parameters (FSDP2's fully_shard, tensor parallelism) hold shards; {whole}")
+            raise ValueError(
+                f"DTensor parameters (FSDP2's fully_shard, tensor parallelism) hold shards, and {whole}: {data_parallel}"
+            )
         record.middle.check_param(p)
 
 
