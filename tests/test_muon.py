@@ -131,6 +131,32 @@ def test_a_nonfinite_window_is_skipped_and_the_next_steps(backend):
     assert not torch.equal(params[0], before[0][0])
 
 
+def test_a_checkpoint_moves_between_it_and_torch_muon_both_ways():
+    """opt.state_dict() holds torch's state (momentum_buffer, no step): torch.optim.Muon loads
+    ours and we load its, and each then steps as the run that saved it."""
+    ours = matrices()
+    opt = fused_accum.Muon(ours, lr=0.02)
+    data = gradients(windows=6, k=1)
+    for micro in data[:3]:
+        backward(ours, micro[0])
+        opt.step()
+        opt.zero_grad()
+    theirs, again = ([nn.Parameter(p.detach().clone()) for p in ours] for _ in range(2))
+    ref = torch.optim.Muon(theirs, lr=0.02)
+    ref.load_state_dict(opt.state_dict())
+    reloaded = fused_accum.Muon(again, lr=0.02)
+    reloaded.load_state_dict(ref.state_dict())
+    for micro in data[3:]:
+        for params, o in ((ours, opt), (again, reloaded)):
+            backward(params, micro[0])
+            o.step()
+            o.zero_grad()
+        for q, g in zip(theirs, micro[0]):
+            q.grad = g.clone()
+        ref.step()
+    assert all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in zip(ours, theirs, again))
+
+
 # --- bf16 weights: fp32 masters, remainders ----------------------------------------------------
 
 
