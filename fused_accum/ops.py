@@ -314,6 +314,9 @@ def declare_step(algorithm) -> StepOp:
     """The step op of ``algorithm`` (a :class:`fused_accum.registry.Algorithm`), declared now or,
     for an algorithm that shares another's update rule (adamw, adam's), the one declared then,
     which must take the same states and hyper-parameter record."""
+    if algorithm.middle is not None:
+        split = _OF_ALGORITHM[algorithm.name] = SplitStep(algorithm)
+        return split
     op = STEP_OPS.get(algorithm.op)
     keys = tuple(s.key for s in algorithm.states)
     if op is None:
@@ -327,6 +330,61 @@ def declare_step(algorithm) -> StepOp:
         )
     _OF_ALGORITHM[algorithm.name] = op
     return op
+
+
+def _lists_record(name: str, fields: dict) -> type:
+    """A record of tensor lists (``fields``: name -> ``Lists`` or ``WrittenLists``)."""
+    body = {"__module__": __name__, "__annotations__": dict(fields)}
+    return types.new_class(name, (NamedTuple,), exec_body=lambda namespace: namespace.update(body))
+
+
+class SplitStep:
+    """The step of an algorithm whose middle is not elementwise (its record's ``middle``:
+    :class:`fused_accum.registry.Middle`), called as a :class:`StepOp` is, ``step(t, s, h,
+    backend)``, on the same records: two elementwise ops around the middle.
+
+    - ``<rule>_prologue`` (:class:`StepTensors`, the algorithm's state lists and ``updates``,
+      written, then ``hyper``): the window's gradient read once, the state updated, the
+      middle's input written into ``updates`` (fp32, one tensor per parameter, shaped as the
+      weight: a matrix for the middle);
+    - the middle, ``middle.run(updates, h)``: torch ops over each whole tensor;
+    - ``<rule>_epilogue`` (:class:`StepTensors`, ``updates`` read: the middle's output, then
+      ``hyper``): the update applied to the masters and the weights, in the formats every step
+      writes (fp32 params, fp32 masters and their low-precision copies, remainders).
+
+    Both are custom ops (``fused_accum::<rule>_prologue_``...) that ``torch.compile`` traces,
+    specified in the reference as every step op is; they run on ``middle.elementwise_backend``
+    (the reference, until a kernel backend implements them: they are not C++ operators yet,
+    so :func:`ext_schemas` has none of them). ``updates`` is allocated per step (as torch.optim
+    allocates its update): 4 B/param, freed after the step."""
+
+    def __init__(self, algorithm) -> None:
+        rule = algorithm.op.removesuffix("_step")
+        self.name = algorithm.op
+        self.middle = algorithm.middle
+        self.states = _states_record(algorithm.op, algorithm.states)
+        self.state_keys = tuple(s.key for s in algorithm.states)
+        self.hyper = algorithm.hyper
+        title = rule.title()
+        lists = {f"{s.key}s": WrittenLists for s in algorithm.states}
+        self.prologue = StepOp(
+            f"{rule}_prologue", _lists_record(f"{title}PrologueLists", {**lists, "updates": WrittenLists}), self.hyper
+        )
+        self.epilogue = StepOp(
+            f"{rule}_epilogue", _lists_record(f"{title}EpilogueLists", {"updates": Lists}), self.hyper
+        )
+
+    def __repr__(self) -> str:
+        return f"SplitStep({self.prologue.name!r}, middle, {self.epilogue.name!r})"
+
+    states_of = StepOp.states_of
+
+    def __call__(self, t: StepTensors, s, h, backend: str, plan=None) -> None:
+        backend = self.middle.elementwise_backend or backend
+        weights = t.lp_params or t.params  # (fp32 masters are 1-D: their weights have the shape)
+        updates = [torch.empty(w.shape, dtype=torch.float32, device=w.device) for w in weights]
+        self.prologue(t, self.prologue.states(*s, updates), h, backend)
+        self.epilogue(t, self.epilogue.states(self.middle.run(updates, h)), h, backend)
 
 
 def step_op(algorithm: str) -> StepOp:

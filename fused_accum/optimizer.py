@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import backends, checkpoint, compiled
 from .registry import ALGORITHMS, Algorithm  # noqa: F401 (importable here, as before they moved)
-from .registry import check_after_groups, fused_names, parse_algorithm
+from .registry import check_after_groups, check_whole_tensors, fused_names, parse_algorithm
 from . import topology
 from .flat import padded_offsets  # noqa: F401 (re-exported)
 from .members import Members
@@ -178,6 +178,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, type) and issubclass(optimizer, FusedAccumOptimizer):
             raise TypeError("optimizer= cannot be a FusedAccumOptimizer class")
         self._algorithm, generic_class, defaults = parse_algorithm(optimizer, hyperparameters)
+        check_whole_tensors(self._algorithm, shard=shard, offload=offload)
         self._config = dict(
             optimizer=optimizer,
             accum_steps=accum_steps,
@@ -238,6 +239,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         parameters buffers and, once the optimizer is built, hooks. All or nothing."""
         super().add_param_group(param_group)
         try:
+            check_whole_tensors(self._algorithm, params=self.param_groups[-1]["params"])
             self._members.add_group(self.param_groups, len(self.param_groups) - 1, self.state)
         except BaseException:
             self.param_groups.pop()

@@ -55,21 +55,43 @@ class Algorithm:
     has_step: bool  # torch keeps a ``step`` entry in its state
     # Its step op (fused_accum.ops.STEP_OPS): "<rule>_step", one update rule in each backend.
     # Algorithms that share one (adam, adamw) share its states and hyper-parameter record.
+    # With a middle, its rule names the two ops around it: "<rule>_prologue", "<rule>_epilogue".
     op: str
     # Where a field of ``hyper`` comes from when the param group names it otherwise: a group
-    # key, or (key, index) into a tuple (``betas``). Every other field is the group's value of
+    # key, (key, index) into a tuple (``betas``), or a function of the group (Muon's
+    # ``adjust_lr_fn`` as a flag). Every other field is the group's value of
     # its own name. Floats are read as Python floats (a tensor once, on the host: as torch's
     # fused optimizers read a tensor beta), bools as bools.
     reads: dict = dataclasses.field(default_factory=dict)
     # A step whose middle is not elementwise (Muon's orthogonalization of each matrix, a
     # LAMB-like per-tensor trust ratio): None for an elementwise algorithm, which this package
-    # steps in one op. The design of the other kind (an elementwise prologue op, this middle
-    # over whole tensors, an elementwise epilogue op, each declared from this record): the
-    # design document's "Steps that are not elementwise". No registered algorithm has one yet.
-    middle: Optional[Callable] = None
+    # steps in one op. With one, the step is an elementwise prologue op, this middle over
+    # whole tensors and an elementwise epilogue op, each declared from this record
+    # (fused_accum.ops.SplitStep; the design document's "Steps that are not elementwise").
+    middle: Optional["Middle"] = None
 
     def state(self, key: str) -> State:
         return next(s for s in self.states if s.key == key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Middle:
+    """The part of a step that is not elementwise, between its two elementwise ops: the
+    prologue ``<rule>_prologue`` (reads the window's gradient once, updates the state, writes
+    the middle's input, one fp32 tensor per parameter shaped as the weight) and the epilogue
+    ``<rule>_epilogue`` (reads the middle's output, writes the masters and the weights). It needs
+    each parameter whole, so the modes that hand the step pieces of one are refused
+    (:func:`check_whole_tensors`)."""
+
+    # run(inputs, h) -> outputs: torch ops over whole tensors (the prologue's outputs, shaped
+    # as the weights), on their device; ``h`` the algorithm's hyper-parameter record
+    run: Callable
+    # check_param(p): torch's refusal of a parameter the middle cannot take (Muon's: not 2-D)
+    check_param: Callable
+    # The backend the prologue and epilogue run on, whatever backend= the optimizer has: the
+    # reference (plain torch ops on the tensors' device) until a kernel backend implements
+    # them; None would be the step's own backend.
+    elementwise_backend: Optional[str] = "reference"
 
 
 ALGORITHMS: dict = {}  # name -> Algorithm, in registration order (error messages list them so)
@@ -136,6 +158,35 @@ def check_after_groups(algorithm, defaults: dict) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
 
 
+def check_whole_tensors(algorithm, shard=None, offload=None, params=()) -> None:
+    """Refuse what would hand an algorithm whose step has a middle (:class:`Middle`) pieces of
+    a parameter, or a place its middle does not run: ``shard=`` (each rank steps a slice of the
+    flat buffers), ``offload=`` (the host steps bucket by bucket), DTensor parameters (FSDP2,
+    tensor parallelism: a rank holds a shard); and each parameter its middle refuses."""
+    record = ALGORITHMS.get(algorithm) if algorithm is not None else None
+    if record is None or record.middle is None:
+        return
+    whole = f"{record.name}'s step takes each parameter whole (its middle is not elementwise)"
+    data_parallel = (
+        "use process_group= without shard=, or DDP: each rank steps every parameter whole, from the averaged gradient"
+    )
+    if shard is not None:
+        raise ValueError(f"shard={shard!r} steps a slice of each parameter on each rank, and {whole}: {data_parallel}")
+    if offload is not None:
+        raise ValueError(
+            f"offload={offload!r} steps on the host bucket by bucket, and {whole}, in torch ops on the "
+            "parameters' device: leave offload=None"
+        )
+    from .distributed import is_dtensor
+
+    for p in params:
+        if is_dtensor(p):
+            raise ValueError(
+                f"DTensor parameters (FSDP2's fully_shard, tensor parallelism) hold shards, and {whole}: {data_parallel}"
+            )
+        record.middle.check_param(p)
+
+
 def state_keys(algorithm, group: dict) -> tuple:
     """The state buffers ``group``'s hyper-parameters ask of ``algorithm`` now (None: the generic
     path, whose torch.optim optimizer keeps its own state)."""
@@ -160,7 +211,10 @@ def read_hyper(cls: type, algorithm: str, group: dict) -> NamedTuple:
     values = []
     for name, kind in cls.__annotations__.items():
         source = reads.get(name, name)
-        value = group[source[0]][source[1]] if isinstance(source, tuple) else group[source]
+        if callable(source):
+            value = source(group)
+        else:
+            value = group[source[0]][source[1]] if isinstance(source, tuple) else group[source]
         values.append(bool(value) if kind in (bool, "bool") else scalar(value))
     return cls(*values)
 

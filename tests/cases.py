@@ -131,6 +131,13 @@ TABLE = {
         EVERY_MODE,
         kernel_cases={"lion": dict(betas=(0.9, 0.99), weight_decay=0.1)},
     ),
+    # 2-D parameters only, and a middle of bf16 matmuls (torch.optim.Muon's) that turns any
+    # last-bit difference of its input into a bf16 ulp of the update: the shared mode tests'
+    # models (biases) and tolerances (k micro-batches against one large batch) do not fit it.
+    # tests/test_muon.py holds its modes: fp32 bit for bit with torch.optim.Muon, bf16 + fp32
+    # masters and the remainder mode (the fp32 run's masters, bit for bit), process_group= and
+    # DDP; shard=, FSDP2 and offload= refused.
+    "muon": Algorithm(fused_accum.Muon, torch.optim.Muon, {"muon": dict(lr=0.02)}, frozenset()),
 }
 DEFAULT = "adamw"  # the algorithm of a test where the algorithm does not matter
 

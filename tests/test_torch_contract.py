@@ -632,7 +632,7 @@ def test_each_algorithms_defaults_are_torchs(name):
     defaults, every key and value (a wrong default, e.g. AdamW's weight decay, changes every
     run that relies on it)."""
     torch_cls, ours_cls = cases.TABLE[name].peer, cases.TABLE[name].cls
-    params = [nn.Parameter(torch.randn(2))]
+    params = [nn.Parameter(torch.randn(2, 2))]  # (a matrix: torch.optim.Muon takes no other)
     want = torch_cls(params).defaults
     assert fused_accum.FusedAccumOptimizer(params, name).defaults == want
     assert fused_accum.FusedAccumOptimizer(params, name.upper()).defaults == want

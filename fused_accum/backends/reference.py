@@ -77,6 +77,7 @@ Conventions shared by all ops (and so by all backends):
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
@@ -555,3 +556,36 @@ def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
         new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
         new_m = _fma(g, 1 - h.beta2, m * h.beta2)
         _commit(t.found_inf, [(m, new_m), *_param_writes(t, i, new_p)])
+
+
+# --- a split step's elementwise ops (fused_accum.ops.SplitStep: prologue, middle, epilogue) ---
+
+
+def muon_prologue(t: StepTensors, s, h) -> None:
+    """torch.optim.Muon's start, in its ops: the momentum buffer lerped towards the gradient by
+    ``1 - momentum``; the update (the new buffer, or with ``nesterov`` the gradient lerped
+    towards it by ``momentum``) into ``s.updates[i]``, the weight's shape, for the middle."""
+    check_remainders("muon_prologue", t)
+    if t.sources:  # (offload's out-of-place step: refused for split steps, registry.check_whole_tensors)
+        raise ValueError("muon_prologue: sources are not supported by a split step")
+    for i in range(len(t.params)):
+        g = _effective_grad(t, i, maximize=False)
+        new_buf = torch.lerp(s.momentum_buffers[i], g, 1 - h.momentum)
+        s.updates[i].copy_((torch.lerp(g, new_buf, h.momentum) if h.nesterov else new_buf).view(s.updates[i].shape))
+        _commit(t.found_inf, [(s.momentum_buffers[i], new_buf)])
+
+
+def muon_epilogue(t: StepTensors, s, h) -> None:
+    """torch.optim.Muon's end, in its order: ``p * (1 - lr * weight_decay)``, then ``+ (-lr *
+    ratio) * update`` (the middle's ``s.updates[i]``) in one fused multiply-add (torch's
+    ``add_(alpha=)``), each factor formed in double and rounded to fp32; ``ratio`` of the (rows,
+    columns) shape: sqrt(max(1, rows / columns)), or 0.2 sqrt(max(rows, columns)) with
+    ``match_rms_adamw``."""
+    lr = _lr(t.lr)
+    decay = _f32(1 - lr * h.weight_decay)
+    check_remainders("muon_epilogue", t)
+    for i in range(len(t.params)):
+        rows, columns = s.updates[i].shape
+        ratio = 0.2 * math.sqrt(max(rows, columns)) if h.match_rms_adamw else math.sqrt(max(1, rows / columns))
+        new_p = _fma(s.updates[i].reshape(-1).float(), _f32(-(lr * ratio)), _master(t, i) * decay)
+        _commit(t.found_inf, _param_writes(t, i, new_p))
