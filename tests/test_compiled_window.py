@@ -219,6 +219,40 @@ def test_the_recipe_under_inductor_is_as_close_to_eager_as_compiling_the_model_a
     assert distance(model) <= distance(alone_model), (distance(model), distance(alone_model))
 
 
+def plain_window(model, opt, chunk):
+    """The plain loop: ``loss.backward()``, which Dynamo traces under trace_autograd_ops."""
+    for x, y in chunk:
+        model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_the_plain_loop_compiled_whole_is_refused_in_its_first_window(precision):
+    """A traced loss.backward() writes autograd's own sums into .grad and runs no hook: the
+    window holds nothing. Refused as the step is traced, naming opt.backward, before anything
+    runs. Before: the first window stepped nothing, silently (the next call refused)."""
+    model, opt = build("adamw", precision)
+    weights = [p.detach().clone() for p in model.parameters()]
+    compiled_window = torch.compile(plain_window, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.UserError, match=r"did not fold.*call opt\.backward\(loss\) instead"):
+        compiled_window(model, opt, batches(PRECISIONS[precision][0], 1)[0])
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.microbatches == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_the_plain_loop_compiled_without_fullgraph_is_refused_in_its_first_window():
+    """Without fullgraph=True Dynamo gives the frame up at the refusal and runs it eagerly,
+    compiling its inner frames on their own: the step's books then refuse the assigned .grad,
+    before anything is written."""
+    model, opt = build("adamw", "bf16-master")
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call opt\.backward\(loss\)"):
+        torch.compile(plain_window, backend="aot_eager")(model, opt, batches(torch.bfloat16, 1)[0])
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.microbatches == 0
+
+
 # --- the compiled step (eager backwards) -----------------------------------------------------
 
 
