@@ -170,12 +170,12 @@ def step_reason(opt, closure) -> Optional[str]:
         return GRAD_SCALER
     if needs_new_state(opt):
         return NEW_STATE
-    return eager_reason(opt, step=True)
+    return eager_reason(opt, "step")
 
 
-def eager_reason(opt, *, step: bool = False) -> Optional[str]:
-    """Why ``opt``'s backward or zero_grad (``step``: its step) must run eagerly inside a
-    compiled region (None: it traces)."""
+def eager_reason(opt, call: str) -> Optional[str]:
+    """Why ``opt``'s ``call`` (``"backward"``, ``"step"`` or ``"zero_grad"``) must run eagerly
+    inside a compiled region (None: it traces)."""
     window = opt._window
     if window.detached_because is not None:
         return DETACHED
@@ -187,13 +187,16 @@ def eager_reason(opt, *, step: bool = False) -> Optional[str]:
     # DDP wrapper found then; reading `decided` here would retrace once it is)
     if window.topology.name != "local" or window.topology.exact_norm:
         return DATA_PARALLEL
-    if step:
+    if call == "step":
         if opt._generic is not None:
             return GENERIC
         if opt._members.unfrozen():
             return UNFROZEN
-    elif any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window._params):
-        return OWN_HOOK  # (not asked of a step: it must not touch the parameters, see below)
+    elif call == "backward" and any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window._params):
+        return OWN_HOOK
+    # (only a backward asks the parameters: after eager backwards, a bf16 parameter whose .grad
+    # shows its fp32 view cannot be an input of the graph, which Dynamo makes of a parameter
+    # whose attribute is read: a step or zero_grad then could not trace)
     return None
 
 
@@ -221,7 +224,7 @@ def _held(slot) -> int:
 def backward(opt, loss: Tensor) -> None:
     """``opt.backward(loss)`` inside a compiled region: traced (``_traced_backward``), or
     ``loss.backward()`` eagerly (a graph break) where it cannot be."""
-    reason = eager_reason(opt)
+    reason = eager_reason(opt, "backward")
     if reason is None and not torch._dynamo.config.trace_autograd_ops:
         reason = NO_AUTOGRAD_OPS
     if reason is None:
@@ -247,7 +250,7 @@ def step(opt, closure, num_items):
 def zero_grad(opt, set_to_none: bool) -> None:
     """``opt.zero_grad()`` inside a compiled region: traced (``_traced_zero_grad``), or eagerly
     (a graph break) where it cannot be."""
-    reason = eager_reason(opt) or (None if set_to_none else ZERO_IN_PLACE)
+    reason = eager_reason(opt, "zero_grad") or (None if set_to_none else ZERO_IN_PLACE)
     if reason is not None:
         return eagerly(reason, opt.zero_grad, set_to_none)  # (run eagerly: it is not compiling there)
     return _traced_zero_grad(opt)

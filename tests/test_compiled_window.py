@@ -285,6 +285,29 @@ def test_a_compiled_step_follows_a_cosine_schedule_with_one_compilation():
     assert len(set(lrs)) == windows and lrs[0] == 1e-2  # (each window stepped with its own lr)
 
 
+def test_a_compiled_step_and_zero_grad_after_eager_backwards_of_bf16_parameters_equal_eager():
+    """After eager backwards a bf16 parameter's .grad is its fp32 view, which Dynamo refuses as
+    a graph input: neither the step nor zero_grad may read the parameters. Before: zero_grad's
+    check for the parameters' own hooks did ("dtype mismatch between tensor and its gradient")."""
+    model, opt = build("adamw", "bf16-master")
+    ref_model, ref_opt = build("adamw", "bf16-master")
+
+    def step_and_zero(opt):
+        opt.step()
+        opt.zero_grad()
+
+    compiled_step = torch.compile(step_and_zero, backend="aot_eager", fullgraph=True)
+    for w, chunk in enumerate(batches(torch.bfloat16, NONFINITE)):
+        for (m, o), stepper in (((ref_model, ref_opt), step_and_zero), ((model, opt), compiled_step)):
+            o.param_groups[0]["lr"] = lr_of(w)
+            for x, y in chunk:
+                m(x, y).backward()
+            stepper(o)
+    assert graphs() == 1
+    assert_same(model, opt, ref_model, ref_opt, "a compiled step and zero_grad")
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _train_with_edit(model, opt, step, edit):
     """Two windows of eager backwards, ``edit(model)`` before each ``step()``."""
     for chunk in batches(torch.bfloat16, 2):
