@@ -8,6 +8,9 @@ step and zero_grad, on a small GPT (benchmarks/end_to_end.TinyGPT: GPT-2's layou
   compile_model      ``torch.compile(model)``; backward, step and zero_grad eager
   compiled_autograd  ``torch.compile(model)``, each backward under compiled autograd
                      (``torch._dynamo.compiled_autograd._enable``)
+  compiled_step      ``torch.compile(model)``, eager backwards, the step (and zero_grad; for
+                     torch the clip too) one compiled function: ``fullgraph=True`` for
+                     fused_accum; torch's fused step breaks the graph (it is compiler-disabled)
   one_graph          the whole window in one compiled function: for fused_accum the README's
                      recipe (``opt.backward(loss)`` k times, ``opt.step()``, ``opt.zero_grad()``,
                      ``fullgraph=True`` under ``trace_autograd_ops``); for torch the same
@@ -55,7 +58,7 @@ import torch.nn as nn  # noqa: E402
 
 from benchmarks import common, end_to_end  # noqa: E402
 
-RECIPES = ("eager", "compile_model", "compiled_autograd", "one_graph")
+RECIPES = ("eager", "compile_model", "compiled_autograd", "compiled_step", "one_graph")
 OPTIMIZERS = ("fused_accum", "torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -122,8 +125,11 @@ class Cell:
     def _build(self, args) -> Callable[[list], None]:
         model, k = self.model, self.k
         ours = self.optimizer == "fused_accum"
-        if self.recipe in ("compile_model", "compiled_autograd"):
+        if self.recipe in ("compile_model", "compiled_autograd", "compiled_step"):
             model = torch.compile(model, backend=self.counting)
+        step = self._step
+        if self.recipe == "compiled_step":
+            step = torch.compile(self._step, backend=self.counting, fullgraph=ours)
 
         def backward(loss):
             if self.recipe == "compiled_autograd":
@@ -139,7 +145,7 @@ class Cell:
                 with self.autocast():
                     loss = model(idx, targets) / k
                 backward(loss)
-            self._step()
+            step()
 
         if self.recipe == "one_graph":
             return torch.compile(window, backend=self.counting, fullgraph=ours)

@@ -33,7 +33,8 @@ own, a state buffer first needed now, and a backward without ``trace_autograd_op
 
 ``opt.backward(loss)`` is the traced backward; eagerly it is ``loss.backward()``. Dynamo's own
 trace of ``loss.backward()`` writes autograd's sums into ``.grad`` without the window's hooks,
-so a compiled window calls ``opt.backward``.
+so a compiled window calls ``opt.backward``; a step traced after such a ``.grad`` is refused
+as it is traced (``_refuse_grads_around_the_window``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._dynamo.comptime import comptime
 
 from . import ops
 from .registry import state_keys
@@ -168,12 +170,12 @@ def step_reason(opt, closure) -> Optional[str]:
         return GRAD_SCALER
     if needs_new_state(opt):
         return NEW_STATE
-    return eager_reason(opt, step=True)
+    return eager_reason(opt, "step")
 
 
-def eager_reason(opt, *, step: bool = False) -> Optional[str]:
-    """Why ``opt``'s backward or zero_grad (``step``: its step) must run eagerly inside a
-    compiled region (None: it traces)."""
+def eager_reason(opt, call: str) -> Optional[str]:
+    """Why ``opt``'s ``call`` (``"backward"``, ``"step"`` or ``"zero_grad"``) must run eagerly
+    inside a compiled region (None: it traces)."""
     window = opt._window
     if window.detached_because is not None:
         return DETACHED
@@ -185,13 +187,16 @@ def eager_reason(opt, *, step: bool = False) -> Optional[str]:
     # DDP wrapper found then; reading `decided` here would retrace once it is)
     if window.topology.name != "local" or window.topology.exact_norm:
         return DATA_PARALLEL
-    if step:
+    if call == "step":
         if opt._generic is not None:
             return GENERIC
         if opt._members.unfrozen():
             return UNFROZEN
-    elif any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window._params):
-        return OWN_HOOK  # (not asked of a step: it must not touch the parameters, see below)
+    elif call == "backward" and any(p._post_accumulate_grad_hooks or p._backward_hooks for p in window._params):
+        return OWN_HOOK
+    # (only a backward asks the parameters: after eager backwards, a bf16 parameter whose .grad
+    # shows its fp32 view cannot be an input of the graph, which Dynamo makes of a parameter
+    # whose attribute is read: a step or zero_grad then could not trace)
     return None
 
 
@@ -219,7 +224,7 @@ def _held(slot) -> int:
 def backward(opt, loss: Tensor) -> None:
     """``opt.backward(loss)`` inside a compiled region: traced (``_traced_backward``), or
     ``loss.backward()`` eagerly (a graph break) where it cannot be."""
-    reason = eager_reason(opt)
+    reason = eager_reason(opt, "backward")
     if reason is None and not torch._dynamo.config.trace_autograd_ops:
         reason = NO_AUTOGRAD_OPS
     if reason is None:
@@ -235,6 +240,7 @@ def step(opt, closure, num_items):
         return eagerly(reason, opt._step, closure, num_items)
     if num_items is not None and not isinstance(num_items, Tensor):
         check_num_items(num_items)
+    _refuse_grads_around_the_window(opt)
     norm = _traced_step(opt, num_items)
     if norm is not None:
         opt._last_norm.value = norm
@@ -244,10 +250,44 @@ def step(opt, closure, num_items):
 def zero_grad(opt, set_to_none: bool) -> None:
     """``opt.zero_grad()`` inside a compiled region: traced (``_traced_zero_grad``), or eagerly
     (a graph break) where it cannot be."""
-    reason = eager_reason(opt) or (None if set_to_none else ZERO_IN_PLACE)
+    reason = eager_reason(opt, "zero_grad") or (None if set_to_none else ZERO_IN_PLACE)
     if reason is not None:
         return eagerly(reason, opt.zero_grad, set_to_none)  # (run eagerly: it is not compiling there)
     return _traced_zero_grad(opt)
+
+
+def _refuse_grads_around_the_window(opt) -> None:
+    """As Dynamo traces a step where ``.grad`` does not show the window (a step after eager
+    backwards reads no ``.grad``: ``ALIASED``): a ``.grad`` the window did not write is refused
+    as the graph is traced, before any of it runs. The traced step steps the slots holding the
+    window's gradient, from its buffers, and would ignore it: silently, in the first window of
+    the plain loop compiled whole (``loss.backward()`` traced under ``trace_autograd_ops``
+    assigns autograd's own sums and runs no hook, so the window holds nothing). A ``.grad``
+    the user assigned is refused too (eagerly it is taken)."""
+    window = opt._window
+    if window.ledger.shown:
+        return
+    for slot in window.slots:
+        if slot.param.grad is not None and not slot._has_grad:
+            message = (  # noqa: F841 (read by _refuse_as_traced, through comptime's ctx.get_local)
+                f"{window.label}: parameter {slot.name} has a .grad that the window did not fold, so this "
+                "compiled step would step nothing from it. Under torch._dynamo.config.trace_autograd_ops, a "
+                "loss.backward() inside the compiled function is traced: it writes autograd's own sums into "
+                ".grad and runs none of the optimizer's hooks. Inside the compiled function call "
+                "opt.backward(loss) instead (eagerly it is loss.backward(); the one-graph window, "
+                "docs/compile.md), or call loss.backward() outside it. A .grad you assigned yourself: call "
+                "opt.step() outside the compiled function, which takes it."
+            )
+            comptime(_refuse_as_traced)
+
+
+def _refuse_as_traced(ctx) -> None:
+    """Run by Dynamo as it traces (a comptime function): its ``UserError`` reaches the user as
+    it is, message first. (Without ``fullgraph=True`` Dynamo gives the frame up and runs it
+    eagerly; the step, compiled as a frame of its own, then refuses the assigned ``.grad`` in its
+    books: ``_take_back``.)"""
+    message = ctx.get_local("message").as_python_constant()
+    raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.INVALID_INPUT, message)
 
 
 def _traced_backward(opt, loss: Tensor) -> None:

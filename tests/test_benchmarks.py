@@ -1037,13 +1037,18 @@ def test_the_compile_benchmark_checks_each_recipe_and_counts_its_graphs(tmp_path
     from benchmarks import compile as compile_bench
 
     path = tmp_path / "compile.csv"
-    assert compile_bench.main(["--smoke", "--recipes", "eager,one_graph", "--csv", str(path)]) == 0
+    recipes = ("eager", "compiled_autograd", "compiled_step", "one_graph")
+    assert compile_bench.main(["--smoke", "--recipes", ",".join(recipes), "--csv", str(path)]) == 0
     with open(path) as f:
         rows = {(r["recipe"], r["optimizer"]): r for r in csv.DictReader(f)}
-    assert set(rows) == {(r, o) for r in ("eager", "one_graph") for o in ("fused_accum", "torch")}
+    assert set(rows) == {(r, o) for r in recipes for o in ("fused_accum", "torch")}
+    for recipe in recipes:  # (aot_eager: every recipe of ours bit for bit with our eager loop)
+        ours = rows[(recipe, "fused_accum")]
+        assert ours["error"] == "" and ours["exact"] == "True" and ours["breaks"] == "0", ours
     ours = rows[("one_graph", "fused_accum")]
-    assert ours["error"] == "" and ours["exact"] == "True", ours
-    assert float(ours["graphs_per_window"]) == 1.0 and ours["breaks"] == "0" and ours["graphs_compiled"] == "1"
+    assert float(ours["graphs_per_window"]) == 1.0 and ours["graphs_compiled"] == "1"
+    # (k = 2 compiled forwards, and the step)
+    assert float(rows[("compiled_step", "fused_accum")]["graphs_per_window"]) == 3.0
     theirs = rows[("one_graph", "torch")]
     assert float(theirs["graphs_per_window"]) == 2.0 and int(theirs["breaks"]) > 0, theirs
     assert float(rows[("eager", "fused_accum")]["vs_ours_eager"]) > 0

@@ -86,16 +86,19 @@ def _batches(dtype, nonfinite: bool):
     return batches
 
 
-def _train(mode: str, backward, linear=nn.Linear):
-    """Three windows of ACCUM micro-batches, each loss through ``backward(loss)``; returns the
-    parameters, every optimizer state tensor, and how many graphs ``backward`` compiled by the
-    end of each window."""
+def _train(mode: str, backward, linear=nn.Linear, compile_step=False):
+    """Three windows of ACCUM micro-batches, each loss through ``backward(loss)``, each window
+    with its own lr; returns the parameters, every optimizer state tensor, and how many graphs
+    ``backward`` compiled by the end of each window. ``compile_step``: the step is
+    ``torch.compile(opt.step, fullgraph=True)``, compiled with ``backward``'s backend."""
     dtype, kwargs, step_kwargs = MODES[mode]
     model = Net(dtype, linear)
     opt = fused_accum.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kwargs)
+    step = torch.compile(opt.step, backend=backward.compiles, fullgraph=True) if compile_step else opt.step
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode == "grad_scaler" else None
     batches, counts = _batches(dtype, mode == "skip_nonfinite"), []
     for w in range(WINDOWS):
+        opt.param_groups[0]["lr"] = LR * (1 - 0.25 * w)  # (a compiled step reads it from a tensor)
         for x, y in batches[w * ACCUM : (w + 1) * ACCUM]:
             loss = mse(model, x, y).float()
             backward(scaler.scale(loss) if scaler else loss)
@@ -104,7 +107,7 @@ def _train(mode: str, backward, linear=nn.Linear):
             scaler.step(opt)
             scaler.update()
         else:
-            opt.step(**step_kwargs)
+            step(**step_kwargs)
         opt.zero_grad()
         counts.append(len(getattr(backward, "compiles", Compiles()).graphs))
     state = [t.clone() for p in model.parameters() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
@@ -147,6 +150,23 @@ def test_compiled_autograd_trains_bit_for_bit_as_eager(mode, hooks):
     _assert_equal(compiled_state, state, f"{mode}: optimizer state")
     assert counts[-1] == counts[0], f"{mode}: graphs compiled by the end of each window: {counts}"
     assert backward.compiles.ops("accumulate_") > 0  # the folds are in the captured graph
+
+
+@pytest.mark.parametrize(
+    "mode", ["fp32", "bf16_fp32_masters", "bf16_remainder", "max_grad_norm", "skip_nonfinite", "num_items"]
+)
+def test_compiled_autograd_with_a_compiled_step_trains_bit_for_bit_as_eager(mode):
+    """The two levels together: the backwards captured by compiled autograd, the step
+    ``torch.compile(opt.step, fullgraph=True)`` (after such a backward ``.grad`` shows the
+    window's fp32 views, as after an eager one: the step writes through the slots' aliases).
+    GradScaler and step_in_backward step eagerly (test_compiled_window: what stays eager)."""
+    params, state, _ = _train(mode, _eager)
+    backward = _compiled_autograd()
+    compiled_params, compiled_state, counts = _train(mode, backward, compile_step=True)
+    _assert_equal(compiled_params, params, f"{mode}: parameters")
+    _assert_equal(compiled_state, state, f"{mode}: optimizer state")
+    assert counts[-1] == counts[0], f"{mode}: graphs compiled by the end of each window: {counts}"
+    assert backward.compiles.ops("accumulate_") > 0 and backward.compiles.ops("adam_step_") == 1
 
 
 def test_compiled_autograd_turned_on_by_the_config_with_a_compiled_micro_step(hooks):

@@ -219,6 +219,40 @@ def test_the_recipe_under_inductor_is_as_close_to_eager_as_compiling_the_model_a
     assert distance(model) <= distance(alone_model), (distance(model), distance(alone_model))
 
 
+def plain_window(model, opt, chunk):
+    """The plain loop: ``loss.backward()``, which Dynamo traces under trace_autograd_ops."""
+    for x, y in chunk:
+        model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+def test_the_plain_loop_compiled_whole_is_refused_in_its_first_window(precision):
+    """A traced loss.backward() writes autograd's own sums into .grad and runs no hook: the
+    window holds nothing. Refused as the step is traced, naming opt.backward, before anything
+    runs. Before: the first window stepped nothing, silently (the next call refused)."""
+    model, opt = build("adamw", precision)
+    weights = [p.detach().clone() for p in model.parameters()]
+    compiled_window = torch.compile(plain_window, backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.UserError, match=r"did not fold.*call opt\.backward\(loss\) instead"):
+        compiled_window(model, opt, batches(PRECISIONS[precision][0], 1)[0])
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.microbatches == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_the_plain_loop_compiled_without_fullgraph_is_refused_in_its_first_window():
+    """Without fullgraph=True Dynamo gives the frame up at the refusal and runs it eagerly,
+    compiling its inner frames on their own: the step's books then refuse the assigned .grad,
+    before anything is written."""
+    model, opt = build("adamw", "bf16-master")
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"call opt\.backward\(loss\)"):
+        torch.compile(plain_window, backend="aot_eager")(model, opt, batches(torch.bfloat16, 1)[0])
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert opt.microbatches == 0
+
+
 # --- the compiled step (eager backwards) -----------------------------------------------------
 
 
@@ -249,6 +283,29 @@ def test_a_compiled_step_follows_a_cosine_schedule_with_one_compilation():
     assert graphs() == 1
     assert_same(model, opt, ref_model, ref_opt, "50 windows of a cosine schedule")
     assert len(set(lrs)) == windows and lrs[0] == 1e-2  # (each window stepped with its own lr)
+
+
+def test_a_compiled_step_and_zero_grad_after_eager_backwards_of_bf16_parameters_equal_eager():
+    """After eager backwards a bf16 parameter's .grad is its fp32 view, which Dynamo refuses as
+    a graph input: neither the step nor zero_grad may read the parameters. Before: zero_grad's
+    check for the parameters' own hooks did ("dtype mismatch between tensor and its gradient")."""
+    model, opt = build("adamw", "bf16-master")
+    ref_model, ref_opt = build("adamw", "bf16-master")
+
+    def step_and_zero(opt):
+        opt.step()
+        opt.zero_grad()
+
+    compiled_step = torch.compile(step_and_zero, backend="aot_eager", fullgraph=True)
+    for w, chunk in enumerate(batches(torch.bfloat16, NONFINITE)):
+        for (m, o), stepper in (((ref_model, ref_opt), step_and_zero), ((model, opt), compiled_step)):
+            o.param_groups[0]["lr"] = lr_of(w)
+            for x, y in chunk:
+                m(x, y).backward()
+            stepper(o)
+    assert graphs() == 1
+    assert_same(model, opt, ref_model, ref_opt, "a compiled step and zero_grad")
+    assert all(p.grad is None for p in model.parameters())
 
 
 def _train_with_edit(model, opt, step, edit):

@@ -300,9 +300,7 @@ def _books_ops(n, algorithm, precision, k=4) -> collections.Counter:
     return aten_ops(books)
 
 
-@pytest.mark.parametrize(
-    "algorithm, precision", [("adamw", "bf16-master"), (SGD, "fp32"), ("lion", "bf16-remainder")]
-)
+@pytest.mark.parametrize("algorithm, precision", [("adamw", "bf16-master"), (SGD, "fp32"), ("lion", "bf16-remainder")])
 def test_a_compiled_windows_books_never_sync_and_their_op_count_does_not_grow_with_the_parameters(
     algorithm, precision, one_thread
 ):
