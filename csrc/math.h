@@ -18,11 +18,13 @@
 // the bias correction is not yet 1 in double). Per-element hyperparameters are floats: torch's
 // kernels (and the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
 //
-// No dependency beyond <math.h>: the standalone unit tests (csrc/tests) compile this header with
-// the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
+// No dependency beyond <math.h> and <optional> (a hyper-parameter that may be None): the
+// standalone unit tests (csrc/tests) compile this header with the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
 #pragma once
 
 #include <math.h>
+
+#include <optional>
 
 #if defined(__CUDACC__)
 #define FA_HD __host__ __device__ __forceinline__
@@ -80,7 +82,8 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    TensorLists::state1..state3 (fp32, one tensor per param, written)
 //   Hyper, hyper()   the hyper-parameters, built from the schema's hyper-parameter arguments:
 //                    hyper()'s parameters are those arguments, in order and in the types the
-//                    kernel takes (float -> double, bool -> bool), the record's final `maximize`
+//                    kernel takes (float -> double, float? -> std::optional<double>, bool ->
+//                    bool), the record's final `maximize`
 //                    excepted (every step op ends with it: StepArgs::maximize)
 //   uses_state(k, h, given)   whether a call uses state list k (given: the list is not empty)
 //   Scalars, scalars(lr, step, h)   the per-tensor quantities, once per tensor (lr a double,
@@ -93,14 +96,30 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    p the fp32 param (master), s1..s3 its states; `divide` divides by the
 //                    per-tensor constant divisor(s), where the trait has one (Adam's bias
 //                    correction; csrc/cpu/kernels.cpp passes an exact divide without the divider)
-//   kCudaMinBlocks[k]   the CUDA step kernel's __launch_bounds__ blocks per SM, without (0) and
-//                    with (1) a third state list: the largest that compiles without a spill
-//                    (scripts/check_cuda_build.sh gates it on sm_90)
+//   kCudaMinBlocks[k]   the CUDA step kernels' __launch_bounds__ blocks per SM, one per kernel
+//                    the algorithm has: without (0) and with (1) an optional third state list
+//                    (Adam's amsgrad); one entry where it has no third list, or one every mode
+//                    uses (kState3Required: one kernel, with it). Each the largest that compiles
+//                    without a spill (scripts/check_cuda_build.sh gates it on sm_90)
 #define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion)
 
 // How many state lists algorithm Algo's op takes.
 template <class Algo>
 constexpr int kStateCount = sizeof(Algo::kStateLists) / sizeof(Algo::kStateLists[0]);
+
+// Whether every mode of Algo reads or writes its third state list (a state it always keeps, not
+// one a hyper-parameter turns on): then a call always has the list, and CUDA compiles only its
+// kernel with the third operand.
+template <class Algo, int kMode = 0>
+constexpr bool every_mode_uses_state3() {
+  if constexpr (kMode == Algo::kModes) {
+    return true;
+  } else {
+    return ((Algo::reads(kMode) | Algo::writes(kMode)) & 4u) != 0 && every_mode_uses_state3<Algo, kMode + 1>();
+  }
+}
+template <class Algo>
+constexpr bool kState3Required = kStateCount<Algo> >= 3 && every_mode_uses_state3<Algo>();
 
 // a / b, correctly rounded: the plain divide (the default `divide` of every update).
 struct Divide {

@@ -9,17 +9,17 @@ function per backend.
 Adding an algorithm (say an elementwise ``"foo"`` with one state buffer ``bar``) touches five
 source files:
 
-1. Here: its hyper-parameter record ``FooHyper(NamedTuple)`` (``float``/``bool`` fields, the
-   step op's scalar arguments in the order the kernels take them, and ``of =
-   classmethod(read_hyper)``); its check function (torch's checks in torch's order, from the
-   pieces in :mod:`fused_accum.registry`); ``register(Algorithm("foo", defaults,
-   (State("bar"),), FooHyper, _check_foo, has_step, op="foo_step", reads=...))``; and the
-   drop-in class ``Foo(FusedAccumOptimizer)`` with torch's (or the published peer's) exact
-   signature. A buffer that a hyper-parameter turns on is ``State("bar", when="key")``; one that
-   does not start at zero, ``State("bar", init=...)``. The registration declares the step op
-   (``ops.foo_step``, both custom-op schemas, ``fused_accum::foo_step_`` and
-   ``fused_accum_ext::foo_step_``) and everything the layers ask (state keys and their initial
-   values, checks, defaults).
+1. Here: its hyper-parameter record ``FooHyper(NamedTuple)`` (``float``, ``bool`` and
+   ``Optional[float]`` fields, the last for one that may be None, the step op's scalar arguments
+   in the order the kernels take them, and ``of = classmethod(read_hyper)``); its check function
+   (torch's checks in torch's order, from the pieces in :mod:`fused_accum.registry`);
+   ``register(Algorithm("foo", defaults, (State("bar"),), FooHyper, _check_foo, has_step,
+   op="foo_step", reads=...))``; and the drop-in class ``Foo(FusedAccumOptimizer)`` with
+   torch's (or the published peer's) exact signature. A buffer that a hyper-parameter turns on
+   is ``State("bar", when="key")``; one that does not start at zero, ``State("bar", init=...)``.
+   The registration declares the step op (``ops.foo_step``, both custom-op schemas,
+   ``fused_accum::foo_step_`` and ``fused_accum_ext::foo_step_``) and everything the layers ask
+   (state keys and their initial values, checks, defaults).
 2. ``backends/reference.py``: ``foo_step(t, s, h)``, the specification (the function named for
    the op: the reference backend's ``step`` calls it).
 3. ``backends/triton/kernels.py``: its update rule for the generic step kernel, ``_foo_prepare``
