@@ -101,7 +101,7 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    (Adam's amsgrad); one entry where it has no third list, or one every mode
 //                    uses (kState3Required: one kernel, with it). Each the largest that compiles
 //                    without a spill (scripts/check_cuda_build.sh gates it on sm_90)
-#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion)
+#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion) X(Adagrad)
 
 // How many state lists algorithm Algo's op takes.
 template <class Algo>
@@ -305,6 +305,45 @@ struct Lion {
     exp_avg = fmaf(g, h.one_minus_beta2, exp_avg * h.beta2);
   }
   static constexpr int kCudaMinBlocks[] = {6};  // 80 registers
+};
+
+// ---- Adagrad (torch.optim.Adagrad) -----------------------------------------------------------------
+
+struct AdagradHyper {
+  float weight_decay, eps;
+  double lr_decay_d;  // for clr, which torch forms in double
+};
+struct AdagradScalars {
+  float clr;  // lr / (1 + (step - 1) * lr_decay)
+};
+
+struct Adagrad {
+  static constexpr const char* kOp = "adagrad_step_";
+  static constexpr const char* kStateLists[] = {"sums"};
+  using Hyper = AdagradHyper;
+  using Scalars = AdagradScalars;
+  static Hyper hyper(double lr_decay, double weight_decay, double eps) {
+    return {float(weight_decay), float(eps), lr_decay};
+  }
+  static bool uses_state(int, const Hyper&, bool) { return true; }
+  // In double from the double lr, rounded to fp32 once, as torch's fused kernel.
+  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
+    return {float(lr / (1.0 + (double(step) - 1.0) * h.lr_decay_d))};
+  }
+  static constexpr int kModes = 2;
+  FA_HD static int mode(const Hyper& h, const Scalars&, bool) { return h.weight_decay != 0.0f ? 1 : 0; }
+  FA_HD static constexpr unsigned reads(int) { return 1; }
+  FA_HD static constexpr unsigned writes(int) { return 1; }
+  // As torch's fused CPU Adagrad (its `a += b * c` contracted into FMAs, as probing it shows):
+  //   g += wd * p;  sum += g * g;  p -= clr * g / (sqrt(sum) + eps)
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& sum, float&, float&, const Hyper& h, const Scalars& s,
+                           D = D()) {
+    if (kMode & 1) g = fmaf(param, h.weight_decay, g);
+    sum = fmaf(g, g, sum);
+    param = param - (s.clr * g) / (sqrtf(sum) + h.eps);
+  }
+  static constexpr int kCudaMinBlocks[] = {6};
 };
 
 // ---- any algorithm, its mode picked at run time -------------------------------------------------

@@ -317,3 +317,86 @@ class Lion(FusedAccumOptimizer):
         super().__init__(
             params, "lion", lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, **accumulation
         )
+
+
+# --- Adagrad ---------------------------------------------------------------------------------
+
+
+class AdagradHyper(NamedTuple):
+    """torch.optim.Adagrad's hyper-parameters, as adagrad_step takes them
+    (initial_accumulator_value is not one: it is where the ``sum`` state starts)."""
+
+    lr_decay: float
+    weight_decay: float
+    eps: float
+    maximize: bool
+
+    of = classmethod(read_hyper)
+
+
+def _check_adagrad(group: dict, constructor: bool) -> None:
+    check_tensor_lr(group, constructor)
+    check_at_least_zero(group, "lr", "learning rate")
+    check_at_least_zero(group, "lr_decay", "lr_decay value")
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+    check_at_least_zero(group, "initial_accumulator_value", "initial_accumulator_value value")
+    check_at_least_zero(group, "eps", "epsilon value")
+    check_not_differentiable(group)
+
+
+register(
+    Algorithm(
+        "adagrad",
+        dict(
+            lr=1e-2,
+            lr_decay=0,
+            eps=1e-10,
+            weight_decay=0,
+            initial_accumulator_value=0,
+            foreach=None,
+            maximize=False,
+            differentiable=False,
+            fused=None,
+        ),
+        # torch's sum starts at initial_accumulator_value
+        (State("sum", init="initial_accumulator_value"),),
+        AdagradHyper,
+        _check_adagrad,
+        has_step=True,
+        op="adagrad_step",
+    )
+)
+
+
+class Adagrad(FusedAccumOptimizer):
+    __doc__ = "torch.optim.Adagrad's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(
+        self,
+        params,
+        lr=1e-2,
+        lr_decay=0,
+        weight_decay=0,
+        initial_accumulator_value=0,
+        eps=1e-10,
+        foreach=None,
+        *,
+        maximize=False,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            "adagrad",
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )

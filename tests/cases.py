@@ -117,6 +117,21 @@ TABLE = {
         EVERY_MODE,
         kernel_cases={"lion": dict(betas=(0.9, 0.99), weight_decay=0.1)},
     ),
+    "adagrad": Algorithm(
+        fused_accum.Adagrad,
+        torch.optim.Adagrad,
+        {
+            # the sum from initial_accumulator_value, clr decaying with the step count
+            "adagrad": dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5, eps=1e-6),
+            "adagrad_maximize": dict(lr=1e-2, maximize=True),
+        },
+        EVERY_MODE,
+        kernel_cases={
+            "adagrad": dict(lr_decay=0.01, weight_decay=0.1, eps=1e-6),
+            "adagrad_plain": dict(maximize=True),
+        },
+        torch_fused=True,
+    ),
 }
 DEFAULT = "adamw"  # the algorithm of a test where the algorithm does not matter
 

@@ -26,6 +26,7 @@ import torch
 import cases  # tests/cases.py: every algorithm, its peer, its cases
 from fused_accum import backends, ops
 from fused_accum.backends import reference
+from fused_accum.registry import initial_states
 from helpers import (  # tests/helpers.py
     CPU_BACKENDS,
     CPU_KERNEL_BACKENDS,
@@ -491,11 +492,13 @@ def _run_torch_fused(case, lr, params0, grads):
 
 
 def _run_op_steps(module, case, lr, params0, grads):
-    """The same steps through a backend's op: the gradient in acc, coef 1, per-tensor step counts."""
+    """The same steps through a backend's op: the gradient in acc, coef 1, per-tensor step counts,
+    each state from its record's initial value (Adagrad's sum from initial_accumulator_value)."""
     params = [p.clone() for p in params0]
     n = len(params)
     lr_t, coef = _op_lr(lr), torch.tensor(1.0)
-    states = [[torch.zeros_like(p) for p in params] for _ in range(len(cases.op_records(case)[2]))]
+    initial = initial_states(case.algorithm, cases.group(case))
+    states = [[torch.full_like(p, initial[key]) for p in params] for key in cases.op_records(case)[2]]
     for i, step_grads in enumerate(grads):
         accs = [g.clone() for g in step_grads]
         steps = torch.full((n,), float(i + 1))

@@ -159,6 +159,12 @@ STEP_SCHEMAS = {
         "Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
         "Tensor[] sources, Tensor(d!)[] exp_avgs, float beta1, float beta2, float weight_decay, bool maximize) -> ()"
     ),
+    "adagrad_step_": (
+        "adagrad_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
+        "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, "
+        "bool grads_overwrite, Tensor[] sources, Tensor(d!)[] sums, float lr_decay, float weight_decay, float eps, "
+        "bool maximize) -> ()"
+    ),
 }
 
 

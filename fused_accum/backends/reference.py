@@ -19,7 +19,8 @@ Conventions shared by all ops (and so by all backends):
   below), ``s``, the op's optimizer-state lists (``op.states``: ``AdamStates``...), and ``h``,
   its hyper-parameters (``op.hyper``: ``fused_accum.algorithms.AdamHyper``...). Every backend
   runs them as ``step(op, t, s, h)``; here that is the spec function named for the op
-  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`), one per update rule.
+  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`, :func:`adagrad_step`), one per
+  update rule.
 - The step ops take ``accs``, a list of 1-D contiguous fp32 views into that buffer, one per
   parameter, like every other list they take (they run once per window).
 - ``grads`` are the incoming gradients, bf16/fp16/fp32, any shape and strides, read in their own
@@ -87,7 +88,8 @@ if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports th
 
     # each op's states record (ops.declare_step makes it: op.states) and hyper-parameter record
     # (fused_accum.algorithms declares it: op.hyper), NamedTuples both
-    AdamStates = LionStates = SgdStates = AdamHyper = LionHyper = SgdHyper = tuple
+    AdamStates = LionStates = SgdStates = AdagradStates = tuple
+    AdamHyper = LionHyper = SgdHyper = AdagradHyper = tuple
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[int]:
@@ -555,3 +557,26 @@ def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
         new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
         new_m = _fma(g, 1 - h.beta2, m * h.beta2)
         _commit(t.found_inf, [(m, new_m), *_param_writes(t, i, new_p)])
+
+
+def adagrad_step(t: StepTensors, s: AdagradStates, h: AdagradHyper) -> None:
+    """torch.optim.Adagrad: ``sum += g * g`` (after coupled weight decay), ``p -= clr * g /
+    (sqrt(sum) + eps)`` with ``clr = lr / (1 + (step - 1) * lr_decay)``. ``s.sums`` start at
+    ``initial_accumulator_value`` (the optimizer fills them: the record's ``State`` init).
+
+    The order of operations is torch's fused CPU kernel's (so fp32 params match
+    ``torch.optim.Adagrad(fused=True)`` bit for bit): clr in double, rounded to fp32 once; weight
+    decay and the sum each one fused multiply-add; clr times g, then one divide.
+    """
+    lr = _lr(t.lr)
+    check_remainders("adagrad_step", t)
+    take_sources("adagrad_step", t, [s.sums])
+    for i in range(len(t.params)):
+        g = _effective_grad(t, i, h.maximize)
+        p32 = _master(t, i)
+        clr = _f32(lr / (1 + (t.steps[i].double() - 1) * h.lr_decay))
+        if h.weight_decay != 0:
+            g = _fma(p32, h.weight_decay, g)
+        total = _fma(g, g, s.sums[i])
+        std = _sqrt(total) + h.eps
+        _commit(t.found_inf, [(s.sums[i], total), *_param_writes(t, i, p32 - (clr * g) / std)])

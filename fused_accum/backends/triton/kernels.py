@@ -65,7 +65,7 @@ GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
 PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
 LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update; or (HAS_REM)
 # the int16 remainder of a bf16 parameter's exact master (a step has one or the other)
-STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion)
+STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion) / sum (Adagrad)
 STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
 STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad)
 ROW = tl.constexpr(10)
@@ -512,9 +512,40 @@ def _lion_arguments(h, s) -> tuple:
     return (*packed_double(h.weight_decay), beta1, beta2, 1.0 - beta1, 1.0 - beta2), ()
 
 
+# --- Adagrad: reference.adagrad_step -----------------------------------------------------------
+
+
+@triton.jit
+def _adagrad_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    lr_decay_high, lr_decay_low, _, _ = hyper
+    # clr = lr / (1 + (step - 1) * lr_decay) in double, rounded to fp32 once (torch's fused kernel)
+    step = _step_count(steps, row).to(tl.float64)
+    return (tl.load(lr_ptr) / (1.0 + (step - 1.0) * _double(lr_decay_high, lr_decay_low))).to(tl.float32)
+
+
+@triton.jit
+def _adagrad_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    clr = per
+    _, _, weight_decay, eps = hyper
+    (HAS_WEIGHT_DECAY,) = SWITCHES
+    state_sum = _address(row, STATE0, tl.float32)
+    if HAS_WEIGHT_DECAY:
+        g = tl.fma(p, weight_decay, g)
+    total = tl.fma(g, g, tl.load(_at(state_sum, idx, ALIGNED), mask=mask, other=0.0))
+    tl.store(_at(state_sum, idx, ALIGNED), total, mask=mask)
+    # IEEE-rounded sqrt and division, as torch's (see _adam_update)
+    return p - tl.div_rn(clr * g, tl.sqrt_rn(total) + eps)
+
+
+def _adagrad_arguments(h, s) -> tuple:
+    weight_decay = float(h.weight_decay)
+    return (*packed_double(h.lr_decay), weight_decay, float(h.eps)), (weight_decay != 0,)
+
+
 # Each step op's update rule, by the op's name (fused_accum.ops.STEP_OPS).
 UPDATES = {
     "sgd_step": Update(_sgd_prepare, _sgd_update, _sgd_arguments),
     "adam_step": Update(_adam_prepare, _adam_update, _adam_arguments, wide_in_place_16bit=True),
     "lion_step": Update(_lion_prepare, _lion_update, _lion_arguments, reads_steps=False),
+    "adagrad_step": Update(_adagrad_prepare, _adagrad_update, _adagrad_arguments),
 }
