@@ -11,7 +11,7 @@ See README.md for the two accumulation loops and the learning-rate question.
 
 from . import nn  # fused_accum.nn.Linear: weight gradients straight into the fp32 accumulators
 from .optimizer import FusedAccumOptimizer
-from .algorithms import SGD, Adagrad, Adam, AdamW, Lion  # (importing them registers the fused algorithms)
+from .algorithms import SGD, Adagrad, Adam, AdamW, AdEMAMix, Lion  # (importing them registers the fused algorithms)
 
-__all__ = ["FusedAccumOptimizer", "SGD", "Adam", "AdamW", "Lion", "Adagrad", "nn"]
+__all__ = ["FusedAccumOptimizer", "SGD", "Adam", "AdamW", "Lion", "Adagrad", "AdEMAMix", "nn"]
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ elementwise (Muon's orthogonalization) also gives its record a ``middle``: see
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from .optimizer import FusedAccumOptimizer
 from .registry import (
@@ -398,5 +398,109 @@ class Adagrad(FusedAccumOptimizer):
             maximize=maximize,
             differentiable=differentiable,
             fused=fused,
+            **accumulation,
+        )
+
+
+# --- AdEMAMix --------------------------------------------------------------------------------
+
+
+class AdEMAMixHyper(NamedTuple):
+    """AdEMAMix's hyper-parameters, as ademamix_step takes them."""
+
+    beta1: float
+    beta2: float
+    beta3: float
+    alpha: float
+    t_alpha_beta3: Optional[float]  # the warm-up of alpha and beta3, in steps; None: none
+    eps: float
+    weight_decay: float
+    maximize: bool
+
+    of = classmethod(read_hyper)
+
+
+def _check_ademamix(group: dict, constructor: bool) -> None:
+    """pytorch-optimizer's checks of AdEMAMix (beta1 and beta2 in [0, 1), beta3 in [0, 1], the
+    others at least 0), in torch's words, and what its warm-up needs to step (pytorch-optimizer
+    fails then, at the first step: a math domain error or a division by zero)."""
+    check_tensor_lr(group, constructor)
+    check_at_least_zero(group, "lr", "learning rate")
+    betas = group["betas"]
+    if len(betas) != 3:
+        raise ValueError(f"AdEMAMix takes three betas (beta1, beta2, beta3), got {len(betas)}: {betas}")
+    for i, b in enumerate(betas):
+        if not (0.0 <= b < 1.0 or (i == 2 and b == 1.0)):
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    check_beta_types(group, constructor)
+    check_at_least_zero(group, "alpha", "alpha value")
+    t = group["t_alpha_beta3"]
+    if t is not None:
+        if not t > 0:
+            raise ValueError(f"Invalid t_alpha_beta3 value: {t} (a number of steps, or None for no warm-up)")
+        if not (betas[0] > 0 and betas[2] > 0):
+            raise ValueError(
+                f"AdEMAMix's beta3 warm-up (t_alpha_beta3={t}) interpolates log(beta1) and log(beta3): "
+                f"betas[0] and betas[2] must be > 0, got {betas[0]} and {betas[2]} (or pass t_alpha_beta3=None)"
+            )
+    check_at_least_zero(group, "eps", "epsilon value")
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+
+
+register(
+    Algorithm(
+        "ademamix",
+        dict(
+            lr=1e-3,
+            betas=(0.9, 0.999, 0.9999),
+            alpha=5.0,
+            t_alpha_beta3=None,
+            eps=1e-8,
+            weight_decay=0.0,
+            maximize=False,
+        ),
+        # pytorch-optimizer's names: the fast EMA, the second moment, the slow EMA
+        (State("exp_avg"), State("exp_avg_sq"), State("exp_avg_slow")),
+        AdEMAMixHyper,
+        _check_ademamix,
+        has_step=True,  # (the bias corrections and the warm-up count it; pytorch-optimizer keeps it per group)
+        op="ademamix_step",
+        reads=dict(beta1=("betas", 0), beta2=("betas", 1), beta3=("betas", 2)),
+    )
+)
+
+
+class AdEMAMix(FusedAccumOptimizer):
+    __doc__ = (
+        'AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer: Better, Faster, Older"): Adam '
+        "with a second, slow EMA of the gradient weighted by ``alpha``, both warmed up over "
+        "``t_alpha_beta3`` steps, decoupled weight decay as AdamW's; "
+        "pytorch-optimizer's ``AdEMAMix(weight_decouple=True)``, fused with fp32 gradient accumulation."
+        + _ACCUMULATION_DOC
+    )
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha_beta3=None,
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        maximize=False,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            "ademamix",
+            lr=lr,
+            betas=betas,
+            alpha=alpha,
+            t_alpha_beta3=t_alpha_beta3,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
             **accumulation,
         )

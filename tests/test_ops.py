@@ -165,6 +165,13 @@ STEP_SCHEMAS = {
         "bool grads_overwrite, Tensor[] sources, Tensor(d!)[] sums, float lr_decay, float weight_decay, float eps, "
         "bool maximize) -> ()"
     ),
+    "ademamix_step_": (
+        "ademamix_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
+        "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, "
+        "bool grads_overwrite, Tensor[] sources, Tensor(d!)[] exp_avgs, Tensor(e!)[] exp_avg_sqs, "
+        "Tensor(f!)[] exp_avg_slows, float beta1, float beta2, float beta3, float alpha, float? t_alpha_beta3, "
+        "float eps, float weight_decay, bool maximize) -> ()"
+    ),
 }
 
 

@@ -19,8 +19,8 @@ Conventions shared by all ops (and so by all backends):
   below), ``s``, the op's optimizer-state lists (``op.states``: ``AdamStates``...), and ``h``,
   its hyper-parameters (``op.hyper``: ``fused_accum.algorithms.AdamHyper``...). Every backend
   runs them as ``step(op, t, s, h)``; here that is the spec function named for the op
-  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`, :func:`adagrad_step`), one per
-  update rule.
+  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`, :func:`adagrad_step`,
+  :func:`ademamix_step`), one per update rule.
 - The step ops take ``accs``, a list of 1-D contiguous fp32 views into that buffer, one per
   parameter, like every other list they take (they run once per window).
 - ``grads`` are the incoming gradients, bf16/fp16/fp32, any shape and strides, read in their own
@@ -78,6 +78,7 @@ Conventions shared by all ops (and so by all backends):
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
@@ -88,8 +89,8 @@ if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports th
 
     # each op's states record (ops.declare_step makes it: op.states) and hyper-parameter record
     # (fused_accum.algorithms declares it: op.hyper), NamedTuples both
-    AdamStates = LionStates = SgdStates = AdagradStates = tuple
-    AdamHyper = LionHyper = SgdHyper = AdagradHyper = tuple
+    AdamStates = LionStates = SgdStates = AdagradStates = AdemamixStates = tuple
+    AdamHyper = LionHyper = SgdHyper = AdagradHyper = AdEMAMixHyper = tuple
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[int]:
@@ -580,3 +581,66 @@ def adagrad_step(t: StepTensors, s: AdagradStates, h: AdagradHyper) -> None:
         total = _fma(g, g, s.sums[i])
         std = _sqrt(total) + h.eps
         _commit(t.found_inf, [(s.sums[i], total), *_param_writes(t, i, p32 - (clr * g) / std)])
+
+
+def ademamix_step(t: StepTensors, s: AdemamixStates, h: AdEMAMixHyper) -> None:
+    """AdEMAMix (Pagliardini, Ablin and Grangier 2024, "The AdEMAMix Optimizer: Better, Faster,
+    Older") with AdamW's decoupled weight decay, as pytorch-optimizer 4.1.0's
+    ``AdEMAMix(weight_decouple=True)`` computes it with torch ops::
+
+        p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
+        m_slow = lerp(m_slow, g, 1 - beta3_t)
+        p += -lr * (m / (1 - beta1**step) + alpha_t * m_slow) / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+    with, over T = ``t_alpha_beta3`` steps (alpha and beta3 themselves without it),
+    ``alpha_t = min(step * alpha / T, alpha)`` and ``beta3_t = min(exp(ln(beta1) * ln(beta3) /
+    ((1 - step / T) * ln(beta3) + (step / T) * ln(beta1))), beta3)``.
+
+    The per-tensor scalars in double, each rounded to fp32 once where the peer's op takes its
+    Python float (-lr, the decay factor, 1 / the bias corrections' divisors, alpha_t, 1 -
+    beta3_t); ``v``'s update one fused multiply-add as torch's ``addcmul_``, ``alpha_t *
+    m_slow`` one as its ``add_(alpha=)``; the square root correctly rounded, where torch's fp32
+    CPU ``sqrt`` is not (:func:`_sqrt`): so fp32 params step bit for bit as the peer's with a
+    correctly rounded sqrt (tests/test_kernels.py). The exp of the warm-up is torch's in double,
+    which differs from Python's ``math.exp`` in the last bit for ~5% of arguments (measured):
+    it moves the fp32 ``1 - beta3_t`` in about one step of 10^5.
+    """
+    lr = _lr(t.lr)
+    neg_lr, decay = _f32(-lr), _f32(1 - lr * h.weight_decay)
+    check_remainders("ademamix_step", t)
+    take_sources("ademamix_step", t, [s.exp_avgs, s.exp_avg_sqs, s.exp_avg_slows])
+    for i in range(len(t.params)):
+        g = _effective_grad(t, i, h.maximize)
+        p32 = _master(t, i)
+        step = t.steps[i].double()
+        alpha, beta3 = _ademamix_warmup(step, h)
+        if h.weight_decay != 0:
+            p32 = p32 * decay
+        m = torch.lerp(s.exp_avgs[i], g, 1 - h.beta1)
+        v = _fma(g * (1 - h.beta2), g, s.exp_avg_sqs[i] * h.beta2)
+        slow = _lerp(s.exp_avg_slows[i], g, _f32(1 - beta3))
+        denom = _sqrt(v) / _f32(torch.sqrt(1 - h.beta2**step)) + h.eps
+        update = _fma(slow, _f32(alpha), m / _f32(1 - h.beta1**step))
+        new_p = p32 + (neg_lr * update) / denom
+        writes = [(s.exp_avgs[i], m), (s.exp_avg_sqs[i], v), (s.exp_avg_slows[i], slow)]
+        _commit(t.found_inf, [*writes, *_param_writes(t, i, new_p)])
+
+
+def _ademamix_warmup(step: Tensor, h: AdEMAMixHyper) -> Tuple[Tensor, Tensor]:
+    """(alpha_t, beta3_t) at ``step`` (a float64 tensor), in double, as pytorch-optimizer's
+    schedule_alpha and schedule_beta3 compute them in Python floats."""
+    if h.t_alpha_beta3 is None:
+        return step * 0 + h.alpha, step * 0 + h.beta3
+    ratio = step / h.t_alpha_beta3
+    alpha = torch.clamp(step * h.alpha / h.t_alpha_beta3, max=h.alpha)
+    log_beta1, log_beta3 = math.log(h.beta1), math.log(h.beta3)
+    beta3 = torch.exp(log_beta1 * log_beta3 / ((1.0 - ratio) * log_beta3 + ratio * log_beta1))
+    return alpha, torch.clamp(beta3, max=h.beta3)
+
+
+def _lerp(a: Tensor, b: Tensor, w: Tensor) -> Tensor:
+    """``torch.lerp(a, b, w)`` for a per-tensor fp32 weight ``w`` (0-dim): from the nearer end,
+    one fused multiply-add (test_reference_primitives_round_as_torch_fused_kernels checks the
+    formula)."""
+    d = b - a
+    return torch.where(w.abs() < 0.5, _fma(d, w, a), _fma(d, w - 1, b))

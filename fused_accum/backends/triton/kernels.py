@@ -49,6 +49,7 @@ elements, the 16 bytes the fp32 master's one access moves, in the same layout.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import triton
@@ -65,9 +66,9 @@ GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
 PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
 LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update; or (HAS_REM)
 # the int16 remainder of a bf16 parameter's exact master (a step has one or the other)
-STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion) / sum (Adagrad)
-STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
-STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad)
+STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion, AdEMAMix) / sum (Adagrad)
+STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam, AdEMAMix)
+STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad) / exp_avg_slow (AdEMAMix)
 ROW = tl.constexpr(10)
 
 # Elements per thread per access on aligned rows (see above).
@@ -542,10 +543,76 @@ def _adagrad_arguments(h, s) -> tuple:
     return (*packed_double(h.lr_decay), weight_decay, float(h.eps)), (weight_decay != 0,)
 
 
+# --- AdEMAMix: reference.ademamix_step ---------------------------------------------------------
+
+
+@triton.jit
+def _ademamix_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    (beta1_high, beta1_low, beta2_high, beta2_low, beta3_high, beta3_low, alpha_high, alpha_low, t_high, t_low,
+     log_beta1_high, log_beta1_low, log_beta3_high, log_beta3_low, decay_high, decay_low, _, _, _, _) = hyper  # fmt: skip
+    _, WARMUP = SWITCHES
+    lr64 = tl.load(lr_ptr)
+    step = _step_count(steps, row)
+    # in double, rounded to fp32 once (see _adam_prepare): the bias corrections, the decay factor,
+    # and alpha and 1 - beta3 at this step, warmed up over t_alpha_beta3 steps where there is one
+    bias_correction1 = (1.0 - _pow_whole(_double(beta1_high, beta1_low), step)).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_high, beta2_low), step)).to(tl.float32)
+    alpha = _double(alpha_high, alpha_low)
+    beta3 = _double(beta3_high, beta3_low)
+    if WARMUP:
+        t = _double(t_high, t_low)
+        log_beta1, log_beta3 = _double(log_beta1_high, log_beta1_low), _double(log_beta3_high, log_beta3_low)
+        ratio = step.to(tl.float64) / t
+        alpha = tl.minimum(step.to(tl.float64) * alpha / t, alpha)
+        beta3 = tl.minimum(tl.exp(log_beta1 * log_beta3 / ((1.0 - ratio) * log_beta3 + ratio * log_beta1)), beta3)
+    decay = (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32)
+    return ((-lr64).to(tl.float32), decay, bias_correction1, bias_correction2_sqrt, alpha.to(tl.float32),
+            (1.0 - beta3).to(tl.float32))
+
+
+@triton.jit
+def _lerp(a, b, w):
+    """torch.lerp(a, b, w) as torch computes it (w in [0, 1]): from the nearer end, one FMA."""
+    return tl.where(w < 0.5, tl.fma(w, b - a, a), tl.fma(w - 1.0, b - a, b))
+
+
+@triton.jit
+def _ademamix_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    neg_lr, decay, bias_correction1, bias_correction2_sqrt, alpha, one_minus_beta3 = per
+    beta2, one_minus_beta1, one_minus_beta2, eps = hyper[16], hyper[17], hyper[18], hyper[19]
+    HAS_WEIGHT_DECAY, _ = SWITCHES
+    exp_avg = _address(row, STATE0, tl.float32)
+    exp_avg_sq = _address(row, STATE1, tl.float32)
+    exp_avg_slow = _address(row, STATE2, tl.float32)
+    if HAS_WEIGHT_DECAY:
+        p = p * decay
+    m = _lerp(tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0), g, one_minus_beta1)
+    v = tl.fma(g * one_minus_beta2, g, tl.load(_at(exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0) * beta2)
+    slow = _lerp(tl.load(_at(exp_avg_slow, idx, ALIGNED), mask=mask, other=0.0), g, one_minus_beta3)
+    tl.store(_at(exp_avg, idx, ALIGNED), m, mask=mask)
+    tl.store(_at(exp_avg_sq, idx, ALIGNED), v, mask=mask)
+    tl.store(_at(exp_avg_slow, idx, ALIGNED), slow, mask=mask)
+    # IEEE-rounded sqrt and divisions, as torch's (see _adam_update)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    update = tl.fma(slow, alpha, tl.div_rn(m, bias_correction1))
+    return p + tl.div_rn(neg_lr * update, denom)
+
+
+def _ademamix_arguments(h, s) -> tuple:
+    beta1, beta2, beta3 = float(h.beta1), float(h.beta2), float(h.beta3)
+    warmup = h.t_alpha_beta3 is not None
+    # the logs on the host, as pytorch-optimizer takes them (math.log); unused without a warm-up
+    t, logs = (float(h.t_alpha_beta3), (math.log(beta1), math.log(beta3))) if warmup else (1.0, (0.0, 0.0))
+    doubles = (beta1, beta2, beta3, float(h.alpha), t, *logs, float(h.weight_decay))
+    hyper = (*(x for d in doubles for x in packed_double(d)), beta2, 1.0 - beta1, 1.0 - beta2, float(h.eps))
+    return hyper, (h.weight_decay != 0, warmup)
+
+
 # Each step op's update rule, by the op's name (fused_accum.ops.STEP_OPS).
 UPDATES = {
     "sgd_step": Update(_sgd_prepare, _sgd_update, _sgd_arguments),
     "adam_step": Update(_adam_prepare, _adam_update, _adam_arguments, wide_in_place_16bit=True),
     "lion_step": Update(_lion_prepare, _lion_update, _lion_arguments, reads_steps=False),
     "adagrad_step": Update(_adagrad_prepare, _adagrad_update, _adagrad_arguments),
+    "ademamix_step": Update(_ademamix_prepare, _ademamix_update, _ademamix_arguments),
 }
