@@ -149,7 +149,7 @@ def test_bf16_with_fp32_masters_stays_nearer_to_fp32_than_the_peer_stepping_bf16
     grads = [[torch.randn(n, generator=gen).bfloat16() for n in sizes] for _ in range(40)]
 
     def run(make, dtype):
-        params = [nn.Parameter(p.to(dtype)) for p in start]
+        params = [nn.Parameter(p.to(dtype, copy=True)) for p in start]  # (never start itself: it is bf16)
         opt = make(params)
         for step_grads in grads:
             sum((p.float() * g.float()).sum() for p, g in zip(params, step_grads)).backward()
