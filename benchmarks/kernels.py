@@ -7,12 +7,14 @@ Providers:
   accumulate (``acc = grad`` on the window's first micro-batch, ``acc += grad`` later):
     torch_loop     per-parameter ``acc.copy_(g)`` / ``acc.add_(g)``: what ``.grad`` does
     torch_foreach  ``torch._foreach_copy_`` / ``torch._foreach_add_``
-  steps (SGD-momentum, AdamW, Lion from the fp32 accumulator, fp32 master, bf16 param write):
-    torch_fused / torch_foreach  ``torch.optim.SGD`` / ``AdamW`` with ``fused=True`` /
+  steps (SGD-momentum, AdamW, Lion, Adagrad, AdEMAMix from the fp32 accumulator, fp32 master,
+  bf16 param write):
+    torch_fused / torch_foreach  ``torch.optim.SGD`` / ``AdamW`` / ``Adagrad`` with ``fused=True`` /
                    ``foreach=True`` on the fp32 masters with the accumulator as ``.grad``, then
                    the two passes torch needs that our step does not: copy the masters into the
                    bf16 params and zero the accumulator for the next window. torch has no Lion;
                    torch_foreach Lion is the update written with ``torch._foreach_*`` ops.
+                   torch has no AdEMAMix: its rows are our backends' only.
     For the fused last micro-batch torch first adds the gradient (``_foreach_add_``).
   and each fused_accum backend available on the device (reference, triton, cpu, cuda), called
   through ``fused_accum.backends.get(name)`` directly, not through the custom-op wrapper.
@@ -51,6 +53,8 @@ Shape = Tuple[int, ...]
 SGD_HP = dict(lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=False)
 ADAMW_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 LION_HP = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=1e-2)
+ADAGRAD_HP = dict(lr=1e-2, lr_decay=0.0, weight_decay=1e-2, eps=1e-10)
+ADEMAMIX_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, beta3=0.9999, alpha=5.0, eps=1e-8, weight_decay=1e-2)
 
 # The check's tolerance on the fp32 outputs (the accumulator, the step's fp32 masters) against
 # the oracle: fp32 arithmetic on O(1) values, so a correct provider lands under 1e-6 (one
@@ -67,7 +71,16 @@ CHECK_TOL = 1e-5
 # in most elements.
 LP_MISMATCH_TOL = 0
 
-STEP_OPS = ("sgd", "adamw", "lion", "adamw_fused_last", "adamw_remainder", "adamw_fused_last_remainder")
+STEP_OPS = (
+    "sgd",
+    "adamw",
+    "lion",
+    "adagrad",
+    "ademamix",
+    "adamw_fused_last",
+    "adamw_remainder",
+    "adamw_fused_last_remainder",
+)
 # The exact 2-byte master's ops (bf16 params + int16 remainders), each with its fp32-master twin.
 REMAINDER_OPS = {"adamw_remainder": "adamw", "adamw_fused_last_remainder": "adamw_fused_last"}
 FUSED_LAST_OPS = ("adamw_fused_last", "adamw_fused_last_remainder")
@@ -214,8 +227,8 @@ def our_backends(device: torch.device) -> List[str]:
 
 
 def default_providers(op: str, device: torch.device) -> Tuple[str, ...]:
-    if op in REMAINDER_OPS:  # torch has no remainder mode: its fp32-master rows are the twin's
-        return tuple(our_backends(device))
+    if op in REMAINDER_OPS or op == "ademamix":  # torch has no remainder mode (its fp32-master rows
+        return tuple(our_backends(device))  # are the twin's) and no AdEMAMix
     if op in ACC_OPS:
         torch_side = ("torch_loop", "torch_foreach")
     elif op == "lion":
@@ -360,9 +373,10 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
         if first_step:
             state.append(torch.zeros(n, device=dev))
         else:
-            state.append(common.random_tensor((n,), torch.float32, dev, gen, positive=(opt == "adamw" and i == 1)))
+            positive = (opt, i) in (("adamw", 1), ("ademamix", 1), ("adagrad", 0))  # v, Adagrad's sum
+            state.append(common.random_tensor((n,), torch.float32, dev, gen, positive=positive))
     grads = [common.random_tensor(s, group.grad_dtype, dev, gen) for s in w.shapes] if group.grad_dtype else []
-    hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP}[opt]
+    hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP, "adagrad": ADAGRAD_HP, "ademamix": ADEMAMIX_HP}[opt]
     out = StepSet(
         shapes=w.shapes,
         acc=common.random_tensor((n,), torch.float32, dev, gen),
@@ -429,6 +443,11 @@ def _torch_step_provider(op: str, mode: str, s: StepSet) -> Callable[[], None]:
                 nesterov=hp["nesterov"],
                 **flag,
             )
+        elif opt_name == "adagrad":
+            hp = ADAGRAD_HP
+            torch_opt = torch.optim.Adagrad(
+                masters, lr=hp["lr"], lr_decay=hp["lr_decay"], weight_decay=hp["weight_decay"], eps=hp["eps"], **flag
+            )
         else:
             hp = ADAMW_HP
             torch_opt = torch.optim.AdamW(
@@ -472,6 +491,17 @@ def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
         hyper = ops.lion_step.hyper(hp["beta1"], hp["beta2"], hp["weight_decay"], False)
         records = (tensors, ops.lion_step.states(state[0]), hyper)
         return lambda: module.step(ops.lion_step, *records)
+    if op == "adagrad":
+        hp = ADAGRAD_HP
+        hyper = ops.adagrad_step.hyper(hp["lr_decay"], hp["weight_decay"], hp["eps"], False)
+        records = (tensors, ops.adagrad_step.states(state[0]), hyper)
+        return lambda: module.step(ops.adagrad_step, *records)
+    if op == "ademamix":
+        hp = ADEMAMIX_HP
+        betas = (hp["beta1"], hp["beta2"], hp["beta3"])
+        hyper = ops.ademamix_step.hyper(*betas, hp["alpha"], None, hp["eps"], hp["weight_decay"], False)
+        records = (tensors, ops.ademamix_step.states(*state), hyper)
+        return lambda: module.step(ops.ademamix_step, *records)
     hp = ADAMW_HP
     hyper = ops.adam_step.hyper(hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], True, False)
     records = (tensors, ops.adam_step.states(state[0], state[1]), hyper)

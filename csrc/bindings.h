@@ -42,7 +42,8 @@ Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool over
 // Declared once, in fused_accum/ops.py: each step op's schema is StepTensors' fields, then the
 // op's state lists, then its hyper-parameter record's fields. The kernels below take them in that
 // order, with the C++ types of the schema's (Tensor[] -> at::TensorList, Tensor -> const
-// at::Tensor&, Tensor? -> const std::optional<at::Tensor>&, float -> double, bool -> bool); the
+// at::Tensor&, Tensor? -> const std::optional<at::Tensor>&, float -> double, float? ->
+// std::optional<double>, bool -> bool); the
 // dispatcher compares these types with the schema when fused_accum defines it, and refuses a
 // mismatch, naming the argument.
 

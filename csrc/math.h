@@ -18,11 +18,13 @@
 // the bias correction is not yet 1 in double). Per-element hyperparameters are floats: torch's
 // kernels (and the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
 //
-// No dependency beyond <math.h>: the standalone unit tests (csrc/tests) compile this header with
-// the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
+// No dependency beyond <math.h> and <optional> (a hyper-parameter that may be None): the
+// standalone unit tests (csrc/tests) compile this header with the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
 #pragma once
 
 #include <math.h>
+
+#include <optional>
 
 #if defined(__CUDACC__)
 #define FA_HD __host__ __device__ __forceinline__
@@ -80,7 +82,8 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    TensorLists::state1..state3 (fp32, one tensor per param, written)
 //   Hyper, hyper()   the hyper-parameters, built from the schema's hyper-parameter arguments:
 //                    hyper()'s parameters are those arguments, in order and in the types the
-//                    kernel takes (float -> double, bool -> bool), the record's final `maximize`
+//                    kernel takes (float -> double, float? -> std::optional<double>, bool ->
+//                    bool), the record's final `maximize`
 //                    excepted (every step op ends with it: StepArgs::maximize)
 //   uses_state(k, h, given)   whether a call uses state list k (given: the list is not empty)
 //   Scalars, scalars(lr, step, h)   the per-tensor quantities, once per tensor (lr a double,
@@ -93,14 +96,30 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    p the fp32 param (master), s1..s3 its states; `divide` divides by the
 //                    per-tensor constant divisor(s), where the trait has one (Adam's bias
 //                    correction; csrc/cpu/kernels.cpp passes an exact divide without the divider)
-//   kCudaMinBlocks[k]   the CUDA step kernel's __launch_bounds__ blocks per SM, without (0) and
-//                    with (1) a third state list: the largest that compiles without a spill
-//                    (scripts/check_cuda_build.sh gates it on sm_90)
-#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion)
+//   kCudaMinBlocks[k]   the CUDA step kernels' __launch_bounds__ blocks per SM, one per kernel
+//                    the algorithm has: without (0) and with (1) an optional third state list
+//                    (Adam's amsgrad); one entry where it has no third list, or one every mode
+//                    uses (kState3Required: one kernel, with it). Each the largest that compiles
+//                    without a spill (scripts/check_cuda_build.sh gates it on sm_90)
+#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion) X(Adagrad) X(Ademamix)
 
 // How many state lists algorithm Algo's op takes.
 template <class Algo>
 constexpr int kStateCount = sizeof(Algo::kStateLists) / sizeof(Algo::kStateLists[0]);
+
+// Whether every mode of Algo reads or writes its third state list (a state it always keeps, not
+// one a hyper-parameter turns on): then a call always has the list, and CUDA compiles only its
+// kernel with the third operand.
+template <class Algo, int kMode = 0>
+constexpr bool every_mode_uses_state3() {
+  if constexpr (kMode == Algo::kModes) {
+    return true;
+  } else {
+    return ((Algo::reads(kMode) | Algo::writes(kMode)) & 4u) != 0 && every_mode_uses_state3<Algo, kMode + 1>();
+  }
+}
+template <class Algo>
+constexpr bool kState3Required = kStateCount<Algo> >= 3 && every_mode_uses_state3<Algo>();
 
 // a / b, correctly rounded: the plain divide (the default `divide` of every update).
 struct Divide {
@@ -286,6 +305,136 @@ struct Lion {
     exp_avg = fmaf(g, h.one_minus_beta2, exp_avg * h.beta2);
   }
   static constexpr int kCudaMinBlocks[] = {6};  // 80 registers
+};
+
+// ---- Adagrad (torch.optim.Adagrad) -----------------------------------------------------------------
+
+struct AdagradHyper {
+  float weight_decay, eps;
+  double lr_decay_d;  // for clr, which torch forms in double
+};
+struct AdagradScalars {
+  float clr;  // lr / (1 + (step - 1) * lr_decay)
+};
+
+struct Adagrad {
+  static constexpr const char* kOp = "adagrad_step_";
+  static constexpr const char* kStateLists[] = {"sums"};
+  using Hyper = AdagradHyper;
+  using Scalars = AdagradScalars;
+  static Hyper hyper(double lr_decay, double weight_decay, double eps) {
+    return {float(weight_decay), float(eps), lr_decay};
+  }
+  static bool uses_state(int, const Hyper&, bool) { return true; }
+  // In double from the double lr, rounded to fp32 once, as torch's fused kernel.
+  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
+    return {float(lr / (1.0 + (double(step) - 1.0) * h.lr_decay_d))};
+  }
+  static constexpr int kModes = 2;
+  FA_HD static int mode(const Hyper& h, const Scalars&, bool) { return h.weight_decay != 0.0f ? 1 : 0; }
+  FA_HD static constexpr unsigned reads(int) { return 1; }
+  FA_HD static constexpr unsigned writes(int) { return 1; }
+  // As torch's fused CPU Adagrad (its `a += b * c` contracted into FMAs, as probing it shows):
+  //   g += wd * p;  sum += g * g;  p -= clr * g / (sqrt(sum) + eps)
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& sum, float&, float&, const Hyper& h, const Scalars& s,
+                           D = D()) {
+    if (kMode & 1) g = fmaf(param, h.weight_decay, g);
+    sum = fmaf(g, g, sum);
+    param = param - (s.clr * g) / (sqrtf(sum) + h.eps);
+  }
+  static constexpr int kCudaMinBlocks[] = {5};  // 6 (80 registers): 8 bytes spilled without remainders (nvcc 13.0, sm_80 and sm_90)
+};
+
+// ---- AdEMAMix (Pagliardini et al. 2024), decoupled weight decay ------------------------------------
+
+// As pytorch-optimizer 4.1.0's AdEMAMix(weight_decouple=True) computes it with torch ops on the CPU
+// (fused_accum/backends/reference.py: ademamix_step, its orders and FMAs):
+//   p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
+//   m_slow = lerp(m_slow, g, 1 - beta3_t);
+//   p += -lr * (m / (1 - beta1^step) + alpha_t * m_slow) / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// with alpha_t and beta3_t warmed up over t_alpha_beta3 steps where it is given (scalars()).
+struct AdemamixHyper {
+  float beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+  // the exact values, for the per-tensor scalars, which pytorch-optimizer computes in double
+  double beta1_d, beta2_d, beta3_d, alpha_d, weight_decay_d;
+  bool warmup;  // t_alpha_beta3 is given
+  double t_d, log_beta1_d, log_beta3_d;
+};
+struct AdemamixScalars {
+  float neg_lr;                // -lr (torch's addcdiv_(value=-lr) rounds it to fp32)
+  float decay_factor;          // 1 - lr * weight_decay
+  float bias_correction1;      // 1 - beta1^step
+  float bias_correction2_sqrt; // sqrt(1 - beta2^step)
+  float alpha;                 // alpha_t
+  float one_minus_beta3;       // 1 - beta3_t: the slow EMA's lerp weight
+};
+
+struct Ademamix {
+  static constexpr const char* kOp = "ademamix_step_";
+  static constexpr const char* kStateLists[] = {"exp_avgs", "exp_avg_sqs", "exp_avg_slows"};
+  using Hyper = AdemamixHyper;
+  using Scalars = AdemamixScalars;
+  static Hyper hyper(double beta1, double beta2, double beta3, double alpha, std::optional<double> t_alpha_beta3,
+                     double eps, double weight_decay) {
+    Hyper h{float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps), float(weight_decay),
+            beta1, beta2, beta3, alpha, weight_decay, t_alpha_beta3.has_value(), 0.0, 0.0, 0.0};
+    // the logs once, on the host, as pytorch-optimizer's math.log (the registry refuses a warm-up
+    // with beta1 or beta3 at 0)
+    if (h.warmup) {
+      h.t_d = *t_alpha_beta3;
+      h.log_beta1_d = log(beta1);
+      h.log_beta3_d = log(beta3);
+    }
+    return h;
+  }
+  static bool uses_state(int, const Hyper&, bool) { return true; }
+  // In double, each rounded to fp32 where the peer's op takes its Python float:
+  //   alpha_t = min(step * alpha / T, alpha),
+  //   beta3_t = min(exp(ln b1 ln b3 / ((1 - step / T) ln b3 + (step / T) ln b1)), b3)
+  // (min(x, y) as Python's: x unless y < x).
+  FA_HD static Scalars scalars(double lr, float step, const Hyper& h) {
+    const double s = step;
+    double alpha = h.alpha_d, beta3 = h.beta3_d;
+    if (h.warmup) {
+      const double a = s * h.alpha_d / h.t_d, ratio = s / h.t_d;
+      const double b = exp(h.log_beta1_d * h.log_beta3_d / ((1.0 - ratio) * h.log_beta3_d + ratio * h.log_beta1_d));
+      alpha = h.alpha_d < a ? h.alpha_d : a;
+      beta3 = h.beta3_d < b ? h.beta3_d : b;
+    }
+    Scalars sc;
+    sc.neg_lr = float(-lr);
+    sc.decay_factor = float(1.0 - lr * h.weight_decay_d);
+    sc.bias_correction1 = float(1.0 - pow(h.beta1_d, s));
+    sc.bias_correction2_sqrt = float(sqrt(1.0 - pow(h.beta2_d, s)));
+    sc.alpha = float(alpha);
+    sc.one_minus_beta3 = float(1.0 - beta3);
+    return sc;
+  }
+  // kWeightDecay, and which end each lerp starts from (math::lerp): m's (|1 - beta1| < 0.5) and
+  // the slow EMA's (|1 - beta3_t| < 0.5, per tensor: beta3_t moves with the step count)
+  static constexpr int kModes = 8;
+  FA_HD static int mode(const Hyper& h, const Scalars& s, bool) {
+    return (h.weight_decay != 0.0f ? 4 : 0) | (fabsf(h.one_minus_beta1) < 0.5f ? 2 : 0) |
+           (fabsf(s.one_minus_beta3) < 0.5f ? 1 : 0);
+  }
+  FA_HD static constexpr unsigned reads(int) { return 7; }
+  FA_HD static constexpr unsigned writes(int) { return 7; }
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float& param, float& exp_avg, float& exp_avg_sq, float& exp_avg_slow,
+                           const Hyper& h, const Scalars& s, D = D()) {
+    constexpr bool kWeightDecay = kMode & 4, kLerpFromM = kMode & 2, kSlowLerpFromM = kMode & 1;
+    float p = param;
+    if (kWeightDecay) p = p * s.decay_factor;
+    const float w = h.one_minus_beta1, w3 = s.one_minus_beta3;
+    exp_avg = kLerpFromM ? fmaf(w, g - exp_avg, exp_avg) : fmaf(w - 1.0f, g - exp_avg, g);
+    exp_avg_sq = fmaf(g * h.one_minus_beta2, g, exp_avg_sq * h.beta2);
+    exp_avg_slow = kSlowLerpFromM ? fmaf(w3, g - exp_avg_slow, exp_avg_slow) : fmaf(w3 - 1.0f, g - exp_avg_slow, g);
+    const float denom = sqrtf(exp_avg_sq) / s.bias_correction2_sqrt + h.eps;
+    const float update = fmaf(exp_avg_slow, s.alpha, exp_avg / s.bias_correction1);
+    param = p + (s.neg_lr * update) / denom;
+  }
+  static constexpr int kCudaMinBlocks[] = {4};  // one kernel: its third state list is required
 };
 
 // ---- any algorithm, its mode picked at run time -------------------------------------------------

@@ -9,17 +9,17 @@ function per backend.
 Adding an algorithm (say an elementwise ``"foo"`` with one state buffer ``bar``) touches five
 source files:
 
-1. Here: its hyper-parameter record ``FooHyper(NamedTuple)`` (``float``/``bool`` fields, the
-   step op's scalar arguments in the order the kernels take them, and ``of =
-   classmethod(read_hyper)``); its check function (torch's checks in torch's order, from the
-   pieces in :mod:`fused_accum.registry`); ``register(Algorithm("foo", defaults,
-   (State("bar"),), FooHyper, _check_foo, has_step, op="foo_step", reads=...))``; and the
-   drop-in class ``Foo(FusedAccumOptimizer)`` with torch's (or the published peer's) exact
-   signature. A buffer that a hyper-parameter turns on is ``State("bar", when="key")``; one that
-   does not start at zero, ``State("bar", init=...)``. The registration declares the step op
-   (``ops.foo_step``, both custom-op schemas, ``fused_accum::foo_step_`` and
-   ``fused_accum_ext::foo_step_``) and everything the layers ask (state keys and their initial
-   values, checks, defaults).
+1. Here: its hyper-parameter record ``FooHyper(NamedTuple)`` (``float``, ``bool`` and
+   ``Optional[float]`` fields, the last for one that may be None, the step op's scalar arguments
+   in the order the kernels take them, and ``of = classmethod(read_hyper)``); its check function
+   (torch's checks in torch's order, from the pieces in :mod:`fused_accum.registry`);
+   ``register(Algorithm("foo", defaults, (State("bar"),), FooHyper, _check_foo, has_step,
+   op="foo_step", reads=...))``; and the drop-in class ``Foo(FusedAccumOptimizer)`` with
+   torch's (or the published peer's) exact signature. A buffer that a hyper-parameter turns on
+   is ``State("bar", when="key")``; one that does not start at zero, ``State("bar", init=...)``.
+   The registration declares the step op (``ops.foo_step``, both custom-op schemas,
+   ``fused_accum::foo_step_`` and ``fused_accum_ext::foo_step_``) and everything the layers ask
+   (state keys and their initial values, checks, defaults).
 2. ``backends/reference.py``: ``foo_step(t, s, h)``, the specification (the function named for
    the op: the reference backend's ``step`` calls it).
 3. ``backends/triton/kernels.py``: its update rule for the generic step kernel, ``_foo_prepare``
@@ -31,21 +31,18 @@ source files:
 Then its row in ``tests/cases.py`` (its torch class or peer, hyper-parameter cases, the modes it
 runs in) puts it through the kernel, optimizer and mode tests. An algorithm whose step is not
 elementwise (Muon's orthogonalization) also gives its record a ``middle``: see
-:class:`fused_accum.registry.Algorithm`.
+:class:`fused_accum.registry.Algorithm`, and :mod:`fused_accum.muon`, the one registered.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
-import torch
+from typing import NamedTuple, Optional
 
 from . import optimizer
 from .optimizer import FusedAccumOptimizer
 from .registry import (
     Algorithm,
-    Middle,
     State,
     check_at_least_zero,
     check_beta_ranges,
@@ -323,129 +320,189 @@ class Lion(FusedAccumOptimizer):
         )
 
 
-# --- Muon ------------------------------------------------------------------------------------
+# --- Adagrad ---------------------------------------------------------------------------------
 
 
-class MuonHyper(NamedTuple):
-    """torch.optim.Muon's hyper-parameters, as its prologue, middle and epilogue take them."""
+class AdagradHyper(NamedTuple):
+    """torch.optim.Adagrad's hyper-parameters, as adagrad_step takes them
+    (initial_accumulator_value is not one: it is where the ``sum`` state starts)."""
 
-    momentum: float
-    nesterov: bool
+    lr_decay: float
     weight_decay: float
-    ns_a: float  # ns_coefficients, the quintic's three
-    ns_b: float
-    ns_c: float
     eps: float
-    ns_steps: float  # (an int: every field is a float or a bool)
-    match_rms_adamw: bool  # adjust_lr_fn == "match_rms_adamw", else "original" (None)
+    maximize: bool
 
     of = classmethod(read_hyper)
 
 
-def _check_muon(group: dict, constructor: bool) -> None:
-    """torch.optim.Muon's constructor checks, its messages (it checks no group added later)."""
-    if not constructor:
-        return
+def _check_adagrad(group: dict, constructor: bool) -> None:
     check_tensor_lr(group, constructor)
-    if not 0.0 <= group["lr"]:
-        raise ValueError(f"Learning rate should be >= 0 but is: {group['lr']}")
-    if not 0.0 <= group["momentum"]:
-        raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
-    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ("original", "match_rms_adamw"):
-        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    check_at_least_zero(group, "lr", "learning rate")
+    check_at_least_zero(group, "lr_decay", "lr_decay value")
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+    check_at_least_zero(group, "initial_accumulator_value", "initial_accumulator_value value")
+    check_at_least_zero(group, "eps", "epsilon value")
+    check_not_differentiable(group)
 
 
-def _check_matrix(p) -> None:
-    if p.ndim != 2:
-        raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}")
-
-
-def _newton_schulz(update, h: MuonHyper):
-    """torch.optim.Muon's orthogonalization of one matrix, in its ops and their order (bf16
-    matmuls, as there): the quintic Newton-Schulz iteration, ``ns_steps`` times, on the wide
-    orientation, after scaling the spectral norm to at most 1 by the Frobenius norm."""
-    if h.ns_steps >= 100:
-        raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    tall = update.size(0) > update.size(1)
-    x = update.bfloat16()
-    x = x.T if tall else x
-    x.div_(x.norm().clamp(min=h.eps))
-    for _ in range(int(h.ns_steps)):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=h.ns_b, alpha=h.ns_c), x, beta=h.ns_a)
-    return x.T if tall else x
-
-
-def _orthogonalize(updates: list, h: MuonHyper) -> list:
-    return [_newton_schulz(u, h) for u in updates]
-
-
-_MUON_DEFAULTS = dict(
-    lr=1e-3,
-    weight_decay=0.1,
-    momentum=0.95,
-    nesterov=True,
-    ns_coefficients=(3.4445, -4.7750, 2.0315),
-    eps=1e-7,
-    ns_steps=5,
-    adjust_lr_fn=None,
-)
 register(
     Algorithm(
-        "muon",
-        _MUON_DEFAULTS,
-        (State("momentum_buffer"),),
-        MuonHyper,
-        _check_muon,
-        has_step=False,
-        op="muon_step",
-        reads=dict(
-            ns_a=("ns_coefficients", 0),
-            ns_b=("ns_coefficients", 1),
-            ns_c=("ns_coefficients", 2),
-            match_rms_adamw=lambda group: group["adjust_lr_fn"] == "match_rms_adamw",
+        "adagrad",
+        dict(
+            lr=1e-2,
+            lr_decay=0,
+            eps=1e-10,
+            weight_decay=0,
+            initial_accumulator_value=0,
+            foreach=None,
+            maximize=False,
+            differentiable=False,
+            fused=None,
         ),
-        # the prologue (momentum) and epilogue (decay, the adjusted-lr update, the weights'
-        # formats) on the reference backend, torch ops on the parameters' device: no kernel yet
-        middle=Middle(_orthogonalize, _check_matrix, elementwise_backend="reference"),
+        # torch's sum starts at initial_accumulator_value
+        (State("sum", init="initial_accumulator_value"),),
+        AdagradHyper,
+        _check_adagrad,
+        has_step=True,
+        op="adagrad_step",
     )
 )
 
 
-class Muon(FusedAccumOptimizer):
+class Adagrad(FusedAccumOptimizer):
+    __doc__ = "torch.optim.Adagrad's signature, fused with fp32 gradient accumulation." + _ACCUMULATION_DOC
+
+    def __init__(
+        self,
+        params,
+        lr=1e-2,
+        lr_decay=0,
+        weight_decay=0,
+        initial_accumulator_value=0,
+        eps=1e-10,
+        foreach=None,
+        *,
+        maximize=False,
+        differentiable=False,
+        fused=None,
+        **accumulation,
+    ):
+        super().__init__(
+            params,
+            "adagrad",
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            fused=fused,
+            **accumulation,
+        )
+
+
+# --- AdEMAMix --------------------------------------------------------------------------------
+
+
+class AdEMAMixHyper(NamedTuple):
+    """AdEMAMix's hyper-parameters, as ademamix_step takes them."""
+
+    beta1: float
+    beta2: float
+    beta3: float
+    alpha: float
+    t_alpha_beta3: Optional[float]  # the warm-up of alpha and beta3, in steps; None: none
+    eps: float
+    weight_decay: float
+    maximize: bool
+
+    of = classmethod(read_hyper)
+
+
+def _check_ademamix(group: dict, constructor: bool) -> None:
+    """pytorch-optimizer's checks of AdEMAMix (beta1 and beta2 in [0, 1), beta3 in [0, 1], the
+    others at least 0), in torch's words, and what its warm-up needs to step (pytorch-optimizer
+    fails then, at the first step: a math domain error or a division by zero)."""
+    check_tensor_lr(group, constructor)
+    check_at_least_zero(group, "lr", "learning rate")
+    betas = group["betas"]
+    if len(betas) != 3:
+        raise ValueError(f"AdEMAMix takes three betas (beta1, beta2, beta3), got {len(betas)}: {betas}")
+    for i, b in enumerate(betas):
+        if not (0.0 <= b < 1.0 or (i == 2 and b == 1.0)):
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    check_beta_types(group, constructor)
+    check_at_least_zero(group, "alpha", "alpha value")
+    t = group["t_alpha_beta3"]
+    if t is not None:
+        if not t > 0:
+            raise ValueError(f"Invalid t_alpha_beta3 value: {t} (a number of steps, or None for no warm-up)")
+        if not (betas[0] > 0 and betas[2] > 0):
+            raise ValueError(
+                f"AdEMAMix's beta3 warm-up (t_alpha_beta3={t}) interpolates log(beta1) and log(beta3): "
+                f"betas[0] and betas[2] must be > 0, got {betas[0]} and {betas[2]} (or pass t_alpha_beta3=None)"
+            )
+    check_at_least_zero(group, "eps", "epsilon value")
+    check_at_least_zero(group, "weight_decay", "weight_decay value")
+
+
+register(
+    Algorithm(
+        "ademamix",
+        dict(
+            lr=1e-3,
+            betas=(0.9, 0.999, 0.9999),
+            alpha=5.0,
+            t_alpha_beta3=None,
+            eps=1e-8,
+            weight_decay=0.0,
+            maximize=False,
+        ),
+        # pytorch-optimizer's names: the fast EMA, the second moment, the slow EMA
+        (State("exp_avg"), State("exp_avg_sq"), State("exp_avg_slow")),
+        AdEMAMixHyper,
+        _check_ademamix,
+        has_step=True,  # (the bias corrections and the warm-up count it; pytorch-optimizer keeps it per group)
+        op="ademamix_step",
+        reads=dict(beta1=("betas", 0), beta2=("betas", 1), beta3=("betas", 2)),
+    )
+)
+
+
+class AdEMAMix(FusedAccumOptimizer):
     __doc__ = (
-        "torch.optim.Muon's signature (2-D parameters only), fused with fp32 gradient accumulation. Its step "
-        "is the momentum (an elementwise prologue), the Newton-Schulz orthogonalization of each matrix (torch "
-        "matmuls, as torch.optim.Muon's) and the update (an elementwise epilogue); ``shard=``, FSDP2 and "
-        "``offload=`` are refused (each rank must hold whole matrices: ``process_group=`` or DDP)." + _ACCUMULATION_DOC
+        'AdEMAMix (Pagliardini et al. 2024, "The AdEMAMix Optimizer: Better, Faster, Older"): Adam '
+        "with a second, slow EMA of the gradient weighted by ``alpha``, both warmed up over "
+        "``t_alpha_beta3`` steps, decoupled weight decay as AdamW's; "
+        "pytorch-optimizer's ``AdEMAMix(weight_decouple=True)``, fused with fp32 gradient accumulation."
+        + _ACCUMULATION_DOC
     )
 
     def __init__(
         self,
         params,
         lr=1e-3,
-        weight_decay=0.1,
-        momentum=0.95,
-        nesterov=True,
-        ns_coefficients=(3.4445, -4.775, 2.0315),
-        eps=1e-7,
-        ns_steps=5,
-        adjust_lr_fn=None,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha_beta3=None,
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        maximize=False,
         **accumulation,
     ):
         super().__init__(
             params,
-            "muon",
+            "ademamix",
             lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
+            betas=betas,
+            alpha=alpha,
+            t_alpha_beta3=t_alpha_beta3,
             eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
+            weight_decay=weight_decay,
+            maximize=maximize,
             **accumulation,
         )
 

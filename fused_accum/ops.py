@@ -71,14 +71,21 @@ WrittenLists = Annotated[List[Tensor], WRITTEN]
 WrittenTensor = Annotated[Tensor, WRITTEN]
 WrittenOptional = Annotated[Optional[Tensor], WRITTEN]
 
-_SCHEMA_TYPES = {Tensor: "Tensor", List[Tensor]: "Tensor[]", Optional[Tensor]: "Tensor?", float: "float", bool: "bool"}
+_SCHEMA_TYPES = {
+    Tensor: "Tensor",
+    List[Tensor]: "Tensor[]",
+    Optional[Tensor]: "Tensor?",
+    float: "float",
+    Optional[float]: "float?",  # a hyper-parameter that may be None (AdEMAMix's t_alpha_beta3)
+    bool: "bool",
+}
 
 
 class Argument(NamedTuple):
     """One argument of an op's schema, from a record's field."""
 
     name: str
-    type: str  # the schema's type: Tensor, Tensor[], Tensor?, float, bool
+    type: str  # the schema's type: Tensor, Tensor[], Tensor?, float, float?, bool
     written: bool
 
 

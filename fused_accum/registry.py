@@ -14,6 +14,8 @@ Pure: no buffers, no kernels.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -50,7 +52,9 @@ class Algorithm:
     name: str  # what optimizer= takes (lower case)
     defaults: dict  # the param groups' keys and torch's defaults, in torch's order
     states: tuple  # its State buffers, in the order its step op takes them (optional ones last)
-    hyper: type  # the step op's scalar record: a NamedTuple of float/bool fields, read by `reads`
+    # the step op's scalar record: a NamedTuple of float, bool and Optional[float] fields (one
+    # that may be None, AdEMAMix's t_alpha_beta3: the schema's float?), read by `reads`
+    hyper: type
     check: Callable[[dict, bool], None]  # torch's checks of a group: check(group, constructor)
     has_step: bool  # torch keeps a ``step`` entry in its state
     # Its step op (fused_accum.ops.STEP_OPS): "<rule>_step", one update rule in each backend.
@@ -209,14 +213,24 @@ def read_hyper(cls: type, algorithm: str, group: dict) -> NamedTuple:
     ``of``; where each field comes from: :attr:`Algorithm.reads`). Once per step."""
     reads = ALGORITHMS[algorithm].reads
     values = []
-    for name, kind in cls.__annotations__.items():
+    for name, kind in hyper_fields(cls):
         source = reads.get(name, name)
-        if callable(source):
+        if callable(source):  # (a function of the group: Muon's adjust_lr_fn read as a flag)
             value = source(group)
         else:
             value = group[source[0]][source[1]] if isinstance(source, tuple) else group[source]
-        values.append(bool(value) if kind in (bool, "bool") else scalar(value))
+        if kind is bool:
+            values.append(bool(value))
+        else:  # a float, or an Optional[float] that is None
+            values.append(None if value is None and kind == Optional[float] else scalar(value))
     return cls(*values)
+
+
+@functools.lru_cache(maxsize=None)
+def hyper_fields(cls: type) -> tuple:
+    """(name, type) of each field of a hyper-parameter record: float, bool or Optional[float]."""
+    hints = typing.get_type_hints(cls)
+    return tuple((name, hints[name]) for name in cls._fields)
 
 
 def scalar(value) -> float:

@@ -101,11 +101,13 @@ spec = importlib.util.spec_from_file_location("fused_accum._C", so)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 assert mod.built_with_cuda == 1, "built without CUDA kernels"
-for op in ("accumulate_", "sgd_step_", "adam_step_", "lion_step_"):
-    for key in ("CPU", "CUDA"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_accum_ext::{op}", key), (op, key)
-print(f"[check_cuda_build] OK: {so} loads in torch {torch.__version__}, 4 ops x (CPU, CUDA) registered, "
-      f"built-against record {record['torch']}")
+# every operator _C registers for the CPU (a step op per algorithm of csrc/math.h), for CUDA too
+ops = sorted(op for op in torch._C._dispatch_get_registrations_for_dispatch_key("CPU") if op.startswith("fused_accum_ext::"))
+assert {"fused_accum_ext::accumulate_", "fused_accum_ext::fold_pieces_", "fused_accum_ext::adam_step_"} <= set(ops), ops
+for op in ops:
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), (op, "CUDA")
+print(f"[check_cuda_build] OK: {so} loads in torch {torch.__version__}, {len(ops)} ops x (CPU, CUDA) registered "
+      f"({', '.join(op.split('::')[1] for op in ops)}), built-against record {record['torch']}")
 PY
 }
 

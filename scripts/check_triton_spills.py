@@ -48,7 +48,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fused_accum import ops, registry  # noqa: E402
 from fused_accum.backends import triton as tb  # noqa: E402
 
-kernels = tb.kernels
+kernels, updates = tb.kernels, tb.updates
 POINTERS = {"chunks": "*i64", "tensors": "*i64"}
 INTS = ("first", "chunk", "n")
 
@@ -196,7 +196,7 @@ def variants():
             **block,
         )
         tag = f"param={param} lp={lp} fused={fused} switches={'on' if on else 'off'}"
-        for op_name, update in kernels.UPDATES.items():
+        for op_name, update in updates.UPDATES.items():
             # at the warps the launcher gives the variant, its switches all on and all on but
             # the last (Adam: amsgrad on and off)
             warps = tb.step_num_warps(op_name, param.primitive_bitwidth, common["HAS_LP"], rem)

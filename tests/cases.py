@@ -47,6 +47,42 @@ from fused_accum.registry import ALGORITHMS as REGISTERED
 from fused_accum.registry import state_keys
 from lion_reference import LionReference  # tests/lion_reference.py
 
+
+class AdEMAMixPeer:
+    """pytorch-optimizer's AdEMAMix with AdamW's decoupled weight decay (``weight_decouple=True``,
+    the paper's), under fused_accum.AdEMAMix's signature: the independent implementation
+    fused_accum.AdEMAMix is held to (pytorch-optimizer==4.1.0, requirements-dev.txt; its
+    for-loop and foreach paths step the same bits on the CPU)."""
+
+    def __new__(
+        cls,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha_beta3=None,
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        maximize=False,
+        foreach=None,
+    ):
+        from pytorch_optimizer import AdEMAMix
+
+        return AdEMAMix(
+            params,
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            weight_decouple=True,
+            alpha=alpha,
+            t_alpha_beta3=t_alpha_beta3,
+            eps=eps,
+            maximize=maximize,
+            foreach=foreach,
+        )
+
+
 FP32, BF16_MASTERS, REMAINDER = "fp32", "bf16_masters", "remainder"
 OFFLOAD, SHARDING, EXACT_WIRE, FSDP2 = "offload", "sharding", "exact_wire", "fsdp2"
 STEP_IN_BACKWARD, HOST_COST, STEP_SOURCES = "step_in_backward", "host_cost", "step_sources"
@@ -130,6 +166,38 @@ TABLE = {
         {"lion": dict(lr=1e-3, weight_decay=0.1)},
         EVERY_MODE,
         kernel_cases={"lion": dict(betas=(0.9, 0.99), weight_decay=0.1)},
+    ),
+    "adagrad": Algorithm(
+        fused_accum.Adagrad,
+        torch.optim.Adagrad,
+        {
+            # the sum from initial_accumulator_value, clr decaying with the step count
+            "adagrad": dict(lr=1e-2, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.5, eps=1e-6),
+            "adagrad_maximize": dict(lr=1e-2, maximize=True),
+        },
+        EVERY_MODE,
+        kernel_cases={
+            "adagrad": dict(lr_decay=0.01, weight_decay=0.1, eps=1e-6),
+            "adagrad_plain": dict(maximize=True),
+        },
+        torch_fused=True,
+    ),
+    "ademamix": Algorithm(
+        fused_accum.AdEMAMix,
+        AdEMAMixPeer,
+        {
+            "ademamix": dict(lr=1e-3, weight_decay=0.1),
+            # the warm-up (past its end by the third step), beta1 < 0.5 (m's lerp from the other end)
+            "ademamix_warmup_maximize": dict(
+                lr=1e-2, betas=(0.3, 0.99, 0.999), alpha=2.0, t_alpha_beta3=2.5, eps=1e-6, maximize=True
+            ),
+        },
+        EVERY_MODE,
+        kernel_cases={
+            "ademamix": dict(betas=(0.9, 0.999, 0.9999), alpha=5.0, weight_decay=0.1),
+            # steps 1 and 5 inside the warm-up, 9 past it (the kernel tests' step counts)
+            "ademamix_warmup": dict(betas=(0.3, 0.99, 0.999), alpha=2.0, t_alpha_beta3=7.0, eps=1e-6, maximize=True),
+        },
     ),
     # 2-D parameters only, and a middle of bf16 matmuls (torch.optim.Muon's) that turns any
     # last-bit difference of its input into a bf16 ulp of the update: the shared mode tests'

@@ -15,8 +15,10 @@ tensors in one call (the point where a kernel-argument metadata table typically 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
+from unittest import mock
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +28,7 @@ import torch
 import cases  # tests/cases.py: every algorithm, its peer, its cases
 from fused_accum import backends, ops
 from fused_accum.backends import reference
+from fused_accum.registry import initial_states
 from helpers import (  # tests/helpers.py
     CPU_BACKENDS,
     CPU_KERNEL_BACKENDS,
@@ -491,11 +494,13 @@ def _run_torch_fused(case, lr, params0, grads):
 
 
 def _run_op_steps(module, case, lr, params0, grads):
-    """The same steps through a backend's op: the gradient in acc, coef 1, per-tensor step counts."""
+    """The same steps through a backend's op: the gradient in acc, coef 1, per-tensor step counts,
+    each state from its record's initial value (Adagrad's sum from initial_accumulator_value)."""
     params = [p.clone() for p in params0]
     n = len(params)
     lr_t, coef = _op_lr(lr), torch.tensor(1.0)
-    states = [[torch.zeros_like(p) for p in params] for _ in range(len(cases.op_records(case)[2]))]
+    initial = initial_states(case.algorithm, cases.group(case))
+    states = [[torch.full_like(p, initial[key]) for p in params] for key in cases.op_records(case)[2]]
     for i, step_grads in enumerate(grads):
         accs = [g.clone() for g in step_grads]
         steps = torch.full((n,), float(i + 1))
@@ -645,6 +650,75 @@ def test_lion_matches_an_independent_implementation(backend):
             assert ((got - want).norm() / want.norm()).item() <= len(grads) * 2.0**-24
         else:
             assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
+
+
+# --- AdEMAMix against pytorch-optimizer ------------------------------------------------------
+
+ADEMAMIX = {c.id: c for c in cases.cases(every=True) if c.algorithm == "ademamix"}  # tests/cases.py
+ADEMAMIX_STATES = ("exp_avg", "exp_avg_sq", "exp_avg_slow")
+
+
+def _run_ademamix_peer(case, params0, grads, foreach=False, ieee_sqrt=True):
+    """pytorch-optimizer's AdEMAMix(weight_decouple=True) (tests/cases.py: AdEMAMixPeer) with
+    ``case``'s keywords over fp32 copies of ``params0``, one step per entry of ``grads``: its
+    params and states. With ``ieee_sqrt`` its ``exp_avg_sq.sqrt()`` is correctly rounded while it
+    steps (reference._sqrt): torch's fp32 CPU sqrt is not, in ~17% of elements (the kernels' sqrtf
+    and torch's fused optimizers' are)."""
+    params = [p.clone().requires_grad_() for p in params0]
+    opt = case.peer(params, foreach=foreach, **case.kwargs)
+    with mock.patch.object(torch.Tensor, "sqrt", reference._sqrt) if ieee_sqrt else contextlib.nullcontext():
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+    return [p.detach() for p in params], [[opt.state[p][key] for p in params] for key in ADEMAMIX_STATES]
+
+
+@pytest.mark.parametrize("backend", TORCH_FUSED_BACKENDS)
+@pytest.mark.parametrize("case", list(ADEMAMIX))
+@pytest.mark.usefixtures("one_thread")
+def test_ademamix_steps_as_pytorch_optimizer(backend, case):
+    """100 steps, awkward sizes, against pytorch-optimizer 4.1.0's AdEMAMix(weight_decouple=True):
+    reference and cpu bit for bit in params and every state, where the peer's square root is
+    correctly rounded (as every backend's is; torch's fp32 CPU sqrt is not). The peer's own
+    foreach and for-loop paths step the same bits on the CPU (checked here), so this is as close
+    as they are to each other. Triton computes its own powers (bits._pow_whole: ~log2(step)
+    roundings) and, in the interpreter, numpy's exp: ||diff|| / ||peer|| <= 100 * 2**-24 (6e-6,
+    at most an fp32 rounding apart per step over 100 steps, as test_lion_matches_an_independent_
+    implementation's bound; measured 3e-7), where a wrong warm-up or bias correction moves params
+    by ~lr = 1e-3 relative."""
+    c = ADEMAMIX[case]
+    params0, grads = _random_run([1, 7, 16, 1000, 4099], _seed("ademamix", case))
+    want_p, want_s = _run_ademamix_peer(c, params0, grads)
+    foreach_p, foreach_s = _run_ademamix_peer(c, params0, grads, foreach=True, ieee_sqrt=False)
+    loop_p, loop_s = _run_ademamix_peer(c, params0, grads, foreach=False, ieee_sqrt=False)
+    assert all(torch.equal(a, b) for a, b in zip(foreach_p + sum(foreach_s, []), loop_p + sum(loop_s, [])))
+    got_p, got_s = _run_op_steps(backends.get(backend), c, c.kwargs["lr"], params0, grads)
+    for got, want in zip(got_p + sum(got_s, []), want_p + sum(want_s, [])):
+        if backend == "triton":
+            assert ((got - want).norm() / want.norm()).item() <= len(grads) * 2.0**-24
+        else:
+            assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
+
+
+@pytest.mark.parametrize("backend", [b for b in TORCH_FUSED_BACKENDS if b != "triton"])
+@pytest.mark.parametrize("case", list(ADEMAMIX))
+@pytest.mark.usefixtures("one_thread")
+def test_ademamix_optimizer_steps_as_pytorch_optimizer_bit_for_bit(backend, case):
+    """fused_accum.AdEMAMix over fp32 params (std 0.02), 20 steps, against pytorch-optimizer's
+    with a correctly rounded sqrt (see above): the same bits in params and every state (triton
+    is held to test_ademamix_steps_as_pytorch_optimizer's bound instead)."""
+    c = ADEMAMIX[case]
+    params0, grads = _random_run([16, 48, 1024, 4112], _seed("ademamix_optimizer", case), steps=20)
+    params0 = [p * 0.02 for p in params0]
+    want_p, want_s = _run_ademamix_peer(c, params0, grads)
+    got_p, got_s = _optimizer_run(lambda ps, lr: c.make(ps, backend=backend), None, params0, grads)
+    for got, want in zip(got_p, want_p):
+        assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} elements differ"
+    for i, got in enumerate(got_s):
+        assert got.keys() == set(ADEMAMIX_STATES)
+        for k, key in enumerate(ADEMAMIX_STATES):
+            assert torch.equal(got[key], want_s[k][i]), key
 
 
 def test_reference_primitives_round_as_torch_fused_kernels():

@@ -18,11 +18,12 @@ import inspect
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
 
-from fused_accum import backends, ops
+from fused_accum import backends, ops, registry
 from fused_accum.algorithms import AdamHyper, LionHyper, SgdHyper
 from fused_accum.extension import _C
 from dispatch_record import RecordOps  # tests/dispatch_record.py
@@ -158,6 +159,19 @@ STEP_SCHEMAS = {
         "Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, bool grads_overwrite, "
         "Tensor[] sources, Tensor(d!)[] exp_avgs, float beta1, float beta2, float weight_decay, bool maximize) -> ()"
     ),
+    "adagrad_step_": (
+        "adagrad_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
+        "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, "
+        "bool grads_overwrite, Tensor[] sources, Tensor(d!)[] sums, float lr_decay, float weight_decay, float eps, "
+        "bool maximize) -> ()"
+    ),
+    "ademamix_step_": (
+        "ademamix_step_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
+        "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, float grad_alpha, "
+        "bool grads_overwrite, Tensor[] sources, Tensor(d!)[] exp_avgs, Tensor(e!)[] exp_avg_sqs, "
+        "Tensor(f!)[] exp_avg_slows, float beta1, float beta2, float beta3, float alpha, float? t_alpha_beta3, "
+        "float eps, float weight_decay, bool maximize) -> ()"
+    ),
 }
 
 
@@ -189,6 +203,28 @@ def test_schemas_follow_the_declarations():
         # torch's state key of each list (opt.state[p][key]), which the step reads
         assert all(f"{key}s" == name for key, name in zip(op.state_keys, op.states._fields))
     assert ops.step_op("adamw") is ops.step_op("adam") is ops.adam_step
+
+
+def test_a_hyper_parameter_that_may_be_none_is_an_optional_float():
+    """A record's Optional[float] field (AdEMAMix's t_alpha_beta3=None) is the schema's ``float?``
+    (the C++ kernel's std::optional<double>), and a group's None reaches the record as None, a
+    number (or a one-element tensor) as a float."""
+
+    class Hyper(NamedTuple):
+        warmup: Optional[float]
+        beta: float
+        flag: bool
+
+    assert [(a.name, a.type) for a in ops.arguments(Hyper)] == [
+        ("warmup", "float?"),
+        ("beta", "float"),
+        ("flag", "bool"),
+    ]
+    assert ops.schema("f", ops.arguments(Hyper)) == "f(float? warmup, float beta, bool flag) -> ()"
+    read = lambda group: registry.read_hyper(Hyper, "sgd", group)  # noqa: E731 (sgd: no renamed fields)
+    assert read(dict(warmup=None, beta=torch.tensor(0.5), flag=1)) == (None, 0.5, True)
+    got = read(dict(warmup=3, beta=1, flag=0))
+    assert got == (3.0, 1.0, False) and type(got.warmup) is float
 
 
 def test_registered_schemas_are_the_declared_ones():

@@ -135,6 +135,36 @@ def test_unequal_microbatches_with_num_items(backend, algo):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", cases.params(cases.BF16_MASTERS))
+def test_bf16_with_fp32_masters_stays_nearer_to_fp32_than_the_peer_stepping_bf16(backend, case):
+    """Each algorithm's default case, 40 steps from one start with the same gradients (both
+    bf16 values, so every run sees the same numbers): our bf16 parameters with fp32 masters are
+    the fp32 run's parameters rounded to bf16, bit for bit (the masters step as fp32 parameters
+    do), and so nearer to them than the peer (its torch.optim class, or the independent
+    implementation) stepping the bf16 parameters themselves, which rounds every update into a
+    bf16 weight and accumulates those roundings."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = (64, 257)
+    start = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+    grads = [[torch.randn(n, generator=gen).bfloat16() for n in sizes] for _ in range(40)]
+
+    def run(make, dtype):
+        params = [nn.Parameter(p.to(dtype, copy=True)) for p in start]  # (never start itself: it is bf16)
+        opt = make(params)
+        for step_grads in grads:
+            sum((p.float() * g.float()).sum() for p, g in zip(params, step_grads)).backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().float() for p in params])
+
+    fp32 = run(lambda ps: case.make(ps, backend=backend), torch.float32)
+    ours = run(lambda ps: case.make(ps, backend=backend, master_weights=True), torch.bfloat16)
+    peer = run(lambda ps: case.peer(ps, **case.kwargs), torch.bfloat16)
+    assert torch.equal(ours, fp32.bfloat16().float())
+    assert (ours - fp32).norm() < (peer - fp32).norm(), ((ours - fp32).norm(), (peer - fp32).norm())
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_bf16_accumulation_is_closer_to_fp64_than_bf16_grad_accumulation(backend):
     torch.manual_seed(0)
     model = nn.Linear(64, 64).to(torch.bfloat16)

@@ -119,14 +119,15 @@ def test_no_import_circle():
 # --- the algorithm as the unit (issue 45) -------------------------------------------------------
 
 # Where an algorithm may be named: its record and drop-in class, its update rule in each backend
-# (the reference's spec, the Triton kernels: the C++ one is csrc/math.h's), the package's exports,
+# (the reference's spec, the Triton update: the C++ one is csrc/math.h's), the package's exports,
 # and the demo and the command line's help (users of the public API). Everything else, every
 # layer from the optimizer's face down to the backends' launchers, asks fused_accum.registry and
 # names none.
 NAMES_ALGORITHMS = {
     "algorithms.py",
+    "muon.py",
     "backends/reference.py",
-    "backends/triton/kernels.py",
+    "backends/triton/updates.py",
     "__init__.py",
     "demo.py",
     "__main__.py",

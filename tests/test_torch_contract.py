@@ -689,6 +689,46 @@ def test_lions_defaults_are_the_papers():
     assert fused_accum.Lion(params).defaults == want
 
 
+def test_ademamixs_signature_and_defaults_are_pytorch_optimizers():
+    """AdEMAMix has no torch.optim class: its signature is (params, lr=1e-3, betas=(0.9, 0.999,
+    0.9999), alpha=5.0, t_alpha_beta3=None, eps=1e-8, weight_decay=0.0), then maximize, by name
+    and by class, the defaults pytorch-optimizer's AdEMAMix takes (and the paper's)."""
+    want = dict(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha_beta3=None, eps=1e-8, weight_decay=0.0)
+    params = [nn.Parameter(torch.randn(2))]
+    assert fused_accum.FusedAccumOptimizer(params, "ademamix").defaults == dict(want, maximize=False)
+    assert fused_accum.AdEMAMix(params).defaults == dict(want, maximize=False)
+    signature = inspect.signature(fused_accum.AdEMAMix.__init__).parameters.values()
+    mine = [(p.name, p.default) for p in signature if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert mine == [("self", inspect.Parameter.empty), ("params", inspect.Parameter.empty), *want.items()]
+    peer = inspect.signature(cases.TABLE["ademamix"].peer.__new__).parameters
+    pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
+    theirs = inspect.signature(pytorch_optimizer.AdEMAMix.__init__).parameters
+    assert all(theirs[name].default == value for name, value in want.items()), theirs
+    assert all(peer[name].default == value for name, value in want.items())
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        (dict(lr=-1.0), "Invalid learning rate: -1.0"),
+        (dict(betas=(0.9, 0.999)), "AdEMAMix takes three betas"),
+        (dict(betas=(0.9, 1.0, 0.9999)), "Invalid beta parameter at index 1: 1.0"),
+        (dict(betas=(0.9, 0.999, 1.5)), "Invalid beta parameter at index 2: 1.5"),
+        (dict(alpha=-1.0), "Invalid alpha value: -1.0"),
+        (dict(t_alpha_beta3=0.0), "Invalid t_alpha_beta3 value: 0.0"),
+        (dict(t_alpha_beta3=100, betas=(0.0, 0.999, 0.9999)), r"betas\[0\] and betas\[2\] must be > 0"),
+        (dict(eps=-1.0), "Invalid epsilon value: -1.0"),
+        (dict(weight_decay=-1.0), "Invalid weight_decay value: -1.0"),
+    ],
+)
+def test_ademamix_refuses_what_pytorch_optimizer_refuses_or_cannot_step(keywords, message):
+    """pytorch-optimizer's ranges (beta3 may be 1), in torch's words; and a warm-up it would fail
+    to step (t_alpha_beta3 = 0: a division by zero; beta1 or beta3 = 0: log(0)) at construction."""
+    with pytest.raises(ValueError, match=message):
+        fused_accum.AdEMAMix([nn.Parameter(torch.randn(2))], **keywords)
+    fused_accum.AdEMAMix([nn.Parameter(torch.randn(2))], betas=(0.9, 0.999, 1.0))  # beta3 = 1: accepted
+
+
 # --- the generic path: optimizer= any torch.optim class ----------------------------------------
 
 # Every torch.optim class, with constructor keywords that shape its state where it has such

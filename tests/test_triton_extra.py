@@ -28,7 +28,7 @@ tb = pytest.importorskip("fused_accum.backends.triton", reason="triton is not in
 import triton  # noqa: E402  (importable: the backend above imported it)
 import triton.language as tl  # noqa: E402
 
-kernels = tb.kernels
+kernels, updates = tb.kernels, tb.updates
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ([pytest.param("cpu", id="cpu")] if INTERPRETED else []) + (
@@ -354,7 +354,7 @@ def test_accumulate_compiles_to_vector_accesses_with_a_scalar_fallback():
 def _compile_adamw_sm90(**dtypes):
     """The fused AdamW step (fused last micro-batch, found_inf, decoupled decay) for sm_90: the
     generic step kernel with Adam's update rule, its arguments as the launcher makes them."""
-    update = kernels.UPDATES["adam_step"]
+    update = updates.UPDATES["adam_step"]
     hyper, switches = update.arguments(
         ops.adam_step.hyper(0.9, 0.999, 1e-8, 0.01, True, False), ops.adam_step.states([], [])
     )

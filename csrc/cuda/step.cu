@@ -158,8 +158,13 @@ namespace {
 template <bool kState3>
 using TableOf = Table<kState3 ? 7 : 6>;
 
+// Algo's kernel's blocks per SM, without or with the third state list (math.h: kCudaMinBlocks
+// has an entry per kernel the algorithm has; one where the third list is required).
+template <class Algo, bool kState3>
+constexpr int kMinBlocks = Algo::kCudaMinBlocks[kState3 && !math::kState3Required<Algo> ? 1 : 0];
+
 template <class Algo, bool kState3, bool kRemainder>
-__global__ void __launch_bounds__(kThreads, Algo::kCudaMinBlocks[kState3])
+__global__ void __launch_bounds__(kThreads, kMinBlocks<Algo, kState3>)
     step_kernel(const __grid_constant__ TableOf<kState3> table, DeviceStepArgs args,
                 typename Algo::Hyper hyper) {
   if (step_skipped(args)) return;  // uniform over the grid: no thread reaches the barrier
@@ -198,13 +203,19 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
 }  // namespace cuda
 
 // A call with a third state list (Adam's amsgrad) runs its own instantiation, so the other
-// kernels carry none of the third state's loads, stores and registers.
+// kernels carry none of the third state's loads, stores and registers. An algorithm that always
+// keeps three states (math::kState3Required: the binding refuses a call without the list) has
+// only that one.
 template <class Algo>
 const char* step_cuda(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h, void* stream) {
-  if constexpr (math::kStateCount<Algo> >= 3) {
-    if (t.state3.present()) return cuda::launch_step<Algo, true>(t, a, h, stream);
+  if constexpr (math::kState3Required<Algo>) {
+    return cuda::launch_step<Algo, true>(t, a, h, stream);
+  } else {
+    if constexpr (math::kStateCount<Algo> >= 3) {
+      if (t.state3.present()) return cuda::launch_step<Algo, true>(t, a, h, stream);
+    }
+    return cuda::launch_step<Algo, false>(t, a, h, stream);
   }
-  return cuda::launch_step<Algo, false>(t, a, h, stream);
 }
 
 #define FA_CUDA_STEP(A) \

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <functional>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -24,8 +25,9 @@ using namespace fused_accum;
 enum class ParamKind { kMaster, kF32, kBF16, kRemainder };
 enum class Fused { kNone, kAdd, kOverwrite };
 
-// An algorithm's hyper-parameters for a case: its k-th float argument kHyperValues[k] and every
-// bool true, or (zeros) every float 0 and every bool false, so that the branches the kernels take
+// An algorithm's hyper-parameters for a case: its k-th float argument kHyperValues[k], every
+// bool true and every optional float (the schema's float?) kHyperValues[k] too, or (zeros) every
+// float 0, every bool false and every optional float absent (None), so that the branches the kernels take
 // as template constants (math.h's modes: a momentum, a weight decay, a flag on or off) run both
 // ways. SGD's (momentum, dampening, weight_decay, nesterov), for example: momentum SGD with
 // weight decay and nesterov, and plain SGD; Adam's (beta1, beta2, eps, weight_decay, decoupled):
@@ -36,6 +38,7 @@ constexpr double kHyperValues[] = {0.8, 0.99, 1e-6, 0.1, 0.5, 0.3, 0.7, 0.2};
 template <class T>
 T hyper_value(size_t k, bool zeros) {
   if constexpr (std::is_same_v<T, bool>) return !zeros;
+  else if constexpr (std::is_same_v<T, std::optional<double>>) return zeros ? std::nullopt : T(kHyperValues[k]);
   else return zeros ? 0.0 : kHyperValues[k];
 }
 template <class Algo, class... H, size_t... k>

@@ -107,8 +107,12 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Algo::
 struct EmulatedStep {
   template <class Algo>
   void operator()(const TensorLists& t, const StepArgs& a, const typename Algo::Hyper& h) const {
-    if (t.state3.present()) emulate_step<Algo, true>(t, a, h);
-    else emulate_step<Algo, false>(t, a, h);
+    if constexpr (math::kState3Required<Algo>) {
+      emulate_step<Algo, true>(t, a, h);
+    } else {
+      if (t.state3.present()) emulate_step<Algo, true>(t, a, h);
+      else emulate_step<Algo, false>(t, a, h);
+    }
   }
 };
 
@@ -123,7 +127,7 @@ void test_steps() {
     state_uses<Algo>(h, true, all);
     state_uses<Algo>(h, false, fewest);
     for (const bool* uses : {fewest, all}) {
-      if (uses == all && !all[2]) continue;
+      if (uses == all && (!all[2] || fewest[2])) continue;  // (none, or the case already run)
       const int count = (uses[2] ? cuda::State3StepTable::kCapacity : cuda::StepTable::kCapacity) + 5;
       StepCase c(sizes_for(count, 5 + uses[2]), Algo::kOp, uses, ParamKind::kMaster, Fused::kAdd, false, 99);
       launches = 0;

@@ -19,7 +19,8 @@ Conventions shared by all ops (and so by all backends):
   below), ``s``, the op's optimizer-state lists (``op.states``: ``AdamStates``...), and ``h``,
   its hyper-parameters (``op.hyper``: ``fused_accum.algorithms.AdamHyper``...). Every backend
   runs them as ``step(op, t, s, h)``; here that is the spec function named for the op
-  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`), one per update rule.
+  (:func:`sgd_step`, :func:`adam_step`, :func:`lion_step`, :func:`adagrad_step`,
+  :func:`ademamix_step`), one per update rule.
 - The step ops take ``accs``, a list of 1-D contiguous fp32 views into that buffer, one per
   parameter, like every other list they take (they run once per window).
 - ``grads`` are the incoming gradients, bf16/fp16/fp32, any shape and strides, read in their own
@@ -83,12 +84,16 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+# the formats' bits, which the ops below read and write (callers reach them here too)
+from .master_bits import follow_weight, rebuild_master, rounded, split_master, widened
+
 if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
     from ..ops import StepOp, StepTensors
 
     # each op's states record (ops.declare_step makes it: op.states) and hyper-parameter record
     # (fused_accum.algorithms declares it: op.hyper), NamedTuples both
-    AdamStates = LionStates = SgdStates = AdamHyper = LionHyper = SgdHyper = tuple
+    AdamStates = LionStates = SgdStates = AdagradStates = AdemamixStates = tuple
+    AdamHyper = LionHyper = SgdHyper = AdagradHyper = AdEMAMixHyper = tuple
 
 
 def slice_starts(acc: Tensor, offsets: Tensor, grads: Sequence[Tensor]) -> List[int]:
@@ -206,131 +211,6 @@ def fold_pieces(acc: Tensor, pieces: List[Tensor], overwrite: bool) -> None:
     for piece in pieces[1:] if overwrite else pieces:
         total = total + widened(piece)
     acc.copy_(total)
-
-
-# --- exact 2-byte masters: the bf16 weight plus an int16 remainder (issue 28) ----------------
-
-_OVERFLOWING = 0x7F7F8000  # fp32 magnitudes from here up to inf round to inf in bf16
-_INF = 0x7F800000  # the magnitude of fp32 inf
-
-
-def split_master(master: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(weight, remainder)`` of the fp32 ``master``: a bf16 tensor and an int16 tensor of its
-    shape. The same map as csrc/math.h's ``split_master`` (which the C++ and CUDA kernels use;
-    csrc/tests/test_math.cpp checks it on all 2**32 patterns), and the Triton kernels'
-    ``_split_master``. On the magnitude ``m`` of the master's bits (the sign bit is the
-    weight's):
-
-    - ``m < 0x7F7F8000`` (every finite master below 3.3961e38): ``weight = (m + 0x8000) >> 16``,
-      the nearest bf16, **ties away from zero** (no 16-bit remainder can be exact and keep
-      torch's round-to-nearest-even: an even bf16 value has 65,537 fp32 preimages), so
-      ``weight == master.to(torch.bfloat16)`` except at exact ties (low half 0x8000, one fp32
-      value per bf16 step: ~2**-16 of uniformly random bits), where the weight is the neighbour
-      farther from zero; ``remainder = m - (weight << 16)``, in [-32768, 32767] (negative: the
-      master is below the weight's magnitude). :func:`rebuild_master` gives the master back
-      bit for bit.
-    - ``0x7F7F8000 <= m <= 0x7F800000`` (finite masters that round to inf in bf16, and inf):
-      ``(+-inf, 0)``: they become +-inf, as ``master.to(torch.bfloat16)`` would show them.
-    - ``m > 0x7F800000`` (NaN): ``(+-NaN, 0)``, the bf16 pattern 0x7FC0 with the sign: a NaN
-      stays a NaN (its payload is not kept).
-
-    So a weight is finite exactly when its master is finite and below 3.3961e38, NaN exactly
-    when its master is NaN.
-    """
-    if master.dtype != torch.float32:
-        raise ValueError(f"split_master: master must be float32, got {master.dtype}")
-    u = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    sign = (u >> 16) & 0x8000
-    m = u & 0x7FFFFFFF
-    w = (m + 0x8000) >> 16
-    r = m - (w << 16)
-    shown_inf = m >= _OVERFLOWING  # and NaN, below
-    w = torch.where(m > _INF, 0x7FC0, torch.where(shown_inf, 0x7F80, w))
-    r = torch.where(shown_inf, 0, r)
-    bits = sign | w  # 0..0xFFFF: as int16, the patterns from 0x8000 up are negative
-    weight = (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16)
-    return weight.view(master.shape), r.to(torch.int16).view(master.shape)
-
-
-def rebuild_master(weight: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master of the bf16 ``weight`` and the int16 ``remainder`` (same shape), for any
-    pair, on ``W``, the weight's magnitude bits, and ``r``, the remainder:
-
-    - ``W == 0`` and ``r < 0``: +-0.0 (the weight itself);
-    - ``W == 0x7F80`` (inf) and ``r != 0``: +-inf (the weight itself);
-    - otherwise ``sign | ((W << 16) + r)`` (a NaN weight with any remainder gives a NaN).
-
-    It inverts :func:`split_master` on every finite master below 3.3961e38. Every pair rebuilds
-    to a master that rounds to its weight under the tie rule (``split_master`` of it gives the
-    weight back; a NaN weight may come back as the canonical NaN), within half a bf16 ulp of it:
-    the remainder a weight written from outside the optimizer keeps (``w.data[mask] = 0``,
-    a broadcast) moves the master by less than half an ulp of the new weight, never to a huge
-    value or a NaN. csrc/tests/test_math.cpp checks this on all 2**32 pairs.
-    """
-    if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
-        raise ValueError(
-            f"rebuild_master: weight must be bfloat16 and remainder int16, got {weight.dtype} and {remainder.dtype}"
-        )
-    wb = weight.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    r = remainder.reshape(weight.shape).to(torch.int64)
-    sign = (wb & 0x8000) << 16
-    w = wb & 0x7FFF
-    keep = ((w == 0) & (r < 0)) | ((w == _INF >> 16) & (r != 0))  # the weight itself
-    u = sign | torch.where(keep, w << 16, (w << 16) + r)
-    u = u - (u >= 2**31).long() * 2**32  # as int32
-    return u.to(torch.int32).view(torch.float32).view(weight.shape)
-
-
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def rounded(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` rounded to ``dtype`` as the steps write it: to nearest even, ``x.to(dtype)``, with
-    one pattern per NaN: 0x7FC0 in bf16 (csrc/cpu/convert.h's, the Triton kernels' _round;
-    torch's own ``.to(torch.bfloat16)`` writes 0xFFFF or 0x7FC0 depending on the layout: its
-    vectorised loop makes another NaN than its scalar one), the sign and 0x7E00 in fp16. (The
-    CUDA kernels' conversions make the NaN 0x7FFF, as torch's on a GPU.)"""
-    if x.dtype == dtype or dtype not in (torch.bfloat16, torch.float16):
-        return x.to(dtype)
-    if dtype == torch.bfloat16:
-        u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        bits = torch.where(torch.isnan(x.reshape(u.shape)), 0x7FC0, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-        return (bits - (bits >= 0x8000).long() * 0x10000).to(torch.int16).view(torch.bfloat16).view(x.shape)
-    nan = torch.tensor(float("nan"), dtype=torch.float16, device=x.device)  # 0x7E00
-    return torch.where(torch.isnan(x), torch.where(torch.signbit(x), -nan, nan), x.to(torch.float16))
-
-
-def widened(lp: Tensor) -> Tensor:
-    """A bf16/fp16 tensor's exact fp32 values, flattened, a NaN's payload kept (the bits moved
-    into place, as every kernel widens them: torch's own fp16 ``.float()`` makes 0x7FFFFFFF or
-    0x7FC00000 of the NaN 0x7E00 depending on the layout)."""
-    lp = lp.reshape(-1).contiguous()
-    if lp.dtype not in (torch.bfloat16, torch.float16):
-        return lp.float()
-    h = lp.view(torch.int16).to(torch.int64) & 0xFFFF
-    if lp.dtype == torch.bfloat16:
-        u = h << 16
-    else:  # fp16: the NaNs by hand (exponent 31 to 255, the payload shifted into place)
-        nan_bits = ((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13)
-        u = torch.where(torch.isnan(lp), nan_bits, _bits_of(lp.float()))
-    return (u - (u >= 2**31).long() * 2**32).to(torch.int32).view(torch.float32)
-
-
-def _bits_of(x: Tensor) -> Tensor:
-    return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-
-
-def follow_weight(master: Tensor, lp: Tensor) -> Tensor:
-    """The fp32 master a step updates when it has low-precision params: ``float(lp)`` where the
-    bits of ``lp`` differ from the bits of ``master`` rounded to lp's dtype as the step writes
-    lp (:func:`rounded`: to nearest even), else ``master`` itself (the module docstring's
-    "Masters follow the weight"). ``master``: 1-D fp32, ``lp``: as many elements, any float
-    dtype. csrc/math.h's ``follow_weight`` and the Triton kernels' ``_follow_weight`` are the
-    same rule."""
-    lp = lp.reshape(-1).contiguous()
-    ints = _INT_OF_SIZE[lp.element_size()]
-    differ = rounded(master, lp.dtype).view(ints) != lp.view(ints)
-    return torch.where(differ, widened(lp), master)
 
 
 def check_remainders(op: str, t: StepTensors) -> None:
@@ -556,6 +436,92 @@ def lion_step(t: StepTensors, s: LionStates, h: LionHyper) -> None:
         new_p = p32 - lr32 * direction  # direction is -1, 0 or 1: the product is exact
         new_m = _fma(g, 1 - h.beta2, m * h.beta2)
         _commit(t.found_inf, [(m, new_m), *_param_writes(t, i, new_p)])
+
+
+def adagrad_step(t: StepTensors, s: AdagradStates, h: AdagradHyper) -> None:
+    """torch.optim.Adagrad: ``sum += g * g`` (after coupled weight decay), ``p -= clr * g /
+    (sqrt(sum) + eps)`` with ``clr = lr / (1 + (step - 1) * lr_decay)``. ``s.sums`` start at
+    ``initial_accumulator_value`` (the optimizer fills them: the record's ``State`` init).
+
+    The order of operations is torch's fused CPU kernel's (so fp32 params match
+    ``torch.optim.Adagrad(fused=True)`` bit for bit): clr in double, rounded to fp32 once; weight
+    decay and the sum each one fused multiply-add; clr times g, then one divide.
+    """
+    lr = _lr(t.lr)
+    check_remainders("adagrad_step", t)
+    take_sources("adagrad_step", t, [s.sums])
+    for i in range(len(t.params)):
+        g = _effective_grad(t, i, h.maximize)
+        p32 = _master(t, i)
+        clr = _f32(lr / (1 + (t.steps[i].double() - 1) * h.lr_decay))
+        if h.weight_decay != 0:
+            g = _fma(p32, h.weight_decay, g)
+        total = _fma(g, g, s.sums[i])
+        std = _sqrt(total) + h.eps
+        _commit(t.found_inf, [(s.sums[i], total), *_param_writes(t, i, p32 - (clr * g) / std)])
+
+
+def ademamix_step(t: StepTensors, s: AdemamixStates, h: AdEMAMixHyper) -> None:
+    """AdEMAMix (Pagliardini, Ablin and Grangier 2024, "The AdEMAMix Optimizer: Better, Faster,
+    Older") with AdamW's decoupled weight decay, as pytorch-optimizer 4.1.0's
+    ``AdEMAMix(weight_decouple=True)`` computes it with torch ops::
+
+        p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g;
+        m_slow = lerp(m_slow, g, 1 - beta3_t)
+        p += -lr * (m / (1 - beta1**step) + alpha_t * m_slow) / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+    with, over T = ``t_alpha_beta3`` steps (alpha and beta3 themselves without it),
+    ``alpha_t = min(step * alpha / T, alpha)`` and ``beta3_t = min(exp(ln(beta1) * ln(beta3) /
+    ((1 - step / T) * ln(beta3) + (step / T) * ln(beta1))), beta3)``.
+
+    The per-tensor scalars in double, each rounded to fp32 once where the peer's op takes its
+    Python float (-lr, the decay factor, 1 / the bias corrections' divisors, alpha_t, 1 -
+    beta3_t); ``v``'s update one fused multiply-add as torch's ``addcmul_``, ``alpha_t *
+    m_slow`` one as its ``add_(alpha=)``; the square root correctly rounded, where torch's fp32
+    CPU ``sqrt`` is not (:func:`_sqrt`): so fp32 params step bit for bit as the peer's with a
+    correctly rounded sqrt (tests/test_kernels.py). The exp of the warm-up is torch's in double,
+    which differs from Python's ``math.exp`` in the last bit for ~5% of arguments (measured):
+    it moves the fp32 ``1 - beta3_t`` in about one step of 10^5.
+    """
+    lr = _lr(t.lr)
+    neg_lr, decay = _f32(-lr), _f32(1 - lr * h.weight_decay)
+    check_remainders("ademamix_step", t)
+    take_sources("ademamix_step", t, [s.exp_avgs, s.exp_avg_sqs, s.exp_avg_slows])
+    for i in range(len(t.params)):
+        g = _effective_grad(t, i, h.maximize)
+        p32 = _master(t, i)
+        step = t.steps[i].double()
+        alpha, beta3 = _ademamix_warmup(step, h)
+        if h.weight_decay != 0:
+            p32 = p32 * decay
+        m = torch.lerp(s.exp_avgs[i], g, 1 - h.beta1)
+        v = _fma(g * (1 - h.beta2), g, s.exp_avg_sqs[i] * h.beta2)
+        slow = _lerp(s.exp_avg_slows[i], g, _f32(1 - beta3))
+        denom = _sqrt(v) / _f32(torch.sqrt(1 - h.beta2**step)) + h.eps
+        update = _fma(slow, _f32(alpha), m / _f32(1 - h.beta1**step))
+        new_p = p32 + (neg_lr * update) / denom
+        writes = [(s.exp_avgs[i], m), (s.exp_avg_sqs[i], v), (s.exp_avg_slows[i], slow)]
+        _commit(t.found_inf, [*writes, *_param_writes(t, i, new_p)])
+
+
+def _ademamix_warmup(step: Tensor, h: AdEMAMixHyper) -> Tuple[Tensor, Tensor]:
+    """(alpha_t, beta3_t) at ``step`` (a float64 tensor), in double, as pytorch-optimizer's
+    schedule_alpha and schedule_beta3 compute them in Python floats."""
+    if h.t_alpha_beta3 is None:
+        return step * 0 + h.alpha, step * 0 + h.beta3
+    ratio = step / h.t_alpha_beta3
+    alpha = torch.clamp(step * h.alpha / h.t_alpha_beta3, max=h.alpha)
+    log_beta1, log_beta3 = math.log(h.beta1), math.log(h.beta3)
+    beta3 = torch.exp(log_beta1 * log_beta3 / ((1.0 - ratio) * log_beta3 + ratio * log_beta1))
+    return alpha, torch.clamp(beta3, max=h.beta3)
+
+
+def _lerp(a: Tensor, b: Tensor, w: Tensor) -> Tensor:
+    """``torch.lerp(a, b, w)`` for a per-tensor fp32 weight ``w`` (0-dim): from the nearer end,
+    one fused multiply-add (test_reference_primitives_round_as_torch_fused_kernels checks the
+    formula)."""
+    d = b - a
+    return torch.where(w.abs() < 0.5, _fma(d, w, a), _fma(d, w - 1, b))
 
 
 # --- a split step's elementwise ops (fused_accum.ops.SplitStep: prologue, middle, epilogue) ---

@@ -57,7 +57,7 @@ from torch import Tensor
 
 import triton  # an ImportError here makes the backend unavailable (see backends._load)
 
-from . import kernels, plans, tables  # noqa: F401  (kernels: tests and benchmarks reach it here)
+from . import kernels, plans, tables, updates  # noqa: F401  (kernels, updates: tests and benchmarks reach them here)
 from .fold import fold_pieces  # noqa: F401  (the op)
 from .launch import accumulate, step  # noqa: F401  (the ops)
 from .tables import chunk_table  # noqa: F401  (part of this backend's face: tests, benchmarks)
@@ -86,7 +86,7 @@ MAX_CHUNK_BLOCKS = 64
 
 def step_num_warps(op_name: str, param_bits: int, has_lp: bool, has_rem: bool) -> int:
     """The warps a step kernel variant is launched with (``op_name``: the step op's, whose
-    update rule is ``kernels.UPDATES[op_name]``; ``param_bits``: 16 or 32). triton 3.6 (the GPU
+    update rule is ``updates.UPDATES[op_name]``; ``param_bits``: 16 or 32). triton 3.6 (the GPU
     machine's) compiles Adam's update on 16-bit params without a master (amsgrad or not) at
     BLOCK 1024 and 4 warps to 48 registers with one or two saved around the out-of-line IEEE
     div/sqrt calls inside the main loop: 4 + 4 B of spill stores and loads per iteration
@@ -94,7 +94,7 @@ def step_num_warps(op_name: str, param_bits: int, has_lp: bool, has_rem: bool) -
     BLOCK, so every variant cuts the same chunks. triton 3.9 spills in neither shape; the other
     variants, the remainder ones included, in neither version (scripts/check_triton_spills.py
     compiles each variant at the shape this returns)."""
-    if kernels.UPDATES[op_name].wide_in_place_16bit and param_bits == 16 and not has_lp and not has_rem:
+    if updates.UPDATES[op_name].wide_in_place_16bit and param_bits == 16 and not has_lp and not has_rem:
         return 2 * NUM_WARPS
     return NUM_WARPS
 

@@ -54,7 +54,7 @@ from typing import Callable, NamedTuple
 import triton
 import triton.language as tl
 
-from .bits import _double, _follow_weight, _pow_whole, _rebuild_master, _round, _split_master, packed_double
+from .bits import _follow_weight, _rebuild_master, _round, _split_master
 
 # Columns of the tensor table; the launcher writes rows in this order.
 NUMEL = tl.constexpr(0)  # elements of this tensor
@@ -65,9 +65,9 @@ GRAD = tl.constexpr(4)  # incoming gradient (bf16/fp16/fp32, contiguous)
 PARAM = tl.constexpr(5)  # what the step updates: fp32 master, or the parameter itself
 LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update; or (HAS_REM)
 # the int16 remainder of a bf16 parameter's exact master (a step has one or the other)
-STATE0 = tl.constexpr(7)  # momentum buffer (SGD) / exp_avg (Adam, Lion)
-STATE1 = tl.constexpr(8)  # exp_avg_sq (Adam)
-STATE2 = tl.constexpr(9)  # max_exp_avg_sq (Adam with amsgrad)
+STATE0 = tl.constexpr(7)  # an update rule's state lists, in its op's order (.updates: which)
+STATE1 = tl.constexpr(8)
+STATE2 = tl.constexpr(9)
 ROW = tl.constexpr(10)
 
 # Elements per thread per access on aligned rows (see above).
@@ -386,135 +386,3 @@ def _step_chunk(
 def _step_count(steps, row):
     """This tensor's step count (counting this step), from the op's ``steps``."""
     return tl.load(steps + tl.load(row + INDEX))
-
-
-# --- SGD: reference.sgd_step -------------------------------------------------------------------
-
-
-@triton.jit
-def _sgd_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
-    neg_lr = (-tl.load(lr_ptr)).to(tl.float32)  # torch's fused SGD: its double -lr, in fp32
-    return neg_lr, _step_count(steps, row) == 1.0
-
-
-@triton.jit
-def _sgd_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
-    neg_lr, first_step = per
-    momentum, one_minus_dampening, weight_decay = hyper
-    HAS_WEIGHT_DECAY, HAS_MOMENTUM, NESTEROV = SWITCHES
-    if HAS_WEIGHT_DECAY:
-        g = tl.fma(p, weight_decay, g)
-    if HAS_MOMENTUM:
-        # torch starts the buffer as a copy of the first gradient, without dampening
-        buf = _address(row, STATE0, tl.float32)
-        new_buf = tl.where(
-            first_step, g,
-            tl.fma(g, one_minus_dampening, tl.load(_at(buf, idx, ALIGNED), mask=mask, other=0.0) * momentum),
-        )  # fmt: skip
-        tl.store(_at(buf, idx, ALIGNED), new_buf, mask=mask)
-        if NESTEROV:
-            g = tl.fma(new_buf, momentum, g)
-        else:
-            g = new_buf
-    return tl.fma(g, neg_lr, p)
-
-
-def _sgd_arguments(h, s) -> tuple:
-    hyper = (float(h.momentum), 1.0 - float(h.dampening), float(h.weight_decay))
-    return hyper, (h.weight_decay != 0, h.momentum != 0, bool(h.nesterov))
-
-
-# --- Adam and AdamW: reference.adam_step -------------------------------------------------------
-
-
-@triton.jit
-def _adam_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
-    beta1_high, beta1_low, beta2_high, beta2_low, decay_high, decay_low, _, _, _, _, _ = hyper
-    lr64 = tl.load(lr_ptr)
-    step = _step_count(steps, row)
-    # The per-tensor scalars in double, as torch's fused Adam computes them (from the double lr,
-    # betas and weight decay and the step count), rounded to fp32 once: -lr / (1 - beta1**step),
-    # sqrt(1 - beta2**step), 1 - lr * weight_decay. Once per program: fp64 speed does not matter.
-    neg_step_size = (-(lr64 / (1.0 - _pow_whole(_double(beta1_high, beta1_low), step)))).to(tl.float32)
-    # fp64 tl.sqrt is IEEE-rounded (sqrt.rn.f64); only fp32's is approximate
-    bias_correction2_sqrt = tl.sqrt(1.0 - _pow_whole(_double(beta2_high, beta2_low), step)).to(tl.float32)
-    decay = (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32)
-    return neg_step_size, bias_correction2_sqrt, decay
-
-
-@triton.jit
-def _adam_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
-    neg_step_size, bias_correction2_sqrt, decay = per
-    _, _, _, _, _, _, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay = hyper
-    HAS_WEIGHT_DECAY, DECOUPLED, AMSGRAD = SWITCHES
-    exp_avg = _address(row, STATE0, tl.float32)
-    exp_avg_sq = _address(row, STATE1, tl.float32)
-    if HAS_WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay
-        else:
-            g = tl.fma(p, weight_decay, g)
-    # exp_avg.lerp_(g, 1 - beta1) as torch computes a lerp: from the nearer end, one FMA
-    m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
-    m = tl.where(one_minus_beta1 < 0.5, tl.fma(one_minus_beta1, g - m, m),
-                 tl.fma(one_minus_beta1 - 1.0, g - m, g))
-    v = tl.fma(g * one_minus_beta2, g, tl.load(_at(exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0) * beta2)
-    tl.store(_at(exp_avg, idx, ALIGNED), m, mask=mask)
-    tl.store(_at(exp_avg_sq, idx, ALIGNED), v, mask=mask)
-    if AMSGRAD:
-        # torch.maximum: a NaN in either operand gives NaN (PTX max.f32 would drop it)
-        max_exp_avg_sq = _address(row, STATE2, tl.float32)
-        v = tl.maximum(tl.load(_at(max_exp_avg_sq, idx, ALIGNED), mask=mask, other=0.0), v,
-                       propagate_nan=tl.PropagateNan.ALL)
-        tl.store(_at(max_exp_avg_sq, idx, ALIGNED), v, mask=mask)
-    # IEEE-rounded sqrt and division, as torch's: tl.sqrt and / compile to sqrt.approx.ftz and
-    # div.full (~2 ulp, denormal v flushed to 0) and would save nothing here: at 30 bytes per
-    # element an H200 (4.8 TB/s, 67 fp32 TFLOP/s) has ~200 instructions per element to spare.
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    return p + tl.div_rn(neg_step_size * m, denom)
-
-
-def _adam_arguments(h, s) -> tuple:
-    beta1, beta2, weight_decay = float(h.beta1), float(h.beta2), float(h.weight_decay)
-    doubles = (*packed_double(beta1), *packed_double(beta2), *packed_double(weight_decay))
-    hyper = (*doubles, beta2, 1.0 - beta1, 1.0 - beta2, float(h.eps), weight_decay)
-    return hyper, (weight_decay != 0, bool(h.decoupled), bool(s.max_exp_avg_sqs))
-
-
-# --- Lion: reference.lion_step (no step count: Lion has no bias correction) --------------------
-
-
-@triton.jit
-def _lion_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
-    decay_high, decay_low, _, _, _, _ = hyper
-    lr64 = tl.load(lr_ptr)
-    # as the reference (lucidrains' ops with a Python float lr): lr rounded to fp32, the decay
-    # factor formed in double
-    return lr64.to(tl.float32), (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32)
-
-
-@triton.jit
-def _lion_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
-    lr, decay = per
-    _, _, beta1, beta2, one_minus_beta1, one_minus_beta2 = hyper
-    exp_avg = _address(row, STATE0, tl.float32)
-    p = p * decay
-    m = tl.load(_at(exp_avg, idx, ALIGNED), mask=mask, other=0.0)
-    c = tl.fma(g, one_minus_beta1, m * beta1)
-    # torch.sign: -1, 0 or 1, and 0 for nan (both comparisons are false)
-    direction = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
-    tl.store(_at(exp_avg, idx, ALIGNED), tl.fma(g, one_minus_beta2, m * beta2), mask=mask)
-    return p - lr * direction  # direction is -1, 0 or 1: the product is exact
-
-
-def _lion_arguments(h, s) -> tuple:
-    beta1, beta2 = float(h.beta1), float(h.beta2)
-    return (*packed_double(h.weight_decay), beta1, beta2, 1.0 - beta1, 1.0 - beta2), ()
-
-
-# Each step op's update rule, by the op's name (fused_accum.ops.STEP_OPS).
-UPDATES = {
-    "sgd_step": Update(_sgd_prepare, _sgd_update, _sgd_arguments),
-    "adam_step": Update(_adam_prepare, _adam_update, _adam_arguments, wide_in_place_16bit=True),
-    "lion_step": Update(_lion_prepare, _lion_update, _lion_arguments, reads_steps=False),
-}

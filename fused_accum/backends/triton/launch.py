@@ -24,7 +24,7 @@ from torch import Tensor
 import triton.language as tl
 
 from .. import reference
-from . import checks, kernels, plans
+from . import checks, kernels, plans, updates
 
 if TYPE_CHECKING:  # the records of the declarations (fused_accum.ops imports the backends)
     from ...ops import StepOp, StepTensors
@@ -145,7 +145,7 @@ def accumulate(
 
 def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
     """The reference's step op ``op`` in one launch per dtype group of the generic step kernel,
-    with the op's update rule (``kernels.UPDATES``): check, look the plan up, launch.
+    with the op's update rule (``updates.UPDATES``): check, look the plan up, launch.
 
     ``t``, ``s``, ``h`` are the op's records (:mod:`fused_accum.ops`); the state lists the
     kernel reads are the non-empty ones of ``s`` (0 to 3 of them, fp32 like accs, in table
@@ -166,7 +166,7 @@ def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
     the kernels run HAS_REM: they rebuild each master from the bf16 param and its remainder and
     split the update back into both (kernels._rebuild_master / _split_master).
     """
-    name, rule = op.name, kernels.UPDATES[op.name]
+    name, rule = op.name, updates.UPDATES[op.name]
     if t.sources:
         raise ValueError(f"{name}: sources are for host (CPU) steps; the triton backend does not read them")
     params, accs, lp_params, grads, remainders = t.params, t.accs, t.lp_params, t.grads, t.remainders
