@@ -3,7 +3,7 @@
 Each test runs one loop twice, once on a fused_accum optimizer and once on torch.optim's, from
 equal models fed the same data, and compares what a user sees: parameters, state and ``.grad``.
 Where fused_accum deliberately differs from torch, the test pins the documented difference
-(README, "Deliberate differences from torch.optim").
+(docs/differences.md).
 
 Tolerances: fp32 parameters within helpers.RTOL = 1e-6 relative (the sums are formed in torch's
 order, so a correct step is a few ulp off torch's fused kernels; the bugs pinned here, a step
@@ -417,7 +417,7 @@ def test_a_grad_kept_by_reference_is_the_live_sum_a_documented_difference():
     """torch allocates a new ``.grad`` after ``zero_grad()``; here ``.grad`` is a view of the
     persistent fp32 accumulator (no allocation per window), so a ``.grad`` kept across
     ``zero_grad()`` is overwritten by the next window's gradient: ``.clone()`` it to keep it
-    (README, "Deliberate differences")."""
+    (docs/differences.md)."""
     model, _ = twins()
     opt = fused_accum.SGD(model.parameters(), lr=0.1)
     (x0, y0), (x1, y1) = data(2)
@@ -434,7 +434,7 @@ def test_a_user_owned_grad_buffer_is_taken_once_a_documented_difference():
     """The contiguous-grad-buffer idiom (``p.grad = buffer[view]`` once, then
     ``zero_grad(set_to_none=False)`` each window): the assigned tensor is taken as the
     parameter's gradient and ``.grad`` then shows the optimizer's fp32 buffer; backward adds
-    there, not into the user's buffer (README, "Deliberate differences"). Writes through
+    there, not into the user's buffer (docs/differences.md). Writes through
     ``p.grad`` reach the step, as in torch."""
     model, ref = twins()
     opt = fused_accum.SGD(model.parameters(), lr=0.1)
@@ -460,7 +460,7 @@ def test_a_user_owned_grad_buffer_is_taken_once_a_documented_difference():
 
 def test_grad_of_a_channels_last_parameter_is_contiguous_a_documented_difference():
     """torch's ``.grad`` keeps a channels_last parameter's strides; ours is a contiguous view of
-    the flat buffer (equal values; README, "Deliberate differences")."""
+    the flat buffer (equal values; docs/differences.md)."""
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     ref = copy.deepcopy(conv)
     opt = fused_accum.AdamW(conv.parameters(), lr=1e-2)
