@@ -3,7 +3,7 @@
 - ``torch.compile(opt.step, fullgraph=True)`` traces (fused_accum.compiled): bit for bit with
   the eager step under ``aot_eager``, one compilation over an lr schedule (the books write each
   group's lr into its device tensor while the graph runs).
-- The recipe of the README's "torch.compile" section: k micro-batches' forward and
+- The recipe of docs/compile.md ("One graph per window"): k micro-batches' forward and
   ``opt.backward(loss)``, ``opt.step()`` and ``opt.zero_grad()`` in one function compiled with
   ``fullgraph=True`` under ``trace_autograd_ops``: one graph, no recompile over later windows (a
   changing lr, a clipped window, a skipped non-finite one), bit for bit with the same recipe run
@@ -105,7 +105,7 @@ def batches(dtype, windows=WINDOWS):
 
 
 def window(model, opt, chunk):
-    """The recipe: what the README's "torch.compile" section compiles whole."""
+    """The recipe: what docs/compile.md ("One graph per window") compiles whole."""
     for x, y in chunk:
         opt.backward(model(x, y))
     opt.step()

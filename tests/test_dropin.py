@@ -2,8 +2,9 @@
 
 One regression test per numbered item of issue 14, named after the behaviour it pins (a
 comment above each names its item; items 5 and 16 need several processes and live elsewhere),
-one per optimizer bullet of its "Tests the suite is missing" (test_missing_*), and the contract
-of its "Newest optimizer wins" and "torch.optim's surface" sections (test_newest_*,
+one per optimizer bullet of its "Tests the suite is missing" (clipping with ``num_items``, the
+generic path, a window after a raised backward or an unused branch), and the contract of its
+"Newest optimizer wins" and "torch.optim's surface" sections (test_newest_*,
 test_surface_*). Wherever torch.optim has an equivalent, the expected value is what torch.optim
 does on a twin model fed the same data, with native ``.grad`` accumulation.
 
@@ -93,6 +94,28 @@ class AlbertNet(nn.Module):
         for _ in range(3):
             h = checkpoint(self._block, h, use_reentrant=True)
         return self.out(h)
+
+
+class InsideAndOutside(nn.Module):
+    """``shared`` used inside a ``checkpoint(use_reentrant=True)`` call and again outside it
+    (``pieces=True``): its gradient arrives in two pieces within one backward (the outer
+    use's, then the nested backward's). ``pieces=False``: the same function without the
+    checkpoint, one gradient per backward."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x, pieces=False):
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self._block, h, use_reentrant=True) if pieces else self._block(h)
+        return self.out(self._block(h))
 
 
 # --- issue 14, numbered items ---------------------------------------------------------------
@@ -261,6 +284,49 @@ def test_step_in_backward_steps_adam_once_per_window_when_gradient_arrives_in_pi
         ropt.step()
         ropt.zero_grad()
     assert_params_match(ours, ref)
+
+
+# guards: Ledger._restart not clearing ``pieces_seen`` (its `self.pieces_seen = False` dropped):
+# one window with a gradient in pieces would silently turn step_in_backward off for good (every
+# later window stepping at step(), its fusion lost). Also that the window with pieces still trains
+# as torch: a piece lost, or a step taken in backward before the second piece arrived, would not.
+# With a bucket per parameter the shared weight's bucket completes at each piece, so the window
+# folds it twice and sees the pieces (then steps at step()); in one bucket the hooks sum the
+# second piece into the first before the bucket completes (fused_accum/arrivals.py), so the
+# window sees one gradient and steps in backward.
+@pytest.mark.parametrize("bucket_cap_mb", [None, 1e-6], ids=["one-bucket", "bucket-per-param"])
+def test_step_in_backward_resumes_after_a_window_with_a_gradient_in_pieces(bucket_cap_mb, hooks, one_thread):
+    """Windows whose first backward gives ``shared`` two pieces alternate with plain ones: each
+    trains as torch.optim.AdamW, and each plain window after one with pieces steps in its last
+    backward again."""
+    ours, ref = twins(cls=InsideAndOutside)
+    extra = {} if bucket_cap_mb is None else dict(bucket_cap_mb=bucket_cap_mb)
+    opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, accum_steps=2, step_in_backward=True, **extra)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    pieces_seen = bucket_cap_mb is not None
+    # windows: pieces in the first backward of windows 0 and 2, none in 1 and 3
+    for w in range(4):
+        pieces = w % 2 == 0
+        batches = data(2, seed=20 + w)
+        before = [p.detach().clone() for p in ours.parameters()]
+        for j, (x, y) in enumerate(batches):
+            (mse(ref, x, y) / 2).backward()
+            (((ours(x, pieces=pieces and j == 0) - y) ** 2).mean() / 2).backward()
+            if pieces and j == 0:
+                assert opt._window.ledger.pieces_seen == pieces_seen, f"window {w}"
+        ref_opt.step()
+        ref_opt.zero_grad()
+        moved = [not torch.equal(p, b) for p, b in zip(ours.parameters(), before)]  # before step()
+        if pieces and pieces_seen:
+            # (the precondition: the pieces were seen, so this window steps at step())
+            assert not opt._window.ledger.stepped_in_backward and not any(moved), f"window {w}"
+        else:
+            # the window after one with pieces steps in its last backward again
+            assert opt._window.ledger.stepped_in_backward, f"window {w} did not step in backward"
+            assert all(moved), f"window {w}: parameters not updated before step()"
+        opt.step()
+        opt.zero_grad()
+        assert_params_match(ours, ref)  # fp32, within RTOL = 1e-6 (torch's rounding, not its order)
 
 
 # issue 14, item 6
@@ -673,10 +739,10 @@ def test_grad_still_exposed_after_load_state_dict():
     assert_params_match(ours, ref)
 
 
-# --- "Tests the suite is missing" (optimizer bullets) -----------------------------------------
+# --- clipping with num_items, the generic path, windows after a raise or an unused branch -----
 
 
-def test_missing_max_grad_norm_with_num_items():
+def test_max_grad_norm_clips_the_gradient_divided_by_num_items():
     """The clip norm is the norm of the gradient after dividing by num_items."""
     ours, ref = twins()
     opt = fused_accum.SGD(ours.parameters(), lr=0.1, momentum=0.9, accum_steps=3, max_grad_norm=0.05)
@@ -698,7 +764,7 @@ def test_missing_max_grad_norm_with_num_items():
     assert_params_match(ours, ref)
 
 
-def test_missing_clip_factor_is_capped_at_one():
+def test_clip_factor_is_capped_at_one():
     """max_grad_norm far above the norm: exactly no clipping (SGD shows any scale factor)."""
     ours, ref = twins()
     opt = fused_accum.SGD(ours.parameters(), lr=0.1, accum_steps=2, max_grad_norm=1e6)
@@ -714,7 +780,7 @@ def test_missing_clip_factor_is_capped_at_one():
     assert_params_match(ours, ref)
 
 
-def test_missing_generic_path_with_num_items_and_clipping():
+def test_generic_path_with_num_items_and_clipping():
     ours, ref = twins()
     opt = FusedAccumOptimizer(
         ours.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, accum_steps=2, max_grad_norm=0.05
@@ -736,7 +802,7 @@ def test_missing_generic_path_with_num_items_and_clipping():
     assert_params_match(ours, ref)
 
 
-def test_missing_generic_path_skip_nonfinite():
+def test_generic_path_skips_a_nonfinite_window_whole():
     """A window with an inf gradient is skipped whole (params and momentum untouched); the
     next windows train as torch does when that step is skipped."""
     ours, ref = twins()
@@ -766,7 +832,7 @@ def test_missing_generic_path_skip_nonfinite():
     assert_params_match(ours, ref)
 
 
-def test_missing_zero_grad_after_a_backward_that_raised_default_bucket():
+def test_zero_grad_after_a_backward_that_raised_discards_its_partly_filled_bucket():
     """Default bucket size: the failed backward leaves a partly filled bucket; zero_grad()
     discards it and the next window is clean."""
     ours, ref = twins(cls=BoomNet)
@@ -790,7 +856,7 @@ def test_missing_zero_grad_after_a_backward_that_raised_default_bucket():
 
 
 @pytest.mark.parametrize("zero_grad", [False, True], ids=["step_without_zero_grad", "with_zero_grad"])
-def test_missing_step_then_a_window_that_leaves_a_branch_unused(zero_grad):
+def test_step_then_a_window_that_leaves_a_branch_unused(zero_grad):
     """Issue 14 words this as 'step() without zero_grad(), then a window that leaves a branch
     unused: its .grad must be None and the norm must not include it'. That was the old design
     (step() ended the window). Under the contract now chosen (.grad shows what native

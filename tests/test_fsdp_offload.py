@@ -12,7 +12,7 @@ every fused algorithm (tests/cases.py, its default case) on bf16 parameters with
 ``max_grad_norm`` through three windows, the second of which has a non-finite gradient and is
 skipped (``skip_nonfinite``); AdamW on fp32 parameters; ``master_weights="remainder"``; and a
 resume through torch.distributed.checkpoint. Also counted: the device and host bytes per
-parameter (the README's table).
+parameter (docs/offload.md, "On the device" and "On the host").
 """
 
 from __future__ import annotations

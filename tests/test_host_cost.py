@@ -271,7 +271,7 @@ def test_a_windows_backwards_never_sync_the_middle_ones_call_no_python_and_none_
 
 # --- a compiled window's eager part ----------------------------------------------------------------
 #
-# A window compiled whole (fused_accum.compiled, the README's "torch.compile") runs one graph; its
+# A window compiled whole (fused_accum.compiled, docs/compile.md's "One graph per window") runs one graph; its
 # only Python of ours is its books, one fused_accum::window_event per backward, step and zero_grad,
 # which take back what the user did to .grad and record the window as the graph runs. They are
 # called here as such a graph calls them for a window whose every parameter gets a gradient (each

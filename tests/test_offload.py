@@ -787,6 +787,41 @@ def test_what_the_speculation_read_changed_after_the_last_backward(edit, one_thr
     assert opt._window.placement.redone >= 2  # (the edited bucket, in windows 1 and 3)
 
 
+STATE_EDITS = {
+    "step": lambda entry: entry["step"].add_(10.0),
+    "exp_avg": lambda entry: entry["exp_avg"].mul_(0.5),
+}
+
+
+# guards: HostLayout.versions reading only the state buffers, not flat.steps (whose 0-d views
+# are opt.state[p]["step"]): an edit of the step count after the host stepped it speculatively
+# would be silently overwritten (committed) instead of stepped from.
+@pytest.mark.parametrize("edit", list(STATE_EDITS))
+def test_an_in_place_edit_of_the_step_count_after_the_last_backward_is_stepped_from_as_of_exp_avg(edit, one_thread):
+    """A first full window, then the second's backwards, ``edit`` on opt.state (of both
+    optimizers), step(): the edit is what the step reads, as without offload, bit for bit (the
+    host stepped the window speculatively into the twins, from the state before the edit: the
+    edit is seen, through the version counters, and those buckets step again)."""
+    k = 2
+    ours, opt, ref, ref_opt = _pair(accum_steps=k)  # a speculation per parameter
+    data = batches(2 * k, torch.bfloat16, seed=5)
+    for model, o in ((ours, opt), (ref, ref_opt)):
+        for batch in data[:k]:  # a first full window: opt.state's entries exist
+            loss_of(model, batch).div(k).backward()
+        o.step()
+        o.zero_grad()
+        for batch in data[k:]:  # the second window's backwards, its last included
+            loss_of(model, batch).div(k).backward()
+    weight, ref_weight = ours[0].weight, ref[0].weight
+    assert set(opt.state[weight]) == {"step", "exp_avg", "exp_avg_sq"}
+    redone = opt._window.placement.redone
+    for o, w in ((opt, weight), (ref_opt, ref_weight)):
+        STATE_EDITS[edit](o.state[w])
+        o.step()
+    assert opt._window.placement.redone > redone, edit  # (the window had speculated)
+    assert_equal_runs(ours, opt, ref, ref_opt, edit)
+
+
 @pytest.mark.parametrize("to", [torch.float16, torch.float32], ids=str)
 def test_a_model_cast_after_windows_that_speculated(to, one_thread):
     """bf16 windows that speculated (their twins made for bf16 host copies and fp32 masters),

@@ -283,7 +283,7 @@ EVENTS = {
     "cast_round_trip": _cast_round_trip,
 }
 # Only between windows (after zero_grad): a cast mid-window makes torch's module.to cast .grad
-# through .data, which the README lists among the deliberate differences.
+# through .data, which docs/differences.md lists among the deliberate differences.
 AT_WINDOW_START_ONLY = {"cast_round_trip"}
 
 

@@ -67,10 +67,10 @@ def set_twin_weights(opt, ties_away: bool = True) -> None:
             slot.param.data.copy_(weight.view(slot.param.shape))
 
 
-def run(model, opt, windows, *, twin=False, k=2, step_kwargs=None, poison=None, scaler=None):
+def run(model, opt, windows, *, twin=False, k=2, step_kwargs=None, poison=None, scaler=None, seed=3):
     """``windows`` windows of ``k`` micro-batches; the losses seen."""
     losses = []
-    batches = data(windows * k, seed=3)
+    batches = data(windows * k, seed=seed)
     for w in range(windows):
         for j in range(k):
             loss = loss_of(model, batches[w * k + j]) / k
@@ -195,6 +195,59 @@ def test_checkpoints_hold_fp32_masters_and_load_into_either_mode(source, into, t
         run(model, opt, 2)
         run(resumed, resumed_opt, 2)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
+def _checkpoint_without_master(source: str, model, opt) -> dict:
+    if source == "ours":  # our own state dict, its "master" entries dropped
+        saved = copy.deepcopy(opt.state_dict())
+        for entry in saved["state"].values():
+            del entry["master"]
+        return saved
+    # a torch.optim.AdamW state dict of the same model (a copy of it trained by torch; bf16 state)
+    other = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(other.parameters(), lr=1e-2, weight_decay=0.1)
+    for batch in data(2, seed=11):
+        loss_of(other, batch).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    saved = copy.deepcopy(torch_opt.state_dict())
+    assert all("master" not in entry for entry in saved["state"].values())
+    return saved
+
+
+# guards: FlatGroup.set_master(slot, None) in the remainder mode leaving the old remainder in place
+# (its `slot.master.zero_()` dropped): the master would be the weight plus a stale low half,
+# not the weight, and the run would then differ from the fp32-master twin.
+@pytest.mark.parametrize("source", ["torch", "ours"], ids=["torch-adamw-state_dict", "ours-without-master"])
+def test_a_checkpoint_without_master_restarts_the_remainder_from_the_weight(source, one_thread):
+    """A checkpoint without ``master`` (torch.optim.AdamW's, or ours with it dropped) loaded into
+    the remainder mode: every master is then its weight, exactly (the remainder restarts at
+    zero), as the fp32-master mode's is, and both step on from there bit for bit."""
+    ours, twin = bf16_net(), bf16_net()
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    ours_opt = fused_accum.AdamW(ours.parameters(), master_weights="remainder", **hyper)
+    twin_opt = fused_accum.AdamW(twin.parameters(), master_weights=True, **hyper)
+    run(ours, ours_opt, 3)
+    run(twin, twin_opt, 3, twin=True)
+    # (the precondition: remainders to lose, and the twin where ours is, bit for bit)
+    assert any(s.master.any() for s in ours_opt._window.slots)
+    for p, q in zip(ours.parameters(), twin.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+    saved = _checkpoint_without_master(source, ours, ours_opt)
+    ours_opt.load_state_dict(copy.deepcopy(saved))  # the model untouched: no model.load_state_dict
+    twin_opt.load_state_dict(copy.deepcopy(saved))
+    for flat in ours_opt._window.flat_groups:
+        for slot in flat.slots:
+            weight = slot.param.detach().float().reshape(-1)
+            same = torch.equal(flat.master_of(slot).view(torch.int32), weight.view(torch.int32))
+            assert same, f"remainder mode: master of {slot.name} is not its weight"
+            assert not slot.master.any(), slot.name
+    for slot in twin_opt._window.slots:
+        assert torch.equal(slot.master, slot.param.detach().float().reshape(-1)), f"fp32 master of {slot.name}"
+    # and both step on from there alike: every weight and master bit for bit after 2 windows
+    run(ours, ours_opt, 2, seed=4)
+    run(twin, twin_opt, 2, twin=True, seed=4)
+    assert_bit_equal(ours, ours_opt, twin, twin_opt)
 
 
 def test_bytes_per_parameter_held_by_the_optimizer():

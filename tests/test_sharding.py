@@ -771,7 +771,7 @@ FIXED_BYTES = 1024
 @pytest.mark.parametrize("shard", [None, "state", "grads"])
 @pytest.mark.parametrize("algorithm", ["adamw", "sgd"])
 def test_bytes_per_param_after_three_windows(ranks, dtype, shard, algorithm):
-    # The README's table: accumulator 4 (4/N with "grads"), fp32 master 4 for bf16 parameters
+    # docs/distributed.md's table: accumulator 4 (4/N with "grads"), fp32 master 4 for bf16 parameters
     # (none for fp32 ones), optimizer state 8 (AdamW) or 4 (SGD momentum); master and state
     # 1/N in both sharded modes. Nothing else may stay once the windows are over: no all-gather
     # or reduce-scatter staging buffer, fp32 or in the parameters' dtype.

@@ -479,7 +479,7 @@ def test_ddp_with_one_process_owns_grad_and_we_stand_aside(tmp_path, bucket_view
 
 
 def test_create_graph_grad_carries_no_graph_and_says_so_as_documented():
-    """README, deliberate differences: after ``backward(create_graph=True)`` ``.grad`` is the
+    """docs/differences.md: after ``backward(create_graph=True)`` ``.grad`` is the
     fp32 running sum without a graph; differentiating it raises torch's own error, and the
     documented route (``torch.autograd.grad(..., create_graph=True)``) gives torch's numbers."""
     ours, ref = mlp(), mlp()
@@ -573,8 +573,7 @@ def test_a_state_dict_after_an_in_place_edit_of_bf16_params_holds_the_edited_mas
 
 def test_load_state_dict_mid_window_replaces_the_window_a_documented_difference():
     """``load_state_dict`` in a live window replaces it by the checkpoint's (a checkpoint holds
-    its window: ``accum`` mid-window), where torch's leaves ``.grad`` alone (README, "Deliberate
-    differences"): loaded from a window boundary, ``.grad`` is None and the next step starts
+    its window: ``accum`` mid-window), where torch's leaves ``.grad`` alone (docs/differences.md): loaded from a window boundary, ``.grad`` is None and the next step starts
     from the gradients after the load, as the checkpointed run would."""
     model, twin = mlp(0), mlp(0)
     opt, twin_opt = (fused_accum.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
@@ -637,7 +636,7 @@ def test_a_post_accumulate_grad_hook_under_create_graph_sees_the_backwards_gradi
     the running sum with its graph (g1 + g2 at the second backward). Here the gradient with a
     graph goes through AccumulateGrad alone, so the hook sees that backward's gradient (g2,
     with its graph); after the backward ``.grad`` is the fp32 running sum, without a graph
-    (README, "Deliberate differences")."""
+    (docs/differences.md)."""
 
     def run(ours: bool):
         torch.manual_seed(0)

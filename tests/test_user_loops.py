@@ -3,7 +3,7 @@
 Each test runs one loop twice, once on a fused_accum optimizer and once on torch.optim's, from
 equal models fed the same data, and compares what a user sees: parameters, state and ``.grad``.
 Where fused_accum deliberately differs from torch, the test pins the documented difference
-(README, "Deliberate differences from torch.optim").
+(docs/differences.md).
 
 Tolerances: fp32 parameters within helpers.RTOL = 1e-6 relative (the sums are formed in torch's
 order, so a correct step is a few ulp off torch's fused kernels; the bugs pinned here, a step
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import fused_accum
+from fused_accum.flat import ACTIVE_SETS_KEPT
 from helpers import RTOL, assert_rel, data, mse, twins  # tests/helpers.py
 
 TORCH = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
@@ -279,14 +280,50 @@ def test_a_wrapper_that_keeps_ours_in_optimizer_steps_as_torch_sgd():
     assert_models_match(ours, ref)
 
 
+class OwnGroupsWrapper(torch.optim.Optimizer):
+    """A wrapper optimizer: keeps the inner one in ``.optimizer``, builds its own param groups
+    over the same parameters (not the inner one's dicts) and delegates step() and zero_grad()."""
+
+    def __init__(self, optimizer):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        super().__init__(params, {})
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none)
+
+
+# guards: fused_accum.owners.is_ours searching only one optimizer deep (`depth=1`), or not
+# following an attribute holding an optimizer: the outer wrapper's step would be taken for a
+# foreign optimizer's, which takes the parameters over (docs/differences.md: an optimizer that
+# holds ours and steps through it is not another owner), and the fused SGD would stand aside.
+def test_two_nested_wrappers_with_their_own_param_groups_train_as_torch_sgd(one_thread):
+    ours, ref = twins()
+    inner = fused_accum.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    outer = OwnGroupsWrapper(OwnGroupsWrapper(inner))
+    assert outer.param_groups[0] is not inner.param_groups[0]  # (not SAM's shared groups)
+    assert outer.optimizer.param_groups[0] is not inner.param_groups[0]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    batches = data(6, seed=2)
+    for i in range(0, 6, 2):  # three steps of 2 micro-batches
+        for model, o in ((ours, outer), (ref, ref_opt)):
+            for x, y in batches[i : i + 2]:
+                (mse(model, x, y) / 2).backward()
+            o.step()
+            o.zero_grad()
+        assert_models_match(ours, ref)  # fp32, within RTOL = 1e-6
+    assert all(float(inner.state[p]["momentum_buffer"].abs().sum()) > 0 for p in ours.parameters())
+
+
 # --- routing that changes the active set every step -------------------------------------------
 
 
 def test_a_new_set_of_active_parameters_every_step_keeps_memory_bounded(one_thread):
     """Mixture-of-experts routing: 64 experts, 4 used per step. torch keeps no per-set state;
     the optimizer's device index of each partial active set is cached, a bounded number."""
-    from fused_accum.flat import ACTIVE_SETS_KEPT
-
     experts = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(64))
     ref = copy.deepcopy(experts)
     opt = fused_accum.AdamW(experts.parameters(), lr=1e-2)
@@ -301,6 +338,50 @@ def test_a_new_set_of_active_parameters_every_step_keeps_memory_bounded(one_thre
             o.zero_grad()
     assert_models_match(experts, ref)
     assert all(len(flat._index_cache) <= ACTIVE_SETS_KEPT for flat in opt._window.flat_groups)
+
+
+# guards: FlatGroup.active_index evicting in insertion order (a FIFO: `cache.get(indices)` in
+# place of `cache.pop(indices, None)`, so a hit is not moved to the most recent end): the hot set
+# would be evicted by the 16th new set and get a new index tensor (a host-to-device copy) after.
+def test_a_hot_active_set_keeps_its_index_tensor_while_17_new_sets_pass(one_thread):
+    """The active-set index cache is least recently used: a set used every other step keeps its
+    one index tensor while ACTIVE_SETS_KEPT + 1 = 17 new sets, each used once, go through."""
+    experts = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(20))
+    ref = copy.deepcopy(experts)
+    opt = fused_accum.AdamW(experts.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    (flat,) = opt._window.flat_groups
+    given = []  # (active slot indices, the index tensor returned), each call of a step
+    original = flat.active_index
+
+    def recording(indices):
+        index = original(indices)
+        given.append((indices, index))
+        return index
+
+    flat.active_index = recording
+    hot = [0, 1]
+    new_sets = [[2 + i] for i in range(ACTIVE_SETS_KEPT + 1)]  # 17 distinct sets, each used once
+    schedule = [hot]
+    for chosen in new_sets:
+        schedule += [chosen, hot]
+    gen = torch.Generator().manual_seed(0)
+    for chosen in schedule:
+        x = torch.randn(3, 4, generator=gen)
+        for model, o in ((experts, opt), (ref, ref_opt)):
+            sum(model[i](x).square().mean() for i in chosen).backward()
+            o.step()
+            o.zero_grad()
+    hot_key = tuple(hot)
+    hot_indices = [index for indices, index in given if indices == hot_key]
+    assert len(hot_indices) == len(schedule) - len(new_sets)  # (each hot step asked for it)
+    assert all(index is hot_indices[0] for index in hot_indices), "the hot set's index tensor was made again"
+    assert hot_indices[0].tolist() == hot
+    new_indices = {id(index) for indices, index in given if indices != hot_key}
+    assert len(new_indices) == len(new_sets)  # (each new set made its own)
+    assert len(flat._index_cache) == ACTIVE_SETS_KEPT  # (bounded: the cache did evict)
+    assert flat._index_cache[hot_key] is hot_indices[0]
+    assert_models_match(experts, ref)  # the steps of each set, against torch's: within RTOL
 
 
 # --- .grad as a user sees it ------------------------------------------------------------------
@@ -336,7 +417,7 @@ def test_a_grad_kept_by_reference_is_the_live_sum_a_documented_difference():
     """torch allocates a new ``.grad`` after ``zero_grad()``; here ``.grad`` is a view of the
     persistent fp32 accumulator (no allocation per window), so a ``.grad`` kept across
     ``zero_grad()`` is overwritten by the next window's gradient: ``.clone()`` it to keep it
-    (README, "Deliberate differences")."""
+    (docs/differences.md)."""
     model, _ = twins()
     opt = fused_accum.SGD(model.parameters(), lr=0.1)
     (x0, y0), (x1, y1) = data(2)
@@ -353,7 +434,7 @@ def test_a_user_owned_grad_buffer_is_taken_once_a_documented_difference():
     """The contiguous-grad-buffer idiom (``p.grad = buffer[view]`` once, then
     ``zero_grad(set_to_none=False)`` each window): the assigned tensor is taken as the
     parameter's gradient and ``.grad`` then shows the optimizer's fp32 buffer; backward adds
-    there, not into the user's buffer (README, "Deliberate differences"). Writes through
+    there, not into the user's buffer (docs/differences.md). Writes through
     ``p.grad`` reach the step, as in torch."""
     model, ref = twins()
     opt = fused_accum.SGD(model.parameters(), lr=0.1)
@@ -379,7 +460,7 @@ def test_a_user_owned_grad_buffer_is_taken_once_a_documented_difference():
 
 def test_grad_of_a_channels_last_parameter_is_contiguous_a_documented_difference():
     """torch's ``.grad`` keeps a channels_last parameter's strides; ours is a contiguous view of
-    the flat buffer (equal values; README, "Deliberate differences")."""
+    the flat buffer (equal values; docs/differences.md)."""
     conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     ref = copy.deepcopy(conv)
     opt = fused_accum.AdamW(conv.parameters(), lr=1e-2)

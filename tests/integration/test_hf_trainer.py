@@ -98,7 +98,7 @@ def run_with_cls_and_kwargs(kind: str, tmp_path) -> Run:
     cls, kwargs = {
         "torch": (torch.optim.AdamW, {"lr": LR}),
         "fused": (fused_accum.AdamW, {"lr": LR, "accum_steps": K}),
-        "fused, accum_steps=None": (fused_accum.AdamW, {"lr": LR}),  # the README's line, as it is
+        "fused, accum_steps=None": (fused_accum.AdamW, {"lr": LR}),  # accum_steps unset (docs/trainers.md)
     }[kind]
     model = tiny_gpt2()
     counters = []
