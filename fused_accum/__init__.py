@@ -11,15 +11,10 @@ See README.md for the two accumulation loops and the learning-rate question.
 
 from . import nn  # fused_accum.nn.Linear: weight gradients straight into the fp32 accumulators
 from .optimizer import FusedAccumOptimizer
-from .algorithms import (
-    SGD,
-    Adagrad,
-    Adam,
-    AdamW,
-    AdEMAMix,
-    Lion,
-    Muon,
-)  # (importing them registers the fused algorithms)
+
+# (importing them registers the fused algorithms)
+from .algorithms import SGD, Adagrad, Adam, AdamW, AdEMAMix, Lion
+from .muon import Muon
 
 __all__ = ["FusedAccumOptimizer", "SGD", "Adam", "AdamW", "Lion", "Adagrad", "AdEMAMix", "Muon", "nn"]
 __version__ = "0.1.0"
