@@ -14,7 +14,6 @@ Pure: no buffers, no kernels.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -111,6 +110,7 @@ def register(algorithm: Algorithm) -> Algorithm:
     unread = set(algorithm.reads).difference(algorithm.hyper._fields)
     if unread:
         raise ValueError(f"{algorithm.name}: reads names no field of {algorithm.hyper.__name__}: {sorted(unread)}")
+    _HYPER_FIELDS[algorithm.hyper] = hyper_fields(algorithm.hyper)
     ops.declare_step(algorithm)
     ALGORITHMS[algorithm.name] = algorithm
     return algorithm
@@ -213,24 +213,34 @@ def read_hyper(cls: type, algorithm: str, group: dict) -> NamedTuple:
     ``of``; where each field comes from: :attr:`Algorithm.reads`). Once per step."""
     reads = ALGORITHMS[algorithm].reads
     values = []
-    for name, kind in hyper_fields(cls):
+    for name, kind in _HYPER_FIELDS[cls]:
         source = reads.get(name, name)
         if callable(source):  # (a function of the group: Muon's adjust_lr_fn read as a flag)
             value = source(group)
         else:
             value = group[source[0]][source[1]] if isinstance(source, tuple) else group[source]
-        if kind is bool:
+        if kind == "bool":
             values.append(bool(value))
         else:  # a float, or an Optional[float] that is None
-            values.append(None if value is None and kind == Optional[float] else scalar(value))
+            values.append(None if value is None and kind == "optional" else scalar(value))
     return cls(*values)
 
 
-@functools.lru_cache(maxsize=None)
+# Each registered hyper-parameter record's fields, (name, "bool" | "float" | "optional"), found
+# once at registration: the compiled step traces read_hyper, and Dynamo cannot trace
+# typing.get_type_hints (a mappingproxy's get).
+_HYPER_FIELDS: dict = {}
+
+
 def hyper_fields(cls: type) -> tuple:
-    """(name, type) of each field of a hyper-parameter record: float, bool or Optional[float]."""
+    """(name, kind) of each field of a hyper-parameter record: "bool", "float" or "optional"
+    (an Optional[float])."""
     hints = typing.get_type_hints(cls)
-    return tuple((name, hints[name]) for name in cls._fields)
+    kinds = {bool: "bool", float: "float", Optional[float]: "optional"}
+    unknown = [name for name in cls._fields if hints[name] not in kinds]
+    if unknown:
+        raise TypeError(f"{cls.__name__}: fields must be float, bool or Optional[float]: {unknown}")
+    return tuple((name, kinds[hints[name]]) for name in cls._fields)
 
 
 def scalar(value) -> float:
