@@ -310,7 +310,9 @@ def test_the_real_run_builds_without_debug_info_and_bounds_each_test():
     a test still running at 30 s and, where pytest-timeout is installed (it is on the lent H200),
     ends it at 40 s (thread method, the one that interrupts a hang inside a CUDA call), the core
     files in one xdist worker so that the timeout ends that worker, not the stage."""
-    proc = subprocess.run(["bash", str(SCRIPT), "--commands"], capture_output=True, text=True, timeout=120)
+    # (the script's interpreter is this one, which `has` asks: python3 on the PATH may lack xdist)
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SCRIPT), "--commands"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     commands = dict(re.findall(r"^([a-z0-9-]+): +(.*)$", proc.stdout, flags=re.M))
     assert list(commands) == STAGES
