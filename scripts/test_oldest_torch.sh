@@ -32,6 +32,10 @@ PY=$(venv_of $VERSION)/bin/python
 assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)" 2>/dev/null \
   || quiet_pip "$PY" -m pip install -q --no-warn-conflicts "pytest>=8" "$NUMPY_PIN" tqdm matplotlib "hypothesis>=6.100" \
     "$TRITON_PIN"
+# AdEMAMix's peer (tests/cases.py), pinned in requirements-dev.txt; without its dependencies, so
+# that pip cannot swap this venv's torch for another
+PEER_PIN=$(grep -o '^pytorch-optimizer==[0-9.]*' requirements-dev.txt)
+"$PY" -c "import pytorch_optimizer" 2>/dev/null || quiet_pip "$PY" -m pip install -q --no-deps "$PEER_PIN"
 
 # The extension against torch 2.11 (a no-op re-link when nothing changed), then the tree's copy.
 bash scripts/check_cuda_build.sh $VERSION >build/oldest-torch.build.log 2>&1 || {
