@@ -14,7 +14,6 @@ Pure: no buffers, no kernels.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -225,25 +224,20 @@ def read_hyper(cls: type, algorithm: str, group: dict) -> NamedTuple:
         if kind == "bool":
             values.append(bool(value))
         else:  # a float, or an Optional[float] that is None
-            values.append(None if value is None and kind == "optional" else scalar(value))
+            values.append(None if value is None and kind == "float?" else scalar(value))
     return cls(*values)
 
 
-# Each registered hyper-parameter record's fields, (name, "bool" | "float" | "optional"), found
+# Each registered hyper-parameter record's fields, (name, schema type), found
 # once at registration: the compiled step traces read_hyper, and Dynamo cannot trace
 # typing.get_type_hints (a mappingproxy's get).
 _HYPER_FIELDS: dict = {}
 
 
 def hyper_fields(cls: type) -> tuple:
-    """(name, kind) of each field of a hyper-parameter record: "bool", "float" or "optional"
-    (an Optional[float])."""
-    hints = typing.get_type_hints(cls)
-    kinds = {bool: "bool", float: "float", Optional[float]: "optional"}
-    unknown = [name for name in cls._fields if hints[name] not in kinds]
-    if unknown:
-        raise TypeError(f"{cls.__name__}: fields must be float, bool or Optional[float]: {unknown}")
-    return tuple((name, kinds[hints[name]]) for name in cls._fields)
+    """(name, schema type) of each field of a hyper-parameter record: "float", "bool" or "float?"
+    (an Optional[float]), as its op's schema declares them (:func:`fused_accum.ops.arguments`)."""
+    return tuple((arg.name, arg.type) for arg in ops.arguments(cls))
 
 
 def scalar(value) -> float:
