@@ -51,6 +51,15 @@ def _check_muon(group: dict, constructor: bool) -> None:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
 
 
+def _coefficients(group: dict) -> tuple:
+    """``ns_coefficients``, refused at the step as torch.optim.Muon refuses it (its message),
+    where indexing a wrong-length tuple would raise an IndexError or ignore a fourth value."""
+    coefficients = group["ns_coefficients"]
+    if len(coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    return coefficients
+
+
 def _check_matrix(p) -> None:
     if p.ndim != 2:
         raise ValueError(f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}")
@@ -96,9 +105,9 @@ register(
         has_step=False,
         op="muon_step",
         reads=dict(
-            ns_a=("ns_coefficients", 0),
-            ns_b=("ns_coefficients", 1),
-            ns_c=("ns_coefficients", 2),
+            ns_a=lambda group: _coefficients(group)[0],
+            ns_b=lambda group: _coefficients(group)[1],
+            ns_c=lambda group: _coefficients(group)[2],
             match_rms_adamw=lambda group: group["adjust_lr_fn"] == "match_rms_adamw",
         ),
         # the prologue (momentum) and epilogue (decay, the adjusted-lr update, the weights'

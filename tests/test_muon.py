@@ -313,6 +313,27 @@ def test_bad_hyperparameters_are_refused_with_torchs_errors(bad):
     assert _torch_error(fused_accum.FusedAccumOptimizer, matrices(), "muon", **bad) == want
 
 
+@pytest.mark.parametrize(
+    "bad", [dict(ns_coefficients=(3.4, -4.7)), dict(ns_coefficients=(3.4, -4.7, 2.0, 1.0)), dict(ns_steps=100)]
+)
+def test_bad_iteration_settings_are_refused_at_the_step_as_torch_refuses_them_and_nothing_changes(bad):
+    """torch.optim.Muon takes ns_coefficients and ns_steps unchecked and refuses them at the
+    step (ValueError, its message); so do we, before any state or weight moves (a tuple of two
+    once raised an IndexError, one of four stepped with three)."""
+
+    def step_error(cls):
+        params = matrices()
+        before = [p.detach().clone() for p in params]
+        opt = cls(params, **bad)
+        backward(params, gradients(1, 1)[0][0])
+        with pytest.raises(Exception) as info:
+            opt.step()
+        return type(info.value), str(info.value), all(torch.equal(p, q) for p, q in zip(params, before))
+
+    want = step_error(torch.optim.Muon)
+    assert step_error(fused_accum.Muon) == want
+
+
 def test_a_parameter_that_is_not_a_matrix_is_refused_as_torch_refuses_it_and_nothing_changes():
     bias = nn.Parameter(torch.randn(5))
     want = _torch_error(torch.optim.Muon, [*matrices(), bias])
