@@ -166,6 +166,48 @@ def test_a_window_compiles_into_one_graph_bit_for_bit_with_eager(algorithm, prec
     assert with_state[0] == with_state[1]
 
 
+class Matrices(nn.Module):
+    """Net's shape without its vectors (LayerNorm, biases), which Muon refuses: Linear -> GELU ->
+    Linear without biases, and an unused matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 24, bias=False), nn.Linear(24, 4, bias=False)
+        self.unused = nn.Parameter(torch.ones(3, 5))
+
+    def forward(self, x, y):
+        return ((self.down(nn.functional.gelu(self.up(x))).float() - y) ** 2).mean() / K
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_a_muon_window_compiles_into_one_graph_bit_for_bit_with_eager(precision):
+    """Muon's split step in the window's graph: the prologue and epilogue (custom ops) and the
+    middle's Newton-Schulz matmuls traced with the backwards, over an lr schedule, a clipped and
+    a skipped window: one graph, the eager recipe's weights, masters, momenta and steps."""
+    dtype, master = PRECISIONS[precision]
+
+    def built():
+        torch.manual_seed(0)
+        model = Matrices().to(dtype)
+        kwargs = dict(max_grad_norm=1.0, skip_nonfinite=True, backend="cpu")
+        if master is not None:
+            kwargs["master_weights"] = master
+        return model, fused_accum.Muon(model.parameters(), lr=1e-2, **kwargs)
+
+    model, opt = built()
+    ref_model, ref_opt = built()
+    compiled_window = torch.compile(window, backend="aot_eager", fullgraph=True)
+    for w, chunk in enumerate(batches(dtype)):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = lr_of(w)
+        window(ref_model, ref_opt, chunk)
+        compiled_window(model, opt, chunk)
+        assert_same(model, opt, ref_model, ref_opt, f"muon, {precision}, window {w}")
+    assert graphs() == 1, f"{graphs()} graphs: a window recompiled"
+    steps = ref_opt._window.flat_groups[0].steps
+    assert sorted(steps.tolist()) == [0] + [WINDOWS - 1] * (len(steps) - 1), "the eager run skipped no window"
+
+
 def test_a_window_over_two_param_groups_of_two_dtypes_is_one_graph_bit_for_bit_with_eager(hooks):
     """Three flat groups (a group per lr, its LayerNorm in fp32 beside bf16 weights): each steps
     with its own lr, written by the books, which a schedule of the first changes every window.
