@@ -13,6 +13,10 @@ set -euo pipefail
 SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
 cd "$(dirname "$0")/.."
 PY=${FUSED_ACCUM_TEST_PYTHON:-.venv/bin/python}
+# Each pytest stage on pytest-xdist: one worker per core, each taking the next test as it frees
+# (the quick loop's 3.4 min on 2 quiet cores where one process takes 6.7). The tests that start
+# ranks rendezvous through files under their own tmp_path, so workers never share a store.
+WORKERS="-n auto --dist worksteal"
 
 if [[ ${1:-} == --cpu-suite ]]; then
   TOTAL=3 NAME="fused_accum --cpu-suite ($PY)"
@@ -49,9 +53,7 @@ fi
 
 if [[ ${1:-} == --quick ]]; then
   quick_stage "pytest, not slow: every module's own tests on the C++ extension and the reference backend"
-  # (pytest-xdist: one worker per core, each taking the next test as it frees: 3.4 min on 2
-  # quiet cores where one process takes 6.7)
-  "$PY" -m pytest -q tests --ignore=tests/integration -m "not gpu and not slow" -n auto --dist worksteal
+  "$PY" -m pytest -q tests --ignore=tests/integration -m "not gpu and not slow" $WORKERS
   # Its own process, as below: the backend's own tests and the matrix of every op against the
   # reference (the rest of the kernels', the optimizer's and the wgrad's Triton tests take the
   # interpreter 20 minutes here: the full run's).
@@ -62,15 +64,16 @@ if [[ ${1:-} == --quick ]]; then
 fi
 
 stage "pytest: reference, C++ CPU extension, optimizer, stacked path, demo, benchmarks"
-"$PY" -m pytest -q tests --ignore=tests/integration
+"$PY" -m pytest -q tests --ignore=tests/integration $WORKERS
 
 # The C++ hooks (fused_accum._C.Arrivals) ran above; their Python twin keeps the same contract.
 stage "pytest: the drop-in contract again on the Python hooks (FUSED_ACCUM_PYTHON_HOOKS=1)"
-FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py tests/test_offload.py
+FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_hooks.py tests/test_offload.py $WORKERS
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 stage "pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
-TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py tests/test_torch_contract.py -k triton
+TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py tests/test_torch_contract.py -k triton \
+  $WORKERS
 [[ ${1:-} == --cpu-suite ]] && exit 0
 
 stage "C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"

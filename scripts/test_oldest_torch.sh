@@ -28,10 +28,11 @@ start=$SECONDS
 
 ensure_torch $VERSION
 PY=$(venv_of $VERSION)/bin/python
-"$PY" -c "import pytest, hypothesis, numpy, triton; assert triton.__version__ == '${TRITON_PIN#triton==}'
+XDIST_PIN=$(grep -o '^pytest-xdist==[0-9.]*' requirements-dev.txt)
+"$PY" -c "import pytest, xdist, hypothesis, numpy, triton; assert triton.__version__ == '${TRITON_PIN#triton==}'
 assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)" 2>/dev/null \
   || quiet_pip "$PY" -m pip install -q --no-warn-conflicts "pytest>=8" "$NUMPY_PIN" tqdm matplotlib "hypothesis>=6.100" \
-    "$TRITON_PIN"
+    "$TRITON_PIN" "$XDIST_PIN"
 # AdEMAMix's peer (tests/cases.py), pinned in requirements-dev.txt; without its dependencies, so
 # that pip cannot swap this venv's torch for another
 PEER_PIN=$(grep -o '^pytorch-optimizer==[0-9.]*' requirements-dev.txt)
@@ -60,7 +61,7 @@ print('[test_oldest_torch] torch', torch.__version__, '| triton', triton.__versi
 if [[ ${1:-} == --ci ]]; then
   echo "== pytest on torch $VERSION: the extension, the hooks, the ops, the optimizer and drop-in contracts"
   "$PY" -m pytest -q -p no:cacheprovider tests/test_ext.py tests/test_hooks.py tests/test_ops.py \
-    tests/test_optimizer.py tests/test_dropin.py
+    tests/test_optimizer.py tests/test_dropin.py -n auto --dist worksteal
 else  # the pytest stages of ./run test, on this torch (the copy's scripts/test_all.sh)
   FUSED_ACCUM_TEST_PYTHON=$PY bash scripts/test_all.sh --cpu-suite
 fi

@@ -204,7 +204,8 @@ TABLE = {
     # models (biases) and tolerances (k micro-batches against one large batch) do not fit it.
     # tests/test_muon.py holds its modes: fp32 bit for bit with torch.optim.Muon, bf16 + fp32
     # masters and the remainder mode (the fp32 run's masters, bit for bit), process_group= and
-    # DDP; shard=, FSDP2 and offload= refused.
+    # DDP; shard=, FSDP2 and offload= refused; and test_compiled_window its one-graph window (a
+    # model of matrices only).
     "muon": Algorithm(fused_accum.Muon, torch.optim.Muon, {"muon": dict(lr=0.02)}, frozenset()),
 }
 DEFAULT = "adamw"  # the algorithm of a test where the algorithm does not matter
