@@ -460,8 +460,8 @@ SPLIT_KINDS = ["fp32", "master", "bf16", "remainder"]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    """x's bits (NaN payloads and -0.0 included), as integers of its width."""
-    return x.contiguous().view({4: torch.int32, 2: torch.int16}[x.element_size()]).cpu()
+    """x's bits (NaN payloads and -0.0 included), as integers of its width: a copy."""
+    return x.detach().cpu().clone().view({4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
 def _split_weights(kind, device, gen):

@@ -252,6 +252,34 @@ def test_the_step_is_a_prologue_a_middle_and_an_epilogue_on_the_optimizers_backe
     assert calls == [("muon_prologue", backend), ("middle", len(SHAPES)), ("muon_epilogue", backend)]
 
 
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the triton backend runs in the TRITON_INTERPRET=1 process")
+@pytest.mark.parametrize("master_weights", [None, True])
+def test_triton_launches_the_prologue_and_the_epilogue_once_each_per_step(monkeypatch, master_weights):
+    """The triton backend steps the elementwise ops of all the matrices in one launch each (per
+    dtype group: one here), however many matrices (tests/test_host_cost.py counts the cpu
+    backend's operator calls)."""
+    from fused_accum import backends
+
+    kernels = backends.get("triton").kernels
+    real, launched = kernels.step_kernel, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append("prologue" if not kwargs["WRITES_PARAM"] else "epilogue")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "step_kernel", Counted())
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    params = matrices(dtype) + matrices(dtype, seed=2)
+    opt = fused_accum.Muon(params, lr=0.02, backend="triton", master_weights=master_weights)
+    backward(params, [g.to(dtype) for g in gradients(1, 1)[0][0] * 2])
+    opt.step()
+    assert launched == ["prologue", "epilogue"]
+
+
 def test_a_steady_state_step_does_not_sync(one_thread):
     """A steady-state step reads no tensor on the host (lr stays a device tensor; the adjusted
     lr is formed from it on the device)."""
