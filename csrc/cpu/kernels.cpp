@@ -535,7 +535,7 @@ struct RemainderParam : InPlaceAccessor {
   FA_ALWAYS_INLINE RemainderParam at(int64_t o) const { return {w + o, r + o}; }
   FA_ALWAYS_INLINE RemainderParam chunk(int64_t o, NoBuf&) const { return at(o); }
 };
-// No param: a step that reads and writes none (math.h's kWritesParam, Muon's prologue).
+// No param: a step that reads and writes none (math.h's kWritesParam: a split step's prologue).
 struct NoParam : InPlaceAccessor {
   FA_ALWAYS_INLINE float load(int64_t) const { return 0.0f; }
   FA_ALWAYS_INLINE void store(int64_t, float) const {}

@@ -69,7 +69,7 @@ STATE0 = tl.constexpr(7)  # an update rule's state lists, in its op's order (.up
 STATE1 = tl.constexpr(8)
 STATE2 = tl.constexpr(9)
 # the rows of its matrix, a value (not an address), for an update whose per-tensor scalars
-# take its shape (Update.shaped: Muon's epilogue); 0 for the others
+# take its shape (Update.shaped: a split step's epilogue); 0 for the others
 ROWS = tl.constexpr(10)
 ROW = tl.constexpr(11)
 
@@ -322,11 +322,11 @@ class Update(NamedTuple):
     update: object  # @triton.jit: one block
     arguments: Callable  # (h, s) -> (hyper: tuple of floats and packed doubles, SWITCHES: tuple of bools)
     reads_steps: bool = True  # its prepare reads the step counts (the launcher checks them)
-    # False: it reads and writes no parameter (Muon's prologue: the kernel's WRITES_PARAM)
+    # False: it reads and writes no parameter (a split step's prologue: the kernel's WRITES_PARAM)
     writes_param: bool = True
     # True: it reads no gradient; its first list is its per-element input, read in the
     # gradient's place (the GRAD column, any float dtype) and handed to update() as g, without
-    # coef (Muon's epilogue: the middle's output; the kernel's READS_INPUT)
+    # coef (a split step's epilogue: the middle's output; the kernel's READS_INPUT)
     reads_input: bool = False
     # True: its prepare reads the rows of the tensor's matrix (the ROWS column), the shape of
     # its first list's tensors (2-D)
