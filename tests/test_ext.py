@@ -169,7 +169,7 @@ def test_opcheck_split_step_ops(device, remainder):
     named = _step_args("sgd", device, gen, sizes=[r * c for r, c in shapes], fused=True, lp=not remainder)
     if remainder:
         named = _remainder_args("sgd", device, gen, named)
-    t, _, _ = ops.sgd_step.records(**{k: v for k, v in named.items() if k in ops.StepTensors._fields})
+    t = ops.StepTensors(**{k: v for k, v in named.items() if k in ops.StepTensors._fields})
     buffers = [_randn(r * c, torch.float32, device, gen) for r, c in shapes]
     updates = [torch.zeros(s, device=device) for s in shapes]
     middle = [_randn(c * r, torch.bfloat16, device, gen).view(c, r).T for r, c in shapes]
