@@ -138,7 +138,7 @@ void step_impl(const StepTensors& t, const at::TensorList (&given)[math::kStateC
     // the input (its first list) read where the gradient is, as-is (prepare_step checks it as it
     // checks grads, and reads a strided one through a contiguous copy); no window gradient
     const StepTensors input{t.op, t.params, t.accs, t.steps, t.lr, t.coef, t.lp_params, t.remainders,
-                            given[0],  t.found_inf, 1.0, true, t.sources};
+                            given[0], t.found_inf, 1.0, true, t.sources};
     Call call = prepare_step(input, states, maximize, args);
     if constexpr (Algo::kShaped) {
       for (size_t i = 0; i < given[0].size(); ++i) {

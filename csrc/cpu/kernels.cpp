@@ -919,17 +919,24 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
         grad = g;
         c = 1.0f;
       }
+      // (a split step's ops: in place, the binding refuses sources; the prologue's param is
+      // NoParam: only those loops are compiled)
+      constexpr bool kSplit = !Algo::kWritesParam || Algo::kReadsInput;
       auto run_io = [&](auto p) {  // out of place
         auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k)), stream}; };
-        step_block<Algo>(grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3), n,
-                         h, scalars[i], reciprocal[i]);
+        if constexpr (!kSplit) {
+          step_block<Algo>(grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3),
+                           n, h, scalars[i], reciprocal[i]);
+        }
       };
       auto run_in = [&](auto p) {  // in place
         auto state = [&](int k) { return InPlace{static_cast<float*>(out(k))}; };
-        step_block<Algo>(grad, c, p, state(TensorLists::kState1), state(TensorLists::kState2),
-                         state(TensorLists::kState3), n, h, scalars[i], reciprocal[i]);
+        if constexpr (Algo::kWritesParam || std::is_same_v<decltype(p), NoParam>) {
+          step_block<Algo>(grad, c, p, state(TensorLists::kState1), state(TensorLists::kState2),
+                           state(TensorLists::kState3), n, h, scalars[i], reciprocal[i]);
+        }
       };
-      if constexpr (!Algo::kWritesParam) {  // (no sources: the binding refuses them)
+      if constexpr (!Algo::kWritesParam) {
         run_in(NoParam{});
         return;
       }

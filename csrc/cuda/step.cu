@@ -130,7 +130,8 @@ FA_HD void step_thread_with(const Table<kArrays, kRows>& table, const DeviceStep
       if (has_lp) follow_lp_pack(lp, table.dtype[kStepLp][t], idx[u], w.end, lp_vec && whole[u], p[u]);
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        const float ge = kInput ? g[u][k] : math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
+        const float ge =
+            kInput ? g[u][k] : math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
         math::update<Algo, kState3>(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], has_state3, hyper, scalars);
       }
       if constexpr (!kParam) {
