@@ -71,7 +71,7 @@ def elem_size(dtype: torch.dtype) -> int:
 # ---------------------------------------------------------------------------------------------
 
 # fp32 optimizer-state tensors each update reads and writes besides the master weights.
-STATE_TENSORS = {"sgd": 1, "adamw": 2, "lion": 1, "adagrad": 1, "ademamix": 3}
+STATE_TENSORS = {"sgd": 1, "adamw": 2, "lion": 1, "adagrad": 1, "ademamix": 3, "muon": 1}
 
 
 def accumulate_bytes(grad_dtype: torch.dtype, overwrite: bool) -> int:

@@ -55,6 +55,7 @@ ADAMW_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
 LION_HP = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=1e-2)
 ADAGRAD_HP = dict(lr=1e-2, lr_decay=0.0, weight_decay=1e-2, eps=1e-10)
 ADEMAMIX_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, beta3=0.9999, alpha=5.0, eps=1e-8, weight_decay=1e-2)
+MUON_HP = dict(lr=2e-2, momentum=0.95, nesterov=True, weight_decay=0.1)
 
 # The check's tolerance on the fp32 outputs (the accumulator, the step's fp32 masters) against
 # the oracle: fp32 arithmetic on O(1) values, so a correct provider lands under 1e-6 (one
@@ -80,7 +81,14 @@ STEP_OPS = (
     "adamw_fused_last",
     "adamw_remainder",
     "adamw_fused_last_remainder",
+    "muon_prologue",
+    "muon_epilogue",
 )
+# Muon's split step's elementwise ops (its Newton-Schulz middle, torch matmuls, is not timed):
+# the prologue reads acc and the momentum and writes the momentum and the middle's fp32 input
+# (16 bytes per element: no weight is read or written); the epilogue reads the middle's bf16
+# output and the master and bf16 weight, and writes them (14). Torch has neither half alone.
+MUON_OPS = {"muon_prologue": 16, "muon_epilogue": 14}
 # The exact 2-byte master's ops (bf16 params + int16 remainders), each with its fp32-master twin.
 REMAINDER_OPS = {"adamw_remainder": "adamw", "adamw_fused_last_remainder": "adamw_fused_last"}
 FUSED_LAST_OPS = ("adamw_fused_last", "adamw_fused_last_remainder")
@@ -188,6 +196,8 @@ class Group:
             return remainder_step_bytes(self.grad_dtype)
         if self.op == "adamw_fused_last":
             return common.step_bytes("adamw", grad_dtype=self.grad_dtype)
+        if self.op in MUON_OPS:
+            return MUON_OPS[self.op]
         return common.step_bytes(self.op)
 
     @property
@@ -227,8 +237,8 @@ def our_backends(device: torch.device) -> List[str]:
 
 
 def default_providers(op: str, device: torch.device) -> Tuple[str, ...]:
-    if op in REMAINDER_OPS or op == "ademamix":  # torch has no remainder mode (its fp32-master rows
-        return tuple(our_backends(device))  # are the twin's) and no AdEMAMix
+    if op in REMAINDER_OPS or op == "ademamix" or op in MUON_OPS:  # torch has no remainder mode (its
+        return tuple(our_backends(device))  # fp32-master rows are the twin's), no AdEMAMix, no half of Muon
     if op in ACC_OPS:
         torch_side = ("torch_loop", "torch_foreach")
     elif op == "lion":
@@ -331,6 +341,9 @@ class StepSet:
     lr: torch.Tensor
     coef: torch.Tensor
     rem: Optional[torch.Tensor] = None  # remainder ops: flat int16, the low halves of the masters
+    # Muon's ops: the middle's input (the prologue's fp32 output) or output (the epilogue's bf16
+    # input), one matrix per shape (a 1-D shape as one row)
+    updates: List[torch.Tensor] = field(default_factory=list)
 
     def views(self, flat_buf: torch.Tensor, shaped: bool = False) -> List[torch.Tensor]:
         return common.flat_views(flat_buf, self.shapes, shaped=shaped)
@@ -354,11 +367,18 @@ class StepSet:
             self.lr,
             self.coef,
             None if self.rem is None else self.rem.clone(),
+            [u.clone() for u in self.updates],
         )
 
 
 def _optimizer_of(op: str) -> str:
+    if op in MUON_OPS:
+        return "muon"
     return "adamw" if op in FUSED_LAST_OPS or op in REMAINDER_OPS else op
+
+
+def _matrix(shape: Shape) -> Shape:
+    return tuple(shape) if len(shape) == 2 else (1, math.prod(shape))
 
 
 def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
@@ -376,7 +396,9 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
             positive = (opt, i) in (("adamw", 1), ("ademamix", 1), ("adagrad", 0))  # v, Adagrad's sum
             state.append(common.random_tensor((n,), torch.float32, dev, gen, positive=positive))
     grads = [common.random_tensor(s, group.grad_dtype, dev, gen) for s in w.shapes] if group.grad_dtype else []
-    hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP, "adagrad": ADAGRAD_HP, "ademamix": ADEMAMIX_HP}[opt]
+    hp = {"sgd": SGD_HP, "adamw": ADAMW_HP, "lion": LION_HP, "adagrad": ADAGRAD_HP, "ademamix": ADEMAMIX_HP}.get(
+        opt, MUON_HP
+    )
     out = StepSet(
         shapes=w.shapes,
         acc=common.random_tensor((n,), torch.float32, dev, gen),
@@ -388,6 +410,10 @@ def _make_step_set(group: Group, ctx: Context, first_step: bool) -> StepSet:
         lr=torch.tensor(hp["lr"], device=dev),
         coef=torch.tensor(1.0, device=dev),  # torch has no such scalar: 1 keeps the math equal
     )
+    if group.op == "muon_prologue":  # its output, poisoned: the check compares it
+        out.updates = [torch.full(_matrix(s), math.nan, device=dev) for s in w.shapes]
+    elif group.op == "muon_epilogue":  # the middle's output, bf16 as torch's Newton-Schulz gives it
+        out.updates = [common.random_tensor(_matrix(s), torch.bfloat16, dev, gen) for s in w.shapes]
     if group.op not in REMAINDER_OPS:  # the bf16 params are their masters' rounding, as in the optimizer
         for p, master in zip(out.lp, out.views(out.master)):  # (the step adopts any element that is not)
             p.copy_(master.view(p.shape))
@@ -481,6 +507,15 @@ def _our_step_provider(op: str, backend: str, s: StepSet) -> Callable[[], None]:
             s.views(s.master), s.views(s.acc), s.steps, s.lr, s.coef, lp_params=s.lp, grads=s.grads
         )
     state = [s.views(buf) for buf in s.state]
+    if op in MUON_OPS:
+        hp = MUON_HP
+        split = ops.step_op("muon")
+        hyper = split.hyper(hp["momentum"], hp["nesterov"], hp["weight_decay"], 3.4445, -4.775, 2.0315, 1e-7, 5, False)
+        if op == "muon_prologue":
+            records = (tensors, split.prologue.states(state[0], s.updates), hyper)
+            return lambda: module.step(split.prologue, *records)
+        records = (tensors, split.epilogue.states(s.updates), hyper)
+        return lambda: module.step(split.epilogue, *records)
     if op == "sgd":
         hp = SGD_HP
         hyper = ops.sgd_step.hyper(hp["momentum"], hp["dampening"], hp["weight_decay"], hp["nesterov"], False)
@@ -522,7 +557,12 @@ def _step_check(out: StepSet, ref: StepSet) -> Dict:
     masters = out.masters()
     own = masters.to(lp.dtype) if out.rem is None else reference.split_master(masters)[0]
     mismatch = int((lp.view(torch.int16) != own.view(torch.int16)).sum())
-    return {"max_rel_err": common.rel_error(masters, ref.masters()), "lp_mismatch": mismatch}
+    err = common.rel_error(masters, ref.masters())
+    if out.updates:  # (Muon: its state, and the prologue's output: what it writes)
+        got = torch.cat([x.reshape(-1) for x in out.state + out.updates])
+        want = torch.cat([x.reshape(-1) for x in ref.state + ref.updates])
+        err = max(err, common.rel_error(got.float(), want.float()))
+    return {"max_rel_err": err, "lp_mismatch": mismatch}
 
 
 def _run_step(group: Group, ctx: Context) -> Iterator[Dict]:

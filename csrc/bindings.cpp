@@ -159,7 +159,8 @@ Call prepare_fold_pieces(const at::Tensor& acc, at::TensorList pieces, bool over
   return call;
 }
 
-Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args) {
+Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args,
+                  bool writes_params) {
   const char* op = t.op;
   Call call;
   const size_t n = t.params.size();
@@ -257,16 +258,16 @@ Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize,
     if (numel == 0) continue;
     l.numel.push_back(numel);
     l.index.push_back(static_cast<int64_t>(i));
-    l.param.add(writable(call, p), param_dtype);
+    if (writes_params) l.param.add(writable(call, p), param_dtype);
     l.acc.add(readable(call, t.accs[i]), DType::kF32);
     for (size_t k = 0; k < kMaxStates; ++k) {
       if (states[k].name) state_operands[k]->add(writable(call, states[k].list[i]), DType::kF32);
     }
-    if (!t.lp_params.empty()) {
+    if (!t.lp_params.empty() && writes_params) {
       const at::Tensor& lp = t.lp_params[i];
       l.lp.add(writable(call, lp), dtype_code(lp, op, "lp_params", i));
     }
-    if (has_rem) l.rem.add(writable(call, t.remainders[i]), DType::kI16);
+    if (has_rem && writes_params) l.rem.add(writable(call, t.remainders[i]), DType::kI16);
     if (!t.grads.empty()) {
       l.grad.add(readable(call, t.grads[i]), dtype_code(t.grads[i], op, "grads", i));
     }

@@ -89,7 +89,10 @@ struct StateList {
 constexpr size_t kMaxStates = 3;
 using StepStates = std::array<StateList, kMaxStates>;
 
-Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args);
+// writes_params false (a step that reads and writes no parameter: math.h's kWritesParam): params,
+// lp_params and remainders are checked as usual but not handed to the kernels.
+Call prepare_step(const StepTensors& t, const StepStates& states, bool maximize, StepArgs& args,
+                  bool writes_params = true);
 
 // The operator implementations, one per operator of fused_accum/ops.py, for a Backend with
 //   static void accumulate(const Call&, const AccumulateArgs&);
@@ -118,25 +121,58 @@ void fold_pieces_impl(const at::Tensor& acc, at::TensorList pieces, bool overwri
 
 // The step op of algorithm Algo (math.h), fused_accum.ops.<name>_step: StepTensors, then one
 // at::TensorList per state list (Algo::kStateLists), then the hyper-parameters Algo::hyper takes
-// (their types deduced from it: Hyper(*)(H...)), then maximize.
+// (their types deduced from it: Hyper(*)(H...)), then maximize (where Algo::kMaximize).
+template <class Backend, class Algo>
+void step_impl(const StepTensors& t, const at::TensorList (&given)[math::kStateCount<Algo>],
+               const typename Algo::Hyper& h, bool maximize) {
+  StepStates states;
+  for (int i = 0; i < math::kStateCount<Algo>; ++i) {
+    if (Algo::uses_state(i, h, !given[i].empty())) states[i] = {given[i], Algo::kStateLists[i]};
+  }
+  // A split step's ops (math.h: kWritesParam, kReadsInput) step each whole tensor in place
+  // (the reference's message)
+  constexpr bool kSplit = !Algo::kWritesParam || Algo::kReadsInput;
+  TORCH_CHECK(!kSplit || t.sources.empty(), t.op, ": sources are not supported by a split step");
+  StepArgs args{};
+  if constexpr (Algo::kReadsInput) {
+    // the input (its first list) read where the gradient is, as-is (prepare_step checks it as it
+    // checks grads, and reads a strided one through a contiguous copy); no window gradient
+    const StepTensors input{t.op, t.params, t.accs, t.steps, t.lr, t.coef, t.lp_params, t.remainders,
+                            given[0], t.found_inf, 1.0, true, t.sources};
+    Call call = prepare_step(input, states, maximize, args);
+    if constexpr (Algo::kShaped) {
+      for (size_t i = 0; i < given[0].size(); ++i) {
+        TORCH_CHECK(given[0][i].dim() == 2, t.op, ": ", Algo::kStateLists[0], "[", i,
+                    "] must be a matrix (2-D), got shape ", given[0][i].sizes());
+      }
+      for (const int64_t i : call.lists.index) call.lists.rows.push_back(given[0][i].size(0));
+    }
+    if (call.lists.size() > 0) Backend::template step<Algo>(call, args, h);
+    call.finish();
+  } else {
+    Call call = prepare_step(t, states, maximize, args, Algo::kWritesParam);
+    if (call.lists.size() > 0) Backend::template step<Algo>(call, args, h);
+    call.finish();
+  }
+}
+
 template <size_t>
 using StateListArgument = at::TensorList;
-template <class Backend, class Algo, class HyperFunction = decltype(&Algo::hyper),
+template <class Backend, class Algo, bool kMaximize = Algo::kMaximize, class HyperFunction = decltype(&Algo::hyper),
           class Lists = std::make_index_sequence<math::kStateCount<Algo>>>
 struct StepImpl;
 template <class Backend, class Algo, class... H, size_t... k>
-struct StepImpl<Backend, Algo, typename Algo::Hyper (*)(H...), std::index_sequence<k...>> {
+struct StepImpl<Backend, Algo, true, typename Algo::Hyper (*)(H...), std::index_sequence<k...>> {
   static void run(FUSED_ACCUM_STEP_PARAMETERS, StateListArgument<k>... lists, H... hyper, bool maximize) {
-    const typename Algo::Hyper h = Algo::hyper(hyper...);
     const at::TensorList given[] = {lists...};
-    StepStates states;
-    for (size_t i = 0; i < sizeof...(k); ++i) {
-      if (Algo::uses_state(static_cast<int>(i), h, !given[i].empty())) states[i] = {given[i], Algo::kStateLists[i]};
-    }
-    StepArgs args{};
-    Call call = prepare_step(FUSED_ACCUM_STEP_TENSORS(Algo::kOp), states, maximize, args);
-    if (call.lists.size() > 0) Backend::template step<Algo>(call, args, h);
-    call.finish();
+    step_impl<Backend, Algo>(FUSED_ACCUM_STEP_TENSORS(Algo::kOp), given, Algo::hyper(hyper...), maximize);
+  }
+};
+template <class Backend, class Algo, class... H, size_t... k>
+struct StepImpl<Backend, Algo, false, typename Algo::Hyper (*)(H...), std::index_sequence<k...>> {
+  static void run(FUSED_ACCUM_STEP_PARAMETERS, StateListArgument<k>... lists, H... hyper) {
+    const at::TensorList given[] = {lists...};
+    step_impl<Backend, Algo>(FUSED_ACCUM_STEP_TENSORS(Algo::kOp), given, Algo::hyper(hyper...), false);
   }
 };
 

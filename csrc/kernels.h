@@ -33,6 +33,9 @@ struct Operand {
 struct TensorLists {
   std::vector<int64_t> numel;
   std::vector<int64_t> index;  // position of each tensor in the caller's lists (for steps[])
+  // the rows of each tensor's matrix, for a step whose scalars take its shape (math.h's
+  // kShaped: a split step's epilogue); empty for the others
+  std::vector<int64_t> rows;
   Operand acc;      // float32 accumulators: written by accumulate, read by the steps
   Operand grad;     // incoming gradients (accumulate; a step's fused last micro-batch)
   Operand param;    // what a step updates: fp32 master, or the parameter itself

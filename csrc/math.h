@@ -18,11 +18,12 @@
 // the bias correction is not yet 1 in double). Per-element hyperparameters are floats: torch's
 // kernels (and the reference, multiplying fp32 tensors by Python floats) round them to fp32 first.
 //
-// No dependency beyond <math.h> and <optional> (a hyper-parameter that may be None): the
+// No dependency beyond <math.h>, <stdint.h> and <optional> (a hyper-parameter that may be None): the
 // standalone unit tests (csrc/tests) compile this header with the host compiler alone, and the .cu files compile it with nvcc without torch's headers.
 #pragma once
 
 #include <math.h>
+#include <stdint.h>
 
 #include <optional>
 
@@ -96,12 +97,35 @@ FA_HD float effective_grad(float acc, float grad, const GradScalars& s) {
 //                    p the fp32 param (master), s1..s3 its states; `divide` divides by the
 //                    per-tensor constant divisor(s), where the trait has one (Adam's bias
 //                    correction; csrc/cpu/kernels.cpp passes an exact divide without the divider)
+//   the defaults of StepTraits, which every trait derives from, where its op differs (a split
+//                    step's elementwise ops: Muon's prologue and epilogue):
+//     kWritesParam   false: the op neither reads nor writes a parameter (nor lp_params or
+//                    remainders): Muon's prologue writes only its states (the momentum and
+//                    the middle's input)
+//     kReadsInput    true: the op reads no gradient (acc and a fused micro-batch are not
+//                    read, coef is not applied): its first list is its per-element input,
+//                    read where the gradient is (any float dtype, any strides: the binding
+//                    puts it in TensorLists::grad) and handed to update() as g. Muon's
+//                    epilogue reads the middle's output so
+//     kShaped        true: scalars(lr, step, h, rows, columns) take the tensor's matrix shape
+//                    (its first list's tensors are 2-D: TensorLists::rows): Muon's adjusted lr
+//     kMaximize      false: the op's hyper-parameters end without maximize (torch.optim.Muon
+//                    has none): hyper() takes every one of them
 //   kCudaMinBlocks[k]   the CUDA step kernels' __launch_bounds__ blocks per SM, one per kernel
 //                    the algorithm has: without (0) and with (1) an optional third state list
 //                    (Adam's amsgrad); one entry where it has no third list, or one every mode
 //                    uses (kState3Required: one kernel, with it). Each the largest that compiles
 //                    without a spill (scripts/check_cuda_build.sh gates it on sm_90)
-#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion) X(Adagrad) X(Ademamix)
+#define FUSED_ACCUM_ALGORITHMS(X) X(Sgd) X(Adam) X(Lion) X(Adagrad) X(Ademamix) X(MuonPrologue) X(MuonEpilogue)
+
+// The defaults of every trait (see above): an op that reads the window's gradient and updates
+// the parameter, with per-tensor scalars of (lr, step) and maximize last among its arguments.
+struct StepTraits {
+  static constexpr bool kWritesParam = true;
+  static constexpr bool kReadsInput = false;
+  static constexpr bool kShaped = false;
+  static constexpr bool kMaximize = true;
+};
 
 // How many state lists algorithm Algo's op takes.
 template <class Algo>
@@ -138,7 +162,7 @@ struct SgdScalars {
   bool first_step; // torch starts the momentum buffer as a copy of the first gradient
 };
 
-struct Sgd {
+struct Sgd : StepTraits {
   static constexpr const char* kOp = "sgd_step_";
   static constexpr const char* kStateLists[] = {"momentum_buffers"};
   using Hyper = SgdHyper;
@@ -199,7 +223,7 @@ FA_HD float lerp(float a, float b, float w) {
 // max that propagates NaN from either side, as torch.maximum (amsgrad's running max).
 FA_HD float max_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
-struct Adam {
+struct Adam : StepTraits {
   static constexpr const char* kOp = "adam_step_";
   // a non-empty max_exp_avg_sqs is amsgrad
   static constexpr const char* kStateLists[] = {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
@@ -277,7 +301,7 @@ struct LionScalars {
 // torch.sign: -1, 0 or +1 (0 for 0, which copysign would not give).
 FA_HD float sign(float x) { return (x > 0.0f ? 1.0f : 0.0f) - (x < 0.0f ? 1.0f : 0.0f); }
 
-struct Lion {
+struct Lion : StepTraits {
   static constexpr const char* kOp = "lion_step_";
   static constexpr const char* kStateLists[] = {"exp_avgs"};
   using Hyper = LionHyper;
@@ -317,7 +341,7 @@ struct AdagradScalars {
   float clr;  // lr / (1 + (step - 1) * lr_decay)
 };
 
-struct Adagrad {
+struct Adagrad : StepTraits {
   static constexpr const char* kOp = "adagrad_step_";
   static constexpr const char* kStateLists[] = {"sums"};
   using Hyper = AdagradHyper;
@@ -370,7 +394,7 @@ struct AdemamixScalars {
   float one_minus_beta3;       // 1 - beta3_t: the slow EMA's lerp weight
 };
 
-struct Ademamix {
+struct Ademamix : StepTraits {
   static constexpr const char* kOp = "ademamix_step_";
   static constexpr const char* kStateLists[] = {"exp_avgs", "exp_avg_sqs", "exp_avg_slows"};
   using Hyper = AdemamixHyper;
@@ -436,6 +460,100 @@ struct Ademamix {
   }
   static constexpr int kCudaMinBlocks[] = {4};  // one kernel: its third state list is required
 };
+
+// ---- Muon (torch.optim.Muon): a split step's two elementwise ops ---------------------------------
+
+// Its step is the prologue, torch's Newton-Schulz orthogonalization of each matrix (torch
+// matmuls, between the two ops: fused_accum/muon.py) and the epilogue, each as
+// fused_accum/backends/reference.py's muon_prologue and muon_epilogue compute it with torch ops.
+struct MuonHyper {
+  float momentum, one_minus_momentum;  // torch.lerp's weights, rounded to fp32 as torch's
+  bool nesterov, match_rms_adamw;
+  double weight_decay_d;  // for the epilogue's decay factor, formed in double
+};
+inline MuonHyper muon_hyper(double momentum, bool nesterov, double weight_decay, bool match_rms_adamw) {
+  return {float(momentum), float(1.0 - momentum), nesterov, match_rms_adamw, weight_decay};
+}
+
+// The prologue: buf = lerp(buf, g, 1 - momentum); the middle's input (state 2, written, never
+// read) = nesterov ? lerp(g, buf, momentum) : buf. No parameter is read or written.
+struct MuonPrologue : StepTraits {
+  static constexpr const char* kOp = "muon_prologue_";
+  static constexpr const char* kStateLists[] = {"momentum_buffers", "updates"};
+  static constexpr bool kWritesParam = false, kMaximize = false;
+  using Hyper = MuonHyper;
+  struct Scalars {};
+  // (ns_* and eps are the middle's)
+  static Hyper hyper(double momentum, bool nesterov, double weight_decay, double, double, double, double, double,
+                     bool match_rms_adamw) {
+    return muon_hyper(momentum, nesterov, weight_decay, match_rms_adamw);
+  }
+  static bool uses_state(int, const Hyper&, bool) { return true; }
+  FA_HD static Scalars scalars(double, float, const Hyper&) { return {}; }
+  // nesterov, and which end each lerp starts from (math::lerp): the buffer's (|1 - momentum| <
+  // 0.5) and nesterov's (|momentum| < 0.5)
+  static constexpr int kModes = 8;
+  FA_HD static int mode(const Hyper& h, const Scalars&, bool) {
+    return (fabsf(h.momentum) < 0.5f ? 4 : 0) | (fabsf(h.one_minus_momentum) < 0.5f ? 2 : 0) | (h.nesterov ? 1 : 0);
+  }
+  FA_HD static constexpr unsigned reads(int) { return 1; }
+  FA_HD static constexpr unsigned writes(int) { return 3; }
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float g, float&, float& buf, float& input, float&, const Hyper& h, const Scalars&,
+                           D = D()) {
+    constexpr bool kNesterovFromG = kMode & 4, kLerpFromBuf = kMode & 2, kNesterov = kMode & 1;
+    const float w = h.one_minus_momentum, m = h.momentum;
+    buf = kLerpFromBuf ? fmaf(w, g - buf, buf) : fmaf(w - 1.0f, g - buf, g);
+    if (kNesterov) input = kNesterovFromG ? fmaf(m, buf - g, g) : fmaf(m - 1.0f, buf - g, buf);
+    else input = buf;
+  }
+  static constexpr int kCudaMinBlocks[] = {6};
+};
+
+// The epilogue: p = (p * (1 - lr * weight_decay)) + u * (-lr * ratio), one FMA (torch's
+// add_(alpha=)), u the middle's output (the input, read in the gradient's place), ratio of the
+// matrix's (rows, columns): sqrt(max(1, rows / columns)), or 0.2 sqrt(max(rows, columns)) with
+// match_rms_adamw; each factor formed in double and rounded to fp32 once.
+struct MuonEpilogue : StepTraits {
+  static constexpr const char* kOp = "muon_epilogue_";
+  static constexpr const char* kStateLists[] = {"updates"};
+  static constexpr bool kReadsInput = true, kShaped = true, kMaximize = false;
+  using Hyper = MuonHyper;
+  struct Scalars {
+    float decay_factor;  // 1 - lr * weight_decay
+    float neg_lr;        // -(lr * ratio)
+  };
+  static Hyper hyper(double momentum, bool nesterov, double weight_decay, double a, double b, double c, double eps,
+                     double steps, bool match_rms_adamw) {
+    return MuonPrologue::hyper(momentum, nesterov, weight_decay, a, b, c, eps, steps, match_rms_adamw);
+  }
+  // (its list is its input: none is a state the kernels read or write as one)
+  static bool uses_state(int, const Hyper&, bool) { return false; }
+  FA_HD static Scalars scalars(double lr, float, const Hyper& h, int64_t rows, int64_t columns) {
+    const double larger = double(rows > columns ? rows : columns);
+    const double tall = double(rows) / double(columns);
+    const double ratio = h.match_rms_adamw ? 0.2 * sqrt(larger) : sqrt(tall > 1.0 ? tall : 1.0);
+    return {float(1.0 - lr * h.weight_decay_d), float(-(lr * ratio))};
+  }
+  static constexpr int kModes = 1;
+  FA_HD static int mode(const Hyper&, const Scalars&, bool) { return 0; }
+  FA_HD static constexpr unsigned reads(int) { return 0; }
+  FA_HD static constexpr unsigned writes(int) { return 0; }
+  template <int kMode, class D = Divide>
+  FA_HD static void update(float u, float& param, float&, float&, float&, const Hyper&, const Scalars& s, D = D()) {
+    param = fmaf(u, s.neg_lr, param * s.decay_factor);
+  }
+  static constexpr int kCudaMinBlocks[] = {6};
+};
+
+// Algo's per-tensor scalars for a tensor of `numel` elements, `rows` of them (a kShaped
+// algorithm's matrix; else unused): the kernels' one call of scalars().
+template <class Algo>
+FA_HD typename Algo::Scalars tensor_scalars(double lr, float step, const typename Algo::Hyper& h, int64_t rows,
+                                            int64_t numel) {
+  if constexpr (Algo::kShaped) return Algo::scalars(lr, step, h, rows, numel / rows);
+  else return Algo::scalars(lr, step, h);
+}
 
 // ---- any algorithm, its mode picked at run time -------------------------------------------------
 

@@ -3,7 +3,9 @@ elementwise (its record's ``middle``: the design document's "Steps that are not 
 
 Its own module, beside :mod:`fused_accum.algorithms` (the elementwise ones), because it brings
 the middle itself: torch.optim.Muon's Newton-Schulz orthogonalization of each matrix. The
-prologue and epilogue are specified in ``backends/reference.py`` as every op is.
+prologue and epilogue are elementwise ops as every step op is: specified in
+``backends/reference.py``, kernels in every backend (``csrc/math.h``'s MuonPrologue and
+MuonEpilogue, ``backends/triton/updates.py``), run on the optimizer's backend.
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ register(
             match_rms_adamw=lambda group: group["adjust_lr_fn"] == "match_rms_adamw",
         ),
         # the prologue (momentum) and epilogue (decay, the adjusted-lr update, the weights'
-        # formats) on the reference backend, torch ops on the parameters' device: no kernel yet
-        middle=Middle(_orthogonalize, _check_matrix, elementwise_backend="reference"),
+        # formats) are step ops of every backend (muon_prologue, muon_epilogue), around this
+        middle=Middle(_orthogonalize, _check_matrix),
     )
 )
 

@@ -360,10 +360,10 @@ class SplitStep:
       writes (fp32 params, fp32 masters and their low-precision copies, remainders).
 
     Both are custom ops (``fused_accum::<rule>_prologue_``...) that ``torch.compile`` traces,
-    specified in the reference as every step op is; they run on ``middle.elementwise_backend``
-    (the reference, until a kernel backend implements them: they are not C++ operators yet,
-    so :func:`ext_schemas` has none of them). ``updates`` is allocated per step (as torch.optim
-    allocates its update): 4 B/param, freed after the step."""
+    specified in the reference as every step op is and run on the step's backend as every step
+    op is (the C++ operators ``fused_accum_ext::<rule>_prologue_``...: :func:`kernel_ops`), one
+    launch each per call. ``updates`` is allocated per step (as torch.optim allocates its
+    update): 4 B/param, freed after the step."""
 
     def __init__(self, algorithm) -> None:
         rule = algorithm.op.removesuffix("_step")
@@ -387,7 +387,6 @@ class SplitStep:
     states_of = StepOp.states_of
 
     def __call__(self, t: StepTensors, s, h, backend: str, plan=None) -> None:
-        backend = self.middle.elementwise_backend or backend
         weights = t.lp_params or t.params  # (fp32 masters are 1-D: their weights have the shape)
         updates = [torch.empty(w.shape, dtype=torch.float32, device=w.device) for w in weights]
         self.prologue(t, self.prologue.states(*s, updates), h, backend)
@@ -399,9 +398,17 @@ def step_op(algorithm: str) -> StepOp:
     return _OF_ALGORITHM[algorithm]
 
 
+def kernel_ops() -> list:
+    """Every op a backend implements in its ``step``: each step op (:data:`STEP_OPS`), and each
+    split step's prologue and epilogue (:class:`SplitStep`)."""
+    split = [(op.prologue, op.epilogue) for op in _OF_ALGORITHM.values() if isinstance(op, SplitStep)]
+    return [*STEP_OPS.values(), *(op for pair in split for op in pair)]
+
+
 def __getattr__(name: str):
-    """``ops.<op name>``, a declared step op, and ``ops.<op name>_``, its custom op."""
-    op = STEP_OPS.get(name.removesuffix("_"))
+    """``ops.<op name>``, a declared step op (or a split step's prologue or epilogue), and
+    ``ops.<op name>_``, its custom op."""
+    op = next((op for op in kernel_ops() if op.name == name.removesuffix("_")), None)
     if op is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return op.custom_op if name.endswith("_") else op
@@ -413,7 +420,7 @@ def ext_schemas() -> dict:
     declared = {
         "accumulate_": arguments(Accumulate),
         "fold_pieces_": arguments(FoldPieces),
-        **{f"{op.name}_": op.arguments for op in STEP_OPS.values()},
+        **{f"{op.name}_": op.arguments for op in kernel_ops()},
     }
     return {name: schema(name, args) for name, args in declared.items()}
 

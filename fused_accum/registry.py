@@ -90,10 +90,6 @@ class Middle:
     run: Callable
     # check_param(p): torch's refusal of a parameter the middle cannot take (Muon's: not 2-D)
     check_param: Callable
-    # The backend the prologue and epilogue run on, whatever backend= the optimizer has: the
-    # reference (plain torch ops on the tensors' device) until a kernel backend implements
-    # them; None would be the step's own backend.
-    elementwise_backend: Optional[str] = "reference"
 
 
 ALGORITHMS: dict = {}  # name -> Algorithm, in registration order (error messages list them so)

@@ -91,8 +91,8 @@ check_version() {  # check_version VERSION: build, spill report, load
 
   # Load it as a user would: the ops must be registered for CPU and CUDA (no GPU needed for that),
   # and the build must have recorded the torch it was built against (fused_accum/backends/ext.py).
-  "$venv/bin/python" -W ignore - "$out/lib" "$version" <<'PY'
-import glob, importlib.util, json, os, sys
+  "$venv/bin/python" -W ignore - "$out/lib" "$version" csrc/math.h <<'PY'
+import glob, importlib.util, json, os, re, sys
 import torch
 so = glob.glob(f"{sys.argv[1]}/fused_accum/_C*.so")[0]
 record = json.load(open(os.path.join(os.path.dirname(so), "_C.build.json")))
@@ -101,9 +101,11 @@ spec = importlib.util.spec_from_file_location("fused_accum._C", so)
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 assert mod.built_with_cuda == 1, "built without CUDA kernels"
-# every operator _C registers for the CPU (a step op per algorithm of csrc/math.h), for CUDA too
+# every operator _C registers for the CPU (a step op per algorithm of csrc/math.h: each trait's
+# kOp), for CUDA too
 ops = sorted(op for op in torch._C._dispatch_get_registrations_for_dispatch_key("CPU") if op.startswith("fused_accum_ext::"))
-assert {"fused_accum_ext::accumulate_", "fused_accum_ext::fold_pieces_", "fused_accum_ext::adam_step_"} <= set(ops), ops
+traits = re.findall(r'kOp = "(\w+)"', open(sys.argv[3]).read())
+assert {f"fused_accum_ext::{name}" for name in ("accumulate_", "fold_pieces_", *traits)} == set(ops), (traits, ops)
 for op in ops:
     assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), (op, "CUDA")
 print(f"[check_cuda_build] OK: {so} loads in torch {torch.__version__}, {len(ops)} ops x (CPU, CUDA) registered "

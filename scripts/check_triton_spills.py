@@ -207,15 +207,23 @@ def variants():
                     f"{op_name} switches={which} {tag}",
                     kernels.step_kernel,
                     warps,
-                    dict(common, PREPARE=update.prepare, UPDATE=update.update, SWITCHES=which, hyper=hyper),
+                    dict(
+                        common,
+                        PREPARE=update.prepare,
+                        UPDATE=update.update,
+                        SWITCHES=which,
+                        WRITES_PARAM=update.writes_param,
+                        READS_INPUT=update.reads_input,
+                        hyper=hyper,
+                    ),
                 )
 
 
 def _sample_records(op_name: str) -> tuple:
     """(hyper, states) records of step op ``op_name`` at an algorithm's defaults: what its
     ``arguments`` turns into the kernel's scalars (their types are the signature's)."""
-    algorithm = next(a for a in registry.ALGORITHMS.values() if a.op == op_name)
-    op = ops.STEP_OPS[op_name]
+    op = next(o for o in ops.kernel_ops() if o.name == op_name)  # (a split step's prologue or epilogue too)
+    algorithm = next(a for a in registry.ALGORITHMS.values() if a.hyper is op.hyper)
     return op.hyper.of(algorithm.name, algorithm.defaults), op.states(*([] for _ in op.state_keys))
 
 

@@ -59,7 +59,7 @@ if [[ ${1:-} == --quick ]]; then
   # interpreter 20 minutes here: the full run's).
   quick_stage "pytest, not slow: the Triton backend and its ops against the reference, under TRITON_INTERPRET=1"
   TRITON_INTERPRET=1 "$PY" -m pytest -q -m "not gpu and not slow" tests/test_triton_extra.py tests/test_kernels.py \
-    -k "triton and (test_triton_extra or accumulate_matches_reference or step_matches_reference)"
+    -k "triton and (test_triton_extra or accumulate_matches_reference or step_matches_reference or split_step)"
   exit 0
 fi
 
@@ -72,8 +72,8 @@ FUSED_ACCUM_PYTHON_HOOKS=1 "$PY" -m pytest -q tests/test_dropin.py tests/test_ho
 
 # Its own process: TRITON_INTERPRET must be set before triton is first imported.
 stage "pytest: Triton kernels and the optimizer on backend=triton, under TRITON_INTERPRET=1"
-TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py tests/test_torch_contract.py -k triton \
-  $WORKERS
+TRITON_INTERPRET=1 "$PY" -m pytest -q tests/test_kernels.py tests/test_optimizer.py tests/test_triton_extra.py tests/test_nn.py \
+  tests/test_torch_contract.py tests/test_muon.py -k triton $WORKERS
 [[ ${1:-} == --cpu-suite ]] && exit 0
 
 stage "C++ unit tests of the shared math and the kernels' plumbing (CMake + ctest)"

@@ -205,8 +205,21 @@ TABLE = {
     # tests/test_muon.py holds its modes: fp32 bit for bit with torch.optim.Muon, bf16 + fp32
     # masters and the remainder mode (the fp32 run's masters, bit for bit), process_group= and
     # DDP; shard=, FSDP2 and offload= refused; and test_compiled_window its one-graph window (a
-    # model of matrices only).
-    "muon": Algorithm(fused_accum.Muon, torch.optim.Muon, {"muon": dict(lr=0.02)}, frozenset()),
+    # model of matrices only). Its kernel cases are its split step's two ops' (test_kernels:
+    # kernel_cases(split=True)).
+    "muon": Algorithm(
+        fused_accum.Muon,
+        torch.optim.Muon,
+        {"muon": dict(lr=0.02)},
+        frozenset(),
+        kernel_cases={
+            # nesterov, both lerps from the buffer's end (momentum 0.95), torch's defaults
+            "muon": dict(weight_decay=0.1),
+            # both lerps from the other end (momentum < 0.5), the adjusted lr matching AdamW's RMS
+            "muon_low_momentum_rms": dict(momentum=0.3, adjust_lr_fn="match_rms_adamw", weight_decay=0.05),
+            "muon_plain": dict(momentum=0.9, nesterov=False, weight_decay=0.0),
+        },
+    ),
 }
 DEFAULT = "adamw"  # the algorithm of a test where the algorithm does not matter
 
@@ -252,13 +265,14 @@ def params(mode: Optional[str] = None, every: bool = False) -> list:
     return [pytest.param(c, id=c.id) for c in cases(mode, every)]
 
 
-def kernel_cases(mode: Optional[str] = None) -> dict:
+def kernel_cases(mode: Optional[str] = None, split: bool = False) -> dict:
     """Every kernel case (of the algorithms that run in ``mode``; None: any), by name: the
-    step-op matrix of test_kernels."""
+    step-op matrix of test_kernels. ``split``: those of the algorithms whose step is split
+    around a middle instead (their record's ``middle``: fused_accum.ops.SplitStep, two ops)."""
     return {
         cid: Case(cid, name, kwargs)
         for name, row in TABLE.items()
-        if mode is None or mode in row.modes
+        if (mode is None or mode in row.modes) and (REGISTERED[name].middle is not None) == split
         for cid, kwargs in row.kernel_cases.items()
     }
 

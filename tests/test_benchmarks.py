@@ -414,6 +414,8 @@ def test_smoke_run_covers_every_op_provider_and_workload(smoke_run):
             ("adamw_fused_last", ("torch_fused", "torch_foreach")),
             ("adamw_remainder", ()),  # torch has no remainder mode
             ("adamw_fused_last_remainder", ()),
+            ("muon_prologue", ()),  # torch has no half of Muon's step alone
+            ("muon_epilogue", ()),
         ]:
             dt = "bf16" if op in kernels.FUSED_LAST_OPS else "-"
             expected |= {(op, w.name, str(w.numel), dt, p) for p in (*torch_side, *ours)}
@@ -442,6 +444,8 @@ def test_smoke_run_numbers_are_consistent(smoke_run):
             assert nbytes == 28 == common.step_bytes("adamw") - 4
         elif r["op"] == "adamw_fused_last_remainder":
             assert nbytes == 30 == common.step_bytes("adamw", grad_dtype=bf16) - 4
+        elif r["op"] in kernels.MUON_OPS:  # no weight in the prologue, a bf16 input in the epilogue
+            assert nbytes == {"muon_prologue": 16, "muon_epilogue": 14}[r["op"]]
         else:
             assert nbytes == common.step_bytes(r["op"])
         assert float(r["gbps"]) == pytest.approx(nbytes * numel / (ms * 1e-3) / 1e9, rel=1e-9)
@@ -450,8 +454,8 @@ def test_smoke_run_numbers_are_consistent(smoke_run):
         key = (twin or r["op"], r["workload"], r["numel"], r["grad_dtype"])
         if key in best:
             assert float(r["speedup_vs_torch"]) == pytest.approx(best[key] / ms, rel=1e-9)
-        else:  # torch has no such step (AdEMAMix)
-            assert r["op"] == "ademamix" and math.isnan(float(r["speedup_vs_torch"]))
+        else:  # torch has no such step (AdEMAMix, Muon's halves)
+            assert r["op"] in ("ademamix", *kernels.MUON_OPS) and math.isnan(float(r["speedup_vs_torch"]))
         if twin:
             at = lambda t: (t["op"], t["provider"], t["workload"], t["numel"], t["grad_dtype"])  # noqa: E731
             twin_ms = next(float(t["ms"]) for t in rows if at(t) == (twin, *at(r)[1:]))
@@ -868,14 +872,15 @@ def test_replot_draws_the_pngs_again_from_results_json(smoke_run, tmp_path):
 
 
 def test_the_gpu_goal_groups_run_first(monkeypatch):
-    """The full GPU plan has 62 groups and its kernel stage stops starting them at a 30 s budget:
+    """The full GPU plan has 72 groups and its kernel stage stops starting them at a 30 s budget:
     the bf16 accumulate and AdamW groups the goals read (flat, >= 16M elements) come first,
     largest first, where they once ran 28th to 30th."""
     monkeypatch.setattr(common, "last_level_cache_bytes", lambda device: 50 * 2**20)
     cuda = torch.device("cuda")  # the plan only names providers; nothing runs on it
     cfg = bench_run.make_config(cuda, "full")
     groups = kernels.plan(cuda, cfg["flat_sizes"], cfg["lists"], cfg["grad_dtypes"][:1], cfg["step_workloads"])
-    assert len(groups) == 62  # 42, the 2 remainder ops and Adagrad and AdEMAMix on the 5 step workloads
+    # 42, the 2 remainder ops, Adagrad, AdEMAMix and Muon's 2 split-step ops on the 5 step workloads
+    assert len(groups) == 72
     head = [(g.op, g.workload.numel) for g in groups[:5]]
     assert head == [
         ("accumulate_add", 2**28),

@@ -156,6 +156,28 @@ def test_opcheck_remainder_steps(device, algo):
     torch.library.opcheck(op, _op_args(algo, named))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("remainder", [False, True])
+def test_opcheck_split_step_ops(device, remainder):
+    """Muon's prologue (momentum and the middle's input written, no weight) and epilogue (the
+    middle's bf16 output read, one of them a transposed view; the weights written): each writes
+    what its schema declares, and nothing else (opcheck fails on an undeclared mutation)."""
+    gen = torch.Generator().manual_seed(12)
+    split = ops.step_op("muon")
+    _, hyper, _ = cases.op_records(cases.kernel_cases(split=True)["muon"])
+    shapes = [(3, 5), (1, 7), (6, 2)]
+    named = _step_args("sgd", device, gen, sizes=[r * c for r, c in shapes], fused=True, lp=not remainder)
+    if remainder:
+        named = _remainder_args("sgd", device, gen, named)
+    t = ops.StepTensors(**{k: v for k, v in named.items() if k in ops.StepTensors._fields})
+    buffers = [_randn(r * c, torch.float32, device, gen) for r, c in shapes]
+    updates = [torch.zeros(s, device=device) for s in shapes]
+    middle = [_randn(c * r, torch.bfloat16, device, gen).view(c, r).T for r, c in shapes]
+    for op, states in ((split.prologue, (buffers, updates)), (split.epilogue, (middle,))):
+        args = op.flatten(t, op.states(*states), hyper)
+        torch.library.opcheck(getattr(OPS, f"{op.name}_").default, tuple(args))
+
+
 def test_compiles_without_graph_break():
     """torch.compile traces the ops through their fake implementations (fullgraph: no break)."""
     gen = torch.Generator().manual_seed(3)

@@ -34,6 +34,7 @@ import torch
 
 import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 import fused_accum
+from fused_accum import ops as ops_module
 from fused_accum.backends import ext
 from helpers import spawn_ranks  # tests/helpers.py
 
@@ -60,7 +61,7 @@ NUMEL = 256
 GROWTH = 1.5
 
 
-def aten_ops(fn) -> collections.Counter:
+def aten_ops(fn, prefix: str = "aten::") -> collections.Counter:
     """Every aten op ``fn`` issues, by name, nested ones included: the profiler's CPU events,
     read raw (``torch.profiler.profile`` records the same events, then spends ~45 us per event
     building its FunctionEvent tree: 1.2 s for an FSDP2 backward over 2,048 parameters,
@@ -81,12 +82,12 @@ def aten_ops(fn) -> collections.Counter:
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+        return collections.Counter(e.name for e in prof.events() if e.name.startswith(prefix))
     try:
         fn()
     finally:
         result = _disable_profiler()
-    return collections.Counter(n for n in (e.name() for e in result.events()) if n.startswith("aten::"))
+    return collections.Counter(n for n in (e.name() for e in result.events()) if n.startswith(prefix))
 
 
 def syncs(ops: collections.Counter) -> dict:
@@ -202,6 +203,28 @@ def test_the_step_op_count_test_sees_a_per_parameter_sync(monkeypatch, one_threa
     large = _step_ops(LARGE, "adamw", "bf16-master")
     assert syncs(large).get("aten::item") == LARGE
     assert sum(large.values()) > GROWTH * sum(small.values())
+
+
+# Muon's step is not elementwise: its middle orthogonalizes each matrix with torch ops, as
+# torch.optim.Muon does, so its op count grows with the parameters by design (tests/cases.py keeps
+# it out of HOST_COST). Its two elementwise ops do not: each is one call of the extension's
+# operator per step (one flat group here), whatever the number of matrices, and nothing syncs.
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master", "bf16-remainder"])
+def test_muons_prologue_and_epilogue_are_one_operator_call_each_per_step(precision, one_thread):
+    dtype, master = PRECISIONS[precision]
+    split = ops_module.step_op("muon")
+    names = [f"fused_accum_ext::{op.name}_" for op in (split.prologue, split.epilogue)]
+    for n in (SMALL, 8 * SMALL):
+        gen = torch.Generator().manual_seed(n)
+        params = [torch.nn.Parameter(torch.randn(8, 32 if i % 2 else 4, generator=gen).to(dtype)) for i in range(n)]
+        kwargs = {} if master is None else {"master_weights": master}
+        opt = fused_accum.Muon(params, lr=0.02, backend="cpu", bucket_cap_mb=64, **kwargs)
+        for _ in range(3):  # (the last one profiled)
+            torch.autograd.backward(params, [torch.randn(p.shape, generator=gen).to(dtype) for p in params])
+            calls = aten_ops(opt.step, prefix="")
+            opt.zero_grad()
+        assert syncs(calls) == {}, syncs(calls)
+        assert [calls[name] for name in names] == [1, 1], (n, {k: v for k, v in calls.items() if "fused_accum" in k})
 
 
 # --- backwards ---------------------------------------------------------------------------------

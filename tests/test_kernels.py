@@ -450,6 +450,137 @@ def test_step_rejects_an_lr_that_is_not_one_float64_or_float32(backend, device, 
         )
 
 
+# --- a split step's two ops (Muon's prologue and epilogue) -----------------------------------
+
+SPLIT = cases.kernel_cases(split=True)  # tests/cases.py: the kernel cases of the split steps
+# one element, one row, one column, primes, past a block (1024) with a tail past any vector
+# width; tall and wide
+SPLIT_SHAPES = [(1, 1), (1, 13), (7, 1), (17, 61), (37, 29), (3, 1367)]
+SPLIT_KINDS = ["fp32", "master", "bf16", "remainder"]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x's bits (NaN payloads and -0.0 included), as integers of its width: a copy."""
+    return x.detach().cpu().clone().view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+def _split_weights(kind, device, gen):
+    """t's weight fields for a param kind: fp32 params of the matrices' shapes; fp32 masters (1-D,
+    as the optimizer's) with bf16/fp16 weights, an eighth of their elements written from outside;
+    bf16 params without a master; or bf16 weights with int16 remainders (exact masters)."""
+    matrices = [torch.randn(s, generator=gen) for s in SPLIT_SHAPES]
+    if kind == "fp32":
+        return dict(params=[m.to(device) for m in matrices])
+    if kind == "bf16":
+        return dict(params=[m.to(device, torch.bfloat16) for m in matrices])
+    if kind == "remainder":
+        pairs = [reference.split_master(m.reshape(-1)) for m in matrices]
+        return dict(params=[w.view(m.shape).to(device) for (w, _), m in zip(pairs, matrices)],
+                    remainders=[r.to(device) for _, r in pairs])  # fmt: skip
+    lp = [m.to(LOW[i % 2]) for i, m in enumerate(matrices)]
+    for low in lp:
+        edited = torch.rand(low.shape, generator=gen) < 0.125
+        low[edited] = torch.randn(int(edited.sum()), generator=gen).to(low.dtype)
+    return dict(params=[m.reshape(-1).to(device) for m in matrices], lp_params=[low.to(device) for low in lp])
+
+
+def _split_tensors(weights, device, gen, variant):
+    """StepTensors around ``weights``: fresh random accumulators (and the fused micro-batch's
+    gradients), every found_inf variant."""
+    numels = [r * c for r, c in SPLIT_SHAPES]
+    accs = flat_layout(numels, device, fill=NAN).views
+    for a in accs:
+        a.copy_(torch.randn(a.numel(), generator=gen))
+    fused = variant.startswith("fused")
+    return ops.StepTensors(
+        accs=accs,
+        steps=torch.ones(len(numels), device=device),
+        lr=torch.tensor(0.02, dtype=torch.float64, device=device),
+        coef=torch.tensor(0.25, device=device),
+        grads=[torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in SPLIT_SHAPES] if fused else [],
+        grad_alpha=0.5,
+        grads_overwrite=variant == "fused_overwrite",
+        found_inf=torch.tensor(1.0 if variant == "skipped" else 0.0, device=device),
+        **weights,
+    )
+
+
+def _weights_of(t):
+    return [*t.params, *t.lp_params, *t.remainders]
+
+
+def _clone_weights(t):
+    return t._replace(**{k: _clone(getattr(t, k)) for k in ("params", "lp_params", "remainders")})
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("algo", list(SPLIT))
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("variant", ["window", "fused_overwrite", "fused_add", "skipped"])
+def test_split_step_prologue_matches_reference(backend, device, algo, kind, variant):
+    """The prologue (Muon's momentum, and the middle's input written into ``updates``, poisoned
+    before the call): the reference's bits in both lists, from the window's gradient or with the
+    last micro-batch fused in; no weight, lp or remainder bit changes (none is read or written);
+    a skipped window (found_inf) writes neither list."""
+    gen = torch.Generator().manual_seed(_seed("prologue", algo, kind, variant))
+    op, h, _ = cases.op_records(SPLIT[algo])
+    t = _split_tensors(_split_weights(kind, device, gen), device, gen, variant)
+    buffers = [torch.randn(s, generator=gen).reshape(-1).to(device) for s in SPLIT_SHAPES]
+    updates = [torch.full(s, NAN, device=device) for s in SPLIT_SHAPES]
+    want = [_clone(buffers), _clone(updates)]
+    weights_before = [_bits(w) for w in _weights_of(t)]
+    backends.get(backend).step(op.prologue, t, op.prologue.states(buffers, updates), h)
+    t_ref = _clone_weights(t)
+    reference.step(op.prologue, t_ref, op.prologue.states(*want), h)
+    for got, expect in zip(buffers + updates, want[0] + want[1]):
+        assert torch.equal(_bits(got), _bits(expect))
+    assert all(torch.equal(_bits(w), b) for w, b in zip(_weights_of(t), weights_before))
+    if variant == "skipped":
+        assert all(torch.isnan(u).all() for u in updates)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+@pytest.mark.parametrize("algo", list(SPLIT))
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("variant", ["window", "fused_add", "skipped"])
+def test_split_step_epilogue_matches_reference(backend, device, algo, kind, variant):
+    """The epilogue (Muon's decay and adjusted-lr update) from the middle's output (bf16 as
+    torch's Newton-Schulz gives it, transposed where the matrix is tall, or fp32): the
+    reference's bits in every weight format, whatever gradient the call carries (it reads
+    none); a skipped window writes nothing."""
+    gen = torch.Generator().manual_seed(_seed("epilogue", algo, kind, variant))
+    op, h, _ = cases.op_records(SPLIT[algo])
+    t = _split_tensors(_split_weights(kind, device, gen), device, gen, variant)
+    updates = []
+    for i, (rows, columns) in enumerate(SPLIT_SHAPES):
+        if i % 3 == 2:
+            updates.append(torch.randn(rows, columns, generator=gen).to(device))
+        else:
+            updates.append(torch.randn(columns, rows, generator=gen).to(device, torch.bfloat16).T)
+    weights_before = [_bits(w) for w in _weights_of(t)]
+    t_ref = _clone_weights(t)
+    backends.get(backend).step(op.epilogue, t, op.epilogue.states(updates), h)
+    reference.step(op.epilogue, t_ref, op.epilogue.states(updates), h)
+    for got, expect in zip(_weights_of(t), _weights_of(t_ref)):
+        assert torch.equal(_bits(got), _bits(expect)), f"{(_bits(got) != _bits(expect)).sum()} elements differ"
+    if variant == "skipped":
+        assert all(torch.equal(_bits(w), b) for w, b in zip(_weights_of(t), weights_before))
+
+
+@pytest.mark.parametrize("backend,device", [pytest.param("reference", "cpu", id="reference-cpu")] + CASES)
+def test_split_step_epilogue_refuses_an_update_that_is_not_a_matrix(backend, device):
+    op, h, _ = cases.op_records(SPLIT["muon"])
+    t = ops.StepTensors(
+        [torch.zeros(6, device=device)],
+        flat_layout([6], device, fill=0.0).views,
+        torch.ones(1, device=device),
+        torch.tensor(0.02, dtype=torch.float64, device=device),
+        torch.ones((), device=device),
+    )
+    with pytest.raises((ValueError, RuntimeError), match=r"updates\[0\] must be a matrix \(2-D\), got shape"):
+        backends.get(backend).step(op.epilogue, t, op.epilogue.states([torch.zeros(6, device=device)]), h)
+
+
 # --- the same numbers as torch.optim's fused CPU optimizers ----------------------------------
 
 # The optimizer configurations: every case of the algorithms whose torch.optim class has a fused

@@ -222,14 +222,14 @@ def test_the_remainder_mode_keeps_the_fp32_master_modes_masters_bit_for_bit(back
 # --- the record: prologue, middle, epilogue ------------------------------------------------------
 
 
-def test_the_step_is_a_prologue_a_middle_and_an_epilogue_on_the_records_backend(monkeypatch):
-    """The record says where the elementwise ops run (the reference, whatever backend=), and the
-    step calls the prologue, the middle, then the epilogue, once each per flat group."""
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_step_is_a_prologue_a_middle_and_an_epilogue_on_the_optimizers_backend(monkeypatch, backend):
+    """The elementwise ops run on the optimizer's backend (kernels in each), and the step calls
+    the prologue, the middle, then the epilogue, once each per flat group."""
     from fused_accum.registry import ALGORITHMS
 
     split = ops.step_op("muon")
     assert isinstance(split, ops.SplitStep) and split.middle is ALGORITHMS["muon"].middle
-    assert split.middle.elementwise_backend == "reference"
     assert (split.prologue.name, split.epilogue.name) == ("muon_prologue", "muon_epilogue")
     calls = []
     step_op_call = ops.StepOp.__call__
@@ -246,10 +246,38 @@ def test_the_step_is_a_prologue_a_middle_and_an_epilogue_on_the_records_backend(
     monkeypatch.setattr(ops.StepOp, "__call__", traced)
     monkeypatch.setattr(split, "middle", dataclasses.replace(split.middle, run=middle))
     params = matrices()
-    opt = fused_accum.Muon(params, lr=0.02, backend="cpu")
+    opt = fused_accum.Muon(params, lr=0.02, backend=backend)
     backward(params, gradients(1, 1)[0][0])
     opt.step()
-    assert calls == [("muon_prologue", "reference"), ("middle", len(SHAPES)), ("muon_epilogue", "reference")]
+    assert calls == [("muon_prologue", backend), ("middle", len(SHAPES)), ("muon_epilogue", backend)]
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="the triton backend runs in the TRITON_INTERPRET=1 process")
+@pytest.mark.parametrize("master_weights", [None, True])
+def test_triton_launches_the_prologue_and_the_epilogue_once_each_per_step(monkeypatch, master_weights):
+    """The triton backend steps the elementwise ops of all the matrices in one launch each (per
+    dtype group: one here), however many matrices (tests/test_host_cost.py counts the cpu
+    backend's operator calls)."""
+    from fused_accum import backends
+
+    kernels = backends.get("triton").kernels
+    real, launched = kernels.step_kernel, []
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append("prologue" if not kwargs["WRITES_PARAM"] else "epilogue")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(kernels, "step_kernel", Counted())
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    params = matrices(dtype) + matrices(dtype, seed=2)
+    opt = fused_accum.Muon(params, lr=0.02, backend="triton", master_weights=master_weights)
+    backward(params, [g.to(dtype) for g in gradients(1, 1)[0][0] * 2])
+    opt.step()
+    assert launched == ["prologue", "epilogue"]
 
 
 def test_a_steady_state_step_does_not_sync(one_thread):

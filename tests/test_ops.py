@@ -187,14 +187,19 @@ def test_schemas_follow_the_declarations():
     """Each step op's schema is StepTensors' fields, its states' and its hyper-parameters', in
     that order, each written list with an alias set of its own; accumulate's is pinned."""
     declared = ops.ext_schemas()
-    assert set(declared) == {"accumulate_", "fold_pieces_", *(f"{name}_" for name in ops.STEP_OPS)}
+    # every step op, and each split step's prologue and epilogue (Muon's)
+    kernel_ops = {op.name for op in ops.kernel_ops()}
+    assert kernel_ops == {*ops.STEP_OPS, "muon_prologue", "muon_epilogue"}
+    assert set(declared) == {"accumulate_", "fold_pieces_", *(f"{name}_" for name in kernel_ops)}
     assert declared["accumulate_"] == ACCUMULATE_SCHEMA
     assert declared["fold_pieces_"] == "fold_pieces_(Tensor(a!) acc, Tensor[] pieces, bool overwrite) -> ()"
-    for op in ops.STEP_OPS.values():
+    # the epilogue reads the middle's output: its one list is not written
+    read = {"muon_epilogue": {"updates"}}
+    for op in ops.kernel_ops():
         fields = (*ops.StepTensors._fields, *op.states._fields, *op.hyper._fields)
         assert tuple(a.name for a in op.arguments) == fields
         written = {a.name for a in op.arguments if a.written}
-        assert written == {"params", "lp_params", "remainders", *op.states._fields}
+        assert written == {"params", "lp_params", "remainders", *op.states._fields} - read.get(op.name, set())
         assert declared[f"{op.name}_"].startswith(
             f"{op.name}_(Tensor(a!)[] params, Tensor[] accs, Tensor steps, Tensor lr, Tensor coef, "
             "Tensor(b!)[] lp_params, Tensor(c!)[] remainders, Tensor[] grads, Tensor? found_inf, "
@@ -316,7 +321,7 @@ def test_backends_take_the_step_records():
     for name, module in _backend_modules().items():
         plan = ["plan"] if backends.takes_plan(name) else []
         assert list(inspect.signature(module.step).parameters) == ["op", "t", "s", "h", *plan], name
-    for op in ops.STEP_OPS.values():
+    for op in ops.kernel_ops():
         assert list(inspect.signature(getattr(backends.get("reference"), op.name)).parameters) == ["t", "s", "h"]
 
 

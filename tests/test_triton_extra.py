@@ -168,7 +168,7 @@ def test_step_requires_exactly_one_step_count_per_tensor():
     [
         ("bf16_acc", r"accs\[1\] must be a 1-D contiguous float32"),
         ("short_param", r"params\[0\] must have 5 elements"),
-        ("strided_state", r"exp_avg_sqs\[1\] must be a 1-D contiguous float32"),
+        ("strided_state", r"exp_avg_sqs\[1\] must be a contiguous float32 tensor of 3 elements"),
         ("int_lp", r"lp_params\[1\] must be bfloat16, float16 or float32"),
     ],
 )

@@ -535,6 +535,13 @@ struct RemainderParam : InPlaceAccessor {
   FA_ALWAYS_INLINE RemainderParam at(int64_t o) const { return {w + o, r + o}; }
   FA_ALWAYS_INLINE RemainderParam chunk(int64_t o, NoBuf&) const { return at(o); }
 };
+// No param: a step that reads and writes none (math.h's kWritesParam: a split step's prologue).
+struct NoParam : InPlaceAccessor {
+  FA_ALWAYS_INLINE float load(int64_t) const { return 0.0f; }
+  FA_ALWAYS_INLINE void store(int64_t, float) const {}
+  FA_ALWAYS_INLINE NoParam at(int64_t) const { return {}; }
+  FA_ALWAYS_INLINE NoParam chunk(int64_t, NoBuf&) const { return {}; }
+};
 // An fp32 state operand in place (from a float*); null: absent.
 struct InPlace : InPlaceAccessor {
   float* __restrict p;
@@ -875,11 +882,11 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
   std::vector<typename Algo::Scalars> scalars(t.size());
   std::vector<float> reciprocal(t.size(), 0.0f);
   for (int64_t i = 0; i < t.size(); ++i) {
-    scalars[i] = Algo::scalars(*a.lr, a.steps[t.index[i]], h);
+    scalars[i] = math::tensor_scalars<Algo>(*a.lr, a.steps[t.index[i]], h, Algo::kShaped ? t.rows[i] : 1, t.numel[i]);
     if constexpr (HasDivisor<Algo>::value) reciprocal[i] = divide_by_constant_reciprocal(Algo::divisor(scalars[i]));
   }
   const bool has_rem = t.rem.present();
-  const bool direct = direct_params(t);
+  const bool direct = !Algo::kWritesParam || direct_params(t);
   // (a fused micro-batch's gradient is staged: 1024-element blocks, in L1)
   const int64_t block_size = direct && !t.grad.present() ? kUnstagedBlock : kBlock;
   const bool stream = sourced && written_bytes(t) >= stream_min_bytes.load(std::memory_order_relaxed);
@@ -898,22 +905,41 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
       };
       const float* grad = at_f32(t.acc, i, offset);
       float c = gs.maximize ? -gs.coef : gs.coef;
-      if (gs.fused) {
+      if constexpr (Algo::kReadsInput) {  // the op's input, in the gradient's place, as it is
+        if (t.grad.dtype[i] == DType::kF32) {
+          grad = at_f32(t.grad, i, offset);
+        } else {
+          to_float(at(t.grad, i, offset), t.grad.dtype[i], n, g);
+          grad = g;
+        }
+        c = 1.0f;
+      } else if (gs.fused) {
         to_float(at(t.grad, i, offset), t.grad.dtype[i], n, g);
         grad_block(grad, g, n, gs);
         grad = g;
         c = 1.0f;
       }
+      // (a split step's ops: in place, the binding refuses sources; the prologue's param is
+      // NoParam: only those loops are compiled)
+      constexpr bool kSplit = !Algo::kWritesParam || Algo::kReadsInput;
       auto run_io = [&](auto p) {  // out of place
         auto io = [&](int k) { return StateIO{static_cast<const float*>(in(k)), static_cast<float*>(out(k)), stream}; };
-        step_block<Algo>(grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3), n,
-                         h, scalars[i], reciprocal[i]);
+        if constexpr (!kSplit) {
+          step_block<Algo>(grad, c, p, io(TensorLists::kState1), io(TensorLists::kState2), io(TensorLists::kState3),
+                           n, h, scalars[i], reciprocal[i]);
+        }
       };
       auto run_in = [&](auto p) {  // in place
         auto state = [&](int k) { return InPlace{static_cast<float*>(out(k))}; };
-        step_block<Algo>(grad, c, p, state(TensorLists::kState1), state(TensorLists::kState2),
-                         state(TensorLists::kState3), n, h, scalars[i], reciprocal[i]);
+        if constexpr (Algo::kWritesParam || std::is_same_v<decltype(p), NoParam>) {
+          step_block<Algo>(grad, c, p, state(TensorLists::kState1), state(TensorLists::kState2),
+                           state(TensorLists::kState3), n, h, scalars[i], reciprocal[i]);
+        }
       };
+      if constexpr (!Algo::kWritesParam) {
+        run_in(NoParam{});
+        return;
+      }
       if (has_rem) {  // the master is the bf16 param plus its remainder (the binding checked)
         if (sourced) {
           run_io(RemainderParamIO{static_cast<const uint16_t*>(in(kP)), static_cast<const int16_t*>(in(kR)),

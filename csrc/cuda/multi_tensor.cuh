@@ -47,14 +47,22 @@ constexpr int64_t kChunk = 4 * kThreads * kPack;
 constexpr int kArgBytes = 32764;
 
 // What describes one tensor in a table with kArrays operands: one pointer and one dtype per
-// operand, its numel, its chunk prefix sum, its index in the caller's lists, the vector mask.
-constexpr int table_entry_bytes(int arrays) { return arrays * (8 + 1) + 8 + 4 + 4 + 1; }
-// Room left for the table after the op's other arguments (at most 128 bytes: scalars, hyper).
-constexpr int table_capacity(int arrays) { return (kArgBytes - 128 - 8) / table_entry_bytes(arrays); }
+// operand, its numel, its chunk prefix sum, its index in the caller's lists, the vector mask;
+// with kRows, the rows of its matrix (a step whose scalars take its shape: math.h's kShaped).
+constexpr int table_entry_bytes(int arrays, bool rows = false) {
+  return arrays * (8 + 1) + 8 + 4 + 4 + 1 + (rows ? 8 : 0);
+}
+// Room left for the table after the op's other arguments (at most 128 bytes: scalars, hyper),
+// and a table without rows keeps one unused entry of them (8 bytes: 459, 407 and 932 tensors as
+// before the rows came).
+constexpr int table_capacity(int arrays, bool rows = false) {
+  return (kArgBytes - 128 - 8 - (rows ? 0 : 8)) / table_entry_bytes(arrays, rows);
+}
 
-template <int kArrays>
+template <int kArrays, bool kRows = false>
 struct Table {
-  static constexpr int kCapacity = table_capacity(kArrays);
+  static constexpr int kCapacity = table_capacity(kArrays, kRows);
+  int64_t rows[kRows ? kCapacity : 1];  // (kRows) TensorLists::rows
   void* ptr[kArrays][kCapacity];
   int64_t numel[kCapacity];
   int32_t chunk_end[kCapacity];  // tensor t owns chunks [chunk_end[t-1], chunk_end[t])
@@ -65,10 +73,11 @@ struct Table {
 };
 static_assert(sizeof(Table<2>) <= kArgBytes - 128, "accumulate table exceeds the argument budget");
 static_assert(sizeof(Table<7>) <= kArgBytes - 128, "step table exceeds the argument budget");
+static_assert(sizeof(Table<6, true>) <= kArgBytes - 128, "shaped step table exceeds the argument budget");
 
 // Whether operand a of slot t may be read and written as 16-byte packs.
-template <int kArrays>
-FA_HD bool vec_ok(const Table<kArrays>& table, int t, int a) {
+template <int kArrays, bool kRows>
+FA_HD bool vec_ok(const Table<kArrays, kRows>& table, int t, int a) {
   return (table.vec_mask[t] >> a) & 1;
 }
 
@@ -83,8 +92,8 @@ struct Work {
   int64_t begin, end;
 };
 
-template <int kArrays>
-FA_HD Work chunk_work(const Table<kArrays>& table, int chunk) {
+template <int kArrays, bool kRows>
+FA_HD Work chunk_work(const Table<kArrays, kRows>& table, int chunk) {
   int lo = 0, hi = table.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi) / 2;
@@ -278,16 +287,16 @@ inline int64_t total_chunks(const TensorLists& t) {
   return chunks;
 }
 
-template <int kArrays, class Launch>
+template <int kArrays, bool kRows = false, class Launch>
 const char* for_each_table(const TensorLists& t, const Operand* const (&ops)[kArrays],
                            Launch&& launch) {
-  Table<kArrays> table;
+  Table<kArrays, kRows> table;
   table.count = 0;
   int64_t chunks = 0;
   for (int64_t i = 0; i < t.size(); ++i) {
     const int64_t tensor_chunks = (t.numel[i] + kChunk - 1) / kChunk;
     if (tensor_chunks > INT_MAX) return "fused_accum: a tensor of more than 2^31 chunks";
-    if (table.count == Table<kArrays>::kCapacity || chunks + tensor_chunks > INT_MAX) {
+    if (table.count == Table<kArrays, kRows>::kCapacity || chunks + tensor_chunks > INT_MAX) {
       if (const char* err = launch(table, static_cast<int>(chunks))) return err;
       table.count = 0;
       chunks = 0;
@@ -305,6 +314,7 @@ const char* for_each_table(const TensorLists& t, const Operand* const (&ops)[kAr
     table.chunk_end[s] = static_cast<int32_t>(chunks);
     table.index[s] = static_cast<int32_t>(t.index[i]);
     table.vec_mask[s] = vec_mask;
+    if constexpr (kRows) table.rows[s] = t.rows[i];
   }
   if (table.count > 0) return launch(table, static_cast<int>(chunks));
   return nullptr;

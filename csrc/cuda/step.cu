@@ -57,8 +57,8 @@ FA_HD bool step_skipped(const DeviceStepArgs& args) {
 // Everything thread `thread` of the block for chunk `chunk` does, given the tensor's per-tensor
 // scalars (computed once per block by the kernel: Adam's are a pair of double pow calls, whose
 // register needs inside the element loop made ptxas spill).
-template <class Algo, bool kRemainder, int kArrays>
-FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& args,
+template <class Algo, bool kRemainder, int kArrays, bool kRows>
+FA_HD void step_thread_with(const Table<kArrays, kRows>& table, const DeviceStepArgs& args,
                             const typename Algo::Hyper& hyper, const typename Algo::Scalars& scalars,
                             int chunk, int thread) {
   constexpr int kStates = math::kStateCount<Algo>;
@@ -67,7 +67,11 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
   const int t = w.t;
   const math::GradScalars gs{*args.coef, args.grad_alpha, args.fused, args.grads_overwrite,
                              args.maximize};
-  const bool read_acc = !(args.fused && args.grads_overwrite);  // overwrite: acc is not read
+  // overwrite: acc is not read; nor by an op that reads its input in the gradient's place
+  // (math.h's kReadsInput), whose input is read as a fused gradient is, and taken as it is
+  constexpr bool kInput = Algo::kReadsInput, kParam = Algo::kWritesParam;
+  const bool read_acc = !kInput && !(args.fused && args.grads_overwrite);
+  const bool read_grad = kInput || args.fused;
   const bool has_state1 = kStates >= 1 && table.ptr[kStepState1][t] != nullptr;
   bool has_state3 = false;
   float* __restrict__ state3 = nullptr;
@@ -77,7 +81,7 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
   }
   // the lp column holds either low-precision copies or (kRemainder) the remainders
   constexpr bool has_rem = kRemainder;
-  const bool has_lp = !kRemainder && table.ptr[kStepLp][t] != nullptr;
+  const bool has_lp = kParam && !kRemainder && table.ptr[kStepLp][t] != nullptr;
   const uint8_t param_dtype = table.dtype[kStepParam][t];
   const float* __restrict__ acc = static_cast<const float*>(table.ptr[kStepAcc][t]);
   const void* __restrict__ grad = table.ptr[kStepGrad][t];
@@ -103,11 +107,16 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
       idx[u] = pack_index(base, u, thread);
       whole[u] = idx[u] + kPack <= w.end;
       if (read_acc) load_pack(acc, 0, idx[u], w.end, acc_vec && whole[u], a[u]);
-      if (args.fused) {
+      if (read_grad) {
         load_pack(grad, table.dtype[kStepGrad][t], idx[u], w.end, grad_vec && whole[u], g[u]);
       }
-      if constexpr (has_rem) load_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
-      else load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if constexpr (!kParam) {
+        for (int k = 0; k < kPack; ++k) p[u][k] = 0.0f;  // (none: never stored)
+      } else if constexpr (has_rem) {
+        load_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
+      } else {
+        load_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      }
       if (has_state1) load_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
       if (kStates >= 2) load_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
       if (has_state3) load_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
@@ -121,11 +130,16 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
       if (has_lp) follow_lp_pack(lp, table.dtype[kStepLp][t], idx[u], w.end, lp_vec && whole[u], p[u]);
 #pragma unroll
       for (int k = 0; k < kPack; ++k) {
-        const float ge = math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
+        const float ge =
+            kInput ? g[u][k] : math::effective_grad(read_acc ? a[u][k] : 0.0f, args.fused ? g[u][k] : 0.0f, gs);
         math::update<Algo, kState3>(ge, p[u][k], s1[u][k], s2[u][k], s3[u][k], has_state3, hyper, scalars);
       }
-      if constexpr (has_rem) store_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
-      else store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      if constexpr (!kParam) {
+      } else if constexpr (has_rem) {
+        store_master_pack(param, lp, idx[u], w.end, param_vec && lp_vec && whole[u], p[u]);
+      } else {
+        store_pack(param, param_dtype, idx[u], w.end, param_vec && whole[u], p[u]);
+      }
       if (has_state1) store_pack(state1, 0, idx[u], w.end, s1_vec && whole[u], s1[u]);
       if (kStates >= 2) store_pack(state2, 0, idx[u], w.end, s2_vec && whole[u], s2[u]);
       if (has_state3) store_pack(state3, 0, idx[u], w.end, s3_vec && whole[u], s3[u]);
@@ -134,14 +148,23 @@ FA_HD void step_thread_with(const Table<kArrays>& table, const DeviceStepArgs& a
   }
 }
 
+// The scalars of the table's tensor t (its rows where Algo::kShaped: the table has them).
+template <class Algo, int kArrays, bool kRows>
+FA_HD typename Algo::Scalars tensor_scalars(const Table<kArrays, kRows>& table, const DeviceStepArgs& args,
+                                            const typename Algo::Hyper& hyper, int t) {
+  int64_t rows = 1;
+  if constexpr (kRows) rows = table.rows[t];
+  return math::tensor_scalars<Algo>(*args.lr, args.steps[table.index[t]], hyper, rows, table.numel[t]);
+}
+
 // As step_thread_with, computing the tensor's scalars itself (the CPU emulation of the kernel),
 // in the mode of the table's lp column (kI16: the remainders), as launch_step picks the kernel.
-template <class Algo, int kArrays>
-FA_HD void step_thread(const Table<kArrays>& table, const DeviceStepArgs& args,
+template <class Algo, int kArrays, bool kRows>
+FA_HD void step_thread(const Table<kArrays, kRows>& table, const DeviceStepArgs& args,
                        const typename Algo::Hyper& hyper, int chunk, int thread) {
   if (step_skipped(args)) return;  // skip-all, no host sync
   const Work w = chunk_work(table, chunk);
-  const auto scalars = Algo::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
+  const auto scalars = tensor_scalars<Algo>(table, args, hyper, w.t);
   if (table.ptr[kStepLp][w.t] != nullptr && table.dtype[kStepLp][w.t] == static_cast<uint8_t>(DType::kI16)) {
     step_thread_with<Algo, true>(table, args, hyper, scalars, chunk, thread);
   } else {
@@ -154,9 +177,10 @@ inline const Operand* lp_column(const TensorLists& t) { return t.rem.present() ?
 
 namespace {
 
-// The table of a call without (6 operands) or with (7) a third state list.
-template <bool kState3>
-using TableOf = Table<kState3 ? 7 : 6>;
+// The table of a call of Algo without (6 operands) or with (7) a third state list, with the
+// rows of each matrix where Algo's scalars take its shape (math.h's kShaped).
+template <class Algo, bool kState3>
+using TableOf = Table<kState3 ? 7 : 6, Algo::kShaped>;
 
 // Algo's kernel's blocks per SM, without or with the third state list (math.h: kCudaMinBlocks
 // has an entry per kernel the algorithm has; one where the third list is required).
@@ -165,15 +189,12 @@ constexpr int kMinBlocks = Algo::kCudaMinBlocks[kState3 && !math::kState3Require
 
 template <class Algo, bool kState3, bool kRemainder>
 __global__ void __launch_bounds__(kThreads, kMinBlocks<Algo, kState3>)
-    step_kernel(const __grid_constant__ TableOf<kState3> table, DeviceStepArgs args,
+    step_kernel(const __grid_constant__ TableOf<Algo, kState3> table, DeviceStepArgs args,
                 typename Algo::Hyper hyper) {
   if (step_skipped(args)) return;  // uniform over the grid: no thread reaches the barrier
   // One thread computes the tensor's scalars (Adam: double pow, sqrt, divide) for the block.
   __shared__ typename Algo::Scalars scalars;
-  if (threadIdx.x == 0) {
-    const Work w = chunk_work(table, blockIdx.x);
-    scalars = Algo::scalars(*args.lr, args.steps[table.index[w.t]], hyper);
-  }
+  if (threadIdx.x == 0) scalars = tensor_scalars<Algo>(table, args, hyper, chunk_work(table, blockIdx.x).t);
   __syncthreads();
   step_thread_with<Algo, kRemainder>(table, args, hyper, scalars, blockIdx.x, threadIdx.x);
 }
@@ -184,7 +205,7 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
   const DeviceStepArgs args{a.lr, a.coef, a.steps, a.found_inf, a.grad_alpha, t.grad.present(),
                             a.grads_overwrite, a.maximize};
   const bool remainders = t.rem.present();
-  const auto launch = [&](const TableOf<kState3>& table, int chunks) {
+  const auto launch = [&](const TableOf<Algo, kState3>& table, int chunks) {
     const auto kernel = remainders ? step_kernel<Algo, kState3, true> : step_kernel<Algo, kState3, false>;
     kernel<<<chunks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(table, args, h);
     return last_error();
@@ -192,10 +213,10 @@ const char* launch_step(const TensorLists& t, const StepArgs& a, const typename 
   if constexpr (kState3) {
     const Operand* const ops[7] = {&t.acc,    &t.grad,       &t.param, &t.state1,
                                    &t.state2, lp_column(t), &t.state3};
-    return for_each_table(t, ops, launch);
+    return for_each_table<7, Algo::kShaped>(t, ops, launch);
   } else {
     const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, lp_column(t)};
-    return for_each_table(t, ops, launch);
+    return for_each_table<6, Algo::kShaped>(t, ops, launch);
   }
 }
 

@@ -33,7 +33,7 @@ enum class Fused { kNone, kAdd, kOverwrite };
 // weight decay and nesterov, and plain SGD; Adam's (beta1, beta2, eps, weight_decay, decoupled):
 // AdamW with weight decay and m lerped from its end (|1 - beta1| < 0.5), and Adam with beta1 =
 // beta2 = eps = 0 (lerped from g).
-constexpr double kHyperValues[] = {0.8, 0.99, 1e-6, 0.1, 0.5, 0.3, 0.7, 0.2};
+constexpr double kHyperValues[] = {0.8, 0.99, 1e-6, 0.1, 0.5, 0.3, 0.7, 0.2, 0.9};
 
 template <class T>
 T hyper_value(size_t k, bool zeros) {
@@ -78,6 +78,26 @@ struct StepCase {
   std::vector<float> steps;
   double lr = 0.01;  // a double, as the kernels take it; not exact in fp32
   float coef = 0.25f, found_inf, grad_alpha = 0.5f;
+  // the algorithm's form (math.h's StepTraits; as_of<Algo>() sets them): a step that writes no
+  // param keeps every param, lp and remainder bit; one that reads an input reads it in the
+  // gradient's place (`grad`, whatever `fused`), as it is; a shaped one takes `rows`
+  bool writes_param = true, reads_input = false;
+  std::vector<int64_t> rows;
+
+  template <class Algo>
+  StepCase& as_of() {
+    writes_param = Algo::kWritesParam;
+    reads_input = Algo::kReadsInput;
+    rows.clear();
+    // a tall and a wide matrix in turn: its smallest divisor above 1 as its columns or rows
+    for (size_t i = 0; Algo::kShaped && i < sizes.size(); ++i) {
+      int64_t d = 2;
+      while (d < sizes[i] && sizes[i] % d != 0) ++d;
+      if (d > sizes[i]) d = 1;
+      rows.push_back(i % 2 ? d : sizes[i] / d);
+    }
+    return *this;
+  }
 
   StepCase(std::vector<int64_t> sizes_, std::string a, const bool* uses_, ParamKind k, Fused f, bool found_,
            unsigned seed)
@@ -145,18 +165,20 @@ struct StepCase {
       t.numel.push_back(sizes[i]);
       t.index.push_back(static_cast<int64_t>(i));
       t.acc.add(acc.at(i), DType::kF32);
-      if (kind == ParamKind::kBF16 || kind == ParamKind::kRemainder) {
+      if (!writes_param) {  // (the binding hands such a step no param)
+      } else if (kind == ParamKind::kBF16 || kind == ParamKind::kRemainder) {
         t.param.add(param16.ptr(i), DType::kBF16);
       } else {
         t.param.add(master.at(i), DType::kF32);
       }
-      if (kind == ParamKind::kRemainder) t.rem.add(rem[i].data() + rem_shift[i], DType::kI16);
+      if (kind == ParamKind::kRemainder && writes_param) t.rem.add(rem[i].data() + rem_shift[i], DType::kI16);
       if (has_state1()) t.state1.add(s1.at(i), DType::kF32);
       if (has_state2()) t.state2.add(s2.at(i), DType::kF32);
       if (has_state3()) t.state3.add(s3.at(i), DType::kF32);
-      if (kind == ParamKind::kMaster) t.lp.add(lp.ptr(i), lp.dtype(i));
-      if (fused != Fused::kNone) t.grad.add(grad.ptr(i), grad.dtype(i));
+      if (kind == ParamKind::kMaster && writes_param) t.lp.add(lp.ptr(i), lp.dtype(i));
+      if (fused != Fused::kNone || reads_input) t.grad.add(grad.ptr(i), grad.dtype(i));
     }
+    t.rows = rows;
     return t;
   }
 
@@ -167,16 +189,20 @@ struct StepCase {
     runner(lists(), args);
     const math::GradScalars gs{coef, grad_alpha, fused != Fused::kNone, fused == Fused::kOverwrite, false};
     int bad = 0;
+    const bool kept = found || !writes_param;  // every param, lp and remainder bit as it was
     for (size_t i = 0; i < sizes.size() && bad < 5; ++i) {
       for (int64_t j = 0; j < sizes[i] && bad < 5; ++j) {
         float p = kind == ParamKind::kBF16 ? before.param16.value(i, j) : before.master.value(i, j);
         if (kind == ParamKind::kRemainder) p = before.rebuilt(i, j);
-        if (kind == ParamKind::kMaster && !found) p = before.followed(i, j);  // (skipped: kept)
+        if (kind == ParamKind::kMaster && !kept) p = before.followed(i, j);  // (kept: as it was)
         float m = before.s1.value(i, j), v = before.s2.value(i, j), max_v = before.s3.value(i, j);
         if (!found) {
-          const float g = math::effective_grad(before.acc.value(i, j),
-                                               fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
+          const float g = reads_input ? before.grad.value(i, j)
+                                      : math::effective_grad(before.acc.value(i, j),
+                                                             fused != Fused::kNone ? before.grad.value(i, j) : 0.0f, gs);
+          const float p0 = p;
           rule(g, p, m, v, max_v, i);
+          if (!writes_param) p = p0;
         }
         bool ok = true;
         if (kind == ParamKind::kRemainder) {
@@ -184,15 +210,15 @@ struct StepCase {
           // new one is the update's bit for bit where that is finite below 3.3961e38 (+-inf
           // above, the canonical NaN for a NaN); a skipped step writes neither half.
           const math::SplitMaster want =
-              found ? math::SplitMaster{before.weight_bits(i, j), before.remainder(i, j)}
-                    : math::split_master(p);
+              kept ? math::SplitMaster{before.weight_bits(i, j), before.remainder(i, j)}
+                   : math::split_master(p);
           ok &= weight_bits(i, j) == want.weight && remainder(i, j) == want.remainder;
-          if (!found) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(math::rebuild_master(want.weight, want.remainder));
+          if (!kept) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(math::rebuild_master(want.weight, want.remainder));
           const uint32_t m = math::float_bits(p) & 0x7FFFFFFFu;
-          if (!found && m < math::kOverflowing) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(p);
+          if (!kept && m < math::kOverflowing) ok &= math::float_bits(rebuilt(i, j)) == math::float_bits(p);
         } else if (kind == ParamKind::kBF16) {
           // Within one bf16 ulp (2^-7 relative): a 1-ulp fp32 difference may cross a rounding edge.
-          ok &= found ? param16.value(i, j) == before.param16.value(i, j)
+          ok &= kept ? param16.value(i, j) == before.param16.value(i, j)
                       : std::fabs(param16.value(i, j) - p) <= 0.0079f * std::fabs(p);
         } else {
           ok &= same(master.value(i, j), p);
@@ -205,7 +231,7 @@ struct StepCase {
           const float written = master.value(i, j);
           // (a NaN as any NaN: CUDA's conversions write the NaN 0x7FFF, torch's and the CPU's 0x7FC0)
           const bool nan = written != written;
-          ok &= found ? bits == before.lp.half[i][j + lp.shift[i]]
+          ok &= kept ? bits == before.lp.half[i][j + lp.shift[i]]
                       : nan ? lp.value(i, j) != lp.value(i, j)
                             : bits == (lp.dtype(i) == DType::kBF16 ? cpu::float_to_bf16(written) : cpu::float_to_f16(written));
         }
@@ -240,7 +266,8 @@ void state_uses(const typename Algo::Hyper& h, bool given, bool (&uses)[3]) {
 template <class Algo>
 StepRule rule_of(const StepCase& c, const typename Algo::Hyper& h) {
   return [&c, h](float g, float& p, float& s1, float& s2, float& s3, size_t i) {
-    math::update<Algo>(g, p, s1, s2, s3, c.uses[2], h, Algo::scalars(c.lr, c.steps[i], h));
+    const int64_t rows = Algo::kShaped ? c.rows[i] : 1;
+    math::update<Algo>(g, p, s1, s2, s3, c.uses[2], h, math::tensor_scalars<Algo>(c.lr, c.steps[i], h, rows, c.sizes[i]));
   };
 }
 
@@ -265,7 +292,7 @@ void check_all_steps(const std::vector<int64_t>& sizes, const Run& run, const ch
           for (Fused fused : {Fused::kNone, Fused::kAdd, Fused::kOverwrite})
             for (bool found : {false, true}) {
               StepCase c(sizes, name, uses, kind, fused, found, ++seed);
-              c.run_and_check(runner, rule_of<Algo>(c, h), what);
+              c.as_of<Algo>().run_and_check(runner, rule_of<Algo>(c, h), what);
             }
       }
     }

@@ -96,10 +96,10 @@ void emulate_step(const TensorLists& t, const StepArgs& a, const typename Algo::
   if constexpr (kState3) {  // a third state list (amsgrad's max_exp_avg_sq) is a 7th operand, last
     const Operand* const ops[7] = {&t.acc,    &t.grad,             &t.param, &t.state1,
                                    &t.state2, cuda::lp_column(t), &t.state3};
-    cuda::for_each_table(t, ops, run);
+    cuda::for_each_table<7, Algo::kShaped>(t, ops, run);
   } else {
     const Operand* const ops[6] = {&t.acc, &t.grad, &t.param, &t.state1, &t.state2, cuda::lp_column(t)};
-    cuda::for_each_table(t, ops, run);
+    cuda::for_each_table<6, Algo::kShaped>(t, ops, run);
   }
 }
 
@@ -128,8 +128,9 @@ void test_steps() {
     state_uses<Algo>(h, false, fewest);
     for (const bool* uses : {fewest, all}) {
       if (uses == all && (!all[2] || fewest[2])) continue;  // (none, or the case already run)
-      const int count = (uses[2] ? cuda::State3StepTable::kCapacity : cuda::StepTable::kCapacity) + 5;
+      const int count = (uses[2] ? cuda::TableOf<Algo, true>::kCapacity : cuda::TableOf<Algo, false>::kCapacity) + 5;
       StepCase c(sizes_for(count, 5 + uses[2]), Algo::kOp, uses, ParamKind::kMaster, Fused::kAdd, false, 99);
+      c.as_of<Algo>();
       launches = 0;
       const StepRunner runner = [&](const TensorLists& t, const StepArgs& a) { EmulatedStep{}.operator()<Algo>(t, a, h); };
       c.run_and_check(runner, rule_of<Algo>(c, h), "cuda-emulated, two tables");

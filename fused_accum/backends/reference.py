@@ -530,15 +530,16 @@ def _lerp(a: Tensor, b: Tensor, w: Tensor) -> Tensor:
 def muon_prologue(t: StepTensors, s, h) -> None:
     """torch.optim.Muon's start, in its ops: the momentum buffer lerped towards the gradient by
     ``1 - momentum``; the update (the new buffer, or with ``nesterov`` the gradient lerped
-    towards it by ``momentum``) into ``s.updates[i]``, the weight's shape, for the middle."""
+    towards it by ``momentum``) into ``s.updates[i]``, the weight's shape, for the middle. It
+    reads and writes no parameter; a skipped step (``found_inf``) writes neither list."""
     check_remainders("muon_prologue", t)
     if t.sources:  # (offload's out-of-place step: refused for split steps, registry.check_whole_tensors)
         raise ValueError("muon_prologue: sources are not supported by a split step")
     for i in range(len(t.params)):
         g = _effective_grad(t, i, maximize=False)
         new_buf = torch.lerp(s.momentum_buffers[i], g, 1 - h.momentum)
-        s.updates[i].copy_((torch.lerp(g, new_buf, h.momentum) if h.nesterov else new_buf).view(s.updates[i].shape))
-        _commit(t.found_inf, [(s.momentum_buffers[i], new_buf)])
+        update = torch.lerp(g, new_buf, h.momentum) if h.nesterov else new_buf
+        _commit(t.found_inf, [(s.momentum_buffers[i], new_buf), (s.updates[i], update)])
 
 
 def muon_epilogue(t: StepTensors, s, h) -> None:
@@ -546,11 +547,16 @@ def muon_epilogue(t: StepTensors, s, h) -> None:
     ratio) * update`` (the middle's ``s.updates[i]``) in one fused multiply-add (torch's
     ``add_(alpha=)``), each factor formed in double and rounded to fp32; ``ratio`` of the (rows,
     columns) shape: sqrt(max(1, rows / columns)), or 0.2 sqrt(max(rows, columns)) with
-    ``match_rms_adamw``."""
+    ``match_rms_adamw``. ``s.updates`` are matrices of any float dtype and strides (the middle's
+    bf16, transposed where the matrix is tall); the window's gradient is not read."""
     lr = _lr(t.lr)
     decay = _f32(1 - lr * h.weight_decay)
     check_remainders("muon_epilogue", t)
     for i in range(len(t.params)):
+        if s.updates[i].dim() != 2:
+            raise ValueError(
+                f"muon_epilogue: updates[{i}] must be a matrix (2-D), got shape {tuple(s.updates[i].shape)}"
+            )
         rows, columns = s.updates[i].shape
         ratio = 0.2 * math.sqrt(max(rows, columns)) if h.match_rms_adamw else math.sqrt(max(1, rows / columns))
         new_p = _fma(s.updates[i].reshape(-1).float(), _f32(-(lr * ratio)), _master(t, i) * decay)

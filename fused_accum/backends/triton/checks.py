@@ -48,6 +48,14 @@ def _check_acc(name: str, i: int, t: Tensor, device: torch.device) -> None:
         )
 
 
+def _check_state(name: str, i: int, t: Tensor, numel: int, device: torch.device) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel or t.device != device:
+        raise ValueError(
+            f"{name}[{i}] must be a contiguous float32 tensor of {numel} elements on {device} like accs[{i}], "
+            f"got {t.dtype} shape {tuple(t.shape)} stride {t.stride()} on {t.device}"
+        )
+
+
 def _check_same(name: str, i: int, t: Tensor, numel: int, device: torch.device) -> None:
     if t.numel() != numel or t.device != device:
         raise ValueError(
@@ -186,9 +194,9 @@ def validate_step(name, params, states, accs, lp_params, grads, device, remainde
     fp32_lists = [accs, *states.values()]
     float_lists = [xs for xs in (params, lp_params, grads) if xs]
     ok = (
-        all(
+        set(map(Tensor.dim, accs)) == {1}
+        and all(
             set(map(_dtype, xs)) == {torch.float32}
-            and set(map(Tensor.dim, xs)) == {1}
             and all(map(_is_contiguous, xs))
             and tuple(map(_numel, xs)) == numels
             for xs in fp32_lists
@@ -203,8 +211,8 @@ def validate_step(name, params, states, accs, lp_params, grads, device, remainde
         _check_acc("accs", i, accs[i], device)
         _check_same("params", i, params[i], numel, device)
         _check_dtype("params", i, params[i])
-        for what, xs in states.items():
-            _check_acc(what, i, xs[i], device)
+        for what, xs in states.items():  # (any shape: a split step's prologue writes matrices)
+            _check_state(what, i, xs[i], numel, device)
         if lp_params:
             _check_same("lp_params", i, lp_params[i], numel, device)
             _check_dtype("lp_params", i, lp_params[i])
@@ -250,3 +258,12 @@ def writable(ts: Sequence[Tensor], write_back: list) -> Sequence[Tensor]:
             t = c
         out.append(t)
     return out
+
+
+def matrix_rows(op: str, name: str, xs: Sequence[Tensor]) -> tuple:
+    """The rows of each of ``xs``, which must be matrices (an update whose scalars take the shape
+    of its first list, ``name``: kernels.Update.shaped)."""
+    for i, x in enumerate(xs):
+        if x.dim() != 2:
+            raise ValueError(f"{op}: {name}[{i}] must be a matrix (2-D), got shape {tuple(x.shape)}")
+    return tuple(x.shape[0] for x in xs)

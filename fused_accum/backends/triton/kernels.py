@@ -68,7 +68,10 @@ LP = tl.constexpr(6)  # low-precision parameter that receives the rounded update
 STATE0 = tl.constexpr(7)  # an update rule's state lists, in its op's order (.updates: which)
 STATE1 = tl.constexpr(8)
 STATE2 = tl.constexpr(9)
-ROW = tl.constexpr(10)
+# the rows of its matrix, a value (not an address), for an update whose per-tensor scalars
+# take its shape (Update.shaped: a split step's epilogue); 0 for the others
+ROWS = tl.constexpr(10)
+ROW = tl.constexpr(11)
 
 # Elements per thread per access on aligned rows (see above).
 VEC = tl.constexpr(4)
@@ -319,6 +322,15 @@ class Update(NamedTuple):
     update: object  # @triton.jit: one block
     arguments: Callable  # (h, s) -> (hyper: tuple of floats and packed doubles, SWITCHES: tuple of bools)
     reads_steps: bool = True  # its prepare reads the step counts (the launcher checks them)
+    # False: it reads and writes no parameter (a split step's prologue: the kernel's WRITES_PARAM)
+    writes_param: bool = True
+    # True: it reads no gradient; its first list is its per-element input, read in the
+    # gradient's place (the GRAD column, any float dtype) and handed to update() as g, without
+    # coef (a split step's epilogue: the middle's output; the kernel's READS_INPUT)
+    reads_input: bool = False
+    # True: its prepare reads the rows of the tensor's matrix (the ROWS column), the shape of
+    # its first list's tensors (2-D)
+    shaped: bool = False
     # triton 3.6 spills the update on 16-bit parameters without a master at NUM_WARPS (see
     # step_num_warps in the package's __init__): launched at twice the warps there
     wide_in_place_16bit: bool = False
@@ -331,16 +343,19 @@ def step_kernel(
     HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
     PREPARE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr, BLOCK: tl.constexpr,
+    WRITES_PARAM: tl.constexpr = True, READS_INPUT: tl.constexpr = False,
 ):
-    """The reference's step op of the update rule UPDATE (with PREPARE), one chunk per program."""
+    """The reference's step op of the update rule UPDATE (with PREPARE), one chunk per program
+    (WRITES_PARAM, READS_INPUT: the rule's Update.writes_param and reads_input)."""
     if _row_is_aligned(chunks, tensors):
         _step_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, True, BLOCK)
+                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, True, BLOCK, WRITES_PARAM, READS_INPUT)
     else:
         _step_chunk(chunks, tensors, steps, lr_ptr, coef_ptr, found_inf, chunk, grad_alpha, hyper,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, False, BLOCK // VEC)
+                    HAS_FOUND_INF, MAXIMIZE, PREPARE, UPDATE, SWITCHES, False, BLOCK // VEC,
+                    WRITES_PARAM, READS_INPUT)
 
 
 @triton.jit
@@ -349,12 +364,19 @@ def _step_block(
     PARAM_DTYPE: tl.constexpr, LP_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr,
     HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     MAXIMIZE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr,
+    WRITES_PARAM: tl.constexpr, READS_INPUT: tl.constexpr,
 ):
-    g = _effective_grad(row, idx, mask, coef, grad_alpha,
-                        GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
-    p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
-    new_p = UPDATE(row, idx, mask, g, p, per, hyper, SWITCHES, ALIGNED)
-    _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+    if READS_INPUT:  # the op's input, in the gradient's place, as it is
+        g = tl.load(_at(_address(row, GRAD, GRAD_DTYPE), idx, ALIGNED), mask=mask, other=0.0).to(tl.float32)
+    else:
+        g = _effective_grad(row, idx, mask, coef, grad_alpha,
+                            GRAD_DTYPE, FUSED, GRADS_OVERWRITE, MAXIMIZE, ALIGNED)
+    if WRITES_PARAM:
+        p = _load_param(row, idx, mask, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+        new_p = UPDATE(row, idx, mask, g, p, per, hyper, SWITCHES, ALIGNED)
+        _store_param(row, idx, mask, new_p, PARAM_DTYPE, LP_DTYPE, HAS_LP, HAS_REM, ALIGNED)
+    else:  # (no parameter read or written: the update's own stores are all it does)
+        UPDATE(row, idx, mask, g, g, per, hyper, SWITCHES, ALIGNED)
 
 
 @triton.jit
@@ -364,7 +386,7 @@ def _step_chunk(
     HAS_LP: tl.constexpr, HAS_REM: tl.constexpr, FUSED: tl.constexpr, GRADS_OVERWRITE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr,
     PREPARE: tl.constexpr, UPDATE: tl.constexpr, SWITCHES: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, WRITES_PARAM: tl.constexpr, READS_INPUT: tl.constexpr,
 ):
     row, start, body_end, end = _this_chunk(chunks, tensors, found_inf, chunk, ALIGNED, HAS_FOUND_INF)
     coef = tl.load(coef_ptr)
@@ -373,13 +395,13 @@ def _step_chunk(
         idx = _block(off, BLOCK)
         _step_block(row, idx, idx < body_end, coef, grad_alpha, per, hyper,
                     PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                    MAXIMIZE, UPDATE, SWITCHES, ALIGNED)
+                    MAXIMIZE, UPDATE, SWITCHES, ALIGNED, WRITES_PARAM, READS_INPUT)
     if ALIGNED:
         if body_end < end:
             idx = body_end + tl.arange(0, VEC)
             _step_block(row, idx, idx < end, coef, grad_alpha, per, hyper,
                         PARAM_DTYPE, LP_DTYPE, GRAD_DTYPE, HAS_LP, HAS_REM, FUSED, GRADS_OVERWRITE,
-                        MAXIMIZE, UPDATE, SWITCHES, False)
+                        MAXIMIZE, UPDATE, SWITCHES, False, WRITES_PARAM, READS_INPUT)
 
 
 @triton.jit

@@ -174,6 +174,11 @@ def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
     steps = t.steps if rule.reads_steps else None
     states = OrderedDict((field, lists) for field, lists in s._asdict().items() if lists)
     hyper, switches = rule.arguments(h, s)
+    shape = ()
+    if rule.reads_input:  # its first list, in the gradient's place (kernels.Update.reads_input)
+        grads = list(states.pop(next(iter(states))))
+        if rule.shaped:
+            shape = checks.matrix_rows(name, s._fields[0], grads)
     checks.step_lengths(name, params, states, accs, lp_params, grads, remainders)
     n = len(params)
     if n == 0:
@@ -202,7 +207,7 @@ def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
     read = plans.step_read(params, lp_params, grads)
     ptrs = [tuple(map(plans.data_ptr, xs)) for xs in read.values()]
     dtypes = [tuple(map(plans.dtype, xs)) for xs in read.values()]
-    key = plans.Key(where, _stream(device), _pkg._config(), *ptrs, *dtypes)
+    key = plans.Key(where, _stream(device), _pkg._config(), *ptrs, *dtypes, shape)
     launch = _pkg._lookup(key, capturing)
     if launch is None:
         if template is None:  # a call without a plan is checked on a miss only
@@ -211,7 +216,7 @@ def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
             checks.check_dtypes(what, xs, ds)
         if remainders:  # the params read each call: still bf16 (a plan's dtypes may change)
             checks.check_remainders(name, params, remainders, lp_params, device)
-        columns, keys = plans.step_columns(template, read, ptrs, dtypes, bool(remainders))
+        columns, keys = plans.step_columns(template, read, ptrs, dtypes, bool(remainders), shape)
         launch = _pkg._make_plan(device, template.numels, columns, keys, capturing)
         _pkg._store(key, launch, capturing)
 
@@ -240,6 +245,8 @@ def step(op: StepOp, t: StepTensors, s, h, plan=None) -> None:
                 UPDATE=rule.update,
                 SWITCHES=switches,
                 BLOCK=_pkg.BLOCK,
+                WRITES_PARAM=rule.writes_param,
+                READS_INPUT=rule.reads_input,
                 num_warps=_pkg.step_num_warps(name, param_dtype.itemsize * 8, bool(lp_params), bool(remainders)),
                 enable_fp_fusion=_pkg.FP_FUSION,
             )

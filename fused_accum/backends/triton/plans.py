@@ -178,12 +178,15 @@ def step_template(name, params, states, accs, lp_params, grads, device, remainde
 
 
 def step_columns(
-    template: Template, read: dict, ptrs: list, dtypes: list, remainders: bool = False
+    template: Template, read: dict, ptrs: list, dtypes: list, remainders: bool = False, rows: tuple = ()
 ) -> Tuple[tables.Columns, list]:
-    """The tensor table's columns (the template's and the read lists') and each row's dtype key
-    (param, lp, grad dtypes; int16 in the lp place with remainders; fp32 where a list is absent:
-    a placeholder, not read)."""
+    """The tensor table's columns (the template's and the read lists', and ``rows``, the rows of
+    each matrix where the update takes its shape) and each row's dtype key (param, lp, grad
+    dtypes; int16 in the lp place with remainders; fp32 where a list is absent: a placeholder,
+    not read)."""
     columns = dict(template.columns)
+    if rows:
+        columns[kernels.ROWS.value] = (np.asarray(rows, dtype=np.int64), None)
     for what, addresses in zip(read, ptrs):
         column, position = _READ_COLUMNS[what]
         columns[column] = (np.asarray(addresses, dtype=np.int64), lambda key, p=position: key[p].itemsize)

@@ -24,8 +24,9 @@ VEC = kernels.VEC.value
 ROW = kernels.ROW.value
 
 # A table column's addresses, one per row, and the element size of what they point to (one
-# for the whole column, or a function of the dtype group's key when it depends on the group).
-ElementSize = Union[int, Callable[[tuple], int]]
+# for the whole column, or a function of the dtype group's key when it depends on the group);
+# None: the column holds values, not addresses (kernels.ROWS).
+ElementSize = Union[int, Callable[[tuple], int], None]
 Columns = Dict[int, Tuple[np.ndarray, ElementSize]]
 
 
@@ -57,6 +58,8 @@ def aligned(addresses: Dict[int, Tuple[np.ndarray, int]]) -> np.ndarray:
     multiples of VEC: the kernels walk the last numel % VEC elements as a scalar tail."""
     ok = None
     for address, element_size in addresses.values():
+        if element_size is None:  # (values, not addresses)
+            continue
         this = address % (VEC * element_size) == 0
         ok = this if ok is None else ok & this
     return ok.astype(np.int64)
@@ -96,6 +99,6 @@ def groups(numels: Sequence[int], columns: Columns, keys: Sequence[tuple]) -> It
     for key, rows in dtype_groups(keys).items():
         addresses = {}
         for column, (address, element_size) in columns.items():
-            size = element_size if isinstance(element_size, int) else element_size(key)
+            size = element_size if element_size is None or isinstance(element_size, int) else element_size(key)
             addresses[column] = (address[rows], size)
         yield key, numel[rows], rows, addresses

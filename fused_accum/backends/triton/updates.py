@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import triton
 import triton.language as tl
 
 from .bits import _double, _pow_whole, packed_double
-from .kernels import STATE0, STATE1, STATE2, Update, _address, _at, _step_count
+from .kernels import NUMEL, ROWS, STATE0, STATE1, STATE2, Update, _address, _at, _step_count
 
 
 # --- SGD: reference.sgd_step -------------------------------------------------------------------
@@ -234,7 +235,69 @@ def _ademamix_arguments(h, s) -> tuple:
     return hyper, (h.weight_decay != 0, warmup)
 
 
-# Each step op's update rule, by the op's name (fused_accum.ops.STEP_OPS).
+# --- Muon's prologue and epilogue: reference.muon_prologue, reference.muon_epilogue ------------
+
+
+@triton.jit
+def _muon_prologue_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    return 0.0  # (no per-tensor scalar)
+
+
+@triton.jit
+def _lerp_either(a, b, w, w_minus_1):
+    """torch.lerp(a, b, w) for any weight: from the nearer end, one FMA (``w_minus_1``: w - 1
+    in fp32, from the host: the interpreter would form it from w in double)."""
+    return tl.where(tl.abs(w) < 0.5, tl.fma(w, b - a, a), tl.fma(w_minus_1, b - a, b))
+
+
+@triton.jit
+def _muon_prologue_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    momentum, momentum_minus_1, one_minus_momentum, minus_momentum = hyper
+    (NESTEROV,) = SWITCHES
+    buf_ptr = _at(_address(row, STATE0, tl.float32), idx, ALIGNED)
+    buf = _lerp_either(tl.load(buf_ptr, mask=mask, other=0.0), g, one_minus_momentum, minus_momentum)
+    tl.store(buf_ptr, buf, mask=mask)
+    update = buf
+    if NESTEROV:
+        update = _lerp_either(g, buf, momentum, momentum_minus_1)
+    tl.store(_at(_address(row, STATE1, tl.float32), idx, ALIGNED), update, mask=mask)
+    return p
+
+
+def _muon_prologue_arguments(h, s) -> tuple:
+    # torch.lerp's fp32 weights (momentum, 1 - momentum formed in double) and each less 1 in fp32
+    momentum, one_minus = np.float32(h.momentum), np.float32(1.0 - float(h.momentum))
+    weights = (momentum, momentum - np.float32(1), one_minus, one_minus - np.float32(1))
+    return tuple(map(float, weights)), (bool(h.nesterov),)
+
+
+@triton.jit
+def _muon_epilogue_prepare(row, steps, lr_ptr, hyper, SWITCHES: tl.constexpr):
+    decay_high, decay_low, fifth_high, fifth_low = hyper
+    (MATCH_RMS_ADAMW,) = SWITCHES
+    lr64 = tl.load(lr_ptr)
+    rows = tl.load(row + ROWS)
+    columns = tl.load(row + NUMEL) // rows
+    # in double, as torch.optim.Muon's Python floats: sqrt(max(1, rows / columns)), or
+    # 0.2 * sqrt(max(rows, columns)); fp64 tl.sqrt is IEEE-rounded
+    if MATCH_RMS_ADAMW:
+        ratio = _double(fifth_high, fifth_low) * tl.sqrt(tl.maximum(rows, columns).to(tl.float64))
+    else:
+        ratio = tl.sqrt(tl.maximum(rows.to(tl.float64) / columns.to(tl.float64), 1.0))
+    return (1.0 - lr64 * _double(decay_high, decay_low)).to(tl.float32), (-(lr64 * ratio)).to(tl.float32)
+
+
+@triton.jit
+def _muon_epilogue_update(row, idx, mask, g, p, per, hyper, SWITCHES: tl.constexpr, ALIGNED: tl.constexpr):
+    decay, neg_lr = per
+    return tl.fma(g, neg_lr, p * decay)  # g: the middle's output (the op's input)
+
+
+def _muon_epilogue_arguments(h, s) -> tuple:
+    return (*packed_double(h.weight_decay), *packed_double(0.2)), (bool(h.match_rms_adamw),)
+
+
+# Each step op's update rule, by the op's name (fused_accum.ops.kernel_ops).
 UPDATES = {
     "sgd_step": Update(_sgd_prepare, _sgd_update, _sgd_arguments),
     "adam_step": Update(_adam_prepare, _adam_update, _adam_arguments, wide_in_place_16bit=True),
@@ -242,4 +305,15 @@ UPDATES = {
     "adagrad_step": Update(_adagrad_prepare, _adagrad_update, _adagrad_arguments),
     # (16-bit params without a master spill 8 bytes at 4 warps, triton 3.9, sm_90: as Adam, twice the warps)
     "ademamix_step": Update(_ademamix_prepare, _ademamix_update, _ademamix_arguments, wide_in_place_16bit=True),
+    "muon_prologue": Update(
+        _muon_prologue_prepare, _muon_prologue_update, _muon_prologue_arguments, reads_steps=False, writes_param=False
+    ),
+    "muon_epilogue": Update(
+        _muon_epilogue_prepare,
+        _muon_epilogue_update,
+        _muon_epilogue_arguments,
+        reads_steps=False,
+        reads_input=True,
+        shaped=True,
+    ),
 }
