@@ -429,7 +429,9 @@ CUDA_OPERANDS = {"accumulate": 2, "step": 6}
 
 
 def cuda_table_capacity(operands: int) -> int:
-    return (CUDA_ARG_BYTES - 128 - 8) // (operands * (8 + 1) + 8 + 4 + 4 + 1)
+    """A table without rows (every op here): its entries after the op's other arguments and the
+    rows' one unused entry."""
+    return (CUDA_ARG_BYTES - 128 - 8 - 8) // (operands * (8 + 1) + 8 + 4 + 4 + 1)
 
 
 def cuda_launches_by_design(count: int) -> Dict[str, int]:

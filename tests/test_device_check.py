@@ -476,8 +476,8 @@ def test_the_cuda_table_arithmetic_is_the_headers():
     goals = _goals()
     header = (REPO / "csrc" / "cuda" / "multi_tensor.cuh").read_text()
     assert f"constexpr int kArgBytes = {goals.CUDA_ARG_BYTES};" in header
-    assert "return arrays * (8 + 1) + 8 + 4 + 4 + 1;" in header
-    assert "return (kArgBytes - 128 - 8) / table_entry_bytes(arrays);" in header
+    assert "return arrays * (8 + 1) + 8 + 4 + 4 + 1 + (rows ? 8 : 0);" in header
+    assert "return (kArgBytes - 128 - 8 - (rows ? 0 : 8)) / table_entry_bytes(arrays, rows);" in header
     assert "using AccTable = Table<2>;" in (REPO / "csrc" / "cuda" / "accumulate.cu").read_text()
     assert "using StepTable = Table<6>;" in (REPO / "csrc" / "cuda" / "step.cu").read_text()
     capacity = {op: goals.cuda_table_capacity(n) for op, n in goals.CUDA_OPERANDS.items()}
