@@ -225,6 +225,9 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         # how compiled graphs name this optimizer to their books (fused_accum.compiled)
         self._graph_id, self._graph_token = compiled.register(self)
         super().__init__(params, defaults)
+        if self._generic is not None:  # the class's defaults where not given, as its own shows them
+            for key, value in self._generic.inner.defaults.items():
+                self.defaults.setdefault(key, value)
         check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
         # detached) only once every group has been accepted.

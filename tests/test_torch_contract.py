@@ -803,7 +803,8 @@ def test_the_generic_path_keeps_each_classs_state_as_torch_builds_it(name):
 def test_the_generic_paths_param_groups_hold_the_classs_defaults_as_torchs_do(name):
     """Each group shows every hyper-parameter torch's group of that class shows, with its
     default where not given (ASGD's alpha): schedulers and trainers read them, and torch's
-    load_state_dict takes a checkpoint's groups whole (its step reads group["alpha"])."""
+    load_state_dict takes a checkpoint's groups whole (its step reads group["alpha"]). So does
+    ``opt.defaults``, as torch's (it held only the keywords given)."""
     cls, keywords = getattr(torch.optim, name), GENERIC[name]
     params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2, 2))]
     opt = fused_accum.FusedAccumOptimizer([dict(params=params[:1])], cls, **keywords)
@@ -812,6 +813,7 @@ def test_the_generic_paths_param_groups_hold_the_classs_defaults_as_torchs_do(na
     ref.add_param_group(dict(params=params[1:], lr=0.5))
     for ours, theirs in zip(opt.param_groups, ref.param_groups):
         assert {k: v for k, v in ours.items() if k != "params"} == {k: v for k, v in theirs.items() if k != "params"}
+    assert opt.defaults == ref.defaults  # (the keywords given, once; torch's defaults: the class's all)
 
 
 def _two_branches(dtype):
