@@ -7,12 +7,15 @@ dispatch_record.py and lion_reference.py. The shared fixtures are in conftest.py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import time
 from typing import List, NamedTuple, Sequence, Union
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fused_accum import backends
@@ -204,3 +207,31 @@ def spawn_ranks(worker, path: str, world: int, *args, weights_only: bool = False
 
     mp.spawn(worker, args=(path, *args), nprocs=world, join=True)
     return [torch.load(f"{path}.rank{r}", weights_only=weights_only) for r in range(world)]
+
+
+# --- a one-rank gloo world in this process ------------------------------------------------------
+
+# A one-rank gloo world inside the test's own process (DDP with one process, DTensor on a
+# one-rank mesh), torn down so that it cannot hang the process.
+#
+# gloo frees a finished collective's work on its worker thread, and freeing it takes the GIL (the
+# work keeps the launching thread's thread-local state, which can hold a Python object); the
+# process group's destructor joins those threads while holding the GIL. When the last reference to
+# the group goes (a DDP model's reducer, freed as the test returns) before a worker thread has
+# freed its last work, each waits on the other forever: seen as a pytest-xdist worker hung in
+# ~ProcessGroupGloo under load. Sleeping before the teardown releases the GIL, so the worker
+# threads free their work first (DDP waits for every collective it launches, so none is still
+# running then).
+_LET_GLOO_THREADS_FINISH_S = 0.2  # (a thread waiting for the GIL gets it within 5 ms of a release)
+
+
+@contextlib.contextmanager
+def one_rank_world(tmp_path):
+    """A one-rank gloo world inside the test's own process (DDP with one process, DTensor on a
+    one-rank mesh), torn down so that it cannot hang the process (see above)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        time.sleep(_LET_GLOO_THREADS_FINISH_S)
+        dist.destroy_process_group()

@@ -15,7 +15,7 @@ from torch import nn
 
 import fused_accum
 from fused_accum import ops
-from helpers import CPU_BACKENDS, spawn_ranks  # tests/helpers.py
+from helpers import CPU_BACKENDS, one_rank_world, spawn_ranks  # tests/helpers.py
 
 SHAPES = [(8, 5), (3, 7), (6, 6), (1, 9)]  # tall, wide, square, one row
 CASES = {
@@ -377,8 +377,7 @@ def test_the_modes_that_split_a_matrix_are_refused_naming_the_alternative(tmp_pa
     matrix: each is refused with an error naming the alternative (in a one-rank gloo world)."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
+    with one_rank_world(tmp_path):
         alternative = "use process_group= without shard=, or DDP"
         group = dist.group.WORLD
         with pytest.raises(ValueError, match="shard='state' steps a slice of each parameter on each rank") as info:
@@ -393,8 +392,6 @@ def test_the_modes_that_split_a_matrix_are_refused_naming_the_alternative(tmp_pa
             fused_accum.Muon([sharded])
         assert alternative in str(info.value)
         fused_accum.AdamW([sharded])  # (an elementwise algorithm takes them)
-    finally:
-        dist.destroy_process_group()
 
 
 # --- data parallel: process_group= and DDP -------------------------------------------------------

@@ -24,7 +24,7 @@ from fused_accum import host as host_module
 from fused_accum import offload as offload_module
 import cases  # tests/cases.py: every algorithm, its cases, the modes it runs in
 from fused_accum.backends import ext
-from helpers import RaiseWhenArmed  # tests/helpers.py
+from helpers import RaiseWhenArmed, one_rank_world  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(ext._C is None, reason="the host step runs the C++ CPU kernels")
 
@@ -290,10 +290,8 @@ def test_a_scheduler_between_the_last_backward_and_the_step_is_seen(one_thread):
 def test_under_ddp_the_offloaded_step_takes_ddps_grad(tmp_path, one_thread):
     """DDP owns .grad (one process, gloo): the offloaded step takes it at step(), without
     speculation, equal to the same DDP run without offload."""
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
+    with one_rank_world(tmp_path):
         ours, ref = net(torch.bfloat16), net(torch.bfloat16)
         ddp, ref_ddp = nn.parallel.DistributedDataParallel(ours), nn.parallel.DistributedDataParallel(ref)
         ours_opt = fused_accum.AdamW(ours.parameters(), lr=1e-2, offload="cpu", backend="cpu")
@@ -307,8 +305,6 @@ def test_under_ddp_the_offloaded_step_takes_ddps_grad(tmp_path, one_thread):
                 opt.zero_grad()
         for p, q in zip(ours.parameters(), ref.parameters()):
             assert torch.equal(p, q)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ from torch import nn
 
 import fused_accum
 
-from helpers import RTOL, assert_rel, rel_err  # noqa: E402 (tests/helpers.py)
+from helpers import RTOL, assert_rel, one_rank_world, rel_err  # noqa: E402 (tests/helpers.py)
 
 BF16_RTOL = 2.0**-7
 
@@ -456,10 +456,8 @@ def test_ddp_with_one_process_owns_grad_and_we_stand_aside(tmp_path, bucket_view
     """``torchrun --nproc_per_node=1`` with a script that always wraps in DDP: DDP's reducer
     fills ``.grad``, so the hooks must stand aside as with more ranks (else both write it:
     0.097 off, and with ``gradient_as_bucket_view`` DDP raises)."""
-    import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
+    with one_rank_world(tmp_path):
         ours, ref = mlp(), mlp()
         ddp = nn.parallel.DistributedDataParallel(ours, gradient_as_bucket_view=bucket_view)
         opt = fused_accum.AdamW(ours.parameters(), lr=1e-2)
@@ -474,8 +472,6 @@ def test_ddp_with_one_process_owns_grad_and_we_stand_aside(tmp_path, bucket_view
             opt.zero_grad()
             torch_opt.zero_grad()
         assert_close(ours, ref)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_create_graph_grad_carries_no_graph_and_says_so_as_documented():
@@ -664,7 +660,6 @@ def test_under_ddp_a_branch_left_unused_after_model_zero_grad_is_not_stepped_aga
     """One process, gloo, ``find_unused_parameters=True``: after ``model.zero_grad()`` a window
     that does not use a branch gives it no gradient, so the step leaves it (and its state) alone,
     as torch's does."""
-    import torch.distributed as dist
 
     class Branchy(nn.Module):
         def __init__(self):
@@ -676,8 +671,7 @@ def test_under_ddp_a_branch_left_unused_after_model_zero_grad_is_not_stepped_aga
             out = self.trunk(x)
             return out + self.branch(x) if use_branch else out
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
+    with one_rank_world(tmp_path):
         ours, ref = Branchy(), Branchy()
         ddp = nn.parallel.DistributedDataParallel(ours, find_unused_parameters=True)
         opt = fused_accum.AdamW(ours.parameters(), lr=1e-2)
@@ -691,8 +685,6 @@ def test_under_ddp_a_branch_left_unused_after_model_zero_grad_is_not_stepped_aga
                 o.step()
         assert_close(ours, ref)
         assert float(opt.state[ours.branch.weight]["step"]) == float(ref_opt.state[ref.branch.weight]["step"]) == 2
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_float64_grad_assigned_to_a_bf16_parameter_steps_as_its_float32_value():
