@@ -226,8 +226,7 @@ class FusedAccumOptimizer(torch.optim.Optimizer):
         self._graph_id, self._graph_token = compiled.register(self)
         super().__init__(params, defaults)
         if self._generic is not None:  # the class's defaults where not given, as its own shows them
-            for key, value in self._generic.inner.defaults.items():
-                self.defaults.setdefault(key, value)
+            self.defaults = {**self._generic.inner.defaults, **self.defaults}
         check_after_groups(self._algorithm, defaults)
         # All-or-nothing: hooks go on (and older optimizers over these parameters are
         # detached) only once every group has been accepted.
