@@ -140,23 +140,31 @@ def assert_same(model, opt, ref_model, ref_opt, what):
 # --- one graph per window ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", list(PRECISIONS))
-@pytest.mark.parametrize("algorithm", fused_algorithms())
-def test_a_window_compiles_into_one_graph_bit_for_bit_with_eager(algorithm, precision):
-    dtype = PRECISIONS[precision][0]
-    model, opt = build(algorithm, precision)
-    ref_model, ref_opt = build(algorithm, precision)
+def compiled_against_eager(built, dtype, what: str) -> tuple:
+    """Two (model, optimizer) pairs from ``built()``: the recipe compiled whole (aot_eager,
+    fullgraph) on one and run eagerly on the other over every window of ``batches`` (a cosine
+    lr), the books equal after each; one graph; the eager run stepped every window but the
+    non-finite one (and never the unused parameter). Returns model, opt, ref_model, ref_opt."""
+    model, opt = built()
+    ref_model, ref_opt = built()
     compiled_window = torch.compile(window, backend="aot_eager", fullgraph=True)
     for w, chunk in enumerate(batches(dtype)):
         for o in (opt, ref_opt):
             o.param_groups[0]["lr"] = lr_of(w)
         window(ref_model, ref_opt, chunk)
         compiled_window(model, opt, chunk)
-        assert_same(model, opt, ref_model, ref_opt, f"{algorithm}, {precision}, window {w}")
+        assert_same(model, opt, ref_model, ref_opt, f"{what}, {dtype}, window {w}")
     assert graphs() == 1, f"{graphs()} graphs: a window recompiled"
     steps = ref_opt._window.flat_groups[0].steps
-    # (the unused parameter never steps; the others skipped the non-finite window)
     assert sorted(steps.tolist()) == [0] + [WINDOWS - 1] * (len(steps) - 1), "the eager run skipped no window"
+    return model, opt, ref_model, ref_opt
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("algorithm", fused_algorithms())
+def test_a_window_compiles_into_one_graph_bit_for_bit_with_eager(algorithm, precision):
+    dtype = PRECISIONS[precision][0]
+    model, opt, ref_model, ref_opt = compiled_against_eager(lambda: build(algorithm, precision), dtype, algorithm)
     assert opt.last_grad_norm is not None and torch.equal(opt.last_grad_norm, ref_opt.last_grad_norm)
     assert all(p.grad is None for p in model.parameters())
     assert opt.microbatches == 0
@@ -194,18 +202,7 @@ def test_a_muon_window_compiles_into_one_graph_bit_for_bit_with_eager(precision)
             kwargs["master_weights"] = master
         return model, fused_accum.Muon(model.parameters(), lr=1e-2, **kwargs)
 
-    model, opt = built()
-    ref_model, ref_opt = built()
-    compiled_window = torch.compile(window, backend="aot_eager", fullgraph=True)
-    for w, chunk in enumerate(batches(dtype)):
-        for o in (opt, ref_opt):
-            o.param_groups[0]["lr"] = lr_of(w)
-        window(ref_model, ref_opt, chunk)
-        compiled_window(model, opt, chunk)
-        assert_same(model, opt, ref_model, ref_opt, f"muon, {precision}, window {w}")
-    assert graphs() == 1, f"{graphs()} graphs: a window recompiled"
-    steps = ref_opt._window.flat_groups[0].steps
-    assert sorted(steps.tolist()) == [0] + [WINDOWS - 1] * (len(steps) - 1), "the eager run skipped no window"
+    compiled_against_eager(built, dtype, "muon")
 
 
 def test_a_window_over_two_param_groups_of_two_dtypes_is_one_graph_bit_for_bit_with_eager(hooks):
