@@ -797,14 +797,15 @@ inline bool divide_by_constant_pays() {
 }
 
 // Steps that write at least this many bytes divide: their operands come from memory, where the
-// step waits on loads, not on the divider, and DivideByConstant's five more instructions per
-// element keep fewer loads in flight. Ours over DeepSpeedCPUAdam's AdamW, with the divide / with
+// step waits on loads, not on the divider, and DivideByConstant's instructions (a product, four
+// FMAs, two compares and a select where the divide is one) keep fewer loads in flight. Ours over DeepSpeedCPUAdam's AdamW, with the divide / with
 // DivideByConstant, one and two threads (Sapphire Rapids, AVX-512, both forms and DeepSpeed
 // interleaved in one process, medians of 11-21, load 0.6-1.2): fp32 64M 1.02-1.05 / 0.96-1.01x,
 // 16M 1.00-1.08 / 0.96-1.04x, bf16 + fp32 master 64M 1.28-1.34 / 1.25-1.31x. Smaller steps,
 // whose operands can stay in cache from one step to the next (1M elements: 12 MB written), keep
 // DivideByConstant: fp32 1M 1.04 / 1.05x one thread, 1.08 / 1.10x two (and on Zen 4 the step
-// from L3 took 0.92x the divide's time).
+// from L3 took 0.92x the divide's time). With the prefetch (kPrefetchAhead, 4096 elements then)
+// the divide still led at 64M: 1.04 / 1.06x against 1.02 / 1.02x, one / two threads.
 constexpr int64_t kDivideByConstantMaxBytes = 32 << 20;
 
 // The reciprocal DivideByConstant takes for divisor b, or 0 where it must not (see its bounds)
@@ -955,7 +956,8 @@ void step_cpu(const TensorLists& t, const StepArgs& a, const typename Algo::Hype
   const math::GradScalars gs{*a.coef, a.grad_alpha, t.grad.present(), a.grads_overwrite,
                              a.maximize};
   // Per tensor, once (Adam: two pow() in double), not per block; and the reciprocal of the
-  // divisor where DivideByConstant may divide by it (AVX-512 clones, divisor in its bounds).
+  // divisor where DivideByConstant may divide by it (AVX-512 clones, divisor in its bounds, a
+  // call under kDivideByConstantMaxBytes).
   std::vector<typename Algo::Scalars> scalars(t.size());
   std::vector<float> reciprocal(t.size(), 0.0f);
   const int64_t written = written_bytes(t);
